@@ -1,0 +1,33 @@
+# The two quick-start commands: `make quickstart` trains, `make test` tests.
+# Both create .venv when missing and install the pinned dependencies into it.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PYVER  := $(shell $(PYTHON) -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
+LOCK   ?= requirements/dev-$(PYVER).lock
+# torch is pinned exactly, apart from the hash-locked set: its wheel differs per
+# vendor index (cpu / cu130 / rocm7.2) and a bare `torch` would pull a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.installed-$(PYVER)
+
+.PHONY: quickstart test bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): $(LOCK) Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(LOCK)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(TORCH_SPEC)"
+	touch $@
+
+quickstart: venv
+	$(PY) entrypoint.py train configs/quickstart.yaml
+
+test: venv
+	$(PY) -m pytest -q
+
+bench: venv
+	$(PY) bench/ddp_overhead.py
+
+clean:
+	rm -rf $(VENV) runs
