@@ -1,0 +1,39 @@
+"""Errors that map to the exit codes users rely on (see DESIGN.md "Exit codes").
+
+Raised anywhere, caught once at the top of each command, printed as a single line,
+never as a traceback.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_TRAINING_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_CANNOT_RUN_HERE = 3
+EXIT_STOPPED_BY_SIGNAL = 143
+
+
+class UserError(Exception):
+    """An error the user can fix; carries its exit code and a one-line message."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def one_line(self) -> str:
+        return "error: " + " ".join(str(self).split())
+
+
+class ConfigError(UserError):
+    """Invalid config, CLI or data on any machine: exit 2.
+
+    The message reads ``<file>: <dotted.key>: <what is wrong; what is allowed>``.
+    """
+
+    def __init__(self, source: str, key: str, problem: str):
+        self.source, self.key, self.problem = source, key, problem
+        super().__init__(f"{source}: {key}: {problem}")
+
+
+class CannotRunHere(UserError):
+    """Valid input that this machine or image cannot run: exit 3."""
+
+    exit_code = EXIT_CANNOT_RUN_HERE
