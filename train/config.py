@@ -416,6 +416,8 @@ def validate(cfg: Config, source: str, from_cli: dict[str, bool] | None = None) 
     if t.micro_batch_size != AUTO and t.global_batch_size % t.micro_batch_size:
         fail("train.micro_batch_size", f"{t.micro_batch_size} does not divide "
                                        f"train.global_batch_size={t.global_batch_size}")
+    if cfg.memory.activation_checkpointing != "none" and m.kind != "gpt":
+        fail("memory.activation_checkpointing", f"applies to gpt blocks; model.kind is {m.kind}")
     if cfg.memory.cpu_offload and cfg.distributed.strategy != "fsdp":
         fail("memory.cpu_offload", "needs distributed.strategy=fsdp")
     _validate_data_paths(cfg, fail)

@@ -1,0 +1,49 @@
+"""``python -m train CONFIG [dotted.key=value ...] [--print-config]``: one worker.
+
+Runs standalone (one process) or as a torchrun worker. The launcher
+(``entrypoint.py train``) validates everything before starting workers; this entry
+validates again, so it is safe to call directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from train.config import load_config, to_yaml
+from train.errors import EXIT_TRAINING_FAILED, UserError
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", metavar="dotted.key=value",
+                        help="override config keys, e.g. optim.lr=3e-4 train.max_steps=100")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (defaults filled in) and exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            sys.stdout.write(to_yaml(cfg))
+            return 0
+        from train.trainer import train  # torch is imported only when training
+        return train(cfg)
+    except UserError as exc:
+        print(exc.one_line(), file=sys.stderr)
+        return exc.exit_code
+    except Exception as exc:  # one line here; the traceback goes to this rank's log
+        import logging
+        import os
+        logging.getLogger("train").exception("training failed")
+        print(f"error: rank {os.environ.get('RANK', '0')}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return EXIT_TRAINING_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Crash-safe checkpoints: ``checkpoints/step-N/`` plus a ``latest`` pointer.
+
+Protocol (DESIGN.md "Checkpoints"): every file is written into ``step-N.partial``,
+fsync'ed and listed with its SHA-256 in ``checksums.json``; then the directory is
+renamed to ``step-N`` and ``latest`` (a small text file naming it) is replaced by
+rename. A process killed at any point leaves either the previous checkpoint or the
+new one, never a torn one. Loading verifies the checksums and falls back to older
+checkpoints with a warning. Files load with ``torch.load(weights_only=True)``.
+
+The checkpointer is handed the state; it never reaches into the trainer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+log = logging.getLogger("train")
+
+STATE_FILE = "state.pt"
+CHECKSUMS = "checksums.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _fsync_file(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_file(obj: Any, path: Path) -> None:
+    torch.save(obj, path)
+    _fsync_file(path)
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)),
+                       "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
+                       "cached": float(np_state[4])}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+class Checkpointer:
+    """Writes and finds checkpoints of one run; ``barrier`` syncs ranks (no-op alone)."""
+
+    def __init__(self, run_dir: Path, *, rank: int, keep_last: int,
+                 barrier: Callable[[], None] = lambda: None):
+        self.dir = run_dir / "checkpoints"
+        self.rank, self.keep_last, self.barrier = rank, keep_last, barrier
+
+    # ---------------------------------------------------------------- saving
+    def save(self, step: int, shared_state: dict[str, Any], rank_state: dict[str, Any]) -> Path:
+        """Collective: every rank calls it. Rank 0 writes shared_state; each rank its own."""
+        partial = self.dir / f"step-{step}.partial"
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        self.barrier()
+        save_file(rank_state, partial / f"rank-{self.rank}.pt")
+        if self.rank == 0:
+            save_file(shared_state, partial / STATE_FILE)
+        self.barrier()
+        final = self.dir / f"step-{step}"
+        if self.rank == 0:
+            self._seal(partial, final)
+            self._prune()
+        self.barrier()
+        return final
+
+    def _seal(self, partial: Path, final: Path) -> None:
+        sums = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
+        (partial / CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
+        _fsync_file(partial / CHECKSUMS)
+        _fsync_dir(partial)
+        if final.exists():  # the same step saved again after a resume
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        tmp = self.dir / "latest.tmp"
+        tmp.write_text(final.name + "\n")
+        _fsync_file(tmp)
+        os.replace(tmp, self.dir / "latest")
+        _fsync_dir(self.dir)
+
+    def _prune(self) -> None:
+        steps = sorted(self._step_dirs(), key=lambda p: -int(p.name.split("-")[1]))
+        for old in steps[self.keep_last:]:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in self.dir.glob("step-*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    # --------------------------------------------------------------- loading
+    def _step_dirs(self) -> list[Path]:
+        if not self.dir.is_dir():
+            return []
+        return [p for p in self.dir.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+
+    def candidates(self) -> list[Path]:
+        """Newest first: the one `latest` names, then every step-N by step."""
+        ordered = sorted(self._step_dirs(), key=lambda p: -int(p.name.split("-")[1]))
+        try:
+            named = self.dir / (self.dir / "latest").read_text().strip()
+            if named in ordered:
+                ordered.remove(named)
+                ordered.insert(0, named)
+        except OSError:
+            pass
+        return ordered
+
+    @staticmethod
+    def verify(path: Path) -> str | None:
+        """None when every file matches checksums.json, else what is wrong."""
+        try:
+            sums = json.loads((path / CHECKSUMS).read_text())
+        except (OSError, ValueError):
+            return "missing or unreadable checksums.json"
+        if STATE_FILE not in sums:
+            return f"no {STATE_FILE}"
+        for name, digest in sums.items():
+            file = path / name
+            if not file.is_file() or _sha256(file) != digest:
+                return f"{name} is missing or does not match its checksum"
+        return None
+
+    @staticmethod
+    def load(path: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        shared = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        own = path / f"rank-{rank}.pt"
+        mine = torch.load(own, map_location="cpu", weights_only=True) if own.exists() else None
+        return shared, mine
+
+    def load_newest(self, rank: int) -> tuple[Path, dict, dict | None] | None:
+        for path in self.candidates():
+            problem = self.verify(path)
+            if problem is None:
+                try:
+                    shared, mine = self.load(path, rank)
+                    return path, shared, mine
+                except Exception as exc:  # verified bytes that still do not load
+                    problem = f"cannot load: {exc}"
+            log.warning("checkpoint %s is unusable (%s); trying the previous one", path, problem)
+        return None

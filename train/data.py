@@ -1,0 +1,271 @@
+"""Datasets and the global sample order.
+
+The order contract (DESIGN.md "Data order"): a permutation of the training samples
+fixed by seed and epoch; optimizer step ``s`` consumes samples ``[s*G, (s+1)*G)`` of
+the concatenated epochs (G = global batch size); rank r takes the r-th contiguous
+slice of that batch and splits it into micro-batches. Nothing here depends on the world
+size except which slice a rank takes, so a run resized between steps continues at
+exactly the next sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from train.config import Config, ConfigError, DataConfig, default_text_root
+
+# Hashing a multi-GB token file at every start would cost minutes; above this size the
+# manifest records a hash of the size plus sampled chunks and says so.
+FULL_HASH_LIMIT = 256 << 20
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+class ArrayDataset(Dataset):
+    """In-memory features and labels; fetches whole micro-batches at once."""
+
+    def __init__(self, features: torch.Tensor, labels: torch.Tensor):
+        self.features, self.labels = features, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return self.features[i], self.labels[i]
+
+    def __getitems__(self, indices: list[int]):
+        idx = torch.as_tensor(indices)
+        return self.features[idx], self.labels[idx]
+
+
+class WindowDataset(Dataset):
+    """Next-token windows over a 1-D token array: sample i is tokens [i*L, i*L+L+1)."""
+
+    def __init__(self, tokens: np.ndarray, length: int, first: int, count: int):
+        self.tokens, self.length, self.first, self.count = tokens, length, first, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def _window(self, i: int) -> np.ndarray:
+        start = (self.first + i) * self.length
+        return np.asarray(self.tokens[start:start + self.length + 1], dtype=np.int64)
+
+    def __getitem__(self, i: int):
+        w = torch.from_numpy(self._window(i))
+        return w[:-1], w[1:]
+
+    def __getitems__(self, indices: list[int]):
+        w = torch.from_numpy(np.stack([self._window(i) for i in indices]))
+        return w[:, :-1], w[:, 1:]
+
+
+def already_batched(batch):
+    """collate_fn for datasets whose __getitems__ returns a whole batch."""
+    return batch
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    val: Dataset
+    input_shape: tuple[int, ...]
+    num_classes: int  # vocabulary size for token data
+    tokens_per_sample: int  # 0 for classification
+    data_hash: str
+    description: str
+
+
+def _split_counts(n: int, val_fraction: float) -> tuple[int, int]:
+    n_val = int(n * val_fraction)
+    if val_fraction > 0 and n_val == 0 and n >= 2:
+        n_val = 1
+    return n - n_val, n_val
+
+
+def _array_bundle(features: torch.Tensor, labels: torch.Tensor, cfg: DataConfig,
+                  data_hash: str, description: str) -> DataBundle:
+    n_train, n_val = _split_counts(len(labels), cfg.val_fraction)
+    num_classes = int(labels.max().item()) + 1 if len(labels) else 0
+    return DataBundle(ArrayDataset(features[:n_train], labels[:n_train]),
+                      ArrayDataset(features[n_train:], labels[n_train:]),
+                      tuple(features.shape[1:]), max(num_classes, 2), 0, data_hash, description)
+
+
+def _synthetic(cfg: DataConfig, seed: int) -> DataBundle:
+    """Gaussian inputs labelled by a fixed random teacher: learnable, exact from the seed."""
+    g = torch.Generator().manual_seed(seed + 0x5EED)
+    x = torch.randn(cfg.num_samples, *cfg.shape, generator=g)
+    teacher = torch.randn(int(np.prod(cfg.shape)), cfg.num_classes, generator=g)
+    y = (x.flatten(1) @ teacher).argmax(dim=1)
+    digest = hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()
+    bundle = _array_bundle(x, y, cfg, digest, f"synthetic {cfg.num_samples}x{cfg.shape}")
+    bundle.num_classes = cfg.num_classes
+    return bundle
+
+
+def _file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        if size <= FULL_HASH_LIMIT:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+            return h.hexdigest()
+        h.update(str(size).encode())
+        for k in range(64):  # 64 evenly spaced 1 MiB chunks
+            f.seek(k * (size - (1 << 20)) // 63)
+            h.update(f.read(1 << 20))
+    return "sampled:" + h.hexdigest()
+
+
+def _tensors(cfg: DataConfig) -> DataBundle:
+    path = Path(cfg.path)
+    if path.suffix == ".pt":
+        try:
+            blob = torch.load(path, weights_only=True, map_location="cpu")
+        except Exception as exc:  # a corrupt or pickled-object file: bad input
+            raise ConfigError(str(path), "data.path", f"cannot load: {exc}") from None
+        if not isinstance(blob, dict) or not {"features", "labels"} <= set(blob):
+            raise ConfigError(str(path), "data.path", "a .pt file must hold a dict with "
+                                                      "tensors 'features' and 'labels'")
+        x, y = blob["features"], blob["labels"]
+        digest = _file_hash(path)
+    else:
+        x = torch.from_numpy(np.load(path, allow_pickle=False))
+        y = torch.from_numpy(np.load(cfg.labels_path, allow_pickle=False))
+        digest = hashlib.sha256((_file_hash(path) + _file_hash(Path(cfg.labels_path)))
+                                .encode()).hexdigest()
+    if len(x) != len(y) or y.dim() != 1 or y.is_floating_point():
+        raise ConfigError(str(path), "data.path", f"need N features and N integer labels, got "
+                                                  f"{tuple(x.shape)} and {tuple(y.shape)}")
+    return _array_bundle(x.float(), y.long(), cfg, digest, f"tensors {path.name} {tuple(x.shape)}")
+
+
+def read_text_corpus(root: Path, glob: str, max_bytes: int) -> bytes:
+    """Files under root matching glob in sorted order, concatenated, cut at max_bytes."""
+    parts, total = [], 0
+    files = sorted(p for p in root.glob(glob)
+                   if p.is_file() and not _SKIP_DIRS & set(p.relative_to(root).parts))
+    for p in files:
+        blob = p.read_bytes()
+        if max_bytes:
+            blob = blob[: max_bytes - total]
+        parts.append(blob)
+        total += len(blob)
+        if max_bytes and total >= max_bytes:
+            break
+    return b"".join(parts)
+
+
+def _windows(tokens: np.ndarray, cfg: DataConfig, length: int, vocab: int, data_hash: str,
+             description: str, source: str) -> DataBundle:
+    n = (len(tokens) - 1) // length
+    if n < 2:
+        raise ConfigError(source, "data.path", f"only {len(tokens)} tokens; need at least "
+                                               f"{2 * length + 1} for model.context_length={length}")
+    n_train, n_val = _split_counts(n, cfg.val_fraction)
+    return DataBundle(WindowDataset(tokens, length, 0, n_train),
+                      WindowDataset(tokens, length, n_train, n_val),
+                      (length,), vocab, length, data_hash, description)
+
+
+def _text(cfg: DataConfig, length: int) -> DataBundle:
+    root = Path(cfg.path or default_text_root())
+    corpus = read_text_corpus(root, cfg.text_glob, cfg.max_bytes)
+    tokens = np.frombuffer(corpus, dtype=np.uint8)
+    return _windows(tokens, cfg, length, 256, hashlib.sha256(corpus).hexdigest(),
+                    f"text {root} ({len(corpus):,} bytes)", str(root))
+
+
+def _tokens(cfg: DataConfig, length: int) -> DataBundle:
+    path = Path(cfg.path)
+    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    return _windows(tokens, cfg, length, cfg.vocab_size, _file_hash(path),
+                    f"tokens {path.name} ({len(tokens):,} tokens)", str(path))
+
+
+def build_data(cfg: Config) -> DataBundle:
+    d = cfg.data
+    if d.kind == "synthetic":
+        return _synthetic(d, cfg.seed)
+    if d.kind == "tensors":
+        return _tensors(d)
+    if d.kind == "text":
+        return _text(d, cfg.model.context_length)
+    return _tokens(d, cfg.model.context_length)
+
+
+# ------------------------------------------------------------------------- the order
+
+class GlobalOrder:
+    """The seeded, world-size-independent sequence of training sample indices."""
+
+    def __init__(self, num_samples: int, seed: int):
+        if num_samples < 1:
+            raise ValueError("no training samples")
+        self.n, self.seed = num_samples, seed
+        self._epoch, self._perm = -1, None
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g)
+        return self._perm
+
+    def take(self, start: int, count: int) -> list[int]:
+        """Indices at positions [start, start+count) of the concatenated epochs."""
+        out: list[int] = []
+        while count > 0:
+            epoch, offset = divmod(start, self.n)
+            chunk = self.permutation(epoch)[offset: offset + count].tolist()
+            out += chunk
+            start, count = start + len(chunk), count - len(chunk)
+        return out
+
+    def global_batch(self, step: int, global_batch_size: int) -> list[int]:
+        return self.take(step * global_batch_size, global_batch_size)
+
+
+class RankBatchSampler:
+    """Yields this rank's micro-batches for steps [start_step, end_step)."""
+
+    def __init__(self, order: GlobalOrder, *, global_batch_size: int, rank: int, world_size: int,
+                 micro_batch_size: int, start_step: int, end_step: int):
+        self.order, self.g, self.rank, self.world = order, global_batch_size, rank, world_size
+        self.micro, self.start, self.end = micro_batch_size, start_step, end_step
+        self.per_rank = global_batch_size // world_size
+
+    def __len__(self) -> int:
+        return (self.end - self.start) * (self.per_rank // self.micro)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for step in range(self.start, self.end):
+            batch = self.order.global_batch(step, self.g)
+            mine = batch[self.rank * self.per_rank: (self.rank + 1) * self.per_rank]
+            for i in range(0, self.per_rank, self.micro):
+                yield mine[i: i + self.micro]
+
+
+def make_loader(dataset: Dataset, batch_sampler, *, num_workers: int, pin_memory: bool,
+                persistent_workers: bool, prefetch_factor: int, seed: int) -> DataLoader:
+    extra = {}
+    if num_workers > 0:
+        extra = {"persistent_workers": persistent_workers, "prefetch_factor": prefetch_factor}
+    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
+                      pin_memory=pin_memory, collate_fn=already_batched,
+                      generator=torch.Generator().manual_seed(seed), **extra)
+
+
+def eval_indices(num_val: int, eval_batches: int, global_batch_size: int, rank: int,
+                 world_size: int) -> list[int]:
+    """This rank's share of the fixed validation subset (same subset for any world size)."""
+    total = min(num_val, eval_batches * global_batch_size)
+    per_rank = -(-total // world_size)
+    return list(range(rank * per_rank, min(total, (rank + 1) * per_rank)))

@@ -1,0 +1,80 @@
+"""Wrapping a pure model for training: activation checkpointing, compile, and the
+parallel strategy (single, DataParallel, DDP, FSDP2).
+
+Wrapping never renames parameters of the plain module, so checkpoints load whatever
+the strategy or memory settings were when they were written.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+
+from train.config import Config
+from train.errors import CannotRunHere
+from train.runtime import WorkerEnv
+
+log = logging.getLogger("train")
+
+
+def _checkpointed(forward, *args):
+    return checkpoint(forward, *args, use_reentrant=False)
+
+
+def apply_activation_checkpointing(module: nn.Module, mode: str, every_n: int) -> int:
+    """Recompute the chosen blocks' activations in backward. Returns how many blocks.
+
+    The block's forward is replaced on the instance, so state_dict keys do not change.
+    """
+    blocks = getattr(module, "blocks", None)
+    if mode == "none" or blocks is None:
+        return 0
+    chosen = [b for i, b in enumerate(blocks) if mode == "full" or i % every_n == 0]
+    for block in chosen:
+        block.forward = functools.partial(_checkpointed, block.forward)
+    return len(chosen)
+
+
+def _fsdp(module: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs = {}
+    if cfg.precision in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    if cfg.memory.cpu_offload:
+        if device.type != "cuda":
+            raise CannotRunHere("memory.cpu_offload needs a GPU (FSDP offloads from GPU to CPU); "
+                                "set memory.cpu_offload=false on CPU")
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in getattr(module, "blocks", []):
+        fully_shard(block, **kwargs)
+    fully_shard(module, **kwargs)
+    return module
+
+
+def parallelize(module: nn.Module, cfg: Config, env: WorkerEnv, device: torch.device) -> nn.Module:
+    strategy = cfg.distributed.strategy
+    n = apply_activation_checkpointing(module, cfg.memory.activation_checkpointing,
+                                       cfg.memory.activation_checkpointing_n)
+    if n:
+        log.info("activation checkpointing on %d blocks", n)
+    if cfg.compile:
+        module.compile()
+    if strategy in ("single", "dp") and env.distributed:
+        raise CannotRunHere(f"distributed.strategy={strategy} runs one process, but "
+                            f"WORLD_SIZE={env.world_size}; use ddp or fsdp, or one process")
+    if strategy == "dp":
+        if device.type != "cuda":
+            raise CannotRunHere("distributed.strategy=dp needs GPUs; use single or ddp on CPU")
+        return nn.DataParallel(module)
+    if not env.distributed:
+        return module
+    if strategy == "fsdp":
+        return _fsdp(module, cfg, device)
+    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)

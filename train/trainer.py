@@ -1,0 +1,351 @@
+"""The training loop: build from config, wrap, resume, step, log, checkpoint, stop.
+
+Runs the same in one plain process and under torchrun (DDP over gloo or nccl).
+Gradient accumulation keeps ``train.global_batch_size`` whatever the world size, and
+the data order is the global one from :mod:`train.data`, so a run resized or resumed
+between steps continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from train import runtime
+from train.checkpoint import Checkpointer, rng_state, set_rng_state
+from train.config import AUTO, Config, batch_split, to_dict, to_yaml
+from train.data import (DataBundle, GlobalOrder, RankBatchSampler, build_data, eval_indices,
+                        make_loader)
+from train.errors import CannotRunHere, EXIT_OK, EXIT_STOPPED_BY_SIGNAL
+from train.manifest import update_manifest, write_json_atomic
+from train.metrics import MetricsLogger
+from train.models import build_model, count_parameters
+from train.optim import build_optimizer, build_scheduler
+from train.parallel import parallelize
+
+log = logging.getLogger("train")
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; ranks agree on it after each step (any rank stopping stops all)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if not self.requested:
+            log.warning("received %s: stopping after this step with a checkpoint",
+                        signal.Signals(signum).name)
+        self.requested = True
+
+    def agreed(self, device: torch.device, distributed: bool) -> bool:
+        if not distributed:
+            return self.requested
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+@dataclass
+class Parts:
+    """Everything the loop needs, built once from config plus the runtime."""
+    cfg: Config
+    env: runtime.WorkerEnv
+    device: torch.device
+    data: DataBundle
+    model: nn.Module          # wrapped (DDP / DataParallel / FSDP) or plain
+    module: nn.Module         # the plain module inside
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None
+    micro: int
+    accum: int
+    run_dir: Path
+    checkpointer: Checkpointer
+    start_step: int = 0
+    metrics: MetricsLogger | None = None
+    stop: StopFlag = field(default_factory=StopFlag)
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    def autocast(self):
+        if self.cfg.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=_DTYPES[self.cfg.precision])
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def _barrier(env: runtime.WorkerEnv):
+    return dist.barrier if env.distributed else (lambda: None)
+
+
+def build(cfg: Config, env: runtime.WorkerEnv) -> Parts:
+    device = runtime.resolve_device(cfg, env)
+    runtime.init_distributed(env, runtime.resolve_backend(cfg, device), device,
+                             cfg.distributed.timeout_s)
+    env.check_consistent()
+    torch.set_num_threads(runtime.cpus_per_rank(env))
+    runtime.set_deterministic(cfg.deterministic)
+    runtime.seed_everything(cfg.seed, env.rank)
+    data = build_data(cfg)
+    micro, accum = batch_split(cfg, env.world_size)
+    module = build_model(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    module.to(device)
+    torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank dropout streams, after the shared init
+    model = parallelize(module, cfg, env, device)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
+    scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
+    run_dir = cfg.run_dir
+    checkpointer = Checkpointer(run_dir, rank=env.rank, keep_last=cfg.checkpoint.keep_last,
+                                barrier=_barrier(env))
+    return Parts(cfg, env, device, data, model, module, optimizer, scheduler, scaler, micro,
+                 accum, run_dir, checkpointer)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+def save_checkpoint(p: Parts, step: int) -> None:
+    shared = {"step": step, "samples_consumed": step * p.cfg.train.global_batch_size,
+              "world_size": p.env.world_size, "model": p.module.state_dict(),
+              "optimizer": p.optimizer.state_dict(), "scheduler": p.scheduler.state_dict(),
+              "scaler": p.scaler.state_dict() if p.scaler else None, "config": to_dict(p.cfg)}
+    path = p.checkpointer.save(step, shared, {"rng": rng_state(), "rank": p.env.rank})
+    if p.is_main:
+        log.info("checkpoint saved: %s", path)
+
+
+def resume(p: Parts) -> None:
+    choice = p.cfg.checkpoint.resume_from
+    if choice == "none":
+        return
+    if choice == AUTO:
+        found = p.checkpointer.load_newest(p.env.rank)
+    else:
+        path = Path(choice)
+        problem = Checkpointer.verify(path)
+        if problem:
+            raise CannotRunHere(f"checkpoint.resume_from={choice}: {problem}")
+        found = (path, *Checkpointer.load(path, p.env.rank))
+    if found is None:
+        return
+    path, shared, mine = found
+    p.module.load_state_dict(shared["model"])
+    p.optimizer.load_state_dict(shared["optimizer"])
+    p.scheduler.load_state_dict(shared["scheduler"])
+    if p.scaler and shared.get("scaler"):
+        p.scaler.load_state_dict(shared["scaler"])
+    p.start_step = int(shared["step"])
+    same_world = shared.get("world_size") == p.env.world_size
+    if mine is not None and same_world:
+        set_rng_state(mine["rng"])
+    else:  # resized: fresh per-rank streams, derived from the step so reruns agree
+        torch.manual_seed(p.cfg.seed + 1 + p.env.rank + 7919 * p.start_step)
+    log.info("resumed from %s at step %d (saved with world size %s, now %d)", path,
+             p.start_step, shared.get("world_size"), p.env.world_size)
+
+
+# ------------------------------------------------------------------------ steps
+
+def train_step(p: Parts, batches) -> torch.Tensor:
+    """One optimizer step over `accum` micro-batches; returns this rank's mean loss."""
+    total = torch.zeros((), device=p.device)
+    for i in range(p.accum):
+        x, y = next(batches)
+        x = x.to(p.device, non_blocking=True)
+        y = y.to(p.device, non_blocking=True)
+        last = i == p.accum - 1
+        sync = contextlib.nullcontext() if last or not isinstance(p.model, DDP) \
+            else p.model.no_sync()
+        with sync:
+            with p.autocast():
+                loss = loss_fn(p.model(x), y) / p.accum
+            (p.scaler.scale(loss) if p.scaler else loss).backward()
+        total += loss.detach()
+    return total
+
+
+def optimizer_step(p: Parts, want_norm: bool) -> float | None:
+    clip = p.cfg.optim.grad_clip
+    norm = None
+    if p.scaler:
+        p.scaler.unscale_(p.optimizer)
+    if clip > 0 or want_norm:
+        norm = torch.nn.utils.clip_grad_norm_(p.model.parameters(), clip if clip > 0 else math.inf)
+    if p.scaler:
+        p.scaler.step(p.optimizer)
+        p.scaler.update()
+    else:
+        p.optimizer.step()
+    p.scheduler.step()
+    p.optimizer.zero_grad(set_to_none=True)
+    return None if norm is None else float(norm)
+
+
+def mean_over_ranks(value: torch.Tensor, distributed: bool) -> float:
+    if distributed:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= dist.get_world_size()
+    return float(value)
+
+
+@torch.no_grad()
+def evaluate(p: Parts) -> dict[str, float]:
+    idx = eval_indices(len(p.data.val), p.cfg.train.eval_batches, p.cfg.train.global_batch_size,
+                       p.env.rank, p.env.world_size)
+    p.module.eval()
+    sums = torch.zeros(3, device=p.device)  # loss x n, correct, n
+    for i in range(0, len(idx), p.micro):
+        x, y = p.data.val.__getitems__(idx[i: i + p.micro])
+        x, y = x.to(p.device), y.to(p.device)
+        with p.autocast():
+            logits = p.module(x)
+        sums[0] += loss_fn(logits, y) * y.numel()
+        sums[1] += (logits.argmax(-1) == y).sum()
+        sums[2] += y.numel()
+    p.module.train()
+    if p.env.distributed:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    if sums[2] == 0:
+        return {}
+    return {"val/loss": float(sums[0] / sums[2]), "val/accuracy": float(sums[1] / sums[2])}
+
+
+def train_loader(p: Parts):
+    cfg, env = p.cfg, p.env
+    order = GlobalOrder(len(p.data.train), cfg.seed)
+    sampler = RankBatchSampler(order, global_batch_size=cfg.train.global_batch_size,
+                               rank=env.rank, world_size=env.world_size,
+                               micro_batch_size=p.micro, start_step=p.start_step,
+                               end_step=cfg.train.max_steps)
+    workers = cfg.data.num_workers
+    if workers == AUTO:
+        workers = min(4, runtime.cpus_per_rank(env) // 2)
+    pin = cfg.data.pin_memory
+    pin = p.device.type == "cuda" if pin == AUTO else pin
+    return make_loader(p.data.train, sampler, num_workers=workers, pin_memory=pin,
+                       persistent_workers=cfg.data.persistent_workers,
+                       prefetch_factor=cfg.data.prefetch_factor, seed=cfg.seed)
+
+
+# ------------------------------------------------------------------------- loop
+
+def prepare_run_dir(p: Parts) -> None:
+    if p.is_main:
+        p.run_dir.mkdir(parents=True, exist_ok=True)
+        (p.run_dir / "config.yaml").write_text(to_yaml(p.cfg))
+    _barrier(p.env)()
+
+
+def start_logging(p: Parts) -> None:
+    if not p.is_main:
+        return
+    update_manifest(p.run_dir, p.cfg, data_hash=p.data.data_hash,
+                    data_description=p.data.description, world_size=p.env.world_size,
+                    start_step=p.start_step, restart_count=p.env.restart_count,
+                    build_manifest_path=p.env.build_manifest,
+                    explicit_code_version=p.env.code_version)
+    unit = "tokens" if p.data.tokens_per_sample else "samples"
+    p.metrics = MetricsLogger(p.cfg, p.run_dir, p.start_step, throughput_unit=unit)
+    log.info("model %s: %s parameters | data %s | world size %d | micro-batch %d x %d "
+             "accumulation | device %s | precision %s", p.cfg.model.kind,
+             f"{count_parameters(p.module):,}", p.data.description, p.env.world_size, p.micro,
+             p.accum, p.device, p.cfg.precision)
+
+
+def run_loop(p: Parts) -> int:
+    cfg = p.cfg
+    every_log, every_eval = cfg.logging.every_steps, cfg.train.eval_every_steps
+    every_ckpt = cfg.checkpoint.every_steps
+    samples_per_step = cfg.train.global_batch_size * max(1, p.data.tokens_per_sample)
+    batches = iter(train_loader(p))
+    last_time, last_step = time.perf_counter(), p.start_step
+    step = p.start_step
+    while step < cfg.train.max_steps:
+        faulthandler.dump_traceback_later(cfg.distributed.timeout_s, exit=True)
+        loss = train_step(p, batches)
+        step += 1
+        log_now = step % every_log == 0 or step == cfg.train.max_steps
+        norm = optimizer_step(p, want_norm=log_now)
+        if log_now:
+            loss_value = mean_over_ranks(loss, p.env.distributed)
+            now = time.perf_counter()
+            step_time = (now - last_time) / (step - last_step)
+            last_time, last_step = now, step
+            if p.metrics:
+                values = {"loss": loss_value, "lr": p.scheduler.get_last_lr()[0]}
+                if norm is not None:
+                    values["grad_norm"] = norm
+                values["throughput"] = samples_per_step / step_time
+                p.metrics.log(step, values, step_time=step_time)
+        if every_eval and step % every_eval == 0 and step < cfg.train.max_steps:
+            _log_eval(p, step)
+        stopping = p.stop.agreed(p.device, p.env.distributed)
+        if stopping or (every_ckpt and step % every_ckpt == 0) or step == cfg.train.max_steps:
+            save_checkpoint(p, step)
+        if stopping:
+            faulthandler.cancel_dump_traceback_later()
+            log.warning("stopped at step %d by a signal; rerun the same command to resume", step)
+            return EXIT_STOPPED_BY_SIGNAL
+    faulthandler.cancel_dump_traceback_later()
+    final = _log_eval(p, step)
+    if p.metrics:
+        p.metrics.close({"loss": final.get("val/loss", float("nan"))} if final else None)
+        write_json_atomic(p.run_dir / "result.json", {"step": step, **final})
+    return EXIT_OK
+
+
+def _log_eval(p: Parts, step: int) -> dict[str, float]:
+    if p.cfg.train.eval_batches == 0:
+        return {}
+    values = evaluate(p)
+    if p.metrics and values:
+        p.metrics.log_eval(step, values)
+    return values
+
+
+def train(cfg: Config, env: runtime.WorkerEnv | None = None) -> int:
+    env = env or runtime.WorkerEnv.from_environ()
+    runtime.configure_logging(env.rank)
+    stop = StopFlag()
+    stop.install()  # before the slow build, so an early SIGTERM is not lost
+    try:
+        p = build(cfg, env)
+        p.stop = stop
+        prepare_run_dir(p)
+        resume(p)
+        start_logging(p)
+        if p.start_step >= cfg.train.max_steps:
+            log.info("nothing to do: the run already reached step %d", p.start_step)
+            if p.metrics:
+                p.metrics.close()
+            return EXIT_OK
+        return run_loop(p)
+    finally:
+        sys.stdout.flush()
+        runtime.shutdown_distributed()
