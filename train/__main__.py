@@ -21,7 +21,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="override config keys, e.g. optim.lr=3e-4 train.max_steps=100")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (defaults filled in) and exit")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -187,6 +187,8 @@ class Config:
     checkpoint: CheckpointConfig = opt(CheckpointConfig, "Checkpoints.", factory=True)
     logging: LoggingConfig = opt(LoggingConfig, "Metrics and console.", factory=True)
 
+    source: typing.ClassVar[str] = "config"
+
     @property
     def run_dir(self) -> Path:
         return Path(self.output.dir) / str(self.run.name)
@@ -375,6 +377,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     if cfg.run.name is None:
         cfg.run.name = Path(path).stem
     validate(cfg, source, from_cli)
+    cfg.source = source  # not a field: where later errors (e.g. per world size) point
     return cfg
 
 
@@ -467,14 +470,14 @@ def default_text_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def batch_split(cfg: Config, world_size: int, source: str = "config") -> tuple[int, int]:
+def batch_split(cfg: Config, world_size: int) -> tuple[int, int]:
     """(micro_batch_size, gradient accumulation steps) that keep global_batch_size.
 
     global = world_size x micro x accum must hold exactly; anything else is a
     ConfigError naming the world size, so the launcher can check every size in
     MIN..MAX before starting workers.
     """
-    t = cfg.train
+    t, source = cfg.train, cfg.source
     if t.global_batch_size % world_size:
         raise ConfigError(source, "train.global_batch_size",
                           f"{t.global_batch_size} is not divisible by world size {world_size}; "

@@ -104,6 +104,7 @@ def _barrier(env: runtime.WorkerEnv):
 
 
 def build(cfg: Config, env: runtime.WorkerEnv) -> Parts:
+    micro, accum = batch_split(cfg, env.world_size)  # bad input fails before joining the group
     device = runtime.resolve_device(cfg, env)
     runtime.init_distributed(env, runtime.resolve_backend(cfg, device), device,
                              cfg.distributed.timeout_s)
@@ -112,7 +113,6 @@ def build(cfg: Config, env: runtime.WorkerEnv) -> Parts:
     runtime.set_deterministic(cfg.deterministic)
     runtime.seed_everything(cfg.seed, env.rank)
     data = build_data(cfg)
-    micro, accum = batch_split(cfg, env.world_size)
     module = build_model(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     module.to(device)
     torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank dropout streams, after the shared init
