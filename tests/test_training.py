@@ -1,0 +1,115 @@
+"""Training behaviour with real processes: determinism, world-size invariance, metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY_GPT, TINY_MLP, losses, merge, read_metrics, run_train, write_config
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The same 20-step fp32 run three times: twice on 1 process, once on 2 (torchrun)."""
+    base = tmp_path_factory.mktemp("runs")
+    tree = merge(TINY_GPT, {"output": {"dir": str(base)}, "deterministic": True,
+                            "train": {"max_steps": STEPS}, "checkpoint": {"every_steps": 5}})
+    config = write_config(base / "tiny.yaml", tree)
+    out = {}
+    for name, nproc in (("one_a", 1), ("one_b", 1), ("two", 2)):
+        proc = run_train(config, f"run.name={name}", nproc=nproc)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        out[name] = base / name
+    return out
+
+
+def test_same_seed_gives_bitwise_identical_losses(runs):
+    a, b = losses(runs["one_a"]), losses(runs["one_b"])
+    assert len(a) == STEPS
+    assert a == b
+
+
+def test_one_and_two_processes_follow_the_same_trajectory(runs):
+    one, two = losses(runs["one_a"]), losses(runs["two"])
+    assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
+    for step in one:
+        assert math.isclose(one[step], two[step], rel_tol=1e-5), (step, one[step], two[step])
+    manifest = json.loads((runs["two"] / "manifest.json").read_text())
+    assert manifest["starts"][-1]["world_size"] == 2
+
+
+def test_loss_falls(runs):
+    series = losses(runs["one_a"])
+    assert series[STEPS] < 0.8 * series[1]
+
+
+def test_tensorboard_events_hold_the_loss_series(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(runs["one_a"] / "tb"))
+    acc.Reload()
+    scalars = {e.step: e.value for e in acc.Scalars("train/loss")}
+    expected = losses(runs["one_a"])
+    assert sorted(scalars) == sorted(expected)
+    for step, value in expected.items():
+        assert math.isclose(scalars[step], value, rel_tol=1e-6)
+    assert "val/loss" in acc.Tags()["scalars"]
+    assert "config/text_summary" in acc.Tags()["tensors"]
+
+
+def test_run_directory_layout(runs):
+    run = runs["one_a"]
+    manifest = json.loads((run / "manifest.json").read_text())
+    for key in ("config_sha256", "data_sha256", "code_version", "software", "seed", "starts"):
+        assert key in manifest
+    assert manifest["software"]["torch"].startswith("2.")
+    assert (run / "config.yaml").read_text().startswith("seed: 0")
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS}"
+    rows = read_metrics(run)
+    assert {"step", "loss", "lr", "grad_norm", "throughput"} <= set(rows[0])
+    assert any("val/loss" in r for r in rows)
+
+
+def test_quickstart_loss_falls(tmp_path):
+    proc = run_train(ROOT / "configs" / "quickstart.yaml", f"output.dir={tmp_path}",
+                     "train.max_steps=60", "logging.progress=plain")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    series = losses(tmp_path / "quickstart")
+    assert series[60] < 0.7 * series[10], series
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains(tmp_path, precision):
+    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path)}, "precision": precision}))
+    proc = run_train(config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    series = losses(tmp_path / "c")
+    assert all(math.isfinite(v) for v in series.values())
+    assert series[10] < series[1]
+
+
+def test_cnn_with_loader_workers_and_accumulation(tmp_path):
+    config = write_config(tmp_path / "c.yaml", {
+        "model": {"kind": "cnn", "depth": 2, "width": 8},
+        "data": {"kind": "synthetic", "num_samples": 256, "shape": [3, 16, 16],
+                 "num_workers": 2},
+        "optim": {"name": "sgd", "lr": 0.05},
+        "train": {"max_steps": 6, "global_batch_size": 16, "micro_batch_size": 4},
+        "logging": {"every_steps": 2, "progress": "plain"},
+        "output": {"dir": str(tmp_path)}})
+    proc = run_train(config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "micro-batch 4 x 4 accumulation" in proc.stderr
+    assert sorted(losses(tmp_path / "c")) == [2, 4, 6]
+
+
+def test_log_lines_carry_the_rank(runs, tmp_path):
+    config = write_config(tmp_path / "c.yaml", merge(TINY_MLP, {"output": {"dir": str(tmp_path)}}))
+    proc = run_train(config, "train.max_steps=2")
+    assert proc.returncode == 0
+    assert "[rank 0] INFO model mlp" in proc.stderr
