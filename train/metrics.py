@@ -19,8 +19,9 @@ from typing import Any
 from train.config import Config, to_yaml
 
 
-def truncate_jsonl(path: Path, keep_before_step: int) -> None:
-    """Keep rows with step < keep_before_step; a torn last line (killed mid-write) is dropped."""
+def truncate_jsonl(path: Path, keep_through_step: int) -> None:
+    """Keep rows with step <= keep_through_step (the resumed checkpoint's step); a torn
+    last line (killed mid-write) is dropped."""
     if not path.exists():
         return
     kept = []
@@ -29,7 +30,7 @@ def truncate_jsonl(path: Path, keep_before_step: int) -> None:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(row, dict) and row.get("step", math.inf) < keep_before_step:
+        if isinstance(row, dict) and row.get("step", math.inf) <= keep_through_step:
             kept.append(line)
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(k + "\n" for k in kept))
@@ -57,7 +58,7 @@ class MetricsLogger:
         self.tb = None
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step or None)
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
             self.tb.add_text("config", "```\n" + to_yaml(cfg) + "\n```", start_step)
         self.hparams = _flat_hparams(cfg)
 

@@ -1,0 +1,162 @@
+"""Checkpoints: resumed == uninterrupted, resized resumes, torn writes, SIGTERM -> 143."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_GPT, losses, merge, read_metrics, run_train, worker_env, write_config
+from train.checkpoint import Checkpointer
+
+STEPS = 20
+
+
+def rewind(run_dir: Path, to_step: int) -> None:
+    """Simulate a crash right after `to_step`'s checkpoint: later checkpoints never happened."""
+    ckpts = run_dir / "checkpoints"
+    for path in ckpts.glob("step-*"):
+        if int(path.name.split("-")[1]) > to_step:
+            shutil.rmtree(path)
+    (ckpts / "latest").write_text(f"step-{to_step}\n")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ckpt")
+    tree = merge(TINY_GPT, {"output": {"dir": str(base)}, "model": {"dropout": 0.1},
+                            "train": {"max_steps": STEPS}, "checkpoint": {"every_steps": 5,
+                                                                          "keep_last": 10}})
+    config = write_config(base / "ref.yaml", tree)
+    proc = run_train(config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return config, base / "ref"
+
+
+def test_resumed_equals_uninterrupted_bitwise(reference, tmp_path):
+    """Dropout on: RNG states, optimizer, scheduler and data position must all be restored."""
+    config, ref_dir = reference
+    run_dir = tmp_path / "ref"
+    shutil.copytree(ref_dir, run_dir)
+    rewind(run_dir, 10)
+    proc = run_train(config, f"output.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr and "at step 10" in proc.stderr
+    assert losses(run_dir) == losses(ref_dir)
+    steps = [r["step"] for r in read_metrics(run_dir) if "loss" in r]
+    assert steps == list(range(1, STEPS + 1)), "each step must appear once after a resume"
+
+
+def test_resume_on_two_processes_continues_the_trajectory(tmp_path):
+    """Elastic resize 1 -> 2 processes: same global batch, same next samples, same losses."""
+    tree = merge(TINY_GPT, {"output": {"dir": str(tmp_path)}, "train": {"max_steps": STEPS},
+                            "checkpoint": {"every_steps": 10}})
+    config = write_config(tmp_path / "r.yaml", tree)
+    assert run_train(config).returncode == 0
+    ref = losses(tmp_path / "r")
+    rewind(tmp_path / "r", 10)
+    proc = run_train(config, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "saved with world size 1, now 2" in proc.stderr
+    got = losses(tmp_path / "r")
+    assert sorted(got) == sorted(ref)
+    for step in range(11, STEPS + 1):
+        assert math.isclose(ref[step], got[step], rel_tol=1e-5), (step, ref[step], got[step])
+
+
+def test_corrupt_newest_checkpoint_falls_back_with_a_warning(reference, tmp_path, caplog):
+    _, ref_dir = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref_dir, run_dir)
+    newest = run_dir / "checkpoints" / f"step-{STEPS}" / "state.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # torn by a crash or a full disk
+    found = Checkpointer(run_dir, rank=0, keep_last=3).load_newest(rank=0)
+    assert found is not None and found[0].name == f"step-{STEPS - 5}"
+    assert found[1]["step"] == STEPS - 5
+    assert "unusable" in caplog.text
+
+
+def test_latest_naming_a_missing_directory_still_loads(reference, tmp_path):
+    _, ref_dir = reference
+    run_dir = tmp_path / "run"
+    shutil.copytree(ref_dir, run_dir)
+    (run_dir / "checkpoints" / "latest").write_text("step-999\n")
+    found = Checkpointer(run_dir, rank=0, keep_last=3).load_newest(rank=0)
+    assert found[0].name == f"step-{STEPS}"
+
+
+KILLED_WRITER = textwrap.dedent("""
+    import sys, torch
+    from pathlib import Path
+    from train.checkpoint import Checkpointer
+    ck = Checkpointer(Path(sys.argv[1]), rank=0, keep_last=2)
+    step = 0
+    while True:
+        step += 1
+        blob = torch.full((4_000_000,), float(step))  # 16 MB: writes take a while
+        ck.save(step, {"step": step, "model": {"w": blob}}, {"rng": torch.get_rng_state()})
+        print(step, flush=True)
+""")
+
+
+def test_killed_mid_write_still_loads(tmp_path):
+    """SIGKILL at random moments of a save loop: the newest checkpoint found is always whole."""
+    rng = random.Random(0)
+    script = tmp_path / "writer.py"
+    script.write_text(KILLED_WRITER)
+    for attempt in range(4):
+        proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run")], cwd=ROOT,
+                                env=worker_env(), stdout=subprocess.PIPE, text=True)
+        proc.stdout.readline()  # at least one checkpoint exists
+        time.sleep(rng.uniform(0.0, 0.5))
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        found = Checkpointer(tmp_path / "run", rank=0, keep_last=2).load_newest(rank=0)
+        assert found is not None, f"attempt {attempt}: nothing loadable"
+        path, shared, _ = found
+        step = shared["step"]
+        assert path.name == f"step-{step}"
+        assert torch.all(shared["model"]["w"] == float(step))
+
+
+def test_sigterm_checkpoints_and_exits_143_then_resumes(tmp_path):
+    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path)}, "train": {"max_steps": 100000}}))
+    proc = subprocess.Popen([sys.executable, "-m", "train", str(config)], cwd=ROOT,
+                            env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    for line in proc.stdout:
+        if line.startswith("step 3/"):
+            break
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-2000:]
+    assert "stopped at step" in err
+    run_dir = tmp_path / "c"
+    stopped_at = max(losses(run_dir))
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{stopped_at}"
+    again = run_train(config, f"train.max_steps={stopped_at + 2}")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"at step {stopped_at}" in again.stderr
+    assert sorted(losses(run_dir)) == list(range(1, stopped_at + 3))
+
+
+def test_resume_from_none_starts_fresh(reference, tmp_path):
+    config, ref_dir = reference
+    shutil.copytree(ref_dir, tmp_path / "ref")
+    proc = run_train(config, f"output.dir={tmp_path}", "checkpoint.resume_from=none",
+                     "train.max_steps=3")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resumed" not in proc.stderr
+    assert sorted(losses(tmp_path / "ref")) == [1, 2, 3]
