@@ -1,0 +1,55 @@
+"""The reference for bench/ddp_overhead.py: a plain hand-written DDP loop.
+
+Same model, data, optimizer and global batch as the trainer would build from the
+config, none of its machinery (no sampler, loader, metrics, checkpoints, stop flag).
+Run under torchrun; rank 0 prints the mean step time of the timed steps as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from train.config import load_config
+from train.data import build_data
+from train.models import build_model
+
+
+def main(config: str, warmup: int, *overrides: str) -> None:
+    cfg = load_config(config, list(overrides))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.manual_seed(cfg.seed)
+    data = build_data(cfg)
+    model = DDP(build_model(cfg.model, input_shape=data.input_shape,
+                            num_classes=data.num_classes))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+    per_rank = cfg.train.global_batch_size // world
+    n = len(data.train)
+    times = []
+    for step in range(cfg.train.max_steps):
+        start = time.perf_counter()
+        first = (step * cfg.train.global_batch_size + rank * per_rank) % (n - per_rank)
+        x, y = data.train.__getitems__(list(range(first, first + per_rank)))
+        loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        timed = times[warmup:]
+        print(json.dumps({"step_time_s": sum(timed) / len(timed)}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:])
