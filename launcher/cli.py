@@ -1,0 +1,175 @@
+"""Command dispatch for ``entrypoint.py`` (the image's ENTRYPOINT, behind tini).
+
+Only dispatch lives here; each command's work is in its own module. Nothing heavy
+is imported before a command needs it, so ``--help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+APP_ROOT = str(Path(__file__).resolve().parent.parent)
+
+HELP = """\
+usage: entrypoint.py COMMAND [ARGS ...]
+
+commands:
+  train CONFIG [dotted.key=value ...] [--dry-run]
+                      validate, detect GPUs, plan and run training (torchrun when
+                      more than one process); --dry-run prints the plan and exits
+  doctor [--json] [--comm] [CONFIG [dotted.key=value ...]]
+                      what was detected and whether training can run here;
+                      --comm also runs a small all-reduce across local processes
+  rendezvous [--port N]
+                      the standalone rendezvous store for multi-node elastic runs
+                      (default port 29400)
+  export RUN_DIR      consolidated weights + model config from the newest checkpoint
+  anything else       executed as a command: bash, python, tensorboard --logdir runs
+
+exit codes: 0 done; 1 training failed; 2 bad input (config, CLI, environment);
+3 valid input this machine/image cannot run; 143 stopped by a signal after
+checkpointing (rerun the same command to resume).
+"""
+
+
+def log(message: str) -> None:
+    print(f"entrypoint: {message}", file=sys.stderr, flush=True)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises a one-line ConfigError (exit 2) instead of printing usage."""
+
+    def error(self, message: str):
+        from train.errors import ConfigError
+        raise ConfigError("command line", self.prog.split()[-1], message)
+
+
+def _split_flags(args: list[str], flags: set[str]) -> tuple[set[str], list[str]]:
+    """Pull known --flags out of the argument list so overrides can sit around them."""
+    found = {a for a in args if a in flags}
+    return found, [a for a in args if a not in flags]
+
+
+def cmd_train(args: list[str]) -> int:
+    from launcher import environ, supervise, system
+    from launcher.detect import detect, torch_build
+    from launcher.plan import plan as make_plan
+    from train.config import load_config
+    from train.errors import CannotRunHere
+    parser = _Parser(prog="entrypoint.py train", add_help=True)
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--dry-run", action="store_true")
+    ns = parser.parse_args(args)
+    env = environ.read()
+    cfg = load_config(ns.config, ns.overrides)
+    hw = detect(env)
+    tb = torch_build()
+    if not tb.importable:
+        raise CannotRunHere(f"torch is not importable: {tb.error}; rebuild the image")
+    p = make_plan(cfg, hw, tb, env, config_path=ns.config, overrides=ns.overrides,
+                  python=sys.executable, app_root=APP_ROOT, master_port=system.free_port())
+    out = system.check_output_dir(cfg.output.dir, create=not ns.dry_run)
+    if out.level == "fail":
+        raise CannotRunHere(f"{out.message}; {out.fix}")
+    if ns.dry_run:
+        print(render_plan(p))
+        return 0
+    for line in [*(f"note: {n}" for n in p.notes), *(f"warning: {w}" for w in p.warnings)]:
+        log(line)
+    for name, value in p.env.items():
+        log(f"set {name}={value}")
+    log("run " + shlex.join(p.argv))
+    if p.rdzv_host:
+        system.wait_for_host(p.rdzv_host, env.dns_wait_s, log)
+    return supervise.run(p, env.raw, log)
+
+
+def render_plan(p) -> str:
+    """The plan as comments plus a command a shell can run as it is."""
+    lines = ["# launch plan (dry run: nothing was started)",
+             f"# mode={p.mode} device={p.device} backend={p.backend} "
+             f"nproc_per_node={p.nproc_per_node} nnodes={p.nnodes[0]}:{p.nnodes[1]} "
+             f"world_sizes={','.join(map(str, p.world_sizes))} max_restarts={p.max_restarts} "
+             f"convention={p.convention}"]
+    lines += [f"# note: {n}" for n in p.notes] + [f"# warning: {w}" for w in p.warnings]
+    if p.rdzv_host:
+        lines.append(f"# before starting: wait until {p.rdzv_host} resolves")
+    lines += [f"{k}={shlex.quote(v)} \\" for k, v in p.env.items()]
+    lines.append(shlex.join(p.argv))
+    return "\n".join(lines)
+
+
+def cmd_doctor(args: list[str]) -> int:
+    from launcher import doctor, environ
+    flags, rest = _split_flags(args, {"--json", "--comm"})
+    parser = _Parser(prog="entrypoint.py doctor")
+    parser.add_argument("config", nargs="?")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--comm-timeout", type=float, default=60.0)
+    ns = parser.parse_args(rest)
+    return doctor.main(environ.read(), ns.config, ns.overrides, as_json="--json" in flags,
+                       comm="--comm" in flags, comm_timeout_s=ns.comm_timeout, app_root=APP_ROOT)
+
+
+def cmd_rendezvous(args: list[str]) -> int:
+    from launcher import rendezvous
+    from launcher.plan import DEFAULT_RDZV_PORT
+    parser = _Parser(prog="entrypoint.py rendezvous")
+    parser.add_argument("--port", type=int, default=DEFAULT_RDZV_PORT)
+    parser.add_argument("--host", default="0.0.0.0")
+    ns = parser.parse_args(args)
+    if not 0 <= ns.port < 65536:
+        parser.error(f"--port {ns.port}: expected 0..65535")
+    return rendezvous.serve(ns.port, log, host=ns.host)
+
+
+def cmd_export(args: list[str]) -> int:
+    import importlib.util
+    from train.errors import ConfigError
+    if importlib.util.find_spec("train.export") is None:
+        raise ConfigError("command line", "export", "not available in this version")
+    os.execv(sys.executable, [sys.executable, "-m", "train.export", *args])
+    return 0  # not reached
+
+
+def cmd_exec(args: list[str]) -> int:
+    from train.errors import ConfigError
+    try:
+        os.execvp(args[0], args)
+    except FileNotFoundError:
+        raise ConfigError("command line", args[0], "unknown command: not train, doctor, "
+                          "rendezvous or export, and no such executable on PATH; see "
+                          "--help") from None
+    except PermissionError:
+        raise ConfigError("command line", args[0], "not executable") from None
+    return 0  # not reached
+
+
+COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "rendezvous": cmd_rendezvous,
+            "export": cmd_export}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help") or \
+            (argv[0] in COMMANDS and ("-h" in argv[1:] or "--help" in argv[1:])):
+        print(HELP, end="")
+        return 0
+    from train.errors import UserError
+    try:
+        if argv[0] in COMMANDS:
+            return COMMANDS[argv[0]](argv[1:])
+        if argv[0].startswith("-"):
+            from train.errors import ConfigError
+            raise ConfigError("command line", argv[0], "unknown option; see --help")
+        return cmd_exec(argv)
+    except UserError as exc:
+        print(exc.one_line(), file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 143  # before any worker started: nothing to checkpoint

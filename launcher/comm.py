@@ -1,0 +1,149 @@
+"""``doctor --comm``: a small all-reduce across local processes, naming who did not answer.
+
+The parent starts one process per GPU (or two on CPU) with torchrun's variables
+set by hand, and each process records the stage it reached (start, init,
+all-reduce, done) in a report file as it goes. When the deadline passes, the parent
+stops them and names each rank by the stage it was stuck in — the usual NCCL hang
+gives no hint of which rank is missing.
+
+Child: ``python -m launcher.comm --device gpu|cpu --backend nccl|gloo|mpi --timeout S``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from launcher.environ import STATUS_DIR_VAR, worker_identity
+
+STAGES = ("start", "init", "allreduce", "done")
+ELEMENTS = {"gpu": 16 * 1024 * 1024, "cpu": 256 * 1024}   # 64 MiB / 1 MiB of float32
+
+
+def _report(folder: str | None, rank: int, **fields: object) -> None:
+    if not folder:
+        return
+    path = Path(folder) / f"comm-rank-{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"rank": rank, "time": time.time(), **fields}))
+    os.replace(tmp, path)
+
+
+def child(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launcher.comm")
+    parser.add_argument("--device", choices=("gpu", "cpu"), required=True)
+    parser.add_argument("--backend", choices=("nccl", "gloo", "mpi"), required=True)
+    parser.add_argument("--timeout", type=float, default=60)
+    args = parser.parse_args(argv)
+    ident = worker_identity()
+    folder, rank = ident.status_dir, ident.rank
+    _report(folder, rank, stage="start")
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+        device = torch.device("cpu")
+        kwargs = {}
+        if args.device == "gpu":
+            device = torch.device("cuda", ident.local_rank)
+            torch.cuda.set_device(device)
+            kwargs["device_id"] = device
+        _report(folder, rank, stage="init")
+        dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout),
+                                **kwargs)
+        world = dist.get_world_size()
+        x = torch.ones(ELEMENTS[args.device], device=device)
+        _report(folder, rank, stage="allreduce", world_size=world)
+        dist.all_reduce(x)  # warm-up (connects the ring)
+        x.fill_(1.0)
+        _sync(torch, device)
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        _sync(torch, device)
+        seconds = time.perf_counter() - start
+        ok = bool((x == world).all().item())
+        nbytes = x.numel() * 4
+        busbw = nbytes * 2 * (world - 1) / world / seconds / 1e9 if world > 1 else None
+        _report(folder, rank, stage="done", ok=ok, world_size=world, seconds=seconds,
+                bytes=nbytes, bus_gb_s=busbw)
+        dist.destroy_process_group()
+        return 0 if ok else 1
+    except Exception as exc:
+        _report(folder, rank, stage="error", error=f"{type(exc).__name__}: {exc}")
+        return 1
+
+
+def _sync(torch, device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(device: str, backend: str, nproc: int, timeout_s: float, base_env: Mapping[str, str],
+        extra_env: Mapping[str, str], port: int) -> dict:
+    """Parent side: start nproc children, wait up to timeout_s (+ start-up), summarise."""
+    folder = tempfile.mkdtemp(prefix="train-comm-")
+    procs = []
+    for rank in range(nproc):
+        env = {**base_env, **extra_env, STATUS_DIR_VAR: folder, "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "launcher.comm", "--device", device, "--backend", backend,
+             "--timeout", str(timeout_s)], env=env, start_new_session=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout_s + 30  # + interpreter and torch start-up
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    timed_out = [i for i, p in enumerate(procs) if p.poll() is None]
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    outputs = [p.communicate()[0] for p in procs]
+    try:
+        return summarise(folder, nproc, timed_out, outputs, device, backend, timeout_s)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def summarise(folder: str, nproc: int, timed_out: list[int], outputs: list[str], device: str,
+              backend: str, timeout_s: float) -> dict:
+    ranks = []
+    for rank in range(nproc):
+        path = Path(folder) / f"comm-rank-{rank}.json"
+        try:
+            rep = json.loads(path.read_text())
+        except (OSError, ValueError):
+            rep = {"rank": rank, "stage": "not started"}
+        rep["timed_out"] = rank in timed_out
+        if rep.get("stage") != "done" and outputs[rank].strip():
+            rep["output_tail"] = outputs[rank].strip().splitlines()[-3:]
+        ranks.append(rep)
+    bad = [r for r in ranks if r.get("stage") != "done" or not r.get("ok")]
+    problems = []
+    for r in bad:
+        if r.get("stage") == "error":
+            problems.append(f"rank {r['rank']} failed: {r.get('error')}")
+        elif r.get("stage") == "done":
+            problems.append(f"rank {r['rank']} got a wrong all-reduce result")
+        else:
+            problems.append(f"rank {r['rank']} did not answer within {timeout_s:.0f} s (stuck "
+                            f"at stage '{r.get('stage')}')")
+    done = [r for r in ranks if r.get("stage") == "done"]
+    return {"ok": not bad, "device": device, "backend": backend, "processes": nproc,
+            "seconds": max((r.get("seconds") or 0 for r in done), default=None),
+            "bus_gb_s": min((r["bus_gb_s"] for r in done if r.get("bus_gb_s")), default=None),
+            "problems": problems, "ranks": ranks}
+
+
+if __name__ == "__main__":
+    sys.exit(child(sys.argv[1:]))

@@ -1,0 +1,197 @@
+"""``doctor [--json] [--comm] [CONFIG [key=value ...]]``: can this container train?
+
+Reports what was detected (GPUs with vendor, name, memory, UUID, visibility; driver
+vs the image's torch build), the plan a ``train`` would make (device, backend,
+processes, nodes), /dev/shm, the output folder, network interfaces, the rendezvous
+host's resolution and the image's build manifest. Exits 0 when training would
+start, 2 for an invalid config or environment, 3 when this machine/image cannot run
+it. ``--comm`` adds a small all-reduce across the local processes/GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from typing import Any
+
+from launcher import detect as detect_mod
+from launcher import system
+from launcher.environ import Environ
+from launcher.hardware import Finding, Hardware, TorchBuild
+from train.errors import UserError
+
+GIB = 1024 ** 3
+
+
+def _default_config():
+    from train.config import Config
+    cfg = Config()
+    cfg.run.name = "doctor"
+    return cfg
+
+
+def gather(env: Environ, config_path: str | None, overrides: list[str], *, app_root: str,
+           nvml: Any = None, load_nvml: bool = True, tb: TorchBuild | None = None) -> dict:
+    """Everything doctor reports, as plain data, plus findings and the exit code."""
+    from launcher.plan import plan as make_plan
+    from train.config import load_config
+    findings: list[Finding] = []
+    hw = detect_mod.detect(env, nvml=nvml, load_nvml=load_nvml)
+    tb = tb or detect_mod.torch_build()
+    if not tb.importable:
+        findings.append(Finding("fail", "torch", f"torch is not importable: {tb.error}",
+                                "rebuild the image", 3))
+    findings += [Finding("warn", "gpu", w) for w in hw.warnings]
+    findings += detect_mod.check_build(hw, tb, env.visibility.hsa_override_gfx_version)
+    report: dict[str, Any] = {"torch": tb.to_dict(), "hardware": hw.to_dict(),
+                              "visibility": env.visibility.as_dict(),
+                              "convention": None, "plan": None}
+    cfg = None
+    try:
+        cfg = load_config(config_path, overrides) if config_path else _default_config()
+        report["convention"] = env.convention
+        p = make_plan(cfg, hw, tb, env, config_path=config_path or "<defaults>",
+                      overrides=overrides, python=sys.executable, app_root=app_root)
+        report["plan"] = p.to_dict()
+        findings.append(Finding("ok", "plan", f"train would run {p.nproc_per_node} process(es) "
+                                f"per node on {p.device} with {p.backend}, nodes "
+                                f"{p.nnodes[0]}:{p.nnodes[1]} ({p.convention})"))
+        if p.rdzv_host:
+            addrs = system.resolve(p.rdzv_host)
+            findings.append(Finding("ok" if addrs else "warn", "rendezvous",
+                                    f"rendezvous host {p.rdzv_host} resolves to "
+                                    f"{', '.join(addrs)}" if addrs else
+                                    f"rendezvous host {p.rdzv_host} does not resolve yet",
+                                    None if addrs else "train waits for it (TRAIN_DNS_WAIT_S)"))
+    except UserError as exc:
+        findings.append(Finding("fail", "config" if exc.exit_code == 2 else "plan",
+                                exc.one_line()[len("error: "):], None, exc.exit_code))
+    if cfg is not None:
+        findings.append(system.check_output_dir(cfg.output.dir, create=False))
+    findings.append(system.check_shm())
+    report["network"] = _network(env)
+    manifest = system.read_manifest(env.build_manifest)
+    report["build_manifest"] = {"path": env.build_manifest, "present": manifest is not None,
+                                "content": manifest}
+    report["findings"] = [f.to_dict() for f in _dedupe(findings)]
+    report["exit_code"] = max((f.exit_code for f in findings if f.level == "fail"), default=0)
+    return report
+
+
+def _dedupe(findings: list[Finding]) -> list[Finding]:
+    seen, out = set(), []
+    for f in findings:
+        if (f.level, f.message) not in seen:
+            seen.add((f.level, f.message))
+            out.append(f)
+    return out
+
+
+def _network(env: Environ) -> dict:
+    host = socket.gethostname()
+    fqdn = socket.getfqdn(host)
+    return {"hostname": host, "fqdn": fqdn, "fqdn_resolves_to": system.resolve(fqdn),
+            "interfaces": system.interfaces(),
+            "NCCL_SOCKET_IFNAME": env.raw.get("NCCL_SOCKET_IFNAME"),
+            "GLOO_SOCKET_IFNAME": env.raw.get("GLOO_SOCKET_IFNAME")}
+
+
+def _gpu_line(g: dict) -> str:
+    mem = f"{g['memory_bytes'] / GIB:.1f} GiB" if g.get("memory_bytes") else "memory ?"
+    return (f"  [{g['index']}] {g['name']}  {mem}  {g.get('arch') or ''}  "
+            f"{g.get('uuid') or ''}").rstrip()
+
+
+def render(report: dict) -> str:
+    """The human-readable report."""
+    t, hw = report["torch"], report["hardware"]
+    lines = [f"torch      {t['version']} ({t['kind']}"
+             + (f", CUDA {t['cuda']}" if t.get("cuda") else "")
+             + (f", HIP {t['hip']}" if t.get("hip") else "")
+             + "); backends: " + (", ".join(b for b in ("nccl", "gloo", "mpi") if t.get(b))
+                                  or "none")]
+    vendor = hw.get("vendor") or "none"
+    lines.append(f"gpus       {len(hw['gpus'])} usable ({vendor}, via {hw['source']}; "
+                 f"{hw['listed']} listed)"
+                 + (f"; driver {hw['driver_version']} (CUDA <= {hw['cuda_driver_version']})"
+                    if hw.get("driver_version") else ""))
+    lines += [_gpu_line(g) for g in hw["gpus"]]
+    vis = {k: v for k, v in report["visibility"].items() if v is not None}
+    lines.append("visibility " + (", ".join(f"{k}={v!r}" for k, v in vis.items()) or "(none set)"))
+    lines.append(f"cpus       {hw['cpus']}")
+    p = report.get("plan")
+    if p:
+        lines.append(f"plan       {p['mode']}: device={p['device']} backend={p['backend']} "
+                     f"nproc_per_node={p['nproc_per_node']} nnodes={p['nnodes'][0]}:"
+                     f"{p['nnodes'][1]} ({p['convention']})")
+    net = report["network"]
+    ifaces = ", ".join(f"{i['name']}={i['ipv4'] or '-'}" for i in net["interfaces"])
+    lines.append(f"network    {net['fqdn']} -> {', '.join(net['fqdn_resolves_to']) or '?'}; "
+                 f"{ifaces}")
+    bm = report["build_manifest"]
+    lines.append(f"image      {bm['path']}: " + (_manifest_line(bm["content"]) if bm["present"]
+                                                  else "not present (not running in the image)"))
+    for note in hw.get("notes", []):
+        lines.append(f"note       {note}")
+    for f in report["findings"]:
+        mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}[f["level"]]
+        lines.append(f"{mark}       {f['message']}" + (f"\n             fix: {f['fix']}"
+                                                       if f.get("fix") else ""))
+    if "comm" in report:
+        lines += _comm_lines(report["comm"])
+    code = report["exit_code"]
+    lines.append("verdict    " + ("ready to train" if code == 0 else
+                                  f"training would fail (exit {code})"))
+    return "\n".join(lines)
+
+
+def _manifest_line(content: dict | None) -> str:
+    if not content:
+        return "unreadable"
+    keys = ("image", "version", "vendor", "variant", "torch", "created", "git_commit")
+    shown = {k: content[k] for k in keys if k in content and not isinstance(content[k], (dict, list))}
+    return ", ".join(f"{k}={v}" for k, v in shown.items()) or f"{len(content)} keys"
+
+
+def _comm_lines(c: dict) -> list[str]:
+    if c.get("skipped"):
+        return [f"comm       skipped: {c['skipped']}"]
+    head = (f"comm       all-reduce over {c['processes']} process(es), {c['device']}/"
+            f"{c['backend']}: " + ("ok" if c["ok"] else "FAILED"))
+    if c.get("seconds"):
+        head += f" in {c['seconds'] * 1000:.1f} ms"
+    if c.get("bus_gb_s"):
+        head += f", bus bandwidth {c['bus_gb_s']:.1f} GB/s"
+    return [head] + [f"FAIL       {p}" for p in c["problems"]]
+
+
+def add_comm(report: dict, env: Environ, timeout_s: float) -> None:
+    """Run the all-reduce check with the planned device/backend; fold it into the report."""
+    from launcher import comm
+    p = report.get("plan")
+    if not p:
+        report["comm"] = {"skipped": "no launch plan (see the failures above)", "ok": False}
+        report["exit_code"] = report["exit_code"] or 3
+        return
+    nproc = p["nproc_per_node"] if p["nproc_per_node"] > 1 else \
+        ((len(report["hardware"]["gpus"]) or 1) if p["device"] == "gpu" else 2)
+    result = comm.run(p["device"], p["backend"], nproc, timeout_s, env.raw, p["env"],
+                      system.free_port())
+    report["comm"] = result
+    if not result["ok"]:
+        report["exit_code"] = 1
+        report["findings"].append(Finding("fail", "comm", "; ".join(result["problems"]), None,
+                                          1).to_dict())
+
+
+def main(env: Environ, config_path: str | None, overrides: list[str], *, as_json: bool,
+         comm: bool, comm_timeout_s: float, app_root: str) -> int:
+    report = gather(env, config_path, overrides, app_root=app_root)
+    if comm:
+        add_comm(report, env, comm_timeout_s)
+    if as_json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(render(report))
+    return report["exit_code"]

@@ -1,0 +1,202 @@
+"""NVIDIA GPUs through NVML (``pynvml`` from nvidia-ml-py), never through CUDA.
+
+NVML lists every GPU the container can see and ignores ``CUDA_VISIBLE_DEVICES``
+(gpuopenanalytics/pynvml#28, pytorch#94472), so the list is filtered here the way
+the CUDA runtime does it: entries are indices, ``GPU-<uuid>`` or ``MIG-<uuid>``
+(unique prefixes allowed), and the first entry that matches nothing ends the list.
+The plan sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA's numbering equals NVML's.
+
+A missing NVML library (no driver mounted: ``docker run`` without ``--gpus``) is
+normal and only produces a note.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from launcher.environ import Visibility
+from launcher.hardware import Gpu, Hardware
+
+
+@dataclass
+class _Physical:
+    index: int
+    name: str
+    uuid: str
+    memory: int | None
+    arch: str | None
+    bus_id: str | None
+    mig_enabled: bool = False
+    migs: list[tuple[str, int | None]] = field(default_factory=list)  # (MIG uuid, memory)
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def load_pynvml() -> Any | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    return pynvml
+
+
+def _try(nvml: Any, fn: str, *args: Any) -> Any:
+    """Call an optional NVML query; None when unsupported (old driver, vGPU, MIG child)."""
+    try:
+        return getattr(nvml, fn)(*args)
+    except (nvml.NVMLError, AttributeError):
+        return None
+
+
+def _physical(nvml: Any, i: int) -> _Physical:
+    handle = nvml.nvmlDeviceGetHandleByIndex(i)
+    mem = _try(nvml, "nvmlDeviceGetMemoryInfo", handle)
+    cc = _try(nvml, "nvmlDeviceGetCudaComputeCapability", handle)
+    pci = _try(nvml, "nvmlDeviceGetPciInfo", handle)
+    mig_mode = _try(nvml, "nvmlDeviceGetMigMode", handle)
+    gpu = _Physical(index=i, name=_s(nvml.nvmlDeviceGetName(handle)),
+                    uuid=_s(nvml.nvmlDeviceGetUUID(handle)),
+                    memory=int(mem.total) if mem is not None else None,
+                    arch=f"sm_{cc[0]}{cc[1]}" if cc else None,
+                    bus_id=_s(pci.busId) if pci is not None else None,
+                    mig_enabled=bool(mig_mode and mig_mode[0]))
+    if gpu.mig_enabled:
+        for j in range(_try(nvml, "nvmlDeviceGetMaxMigDeviceCount", handle) or 0):
+            child = _try(nvml, "nvmlDeviceGetMigDeviceHandleByIndex", handle, j)
+            if child is None:
+                continue
+            cmem = _try(nvml, "nvmlDeviceGetMemoryInfo", child)
+            gpu.migs.append((_s(nvml.nvmlDeviceGetUUID(child)),
+                             int(cmem.total) if cmem is not None else None))
+    return gpu
+
+
+def _version(value: Any) -> str | None:
+    """13000 -> "13.0" (nvmlSystemGetCudaDriverVersion's encoding)."""
+    if value is None:
+        return None
+    value = int(value)
+    return f"{value // 1000}.{(value % 1000) // 10}"
+
+
+def _candidates(phys: list[_Physical]) -> list[tuple[_Physical, str | None, int | None]]:
+    """What CUDA enumerates: each GPU, or its MIG instances when MIG mode is on."""
+    out = []
+    for p in phys:
+        if p.mig_enabled:
+            out.extend((p, uuid, mem) for uuid, mem in p.migs)
+        else:
+            out.append((p, None, p.memory))
+    return out
+
+
+def select_visible(phys: list[_Physical], cvd: str | None
+                   ) -> tuple[list[tuple[_Physical, str | None, int | None]], list[str]]:
+    """Apply CUDA_VISIBLE_DEVICES to NVML's list; returns (devices, warnings)."""
+    cands = _candidates(phys)
+    if cvd is None:
+        return cands, []
+    chosen: list[tuple[_Physical, str | None, int | None]] = []
+    warnings: list[str] = []
+    for raw in cvd.split(","):
+        entry = raw.strip()
+        match = _match(entry, phys, cands)
+        if match is None or match in chosen:
+            what = "repeats a device" if match is not None else "matches no device"
+            if (entry and entry != "-1") or chosen:  # "" and "-1" hide all GPUs on purpose
+                warnings.append(f"CUDA_VISIBLE_DEVICES={cvd!r}: entry {entry!r} {what} "
+                                f"(NVML lists {len(phys)} GPU(s)); CUDA ignores it and every "
+                                f"entry after it")
+            break
+        chosen.append(match)
+    return chosen, warnings
+
+
+def _match(entry: str, phys: list[_Physical], cands: list) -> tuple | None:
+    if entry.isdigit():
+        i = int(entry)
+        if i >= len(phys):
+            return None
+        p = phys[i]
+        mine = [c for c in cands if c[0] is p]
+        return mine[0] if mine else None
+    if entry.startswith("MIG-"):
+        hits = [c for c in cands if c[1] and c[1].startswith(entry)]
+    elif entry.startswith("GPU-"):
+        hits = [c for c in cands if c[0].uuid.startswith(entry) and c[1] is None]
+    else:
+        return None
+    return hits[0] if len(hits) == 1 else None
+
+
+def detect(vis: Visibility, nvml: Any | None = None, root: str = "/",
+           load: bool = True) -> Hardware | None:
+    """NVIDIA hardware visible to this process, or None with nothing NVIDIA found.
+
+    ``nvml`` is pynvml or a substitute with the same functions (tests inject one).
+    """
+    notes: list[str] = []
+    if (vis.nvidia_visible_devices or "").strip().lower() in ("none", "void"):
+        return Hardware(notes=(f"NVIDIA_VISIBLE_DEVICES={vis.nvidia_visible_devices}: the "
+                               "container runtime gave this container no GPUs",))
+    if nvml is None and load:
+        nvml = load_pynvml()
+    if nvml is None:
+        return _no_nvml(root, "pynvml (nvidia-ml-py) is not installed")
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        return _no_nvml(root, _init_problem(nvml, exc))
+    try:
+        count = int(nvml.nvmlDeviceGetCount())
+        phys = [_physical(nvml, i) for i in range(count)]
+        driver = _try(nvml, "nvmlSystemGetDriverVersion")
+        cuda = _version(_try(nvml, "nvmlSystemGetCudaDriverVersion"))
+    except nvml.NVMLError as exc:
+        return Hardware(warnings=(f"NVML failed while listing GPUs: {exc}",))
+    finally:
+        _try(nvml, "nvmlShutdown")
+    if not phys:
+        return None
+    chosen, warnings = select_visible(phys, vis.cuda_visible_devices)
+    if vis.cuda_visible_devices is not None:
+        notes.append(f"CUDA_VISIBLE_DEVICES={vis.cuda_visible_devices!r} selects "
+                     f"{len(chosen)} of {len(phys)} GPU(s) NVML lists")
+    for p in phys:
+        if p.mig_enabled and not p.migs:
+            warnings.append(f"GPU {p.index} ({p.name}) has MIG mode on but no MIG instances: "
+                            f"CUDA cannot use it; create instances or disable MIG")
+    if sum(1 for c in chosen if c[1]) and len(chosen) > 1:
+        warnings.append("MIG: one CUDA process uses one MIG instance; only the first is "
+                        "counted. Run one process per pod/container, each given one instance "
+                        "through CUDA_VISIBLE_DEVICES=MIG-<uuid> (Kubernetes: nvidia.com/mig-* "
+                        "resources)")
+        chosen = chosen[:1]
+    gpus = tuple(Gpu(index=i, name=p.name + (" (MIG)" if mig else ""), uuid=mig or p.uuid,
+                     memory_bytes=mem, arch=p.arch, physical_index=p.index, mig=bool(mig),
+                     bus_id=p.bus_id) for i, (p, mig, mem) in enumerate(chosen))
+    return Hardware(vendor="nvidia", source="nvml", gpus=gpus, listed=len(phys),
+                    driver_version=_s(driver) if driver is not None else None,
+                    cuda_driver_version=cuda, notes=tuple(notes), warnings=tuple(warnings))
+
+
+def _init_problem(nvml: Any, exc: Exception) -> str:
+    if isinstance(exc, getattr(nvml, "NVMLError_LibraryNotFound", ())):
+        return ("NVML library (libnvidia-ml.so.1) not found: no NVIDIA driver in this "
+                "container")
+    if isinstance(exc, getattr(nvml, "NVMLError_DriverNotLoaded", ())):
+        return "NVIDIA driver not loaded on this host"
+    return f"NVML could not start: {exc}"
+
+
+def _no_nvml(root: str, why: str) -> Hardware | None:
+    nodes = sorted(p.name for p in (Path(root) / "dev").glob("nvidia[0-9]*"))
+    if nodes:  # device nodes without a usable NVML: a half-configured container
+        return Hardware(warnings=(f"{why}, yet /dev has {', '.join(nodes)}: the NVIDIA "
+                                  "container toolkit did not mount the driver libraries; run "
+                                  "with --gpus all (or --runtime nvidia)",))
+    return Hardware(notes=(why,))

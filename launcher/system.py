@@ -1,0 +1,143 @@
+"""Machine checks with I/O: /dev/shm, the output folder, network, DNS, the image manifest.
+
+The plan is pure; these are the side-effecting checks the ``train`` command runs
+before it starts workers and that ``doctor`` reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from launcher.hardware import Finding
+
+GIB = 1024 ** 3
+SHM_MIN_BYTES = GIB
+SHM_FIX = ("docker run --shm-size=8g ... (or --ipc=host); Kubernetes: mount an emptyDir "
+           "{medium: Memory, sizeLimit: 8Gi} at /dev/shm")
+
+
+def shm_bytes(path: str = "/dev/shm") -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize
+
+
+def check_shm(path: str = "/dev/shm") -> Finding:
+    size = shm_bytes(path)
+    if size is None:
+        return Finding("warn", "shm", f"{path} is missing: DataLoader workers cannot share "
+                       "memory", SHM_FIX)
+    text = f"{path} is {size / GIB:.2f} GiB"
+    if size < SHM_MIN_BYTES:
+        return Finding("warn", "shm", f"{text}: below 1 GiB, DataLoader workers can die with "
+                       "'Bus error'", SHM_FIX)
+    return Finding("ok", "shm", text)
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_output_dir(path: str | Path, create: bool) -> Finding:
+    """Writable? With create=False nothing is written (doctor, --dry-run)."""
+    target = Path(path)
+    fix = ("mount a writable volume there (docker run -v $PWD/runs:/workspace/runs), check "
+           "its owner against the container user, or set output.dir")
+    if not create:
+        base = _nearest_existing(target)
+        ok = base.is_dir() and os.access(base, os.W_OK | os.X_OK)
+        if ok:
+            return Finding("ok", "output", f"output.dir {target} is writable"
+                           + ("" if base == target.absolute() else f" (will be created in {base})"))
+        return Finding("fail", "output", f"output.dir {target} is not writable ({base} "
+                       f"{'is not a directory' if not base.is_dir() else 'denies writing'})",
+                       fix, 3)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=target, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        return Finding("fail", "output", f"output.dir {target} is not writable: "
+                       f"{exc.strerror or exc}", fix, 3)
+    return Finding("ok", "output", f"output.dir {target} is writable")
+
+
+def interfaces() -> list[dict[str, str | None]]:
+    """Network interfaces with their IPv4 address (Linux ioctl; None when it has none)."""
+    out = []
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return out
+    for name in names:
+        out.append({"name": name, "ipv4": _ipv4(name)})
+    return out
+
+
+def _ipv4(name: str) -> str | None:
+    try:
+        import fcntl
+        import struct
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                 struct.pack("256s", name[:15].encode()))
+        return socket.inet_ntoa(packed[20:24])
+    except (OSError, ImportError):
+        return None
+
+
+def resolve(host: str) -> list[str]:
+    try:
+        return sorted({info[4][0] for info in socket.getaddrinfo(host, None)})
+    except (OSError, UnicodeError):
+        return []
+
+
+def wait_for_host(host: str, timeout_s: float, log: Callable[[str], None],
+                  sleep: Callable[[float], None] = time.sleep,
+                  resolver: Callable[[str], list[str]] = resolve) -> list[str]:
+    """Wait until ``host`` resolves (pytorch#73682: peers' DNS names appear late)."""
+    from train.errors import CannotRunHere
+    deadline = time.monotonic() + timeout_s
+    delay, said = 1.0, False
+    while True:
+        addrs = resolver(host)
+        if addrs:
+            if said:
+                log(f"rendezvous host {host} resolves to {', '.join(addrs)}")
+            return addrs
+        if time.monotonic() >= deadline:
+            raise CannotRunHere(
+                f"rendezvous host {host!r} did not resolve within {timeout_s:.0f} s: check the "
+                "Service name and namespace, that the rendezvous Deployment is running, and "
+                f"DNS from this pod (getent hosts {host}); TRAIN_DNS_WAIT_S sets the wait")
+        if not said:
+            log(f"waiting up to {timeout_s:.0f} s for rendezvous host {host} to resolve")
+            said = True
+        sleep(delay)
+        delay = min(delay * 1.5, 5.0)
+
+
+def read_manifest(path: str) -> dict | None:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else {"value": data}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
