@@ -78,3 +78,31 @@ def parallelize(module: nn.Module, cfg: Config, env: WorkerEnv, device: torch.de
     if strategy == "fsdp":
         return _fsdp(module, cfg, device)
     return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def _state_options(model: nn.Module, *, loading: bool):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    sharded = _is_fsdp(model)
+    # Full (unsharded) tensors on rank 0: one checkpoint format for every strategy,
+    # loadable at any world size and by `export` without this trainer.
+    return StateDictOptions(full_state_dict=True, cpu_offload=sharded and not loading,
+                            broadcast_from_rank0=sharded and loading)
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Collective under FSDP: every rank calls it; rank 0 gets the full tensors."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    return get_state_dict(model, optimizer, options=_state_options(model, loading=False))
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                    optim_state: dict) -> None:
+    """Collective under FSDP; parameter names are those of the plain module."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    set_state_dict(model, optimizer, model_state_dict=model_state,
+                   optim_state_dict=optim_state, options=_state_options(model, loading=True))

@@ -34,7 +34,7 @@ from train.manifest import update_manifest, write_json_atomic
 from train.metrics import MetricsLogger
 from train.models import build_model, count_parameters
 from train.optim import build_optimizer, build_scheduler
-from train.parallel import parallelize
+from train.parallel import full_state, load_full_state, parallelize
 
 log = logging.getLogger("train")
 
@@ -130,9 +130,10 @@ def build(cfg: Config, env: runtime.WorkerEnv) -> Parts:
 # ------------------------------------------------------------------ checkpoints
 
 def save_checkpoint(p: Parts, step: int) -> None:
+    model_state, optim_state = full_state(p.model, p.optimizer)
     shared = {"step": step, "samples_consumed": step * p.cfg.train.global_batch_size,
-              "world_size": p.env.world_size, "model": p.module.state_dict(),
-              "optimizer": p.optimizer.state_dict(), "scheduler": p.scheduler.state_dict(),
+              "world_size": p.env.world_size, "model": model_state,
+              "optimizer": optim_state, "scheduler": p.scheduler.state_dict(),
               "scaler": p.scaler.state_dict() if p.scaler else None, "config": to_dict(p.cfg)}
     path = p.checkpointer.save(step, shared, {"rng": rng_state(), "rank": p.env.rank})
     if p.is_main:
@@ -154,8 +155,7 @@ def resume(p: Parts) -> None:
     if found is None:
         return
     path, shared, mine = found
-    p.module.load_state_dict(shared["model"])
-    p.optimizer.load_state_dict(shared["optimizer"])
+    load_full_state(p.model, p.optimizer, shared["model"], shared["optimizer"])
     p.scheduler.load_state_dict(shared["scheduler"])
     if p.scaler and shared.get("scaler"):
         p.scaler.load_state_dict(shared["scaler"])
@@ -216,20 +216,27 @@ def mean_over_ranks(value: torch.Tensor, distributed: bool) -> float:
 
 @torch.no_grad()
 def evaluate(p: Parts) -> dict[str, float]:
-    idx = eval_indices(len(p.data.val), p.cfg.train.eval_batches, p.cfg.train.global_batch_size,
-                       p.env.rank, p.env.world_size)
+    cfg, env = p.cfg, p.env
+    total = min(len(p.data.val), cfg.train.eval_batches * cfg.train.global_batch_size)
+    idx = eval_indices(len(p.data.val), cfg.train.eval_batches, cfg.train.global_batch_size,
+                       env.rank, env.world_size)
+    # Every rank runs the same number of forwards (FSDP gathers parameters in each one);
+    # a rank whose share ran out evaluates sample 0 with weight 0.
+    n_batches = math.ceil(math.ceil(total / env.world_size) / p.micro)
     p.module.eval()
     sums = torch.zeros(3, device=p.device)  # loss x n, correct, n
-    for i in range(0, len(idx), p.micro):
-        x, y = p.data.val.__getitems__(idx[i: i + p.micro])
+    for i in range(n_batches):
+        chunk = idx[i * p.micro: (i + 1) * p.micro]
+        x, y = p.data.val.__getitems__(chunk or [0])
         x, y = x.to(p.device), y.to(p.device)
         with p.autocast():
             logits = p.module(x)
-        sums[0] += loss_fn(logits, y) * y.numel()
-        sums[1] += (logits.argmax(-1) == y).sum()
-        sums[2] += y.numel()
+        if chunk:
+            sums[0] += loss_fn(logits, y) * y.numel()
+            sums[1] += (logits.argmax(-1) == y).sum()
+            sums[2] += y.numel()
     p.module.train()
-    if p.env.distributed:
+    if env.distributed:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     if sums[2] == 0:
         return {}

@@ -1,0 +1,63 @@
+"""Parallel strategies and memory savers on CPU with real processes (gloo)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conftest import TINY_GPT, losses, merge, run_train, write_config
+
+STEPS = 8
+
+
+def _config(tmp_path, **extra):
+    tree = merge(TINY_GPT, {"output": {"dir": str(tmp_path)}, "train": {"max_steps": STEPS},
+                            "checkpoint": {"every_steps": 4}, **extra})
+    return write_config(tmp_path / "c.yaml", tree)
+
+
+def _assert_close(a: dict, b: dict, rel: float = 1e-5) -> None:
+    assert sorted(a) == sorted(b)
+    for step in a:
+        assert math.isclose(a[step], b[step], rel_tol=rel), (step, a[step], b[step])
+
+
+def test_fsdp_on_two_processes_matches_one_process_and_resumes(tmp_path):
+    config = _config(tmp_path)
+    assert run_train(config, "run.name=one").returncode == 0
+    proc = run_train(config, "run.name=fsdp", "distributed.strategy=fsdp", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_close(losses(tmp_path / "one"), losses(tmp_path / "fsdp"))
+    # Resume the FSDP run from its step-4 checkpoint (full tensors, loaded by broadcast).
+    ckpts = tmp_path / "fsdp" / "checkpoints"
+    (ckpts / "latest").write_text("step-4\n")
+    for later in ckpts.glob("step-8"):
+        import shutil
+        shutil.rmtree(later)
+    proc = run_train(config, "run.name=fsdp", "distributed.strategy=fsdp", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "at step 4" in proc.stderr
+    _assert_close(losses(tmp_path / "one"), losses(tmp_path / "fsdp"))
+
+
+@pytest.mark.parametrize("mode", ["full", "every_n"])
+def test_activation_checkpointing_does_not_change_the_math(tmp_path, mode):
+    config = _config(tmp_path, model={"depth": 2})
+    assert run_train(config, "run.name=plain").returncode == 0
+    proc = run_train(config, "run.name=ac", f"memory.activation_checkpointing={mode}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "activation checkpointing on" in proc.stderr
+    _assert_close(losses(tmp_path / "plain"), losses(tmp_path / "ac"), rel=1e-6)
+
+
+@pytest.mark.parametrize("strategy,nproc,fragment", [
+    ("dp", 1, "dp needs GPUs"),
+    ("single", 2, "runs one process"),
+])
+def test_strategies_this_machine_cannot_run_exit_3(tmp_path, strategy, nproc, fragment):
+    proc = run_train(_config(tmp_path), f"distributed.strategy={strategy}", nproc=nproc)
+    assert fragment in proc.stderr
+    if nproc == 1:
+        assert proc.returncode == 3
+        assert len(proc.stderr.strip().splitlines()) == 1
