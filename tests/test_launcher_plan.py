@@ -1,0 +1,258 @@
+"""The launch plan as golden argv/env for each launch convention, and its error paths.
+
+plan() is pure, so every machine here is made up: Hardware/TorchBuild records and an
+environment mapping.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher import environ
+from launcher.hardware import Gpu, Hardware, TorchBuild
+from launcher.plan import plan
+from train.config import load_config
+from train.errors import CannotRunHere, ConfigError
+
+PY = "/opt/venv/bin/python"
+APP = "/app"
+CPU_HW = Hardware(cpus=8)
+CPU_TORCH = TorchBuild(version="2.13.0+cpu", gloo=True)
+CUDA_TORCH = TorchBuild(version="2.13.0+cu130", cuda="13.0", nccl=True, gloo=True,
+                        arch_list=("sm_80", "sm_90"))
+ROCM_TORCH = TorchBuild(version="2.13.0+rocm7.2", hip="7.2", nccl=True, gloo=True,
+                        arch_list=("gfx90a", "gfx942"))
+
+
+def gpus(n: int, vendor: str = "nvidia", arch: str = "sm_90") -> Hardware:
+    return Hardware(vendor=vendor, source="test", listed=n, cpus=32,
+                    driver_version="580.65.06" if vendor == "nvidia" else None,
+                    cuda_driver_version="13.0" if vendor == "nvidia" else None,
+                    gpus=tuple(Gpu(index=i, name="G", arch=arch) for i in range(n)))
+
+
+@pytest.fixture
+def cfg_file(tmp_path: Path):
+    def make(**tree) -> str:
+        base = {"model": {"kind": "mlp", "depth": 1, "width": 8},
+                "data": {"kind": "synthetic", "num_samples": 64, "shape": [4]},
+                "train": {"global_batch_size": 48, "max_steps": 5},
+                "output": {"dir": "/runs"}}
+        for key, value in tree.items():
+            base.setdefault(key, {}).update(value)
+        path = tmp_path / "job.yaml"
+        path.write_text(yaml.safe_dump(base))
+        return str(path)
+    return make
+
+
+def make(cfg_path: str, overrides=(), hw=CPU_HW, tb=CPU_TORCH, env=None):
+    cfg = load_config(cfg_path, list(overrides))
+    return plan(cfg, hw, tb, environ.read({"PATH": "/usr/bin", **(env or {})}),
+                config_path=cfg_path, overrides=list(overrides), python=PY, app_root=APP,
+                master_port=29511)
+
+
+BASE_ENV = {"PYTHONPATH": APP, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_FR_DUMP_TEMP_FILE": "/runs/job/nccl-flight-recorder-rank-",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/runs/job/nccl-flight-recorder-rank-",
+            "NCCL_DEBUG": "WARN"}
+
+
+def torchrun(*rdzv: str, nproc: int, restarts: int = 3) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", str(nproc),
+            "--max-restarts", str(restarts), "--log-dir", "/runs/job/logs", "--tee", "3",
+            "-m", "launcher.worker"]
+
+
+# ------------------------------------------------------------------------ golden plans
+
+def test_single_process_on_cpu_runs_the_worker_directly(cfg_file):
+    path = cfg_file()
+    p = make(path, ["optim.lr=0.01"])
+    assert p.mode == "direct" and p.device == "cpu" and p.backend == "gloo"
+    assert list(p.argv) == [PY, "-m", "launcher.worker", path, "optim.lr=0.01", "device=cpu",
+                            "distributed.backend=gloo"]
+    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "8", "RANK": "0", "LOCAL_RANK": "0",
+                     "GROUP_RANK": "0", "ROLE_RANK": "0", "WORLD_SIZE": "1",
+                     "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "1",
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511",
+                     "TORCHELASTIC_MAX_RESTARTS": "3"}
+    assert p.world_sizes == (1,) and p.log_dir is None
+
+
+def test_two_cpu_processes_use_standalone_torchrun(cfg_file):
+    path = cfg_file()
+    p = make(path, ["distributed.nproc_per_node=2"])
+    assert list(p.argv) == torchrun("--standalone", "--nnodes", "1", nproc=2) + [
+        path, "distributed.nproc_per_node=2", "device=cpu", "distributed.backend=gloo"]
+    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "4"}
+
+
+def test_single_node_gpus_one_process_each_with_nccl(cfg_file):
+    path = cfg_file()
+    p = make(path, ["deterministic=true"], hw=gpus(4), tb=CUDA_TORCH)
+    assert p.device == "gpu" and p.backend == "nccl" and p.nproc_per_node == 4
+    assert list(p.argv) == torchrun("--standalone", "--nnodes", "1", nproc=4) + [
+        path, "deterministic=true", "device=gpu", "distributed.backend=nccl"]
+    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "8", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                     "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **NCCL_ENV}
+
+
+def test_rocm_gpus_use_nccl_which_is_rccl(cfg_file):
+    p = make(cfg_file(), hw=gpus(2, "amd", "gfx942"), tb=ROCM_TORCH)
+    assert (p.device, p.backend, p.nproc_per_node) == ("gpu", "nccl", 2)
+    assert "CUDA_DEVICE_ORDER" not in p.env and p.env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+
+
+def test_torchrun_pet_variables_elastic_c10d(cfg_file):
+    path = cfg_file()
+    env = {"PET_NNODES": "1:4", "PET_RDZV_ENDPOINT": "rdzv.ns.svc:29400",
+           "PET_RDZV_ID": "job-123", "PET_MAX_RESTARTS": "10", "PET_NPROC_PER_NODE": "2"}
+    p = make(path, hw=gpus(2), tb=CUDA_TORCH, env=env)
+    assert p.convention == "torchrun-env" and p.nnodes == (1, 4)
+    assert list(p.argv) == torchrun(
+        "--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "rdzv.ns.svc:29400",
+        "--rdzv-id", "job-123", "--rdzv-conf", "keep_alive_interval=2,keep_alive_max_attempt=3",
+        nproc=2, restarts=10) + [path, "device=gpu", "distributed.backend=nccl"]
+    assert p.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert p.rdzv_host == "rdzv.ns.svc" and p.world_sizes == (2, 4, 6, 8)
+    assert p.max_restarts == 10
+
+
+def test_pet_rdzv_conf_entries_win_over_defaults(cfg_file):
+    env = {"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "store:29400", "PET_RDZV_ID": "x",
+           "PET_RDZV_CONF": "is_host=false,keep_alive_interval=7"}
+    p = make(cfg_file(), env=env)
+    conf = p.argv[p.argv.index("--rdzv-conf") + 1]
+    assert conf == "keep_alive_interval=7,keep_alive_max_attempt=3,is_host=false"
+
+
+def test_kubeflow_v1_static_rendezvous(cfg_file):
+    path = cfg_file()
+    env = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3",
+           "RANK": "2"}
+    p = make(path, hw=gpus(8), tb=CUDA_TORCH, env=env)
+    assert p.convention == "kubeflow-v1" and p.nnodes == (3, 3) and p.world_sizes == (24,)
+    assert list(p.argv) == torchrun(
+        "--nnodes", "3", "--node-rank", "2", "--rdzv-backend", "static",
+        "--master-addr", "job-master-0", "--master-port", "23456", nproc=8) + [
+        path, "device=gpu", "distributed.backend=nccl"]
+    assert p.rdzv_host == "job-master-0"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in p.env
+
+
+def test_kubeflow_v1_master_pod_does_not_wait_for_its_own_name(cfg_file):
+    env = {"MASTER_ADDR": "job-master-0", "WORLD_SIZE": "2", "RANK": "0"}
+    assert make(cfg_file(), env=env).rdzv_host is None
+
+
+def test_indexed_job_with_standalone_store(cfg_file):
+    path = cfg_file()
+    env = {"JOB_COMPLETION_INDEX": "1", "TRAIN_RDZV_ENDPOINT": "train-rdzv:29400",
+           "TRAIN_NNODES": "2:4", "TRAIN_RDZV_ID": "0b7c-uid", "TRAIN_LOCAL_ADDR": "10.0.0.7",
+           "TRAIN_SOCKET_IFNAME": "eth0"}
+    p = make(path, ["distributed.nproc_per_node=2"], env=env)
+    assert p.convention == "indexed-job" and p.nnodes == (2, 4)
+    assert list(p.argv) == torchrun(
+        "--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "train-rdzv:29400",
+        "--rdzv-id", "0b7c-uid", "--rdzv-conf",
+        "is_host=false,keep_alive_interval=2,keep_alive_max_attempt=3",
+        "--local-addr", "10.0.0.7", nproc=2) + [
+        path, "distributed.nproc_per_node=2", "device=cpu", "distributed.backend=gloo"]
+    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "4", "NCCL_SOCKET_IFNAME": "eth0",
+                     "GLOO_SOCKET_IFNAME": "eth0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert p.world_sizes == (4, 6, 8) and p.rdzv_host == "train-rdzv"
+
+
+def test_user_set_variables_are_kept_and_reported(cfg_file):
+    p = make(cfg_file(), ["distributed.nproc_per_node=2"],
+             env={"OMP_NUM_THREADS": "3", "PYTHONPATH": "/extra"})
+    assert "OMP_NUM_THREADS" not in p.env and p.env["PYTHONPATH"] == "/app:/extra"
+    assert any("OMP_NUM_THREADS=3" in w for w in p.warnings)
+
+
+def test_debug_switch(cfg_file):
+    p = make(cfg_file(), hw=gpus(1), tb=CUDA_TORCH, env={"TRAIN_DEBUG": "1"})
+    assert p.env["NCCL_DEBUG"] == "INFO" and p.env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+
+
+def test_device_cpu_ignores_gpus_and_an_unusable_build(cfg_file):
+    p = make(cfg_file(), ["device=cpu"], hw=gpus(4),
+             tb=CPU_TORCH)
+    assert (p.device, p.backend, p.nproc_per_node) == ("cpu", "gloo", 1)
+    assert any("ignoring 4 GPU" in n for n in p.notes)
+
+
+def test_dp_is_one_process_over_all_gpus(cfg_file):
+    p = make(cfg_file(), ["distributed.strategy=dp"], hw=gpus(4), tb=CUDA_TORCH)
+    assert p.mode == "direct" and p.nproc_per_node == 1 and p.world_sizes == (1,)
+
+
+# ------------------------------------------------------------------------ error paths
+
+@pytest.mark.parametrize("overrides, env, key", [
+    (["distributed.nproc_per_node=5"], {}, "train.global_batch_size"),        # 48 % 5
+    ([], {"PET_NNODES": "1:5", "PET_RDZV_ENDPOINT": "h:1", "PET_RDZV_ID": "x"},
+     "train.global_batch_size"),                                                 # 48 % 5 at 5 nodes
+    (["train.micro_batch_size=16", "distributed.nproc_per_node=2"], {}, "train.micro_batch_size"),
+    (["device=cpu", "distributed.backend=nccl"], {}, "distributed.backend"),
+    (["device=cpu", "distributed.strategy=dp"], {}, "distributed.strategy"),
+    (["distributed.strategy=single", "distributed.nproc_per_node=2"], {},
+     "distributed.nproc_per_node"),
+    ([], {"PET_NNODES": "4:2"}, "PET_NNODES"),
+    ([], {"PET_NNODES": "two"}, "PET_NNODES"),
+    ([], {"JOB_COMPLETION_INDEX": "0", "TRAIN_RDZV_ENDPOINT": "s:1", "TRAIN_NNODES": "2"},
+     "TRAIN_RDZV_ID"),
+    ([], {"JOB_COMPLETION_INDEX": "0", "TRAIN_RDZV_ENDPOINT": "s:1", "TRAIN_RDZV_ID": "u"},
+     "TRAIN_NNODES"),
+    ([], {"JOB_COMPLETION_INDEX": "0", "TRAIN_RDZV_ENDPOINT": "s:99999", "TRAIN_RDZV_ID": "u",
+          "TRAIN_NNODES": "2"}, "TRAIN_RDZV_ENDPOINT"),
+    ([], {"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "s:1", "PET_RDZV_CONF": "is_host=false"},
+     "PET_RDZV_ID"),
+    ([], {"MASTER_ADDR": "m", "WORLD_SIZE": "2", "RANK": "2"}, "RANK"),
+])
+def test_bad_input_is_exit_2_naming_the_key(cfg_file, overrides, env, key):
+    with pytest.raises(ConfigError) as err:
+        make(cfg_file(), overrides, env=env)
+    assert err.value.key == key and err.value.exit_code == 2
+    assert "\n" not in err.value.one_line()
+
+
+def test_bad_environment_value_is_exit_2():
+    with pytest.raises(ConfigError) as err:
+        environ.read({"JOB_COMPLETION_INDEX": "x"})
+    assert err.value.one_line().startswith("error: environment: JOB_COMPLETION_INDEX: ")
+
+
+@pytest.mark.parametrize("overrides, hw, tb, env, words", [
+    (["device=gpu"], CPU_HW, CPU_TORCH, {}, "no usable GPU"),
+    (["distributed.backend=nccl"], CPU_HW, CPU_TORCH, {}, "nccl needs GPUs"),
+    (["distributed.backend=mpi"], CPU_HW, CPU_TORCH, {}, "without mpi"),
+    (["distributed.backend=nccl"], gpus(1), TorchBuild(version="x", cuda="13.0", gloo=True),
+     {}, "without nccl"),
+    ([], gpus(2), CPU_TORCH, {}, "CPU-only build"),
+    ([], gpus(2, arch="sm_70"), CUDA_TORCH, {}, "sm_70"),
+    ([], Hardware(vendor="nvidia", listed=1, cuda_driver_version="12.2", driver_version="535",
+                  gpus=(Gpu(index=0, name="G", arch="sm_90"),)), CUDA_TORCH, {}, "R580"),
+    (["distributed.nproc_per_node=4"], gpus(2), CUDA_TORCH, {}, "4 processes per node need 4"),
+    (["distributed.strategy=dp"], CPU_HW, CPU_TORCH, {}, "dp needs GPUs"),
+    (["distributed.strategy=single"], CPU_HW, CPU_TORCH,
+     {"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "h:1"}, "launches 2:2 nodes"),
+    (["distributed.strategy=fsdp", "memory.cpu_offload=true"], CPU_HW, CPU_TORCH, {},
+     "cpu_offload"),
+])
+def test_valid_but_not_here_is_exit_3(cfg_file, overrides, hw, tb, env, words):
+    with pytest.raises(CannotRunHere) as err:
+        make(cfg_file(), overrides, hw=hw, tb=tb, env=env)
+    assert err.value.exit_code == 3 and words in str(err.value)
+
+
+def test_plan_is_pure_and_repeatable(cfg_file):
+    path = cfg_file()
+    assert make(path, ["distributed.nproc_per_node=2"]) == make(path, ["distributed.nproc_per_node=2"])
