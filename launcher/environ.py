@@ -194,6 +194,9 @@ def worker_identity(env: Mapping[str, str] | None = None) -> WorkerIdentity:
         return int(value) if value.isdigit() else 0
 
     error_file = _opt(env, "TORCHELASTIC_ERROR_FILE")
+    log_dir = os.path.dirname(error_file) if error_file else None
+    if log_dir and not os.path.isfile(os.path.join(log_dir, "stderr.log")):
+        log_dir = None  # torchrun without --log-dir/--tee: the output went to the console
     return WorkerIdentity(status_dir=_opt(env, STATUS_DIR_VAR), rank=num("RANK"),
                           local_rank=num("LOCAL_RANK"), restart=num("TORCHELASTIC_RESTART_COUNT"),
-                          log_dir=os.path.dirname(error_file) if error_file else None)
+                          log_dir=log_dir)

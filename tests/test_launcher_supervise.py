@@ -1,0 +1,143 @@
+"""The supervisor: exit-code mapping, signal forwarding, restarts — with a stand-in
+worker under real torchrun (gloo-free, so a few seconds each)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.supervise import classify
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE = str(ROOT / "tests" / "fakes" / "fake_worker.py")
+RUN_PLAN = str(ROOT / "tests" / "fakes" / "run_plan.py")
+
+
+def rep(rank: int, code: int, error: str | None = None, restart: int = 0) -> dict:
+    return {"rank": rank, "exit_code": code, "error": error, "restart": restart,
+            "log_dir": f"/runs/x/logs/a/attempt_0/{rank}"}
+
+
+# ------------------------------------------------------------------------- classify
+
+def test_all_done_is_0():
+    assert classify(0, [rep(0, 0), rep(1, 0)], [], 2, "torchrun").code == 0
+
+
+def test_failure_names_the_first_failing_rank_and_its_log():
+    out = classify(1, [rep(0, 0), rep(1, 1, "ValueError: bad"), rep(2, 1, "x")], [], 3,
+                   "torchrun")
+    assert out.code == 1
+    assert out.message == ("error: training failed: rank 1: ValueError: bad (1 more rank(s) "
+                           "failed); details in its log /runs/x/logs/a/attempt_0/1/stderr.log")
+
+
+def test_sigterm_with_every_checkpoint_confirmed_is_143():
+    out = classify(1, [rep(0, 143), rep(1, 143)], [signal.SIGTERM], 2, "torchrun")
+    assert out.code == 143 and "SIGTERM" in out.message and "confirmed" not in out.message
+
+
+def test_sigterm_without_reports_is_still_143_but_says_so():
+    out = classify(1, [], [signal.SIGTERM], 2, "torchrun")
+    assert out.code == 143 and "0 of 2" in out.message
+
+
+def test_signal_during_last_step_that_finished_is_0():
+    assert classify(0, [rep(0, 0)], [signal.SIGINT], 1, "direct").code == 0
+
+
+def test_torchrun_failing_before_workers_is_1():
+    out = classify(1, [], [], 2, "torchrun")
+    assert out.code == 1 and "before any worker reported" in out.message
+
+
+def test_worker_killed_without_report_is_1():
+    out = classify(-9, [], [], 1, "direct")
+    assert out.code == 1 and "SIGKILL" in out.message and "out of memory" in out.message
+
+
+def test_worker_exit_2_or_3_passes_through():
+    assert classify(3, [rep(0, 3)], [], 1, "direct").code == 3
+
+
+def test_older_restart_rounds_are_ignored(tmp_path):
+    from launcher.supervise import read_reports
+    for r in (rep(0, 1, "old", restart=0), rep(1, 0, restart=1)):
+        (tmp_path / f"rank-{r['rank']}.json").write_text(json.dumps(r))
+    assert [r["rank"] for r in read_reports(tmp_path)] == [1]
+
+
+# -------------------------------------------------------------------- real processes
+
+def start(mode: str, nproc: int, tmp_path: Path, restarts: int = 0) -> subprocess.Popen:
+    if nproc == 1:
+        argv, plan_mode = [sys.executable, FAKE, mode], "direct"
+    else:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+                "--nproc-per-node", str(nproc), "--max-restarts", "0", FAKE, mode]
+        plan_mode = "torchrun"
+    plan = {"mode": plan_mode, "argv": argv, "env": {"OMP_NUM_THREADS": "1"}, "device": "cpu",
+            "backend": "gloo", "nproc_per_node": nproc, "nnodes": [1, 1],
+            "world_sizes": [nproc], "max_restarts": restarts, "convention": "single"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FAKE_READY_DIR": str(tmp_path)}
+    return subprocess.Popen([sys.executable, RUN_PLAN, json.dumps(plan)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_ready(tmp_path: Path, n: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list(tmp_path.glob("ready-*"))) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "workers never became ready"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_torchrun_worker_failure_is_1_naming_rank_1(tmp_path):
+    proc = start("fail-rank-1", 2, tmp_path)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last == ("error: training failed: rank 1: RuntimeError: boom on rank 1; details in "
+                    "its output above")
+
+
+@pytest.mark.slow
+def test_sigterm_reaches_torchrun_workers_and_exits_143(tmp_path):
+    proc = start("sigterm", 2, tmp_path)
+    wait_ready(tmp_path, 2, proc)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert time.monotonic() - sent < 15  # forwarded at once, not after torchrun's 30 s kill
+    assert "stopped by SIGTERM; rerun the same command" in err
+
+
+def test_sigint_in_direct_mode_is_143(tmp_path):
+    proc = start("sigterm", 1, tmp_path)
+    wait_ready(tmp_path, 1, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143, err
+
+
+def test_direct_mode_restarts_then_fails(tmp_path):
+    proc = start("crash", 1, tmp_path, restarts=2)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "restart 1 of 2" in err and "restart 2 of 2" in err and "restart 3" not in err
+    assert "exited with code 7" in err.strip().splitlines()[-1]
+
+
+def test_direct_mode_success_is_0(tmp_path):
+    proc = start("ok", 1, tmp_path, restarts=2)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and err == ""
