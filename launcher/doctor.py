@@ -74,6 +74,7 @@ def gather(env: Environ, config_path: str | None, overrides: list[str], *, app_r
     manifest = system.read_manifest(env.build_manifest)
     report["build_manifest"] = {"path": env.build_manifest, "present": manifest is not None,
                                 "content": manifest}
+    findings += _manifest_findings(manifest, tb)
     report["findings"] = [f.to_dict() for f in _dedupe(findings)]
     report["exit_code"] = max((f.exit_code for f in findings if f.level == "fail"), default=0)
     return report
@@ -111,11 +112,13 @@ def render(report: dict) -> str:
              + (f", HIP {t['hip']}" if t.get("hip") else "")
              + "); backends: " + (", ".join(b for b in ("nccl", "gloo", "mpi") if t.get(b))
                                   or "none")]
-    vendor = hw.get("vendor") or "none"
-    lines.append(f"gpus       {len(hw['gpus'])} usable ({vendor}, via {hw['source']}; "
-                 f"{hw['listed']} listed)"
-                 + (f"; driver {hw['driver_version']} (CUDA <= {hw['cuda_driver_version']})"
-                    if hw.get("driver_version") else ""))
+    if hw.get("vendor"):
+        lines.append(f"gpus       {len(hw['gpus'])} usable of {hw['listed']} listed "
+                     f"({hw['vendor']}, via {hw['source']})"
+                     + (f"; driver {hw['driver_version']} (CUDA <= {hw['cuda_driver_version']})"
+                        if hw.get("driver_version") else ""))
+    else:
+        lines.append("gpus       none found (CPU only)")
     lines += [_gpu_line(g) for g in hw["gpus"]]
     vis = {k: v for k, v in report["visibility"].items() if v is not None}
     lines.append("visibility " + (", ".join(f"{k}={v!r}" for k, v in vis.items()) or "(none set)"))
@@ -149,9 +152,23 @@ def render(report: dict) -> str:
 def _manifest_line(content: dict | None) -> str:
     if not content:
         return "unreadable"
-    keys = ("image", "version", "vendor", "variant", "torch", "created", "git_commit")
-    shown = {k: content[k] for k in keys if k in content and not isinstance(content[k], (dict, list))}
-    return ", ".join(f"{k}={v}" for k, v in shown.items()) or f"{len(content)} keys"
+    torch = content.get("torch") if isinstance(content.get("torch"), dict) else {}
+    args = content.get("build_args") if isinstance(content.get("build_args"), dict) else {}
+    shown = {"flavor": content.get("flavor"), "base": content.get("base_image"),
+             "torch": torch.get("version"), "python": content.get("python"),
+             "version": args.get("VERSION"), "commit": args.get("VCS_REF")}
+    return ", ".join(f"{k}={v}" for k, v in shown.items() if v) or f"{len(content)} keys"
+
+
+def _manifest_findings(content: dict | None, tb: TorchBuild) -> list[Finding]:
+    """The image says which torch it installed; a different one means the venv changed."""
+    torch = (content or {}).get("torch")
+    recorded = torch.get("version") if isinstance(torch, dict) else None
+    if recorded and tb.importable and recorded != tb.version:
+        return [Finding("warn", "image", f"the build manifest records torch {recorded}, but "
+                        f"torch {tb.version} is installed: the image's environment was changed",
+                        "rebuild the image instead of installing into it")]
+    return []
 
 
 def _comm_lines(c: dict) -> list[str]:
