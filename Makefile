@@ -31,3 +31,9 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) runs
+
+# Builds the CPU image (and the CUDA/ROCm Dockerfiles on a CPU base) with docker or
+# podman and runs it: doctor, training, read-only root, any UID (scripts/image-test).
+.PHONY: image-test
+image-test: venv
+	scripts/image-test
