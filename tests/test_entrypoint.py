@@ -1,0 +1,319 @@
+"""entrypoint.py as users meet it: --help, --dry-run, exit codes 2/3 with one-line
+errors, doctor (with fake AMD tools), doctor --comm, the rendezvous store, and real
+training through torchrun (two ranks, gloo on 127.0.0.1), including SIGTERM -> 143
+and two simulated nodes joining the standalone store."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ENTRY = str(ROOT / "entrypoint.py")
+FAKES = Path(__file__).parent / "fakes"
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+# Small enough that 20 steps on 2 ranks take seconds on a 2-core machine.
+SMALL = ["model.depth=1", "model.width=32", "model.context_length=32",
+         "train.global_batch_size=8", "data.max_bytes=200000", "data.num_workers=0",
+         "schedule.warmup_steps=2", "train.eval_batches=1", "logging.every_steps=5",
+         "logging.progress=plain", "checkpoint.every_steps=0"]
+
+
+def clean_env(**extra: str) -> dict:
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "PET_", "TORCHELASTIC", "JOB_COMPLETION",
+            "TRAIN_", "CUDA_VISIBLE", "NVIDIA_VISIBLE", "ROCR_", "HIP_", "OMP_NUM")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(extra)
+    return env
+
+
+def entry(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120
+          ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, ENTRY, *args], cwd=cwd, env=env or clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# ---------------------------------------------------------------------------- CLI
+
+def test_help_is_fast_and_imports_no_torch(tmp_path):
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-X", "importtime", ENTRY, "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=30)
+    elapsed = time.perf_counter() - start
+    assert out.returncode == 0, out.stderr
+    assert "train CONFIG" in out.stdout and "rendezvous" in out.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()}
+    assert "launcher.cli" in imported
+    assert not {"torch", "yaml", "numpy", "train.config"} & imported
+    assert elapsed < 1.0
+
+
+def test_no_arguments_prints_help(tmp_path):
+    out = entry(cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.startswith("usage: entrypoint.py")
+
+
+def test_dry_run_prints_a_runnable_plan(tmp_path):
+    out = entry("train", QUICKSTART, "distributed.nproc_per_node=2", "--dry-run", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[1].startswith("# mode=torchrun device=cpu backend=gloo nproc_per_node=2")
+    assert "OMP_NUM_THREADS=" in out.stdout and lines[-1].startswith(sys.executable)
+    assert lines[-1].endswith("distributed.nproc_per_node=2 device=cpu distributed.backend=gloo")
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
+@pytest.mark.parametrize("args, env, start", [
+    (["train", "missing.yaml"], {}, "error: missing.yaml: <file>: no such file"),
+    (["train", QUICKSTART, "optim.lrr=1"], {}, "error: command line: optim.lrr: unknown key"),
+    (["train", QUICKSTART, "train.max_steps=-1"], {}, "error: command line: train.max_steps:"),
+    (["train", QUICKSTART, "oops"], {}, "error: command line: oops: overrides look like"),
+    (["train", QUICKSTART, "distributed.nproc_per_node=3"], {},
+     f"error: {QUICKSTART}: train.global_batch_size: 32 is not divisible by world size 3"),
+    (["train", QUICKSTART, "--bogus"], {}, "error: command line: train: unrecognized"),
+    (["train"], {}, "error: command line: train: the following arguments are required"),
+    (["train", QUICKSTART], {"PET_NNODES": "x:y"}, "error: environment: PET_NNODES:"),
+    (["train", QUICKSTART], {"TRAIN_DEBUG": "maybe"}, "error: environment: TRAIN_DEBUG:"),
+    (["no-such-command-xyz"], {}, "error: command line: no-such-command-xyz: unknown command"),
+    (["--nope"], {}, "error: command line: --nope: unknown option"),
+    (["rendezvous", "--port", "http"], {}, "error: command line: rendezvous: argument --port"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, args, env, start):
+    out = entry(*args, cwd=tmp_path, env=clean_env(**env))
+    assert out.returncode == 2, out.stderr
+    assert one_error_line(out.stderr).startswith(start)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["device=gpu"], "device=gpu but no usable GPU here"),
+    (["distributed.backend=nccl"], "nccl needs GPUs"),
+    (["distributed.backend=mpi"], "was built without mpi"),
+    (["distributed.strategy=dp"], "dp needs GPUs"),
+])
+def test_not_runnable_here_exits_3_with_one_line(tmp_path, overrides, words):
+    out = entry("train", QUICKSTART, *overrides, cwd=tmp_path)
+    assert out.returncode == 3, out.stderr
+    assert words in one_error_line(out.stderr)
+
+
+def test_unwritable_output_dir_exits_3(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    for dry in ([], ["--dry-run"]):
+        out = entry("train", QUICKSTART, f"output.dir={tmp_path / 'file' / 'runs'}", *dry,
+                    cwd=tmp_path)
+        assert out.returncode == 3, out.stderr
+        assert "is not writable" in one_error_line(out.stderr)
+
+
+def test_other_commands_are_executed(tmp_path):
+    out = entry("python", "-c", "import sys; print('hi'); sys.exit(5)", cwd=tmp_path)
+    assert out.returncode == 5 and out.stdout == "hi\n"
+
+
+# ------------------------------------------------------------------------- doctor
+
+def test_doctor_here_is_ready_on_cpu(tmp_path):
+    manifest = tmp_path / "m.json"
+    manifest.write_text(json.dumps({"flavor": "cpu", "base_image": "debian:12",
+                                    "torch": {"version": "9.9.9"}}))
+    out = entry("doctor", cwd=tmp_path, env=clean_env(TRAIN_BUILD_MANIFEST=str(manifest)))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "gpus       none found (CPU only)" in out.stdout
+    assert "libnvidia-ml.so.1" in out.stdout and "/dev/shm" in out.stdout
+    assert "flavor=cpu, base=debian:12, torch=9.9.9" in out.stdout
+    assert "records torch 9.9.9" in out.stdout  # venv changed after the build
+    assert out.stdout.strip().endswith("verdict    ready to train")
+
+
+def test_doctor_json(tmp_path):
+    out = entry("doctor", "--json", cwd=tmp_path)
+    report = json.loads(out.stdout)
+    assert out.returncode == report["exit_code"] == 0
+    assert report["torch"]["kind"] == "cpu" and report["hardware"]["vendor"] is None
+    assert report["plan"]["device"] == "cpu" and report["plan"]["backend"] == "gloo"
+    assert report["build_manifest"] == {"path": "/app/build-manifest.json", "present": False,
+                                        "content": None}
+    assert {f["topic"] for f in report["findings"]} >= {"plan", "output", "shm"}
+    assert report["network"]["interfaces"]
+
+
+def test_doctor_reports_a_bad_config_with_exit_2(tmp_path):
+    out = entry("doctor", QUICKSTART, "model.width=7", cwd=tmp_path)
+    assert out.returncode == 2 and "FAIL" in out.stdout and "model.heads" in out.stdout
+
+
+def test_doctor_with_amd_gpus_and_this_cpu_torch_exits_3(tmp_path):
+    from test_launcher_detect import kfd_tree
+    kfd_tree(tmp_path / "hw", {7: (31896, 128, 90010)}, present=[128])
+    env = clean_env(PATH=f"{FAKES}:{os.environ['PATH']}", TRAIN_HW_ROOT=str(tmp_path / "hw"),
+                    FAKE_ROCM_SMI_OUTPUT=str(FAKES / "outputs" /
+                                             "rocm-smi-showproductname-mi250x.json"),
+                    ROCR_VISIBLE_DEVICES="0", HIP_VISIBLE_DEVICES="0")
+    out = entry("doctor", cwd=tmp_path, env=env)
+    assert out.returncode == 3, out.stdout
+    assert "1 usable of 1 listed (amd, via rocm-smi)" in out.stdout
+    assert "AMD INSTINCT MI200" in out.stdout and "gfx90a" in out.stdout
+    assert "CPU-only build and cannot use the 1 AMD GPU" in out.stdout
+    assert "use the ROCm image" in out.stdout
+    assert "both ROCR_VISIBLE_DEVICES='0' and HIP_VISIBLE_DEVICES='0'" in out.stdout
+    train = entry("train", QUICKSTART, cwd=tmp_path, env=env)
+    assert train.returncode == 3 and "use the ROCm image" in one_error_line(train.stderr)
+    cpu = entry("train", QUICKSTART, "device=cpu", "--dry-run", cwd=tmp_path, env=env)
+    assert cpu.returncode == 0 and "ignoring 1 GPU" in cpu.stdout
+
+
+def test_doctor_sees_listed_but_unusable_amd_gpus(tmp_path):
+    env = clean_env(PATH=f"{FAKES}:{os.environ['PATH']}", TRAIN_HW_ROOT=str(tmp_path),
+                    FAKE_ROCM_SMI_OUTPUT=str(FAKES / "outputs" / "rocm-smi-7900xt-2cards.json"))
+    out = entry("doctor", cwd=tmp_path, env=env)
+    assert out.returncode == 0  # trains on the CPU, with the warning
+    assert "0 usable of 2 listed" in out.stdout and "--device /dev/kfd" in out.stdout
+
+
+@pytest.mark.slow
+def test_doctor_comm_all_reduce_over_two_cpu_processes(tmp_path):
+    out = entry("doctor", "--comm", "--json", cwd=tmp_path, timeout=120)
+    comm = json.loads(out.stdout)["comm"]
+    assert out.returncode == 0, out.stdout
+    assert comm["ok"] and comm["processes"] == 2 and comm["backend"] == "gloo"
+    assert [r["stage"] for r in comm["ranks"]] == ["done", "done"]
+
+
+def test_comm_summary_names_the_rank_that_did_not_answer(tmp_path):
+    from launcher import comm
+    (tmp_path / "comm-rank-0.json").write_text(json.dumps({"rank": 0, "stage": "allreduce"}))
+    (tmp_path / "comm-rank-1.json").write_text(json.dumps({"rank": 1, "stage": "init"}))
+    result = comm.summarise(str(tmp_path), 3, [0, 1], ["", "", "ImportError: x"], "gpu",
+                            "nccl", 30)
+    assert not result["ok"]
+    assert result["problems"] == [
+        "rank 0 did not answer within 30 s (stuck at stage 'allreduce')",
+        "rank 1 did not answer within 30 s (stuck at stage 'init')",
+        "rank 2 did not answer within 30 s (stuck at stage 'not started')"]
+
+
+# --------------------------------------------------------------------- rendezvous
+
+def read_until(proc: subprocess.Popen, pattern: str, timeout: float = 30) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+        m = re.search(pattern, line)
+        if m:
+            return m
+    raise AssertionError(f"no line matching {pattern!r}")
+
+
+def test_rendezvous_store_serves_clients_and_stops_on_sigterm(tmp_path):
+    proc = subprocess.Popen([sys.executable, ENTRY, "rendezvous", "--port", "0"], cwd=tmp_path,
+                            env=clean_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(read_until(proc, r"listening on 0\.0\.0\.0:(\d+)")[1])
+        import datetime
+
+        import torch.distributed as dist
+        client = dist.TCPStore("127.0.0.1", port, is_master=False,
+                               timeout=datetime.timedelta(seconds=10))
+        client.set("some/key", "v")
+        assert client.get("some/key") == b"v"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert "stopping" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# ------------------------------------------------------------------ real training
+
+@pytest.mark.slow
+def test_train_two_ranks_through_torchrun(tmp_path):
+    out = entry("train", QUICKSTART, "distributed.nproc_per_node=2", "train.max_steps=20",
+                *SMALL, cwd=tmp_path, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "-m torch.distributed.run --standalone" in out.stderr
+    assert "world size 2" in out.stdout + out.stderr
+    run = tmp_path / "runs" / "quickstart"
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows if "loss" in r) == 20
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-20"
+    assert json.loads((run / "manifest.json").read_text())
+    logs = list((run / "logs").glob("*/attempt_0/1/stderr.log"))
+    assert logs  # each rank's log on disk
+
+
+@pytest.mark.slow
+def test_sigterm_during_training_checkpoints_and_exits_143(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, ENTRY, "train", QUICKSTART, "distributed.nproc_per_node=2",
+         "train.max_steps=100000", *SMALL, "logging.every_steps=1"],
+        cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        read_until_stdout(proc, r"step 3/")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out[-3000:]
+    assert "stopped by SIGTERM; rerun the same command" in out
+    latest = tmp_path / "runs" / "quickstart" / "checkpoints" / "latest"
+    assert latest.read_text().startswith("step-")
+
+
+def read_until_stdout(proc: subprocess.Popen, pattern: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise AssertionError("exited early")
+        if re.search(pattern, line):
+            return
+    raise AssertionError(f"no line matching {pattern!r}")
+
+
+@pytest.mark.slow
+def test_two_nodes_join_the_standalone_store_as_an_indexed_job(tmp_path):
+    store = subprocess.Popen([sys.executable, ENTRY, "rendezvous", "--port", "0"],
+                             cwd=tmp_path, env=clean_env(), stderr=subprocess.PIPE, text=True)
+    nodes = []
+    try:
+        port = int(read_until(store, r"listening on 0\.0\.0\.0:(\d+)")[1])
+        for index in range(2):
+            env = clean_env(JOB_COMPLETION_INDEX=str(index), TRAIN_NNODES="2",
+                            TRAIN_RDZV_ENDPOINT=f"127.0.0.1:{port}", TRAIN_RDZV_ID="job-uid-1",
+                            TRAIN_LOCAL_ADDR="127.0.0.1")
+            nodes.append(subprocess.Popen(
+                [sys.executable, ENTRY, "train", QUICKSTART, "train.max_steps=6", *SMALL],
+                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                text=True))
+        outs = [n.communicate(timeout=240)[0] for n in nodes]
+        m = read_until(store, r"round 0 complete: (\d) node")
+    finally:
+        for p in [*nodes, store]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(timeout=30)
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    assert "is_host=false" in outs[0] and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in outs[0]
+    assert "world size 2" in "".join(outs)
+    assert m[1] == "2"
