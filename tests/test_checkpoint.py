@@ -160,3 +160,22 @@ def test_resume_from_none_starts_fresh(reference, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resumed" not in proc.stderr
     assert sorted(losses(tmp_path / "ref")) == [1, 2, 3]
+
+
+def test_async_save_on_two_processes_writes_complete_checkpoints(tmp_path):
+    config = write_config(tmp_path / "a.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path)}, "train": {"max_steps": 9},
+        "checkpoint": {"every_steps": 3, "keep_last": 5, "async_save": True}}))
+    proc = run_train(config, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpts = tmp_path / "a" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-3", "step-6", "step-9"]
+    for step in (3, 6, 9):
+        assert Checkpointer.verify(ckpts / f"step-{step}") is None
+        assert sorted(p.name for p in (ckpts / f"step-{step}").iterdir()) == \
+            ["checksums.json", "rank-0.pt", "rank-1.pt", "state.pt"]
+    ref = losses(tmp_path / "a")
+    rewind(tmp_path / "a", 3)
+    again = run_train(config, nproc=2)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert losses(tmp_path / "a") == ref

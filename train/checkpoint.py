@@ -19,11 +19,14 @@ import os
 import random
 import re
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map
 
 log = logging.getLogger("train")
 
@@ -83,32 +86,85 @@ def _as_tuple(value: Any) -> Any:
     return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
+def snapshot(state: Any) -> Any:
+    """A CPU copy that training can no longer mutate (for writing in the background)."""
+    return tree_map(lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor)
+                    else t, state)
+
+
 class Checkpointer:
     """Writes and finds checkpoints of one run; ``barrier`` syncs ranks (no-op alone)."""
 
-    def __init__(self, run_dir: Path, *, rank: int, keep_last: int,
-                 barrier: Callable[[], None] = lambda: None):
+    def __init__(self, run_dir: Path, *, rank: int, keep_last: int, world_size: int = 1,
+                 barrier: Callable[[], None] = lambda: None, async_timeout_s: float = 600):
         self.dir = run_dir / "checkpoints"
         self.rank, self.keep_last, self.barrier = rank, keep_last, barrier
+        self.world_size, self.async_timeout_s = world_size, async_timeout_s
+        self._writer: threading.Thread | None = None
+        self._writer_error: BaseException | None = None
 
     # ---------------------------------------------------------------- saving
-    def save(self, step: int, shared_state: dict[str, Any], rank_state: dict[str, Any]) -> Path:
-        """Collective: every rank calls it. Rank 0 writes shared_state; each rank its own."""
+    def save(self, step: int, shared_state: dict[str, Any], rank_state: dict[str, Any],
+             *, background: bool = False) -> Path:
+        """Collective: every rank calls it. Rank 0 writes shared_state; each rank its own.
+
+        background=True returns once the state is copied; files are written, sealed and
+        `latest` updated by a thread (the next save or :meth:`wait` joins it).
+        """
+        self.wait()
         partial = self.dir / f"step-{step}.partial"
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         self.barrier()
+        final = self.dir / f"step-{step}"
+        if background:
+            args = (partial, final, snapshot(shared_state) if self.rank == 0 else None,
+                    snapshot(rank_state))
+            self._writer = threading.Thread(target=self._write_in_background, args=args,
+                                            name=f"checkpoint-step-{step}")
+            self._writer.start()
+            return final
         save_file(rank_state, partial / f"rank-{self.rank}.pt")
         if self.rank == 0:
             save_file(shared_state, partial / STATE_FILE)
         self.barrier()
-        final = self.dir / f"step-{step}"
         if self.rank == 0:
             self._seal(partial, final)
             self._prune()
         self.barrier()
         return final
+
+    def wait(self) -> None:
+        """Join a background save; its failure is raised here, in the training thread."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._writer_error is not None:
+            error, self._writer_error = self._writer_error, None
+            raise RuntimeError(f"background checkpoint failed: {error}") from error
+
+    def _write_in_background(self, partial: Path, final: Path, shared: Any, mine: Any) -> None:
+        try:
+            save_file(mine, partial / f"rank-{self.rank}.pt")
+            (partial / f"rank-{self.rank}.done").touch()
+            if self.rank != 0:
+                return
+            save_file(shared, partial / STATE_FILE)
+            # Ranks have no collective here (the training thread owns the process group):
+            # rank 0 seals once every rank's marker is on the shared run directory.
+            markers = [partial / f"rank-{r}.done" for r in range(self.world_size)]
+            deadline = time.monotonic() + self.async_timeout_s
+            while not all(m.exists() for m in markers):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not finish writing {partial} in time")
+                time.sleep(0.05)
+            for m in markers:
+                m.unlink()
+            self._seal(partial, final)
+            self._prune()
+        except BaseException as exc:  # surfaced by wait()
+            self._writer_error = exc
 
     def _seal(self, partial: Path, final: Path) -> None:
         sums = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}

@@ -122,22 +122,24 @@ def build(cfg: Config, env: runtime.WorkerEnv) -> Parts:
     scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
     run_dir = cfg.run_dir
     checkpointer = Checkpointer(run_dir, rank=env.rank, keep_last=cfg.checkpoint.keep_last,
-                                barrier=_barrier(env))
+                                world_size=env.world_size, barrier=_barrier(env),
+                                async_timeout_s=cfg.distributed.timeout_s)
     return Parts(cfg, env, device, data, model, module, optimizer, scheduler, scaler, micro,
                  accum, run_dir, checkpointer)
 
 
 # ------------------------------------------------------------------ checkpoints
 
-def save_checkpoint(p: Parts, step: int) -> None:
+def save_checkpoint(p: Parts, step: int, *, background: bool = False) -> None:
     model_state, optim_state = full_state(p.model, p.optimizer)
     shared = {"step": step, "samples_consumed": step * p.cfg.train.global_batch_size,
               "world_size": p.env.world_size, "model": model_state,
               "optimizer": optim_state, "scheduler": p.scheduler.state_dict(),
               "scaler": p.scaler.state_dict() if p.scaler else None, "config": to_dict(p.cfg)}
-    path = p.checkpointer.save(step, shared, {"rng": rng_state(), "rank": p.env.rank})
+    path = p.checkpointer.save(step, shared, {"rng": rng_state(), "rank": p.env.rank},
+                               background=background)
     if p.is_main:
-        log.info("checkpoint saved: %s", path)
+        log.info("checkpoint %s: %s", "writing" if background else "saved", path)
 
 
 def resume(p: Parts) -> None:
@@ -313,8 +315,10 @@ def run_loop(p: Parts) -> int:
         if every_eval and step % every_eval == 0 and step < cfg.train.max_steps:
             _log_eval(p, step)
         stopping = p.stop.agreed(p.device, p.env.distributed)
-        if stopping or (every_ckpt and step % every_ckpt == 0) or step == cfg.train.max_steps:
-            save_checkpoint(p, step)
+        last = stopping or step == cfg.train.max_steps
+        if last or (every_ckpt and step % every_ckpt == 0):
+            # The last checkpoint is written in the foreground: exit 0 or 143 means saved.
+            save_checkpoint(p, step, background=cfg.checkpoint.async_save and not last)
         if stopping:
             faulthandler.cancel_dump_traceback_later()
             log.warning("stopped at step %d by a signal; rerun the same command to resume", step)
@@ -339,8 +343,10 @@ def _log_eval(p: Parts, step: int) -> dict[str, float]:
 def train(cfg: Config, env: runtime.WorkerEnv | None = None) -> int:
     env = env or runtime.WorkerEnv.from_environ()
     runtime.configure_logging(env.rank)
+    faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) shows every stack
     stop = StopFlag()
     stop.install()  # before the slow build, so an early SIGTERM is not lost
+    clean = False
     try:
         p = build(cfg, env)
         p.stop = stop
@@ -351,8 +357,12 @@ def train(cfg: Config, env: runtime.WorkerEnv | None = None) -> int:
             log.info("nothing to do: the run already reached step %d", p.start_step)
             if p.metrics:
                 p.metrics.close()
-            return EXIT_OK
-        return run_loop(p)
+            code = EXIT_OK
+        else:
+            code = run_loop(p)
+        p.checkpointer.wait()
+        clean = True
+        return code
     finally:
         sys.stdout.flush()
-        runtime.shutdown_distributed()
+        runtime.shutdown_distributed(clean)
