@@ -39,7 +39,8 @@ def available_cpus(root: str = "/") -> int:
 def detect(env: Environ, nvml: Any | None = None, load_nvml: bool = True) -> Hardware:
     """GPUs this process can use (NVIDIA first, then AMD), else CPU only."""
     cpus = available_cpus(env.hw_root)
-    nv = nvidia.detect(env.visibility, nvml=nvml, root=env.hw_root, load=load_nvml)
+    nv = nvidia.detect(env.visibility, nvml=nvml, root=env.hw_root, load=load_nvml,
+                       path=env.path)
     if nv is not None and nv.vendor:
         return _with(nv, cpus=cpus)
     am = amd.detect(env.visibility, env.path, root=env.hw_root)

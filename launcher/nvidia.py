@@ -7,11 +7,15 @@ the CUDA runtime does it: entries are indices, ``GPU-<uuid>`` or ``MIG-<uuid>``
 The plan sets ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA's numbering equals NVML's.
 
 A missing NVML library (no driver mounted: ``docker run`` without ``--gpus``) is
-normal and only produces a note.
+normal and only produces a note. Without the pynvml package (a bare machine rather
+than the image), ``nvidia-smi``'s CSV output stands in for it.
 """
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,8 +137,59 @@ def _match(entry: str, phys: list[_Physical], cands: list) -> tuple | None:
     return hits[0] if len(hits) == 1 else None
 
 
+SMI_FIELDS = "index,name,uuid,memory.total,compute_cap,pci.bus_id,driver_version,mig.mode.current"
+
+
+def _smi(exe: str, *args: str) -> str | None:
+    try:
+        out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=20,
+                             check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def smi_physical(path: str) -> tuple[list[_Physical], str | None, str | None] | None:
+    """(GPUs, driver, CUDA version) from nvidia-smi, or None when it is absent or fails."""
+    exe = shutil.which("nvidia-smi", path=path)
+    csv = _smi(exe, f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits") if exe \
+        else None
+    if csv is None:
+        return None
+    phys, driver = [], None
+    for line in csv.strip().splitlines():
+        f = [x.strip() for x in line.split(",")]
+        if len(f) < 8 or not f[0].isdigit():
+            continue
+        cc = f[4].split(".")
+        phys.append(_Physical(
+            index=int(f[0]), name=f[1], uuid=f[2],
+            memory=int(f[3]) * 1024 ** 2 if f[3].isdigit() else None,
+            arch=f"sm_{cc[0]}{cc[1]}" if len(cc) == 2 and all(c.isdigit() for c in cc) else None,
+            bus_id=f[5], mig_enabled=f[7].lower() == "enabled"))
+        driver = f[6]
+    if any(p.mig_enabled for p in phys):
+        _smi_migs(exe, phys)
+    header = _smi(exe) or ""
+    cuda = re.search(r"CUDA Version:\s*([\d.]+)", header)
+    return phys, driver, cuda[1] if cuda else None
+
+
+def _smi_migs(exe: str, phys: list[_Physical]) -> None:
+    """MIG instance UUIDs from ``nvidia-smi -L`` (indented under their GPU)."""
+    current = None
+    for line in (_smi(exe, "-L") or "").splitlines():
+        gpu = re.match(r"GPU (\d+):", line)
+        if gpu:
+            current = next((p for p in phys if p.index == int(gpu[1])), None)
+            continue
+        mig = re.search(r"UUID:\s*(MIG-[^)\s]+)", line)
+        if mig and current is not None and current.mig_enabled:
+            current.migs.append((mig[1], None))
+
+
 def detect(vis: Visibility, nvml: Any | None = None, root: str = "/",
-           load: bool = True) -> Hardware | None:
+           load: bool = True, path: str = "") -> Hardware | None:
     """NVIDIA hardware visible to this process, or None with nothing NVIDIA found.
 
     ``nvml`` is pynvml or a substitute with the same functions (tests inject one).
@@ -145,23 +200,29 @@ def detect(vis: Visibility, nvml: Any | None = None, root: str = "/",
                                "container runtime gave this container no GPUs",))
     if nvml is None and load:
         nvml = load_pynvml()
+    source = "nvml"
     if nvml is None:
-        return _no_nvml(root, "pynvml (nvidia-ml-py) is not installed")
-    try:
-        nvml.nvmlInit()
-    except nvml.NVMLError as exc:
-        return _no_nvml(root, _init_problem(nvml, exc))
-    try:
-        count = int(nvml.nvmlDeviceGetCount())
-        phys = [_physical(nvml, i) for i in range(count)]
-        driver = _try(nvml, "nvmlSystemGetDriverVersion")
-        cuda = _version(_try(nvml, "nvmlSystemGetCudaDriverVersion"))
-    except nvml.NVMLError as exc:
-        return Hardware(warnings=(f"NVML failed while listing GPUs: {exc}",))
-    finally:
-        _try(nvml, "nvmlShutdown")
+        smi = smi_physical(path) if path else None
+        if smi is None:
+            return _no_nvml(root, "pynvml (nvidia-ml-py) is not installed")
+        (phys, driver, cuda), source = smi, "nvidia-smi"
+        notes.append("pynvml (nvidia-ml-py) is not installed: read nvidia-smi instead")
+    else:
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            return _no_nvml(root, _init_problem(nvml, exc))
+        try:
+            count = int(nvml.nvmlDeviceGetCount())
+            phys = [_physical(nvml, i) for i in range(count)]
+            driver = _try(nvml, "nvmlSystemGetDriverVersion")
+            cuda = _version(_try(nvml, "nvmlSystemGetCudaDriverVersion"))
+        except nvml.NVMLError as exc:
+            return Hardware(warnings=(f"NVML failed while listing GPUs: {exc}",))
+        finally:
+            _try(nvml, "nvmlShutdown")
     if not phys:
-        return None
+        return Hardware(notes=tuple(notes)) if notes else None
     chosen, warnings = select_visible(phys, vis.cuda_visible_devices)
     if vis.cuda_visible_devices is not None:
         notes.append(f"CUDA_VISIBLE_DEVICES={vis.cuda_visible_devices!r} selects "
@@ -179,7 +240,7 @@ def detect(vis: Visibility, nvml: Any | None = None, root: str = "/",
     gpus = tuple(Gpu(index=i, name=p.name + (" (MIG)" if mig else ""), uuid=mig or p.uuid,
                      memory_bytes=mem, arch=p.arch, physical_index=p.index, mig=bool(mig),
                      bus_id=p.bus_id) for i, (p, mig, mem) in enumerate(chosen))
-    return Hardware(vendor="nvidia", source="nvml", gpus=gpus, listed=len(phys),
+    return Hardware(vendor="nvidia", source=source, gpus=gpus, listed=len(phys),
                     driver_version=_s(driver) if driver is not None else None,
                     cuda_driver_version=cuda, notes=tuple(notes), warnings=tuple(warnings))
 

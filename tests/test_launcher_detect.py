@@ -292,3 +292,29 @@ def test_hsa_override_skips_the_gfx_check():
 def test_torch_build_here_is_cpu_with_gloo():
     tb = detect.torch_build()
     assert tb.kind == "cpu" and tb.gloo and not tb.nccl and tb.cuda is None
+
+
+# ------------------------------------------------------- nvidia-smi (no pynvml)
+
+def test_nvidia_smi_stands_in_when_pynvml_is_missing(monkeypatch):
+    monkeypatch.setenv("FAKE_NVIDIA_SMI_CSV", str(OUTPUTS / "nvidia-smi-query-2gpus.csv"))
+    monkeypatch.setenv("FAKE_NVIDIA_SMI_L", str(OUTPUTS / "nvidia-smi-L-2gpus.txt"))
+    hw = nvidia.detect(environ.Visibility(cuda_visible_devices="MIG-b1b2,1"), nvml=None,
+                       load=False, root="/nonexistent", path=str(FAKES))
+    assert hw.source == "nvidia-smi" and hw.listed == 2
+    assert [g.uuid for g in hw.gpus] == ["MIG-b1b2c3d4-0000-5111-8222-333344445555"]
+    assert hw.gpus[0].mig and any("only the first" in w for w in hw.warnings)
+    assert hw.driver_version == "580.65.06" and hw.cuda_driver_version == "13.0"
+    assert "nvidia-smi instead" in hw.notes[0]
+    plain = nvidia.detect(environ.Visibility(cuda_visible_devices="1"), nvml=None, load=False,
+                          path=str(FAKES))
+    g = plain.gpus[0]
+    assert (g.name, g.arch, g.memory_bytes, g.bus_id) == (
+        "NVIDIA H100 80GB HBM3", "sm_90", 81559 * 1024 ** 2, "00000000:3B:00.0")
+
+
+def test_nvidia_smi_failing_means_no_nvidia(monkeypatch, tmp_path):
+    monkeypatch.delenv("FAKE_NVIDIA_SMI_CSV", raising=False)
+    hw = nvidia.detect(environ.Visibility(), nvml=None, load=False, root=str(tmp_path),
+                       path=str(FAKES))
+    assert hw.vendor is None and "pynvml" in hw.notes[0]
