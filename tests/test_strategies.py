@@ -61,3 +61,16 @@ def test_strategies_this_machine_cannot_run_exit_3(tmp_path, strategy, nproc, fr
     if nproc == 1:
         assert proc.returncode == 3
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_compiled_model_matches_eager_and_its_checkpoint_loads_without_compile(tmp_path):
+    from conftest import TINY_MLP
+    tree = merge(TINY_MLP, {"output": {"dir": str(tmp_path)}, "train": {"max_steps": 5}})
+    config = write_config(tmp_path / "m.yaml", tree)
+    assert run_train(config, "run.name=eager").returncode == 0
+    proc = run_train(config, "run.name=compiled", "compile=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _assert_close(losses(tmp_path / "eager"), losses(tmp_path / "compiled"), rel=1e-4)
+    resumed = run_train(config, "run.name=compiled", "train.max_steps=7")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "at step 5" in resumed.stderr

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import runtime
+from train.autobatch import largest_fitting, probe_on_gpu
 from train.checkpoint import Checkpointer, rng_state, set_rng_state
 from train.config import AUTO, Config, batch_split, to_dict, to_yaml
 from train.data import (DataBundle, GlobalOrder, RankBatchSampler, build_data, eval_indices,
@@ -116,6 +117,9 @@ def build(cfg: Config, env: runtime.WorkerEnv) -> Parts:
     module = build_model(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     module.to(device)
     torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank dropout streams, after the shared init
+    if cfg.train.micro_batch_size == AUTO and device.type == "cuda" \
+            and cfg.distributed.strategy != "fsdp":
+        micro, accum = auto_micro_batch(cfg, env, module, data, device, micro * accum)
     model = parallelize(module, cfg, env, device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
@@ -126,6 +130,25 @@ def build(cfg: Config, env: runtime.WorkerEnv) -> Parts:
                                 async_timeout_s=cfg.distributed.timeout_s)
     return Parts(cfg, env, device, data, model, module, optimizer, scheduler, scaler, micro,
                  accum, run_dir, checkpointer)
+
+
+def auto_micro_batch(cfg: Config, env: runtime.WorkerEnv, module: nn.Module, data: DataBundle,
+                     device: torch.device, per_rank: int) -> tuple[int, int]:
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    optimizer_bytes = params * (2 if cfg.optim.name == "adamw" else 1)
+    autocast = (lambda: torch.autocast("cuda", dtype=_DTYPES[cfg.precision])) \
+        if cfg.precision != "fp32" else contextlib.nullcontext
+    n = len(data.train)
+    fits = probe_on_gpu(module, lambda m: data.train.__getitems__([i % n for i in range(m)]),
+                        loss_fn, autocast, device, extra_bytes=optimizer_bytes)
+    micro = largest_fitting(per_rank, fits)
+    if env.distributed:  # every rank must use the same size
+        agreed = torch.tensor([micro], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        micro = int(agreed.item())
+        micro = max(m for m in range(1, micro + 1) if per_rank % m == 0)
+    log.info("train.micro_batch_size=auto: %d fits (per-rank batch %d)", micro, per_rank)
+    return micro, per_rank // micro
 
 
 # ------------------------------------------------------------------ checkpoints

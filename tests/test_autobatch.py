@@ -1,0 +1,34 @@
+"""micro_batch_size=auto: the search logic (the GPU probe itself runs in scripts/gpu-check)."""
+
+import pytest
+import torch
+
+from train.autobatch import divisors_descending, largest_fitting
+from train.errors import CannotRunHere
+
+
+def test_divisors_descending():
+    assert divisors_descending(12, 12) == [12, 6, 4, 3, 2, 1]
+
+
+@pytest.mark.parametrize("limit,expect", [(64, 32), (20, 16), (5, 4), (1, 1)])
+def test_largest_fitting_divisor_below_the_memory_limit(limit, expect):
+    tried = []
+
+    def fits(m):
+        tried.append(m)
+        if m > limit:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return True
+
+    assert largest_fitting(32, fits) == expect
+    assert tried == [m for m in (32, 16, 8, 4, 2, 1) if m >= expect]
+
+
+def test_a_size_that_leaves_no_room_counts_as_not_fitting():
+    assert largest_fitting(8, lambda m: m <= 2) == 2
+
+
+def test_nothing_fits_is_exit_3():
+    with pytest.raises(CannotRunHere, match="not even a micro-batch of 1"):
+        largest_fitting(8, lambda m: False)

@@ -1,0 +1,63 @@
+"""``train.micro_batch_size: auto`` on GPU: the largest micro-batch that fits.
+
+Tries divisors of the per-rank batch from the largest down, with one forward and
+backward pass of the plain (unwrapped) module each, so no collective runs while a rank
+may be out of memory; the ranks then agree on the smallest size that fit everywhere.
+Optimizer state is not allocated yet at probe time, so a size counts as fitting only
+with room left for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from train.errors import CannotRunHere
+
+log = logging.getLogger("train")
+
+# Fraction of GPU memory the probe may fill, leaving room for fragmentation and the
+# loader's pinned batches.
+MEMORY_BUDGET = 0.9
+
+
+def divisors_descending(n: int, start: int) -> list[int]:
+    return [m for m in range(min(n, start), 0, -1) if n % m == 0]
+
+
+def largest_fitting(per_rank: int, fits: Callable[[int], bool]) -> int:
+    """Largest divisor m of per_rank with fits(m); fits raises OutOfMemoryError or says no."""
+    for m in divisors_descending(per_rank, per_rank):
+        try:
+            if fits(m):
+                return m
+        except torch.OutOfMemoryError:
+            pass
+        log.info("micro-batch %d does not fit; trying a smaller one", m)
+    raise CannotRunHere("train.micro_batch_size=auto: not even a micro-batch of 1 fits in GPU "
+                        "memory; use a smaller model, precision=bf16, "
+                        "memory.activation_checkpointing=full or distributed.strategy=fsdp")
+
+
+def probe_on_gpu(module: torch.nn.Module, sample: Callable[[int], tuple], loss_fn, autocast,
+                 device: torch.device, extra_bytes: int) -> Callable[[int], bool]:
+    """A fits(m) that runs one forward/backward of m samples and measures peak memory."""
+    total = torch.cuda.get_device_properties(device).total_memory
+
+    def fits(m: int) -> bool:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            x, y = (t.to(device) for t in sample(m))
+            with autocast():
+                loss = loss_fn(module(x), y)
+            loss.backward()
+            del x, y, loss
+            return torch.cuda.max_memory_allocated(device) + extra_bytes < MEMORY_BUDGET * total
+        finally:
+            module.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+
+    return fits
