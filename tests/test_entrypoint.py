@@ -317,3 +317,17 @@ def test_two_nodes_join_the_standalone_store_as_an_indexed_job(tmp_path):
     assert "is_host=false" in outs[0] and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in outs[0]
     assert "world size 2" in "".join(outs)
     assert m[1] == "2"
+
+
+def test_gpu_check_reports_no_gpu_cleanly_here(tmp_path):
+    out = subprocess.run([str(ROOT / "scripts" / "gpu-check")], cwd=tmp_path,
+                         env=clean_env(PYTHON=sys.executable, OUT=str(tmp_path / "out")),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stdout + out.stderr
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert "deps     ok" in summary and "doctor   ok" in summary
+    assert "no GPU: NVML library (libnvidia-ml.so.1) not found" in summary
+    assert "skipped: no GPU here" in summary
+    assert json.loads((tmp_path / "out" / "doctor.json").read_text())["hardware"]["gpus"] == []
+    stages = [json.loads(x) for x in (tmp_path / "out" / "stages.jsonl").read_text().splitlines()]
+    assert [s["name"] for s in stages] == ["deps", "doctor", "gpu-stages"]
