@@ -79,7 +79,9 @@ def cmd_train(args: list[str]) -> int:
     if ns.dry_run:
         print(render_plan(p))
         return 0
-    for line in [*(f"note: {n}" for n in p.notes), *(f"warning: {w}" for w in p.warnings)]:
+    shm = system.check_shm()
+    warnings = [*p.warnings, *([f"{shm.message}; fix: {shm.fix}"] if shm.level == "warn" else [])]
+    for line in [*(f"note: {n}" for n in p.notes), *(f"warning: {w}" for w in warnings)]:
         log(line)
     for name, value in p.env.items():
         log(f"set {name}={value}")

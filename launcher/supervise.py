@@ -126,6 +126,7 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None]) -> 
     """Start the plan's command, forward signals, restart (direct mode), map the result."""
     folder = Path(tempfile.mkdtemp(prefix="train-launcher-"))
     env = {**base_env, **plan.env, STATUS_DIR_VAR: str(folder)}
+    log(f"set {STATUS_DIR_VAR}={folder} (where workers report how they ended)")
     forwarder = Forwarder()
     forwarder.install()
     attempts = plan.max_restarts + 1 if plan.mode == "direct" else 1
@@ -136,6 +137,7 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None]) -> 
                 break
             if plan.mode == "direct":
                 env["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+                log(f"set TORCHELASTIC_RESTART_COUNT={attempt}")
             proc = subprocess.Popen(list(plan.argv), env=env, start_new_session=True)
             forwarder.attach(proc)
             rc = proc.wait()
