@@ -179,3 +179,33 @@ def test_async_save_on_two_processes_writes_complete_checkpoints(tmp_path):
     again = run_train(config, nproc=2)
     assert again.returncode == 0, again.stderr[-3000:]
     assert losses(tmp_path / "a") == ref
+
+
+def _children(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(c) for c in text.split()]
+
+
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path)}, "train": {"max_steps": 100000}}))
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node=2", "-m", "train", str(config)], cwd=ROOT,
+                             env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    for line in agent.stdout:
+        if line.startswith("step 3/"):
+            break
+    workers = _children(agent.pid)
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGTERM)  # one rank only, as when one process is signalled
+    _, err = agent.communicate(timeout=120)
+    assert err.count("stopped at step") == 2, err[-3000:]
+    stopped = {line.split("stopped at step ")[1].split()[0] for line in err.splitlines()
+               if "stopped at step" in line}
+    assert len(stopped) == 1, "both ranks must stop after the same step"
+    step = int(stopped.pop())
+    latest = tmp_path / "c" / "checkpoints" / "latest"
+    assert latest.read_text().strip() == f"step-{step}"
+    assert Checkpointer.verify(latest.parent / f"step-{step}") is None
+    assert (latest.parent / f"step-{step}" / "rank-1.pt").exists()

@@ -43,10 +43,16 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT; ranks agree on it after each step (any rank stopping stops all)."""
+    """Set by SIGTERM/SIGINT; ranks agree on it so that all stop after the same step.
+
+    The agreement is an all-reduce (MAX) started after step s and read after step s+1,
+    so it overlaps a step of compute instead of stalling every step; a signal therefore
+    stops training one step later on every rank alike.
+    """
 
     def __init__(self) -> None:
         self.requested = False
+        self._pending: tuple | None = None
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -54,16 +60,46 @@ class StopFlag:
 
     def _handle(self, signum, frame) -> None:
         if not self.requested:
-            log.warning("received %s: stopping after this step with a checkpoint",
+            log.warning("received %s: stopping with a checkpoint after the next step",
                         signal.Signals(signum).name)
         self.requested = True
 
     def agreed(self, device: torch.device, distributed: bool) -> bool:
         if not distributed:
             return self.requested
+        stop = self.drain()
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return stop
+
+    def drain(self) -> bool:
+        """Wait for the outstanding agreement (before teardown); True if any rank stops."""
+        if self._pending is None:
+            return False
+        work, flag = self._pending
+        self._pending = None
+        work.wait()
         return bool(flag.item())
+
+
+class Watchdog:
+    """Dumps every thread's stack and exits when a step makes no progress for timeout_s.
+
+    Re-armed at most once a second: arming starts a thread, too costly for every step.
+    """
+
+    def __init__(self, timeout_s: int):
+        self.timeout_s, self.armed_at = timeout_s, -math.inf
+
+    def pet(self) -> None:
+        now = time.monotonic()
+        if now - self.armed_at >= 1.0:
+            faulthandler.dump_traceback_later(self.timeout_s + 1, exit=True)
+            self.armed_at = now
+
+    @staticmethod
+    def stop() -> None:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @dataclass
@@ -318,8 +354,9 @@ def run_loop(p: Parts) -> int:
     batches = iter(train_loader(p))
     last_time, last_step = time.perf_counter(), p.start_step
     step = p.start_step
+    watchdog = Watchdog(cfg.distributed.timeout_s)
     while step < cfg.train.max_steps:
-        faulthandler.dump_traceback_later(cfg.distributed.timeout_s, exit=True)
+        watchdog.pet()
         loss = train_step(p, batches)
         step += 1
         log_now = step % every_log == 0 or step == cfg.train.max_steps
@@ -343,10 +380,11 @@ def run_loop(p: Parts) -> int:
             # The last checkpoint is written in the foreground: exit 0 or 143 means saved.
             save_checkpoint(p, step, background=cfg.checkpoint.async_save and not last)
         if stopping:
-            faulthandler.cancel_dump_traceback_later()
+            watchdog.stop()
             log.warning("stopped at step %d by a signal; rerun the same command to resume", step)
             return EXIT_STOPPED_BY_SIGNAL
-    faulthandler.cancel_dump_traceback_later()
+    watchdog.stop()
+    p.stop.drain()
     final = _log_eval(p, step)
     if p.metrics:
         p.metrics.close({"loss": final.get("val/loss", float("nan"))} if final else None)
@@ -383,6 +421,7 @@ def train(cfg: Config, env: runtime.WorkerEnv | None = None) -> int:
             code = EXIT_OK
         else:
             code = run_loop(p)
+        p.stop.drain()
         p.checkpointer.wait()
         clean = True
         return code
