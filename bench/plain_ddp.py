@@ -48,6 +48,7 @@ def main(config: str, warmup: int, *overrides: str) -> None:
     if rank == 0:
         timed = times[warmup:]
         print(json.dumps({"step_time_s": sum(timed) / len(timed)}))
+    dist.barrier()  # tearing down gloo while a peer still runs can abort (see train/runtime.py)
     dist.destroy_process_group()
 
 

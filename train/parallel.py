@@ -59,11 +59,9 @@ def _fsdp(module: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
 
 
 def parallelize(module: nn.Module, cfg: Config, env: WorkerEnv, device: torch.device) -> nn.Module:
+    """Compile and wrap; activation checkpointing is applied before (it changes memory use,
+    which the micro-batch probe must see)."""
     strategy = cfg.distributed.strategy
-    n = apply_activation_checkpointing(module, cfg.memory.activation_checkpointing,
-                                       cfg.memory.activation_checkpointing_n)
-    if n:
-        log.info("activation checkpointing on %d blocks", n)
     if cfg.compile:
         module.compile()
     if strategy in ("single", "dp") and env.distributed:
@@ -94,15 +92,23 @@ def _is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def _state_target(model: nn.Module) -> nn.Module:
+    """FSDP shards in place; DDP and DataParallel hold the plain module as .module, whose
+    names carry no wrapper prefix."""
+    return model if _is_fsdp(model) else getattr(model, "module", model)
+
+
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Collective under FSDP: every rank calls it; rank 0 gets the full tensors."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    return get_state_dict(model, optimizer, options=_state_options(model, loading=False))
+    target = _state_target(model)
+    return get_state_dict(target, optimizer, options=_state_options(target, loading=False))
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
                     optim_state: dict) -> None:
     """Collective under FSDP; parameter names are those of the plain module."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
-    set_state_dict(model, optimizer, model_state_dict=model_state,
-                   optim_state_dict=optim_state, options=_state_options(model, loading=True))
+    target = _state_target(model)
+    set_state_dict(target, optimizer, model_state_dict=model_state,
+                   optim_state_dict=optim_state, options=_state_options(target, loading=True))

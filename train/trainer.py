@@ -35,7 +35,8 @@ from train.manifest import update_manifest, write_json_atomic
 from train.metrics import MetricsLogger
 from train.models import build_model, count_parameters
 from train.optim import build_optimizer, build_scheduler
-from train.parallel import full_state, load_full_state, parallelize
+from train.parallel import (apply_activation_checkpointing, full_state, load_full_state,
+                            parallelize)
 
 log = logging.getLogger("train")
 
@@ -153,6 +154,10 @@ def build(cfg: Config, env: runtime.WorkerEnv) -> Parts:
     module = build_model(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
     module.to(device)
     torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank dropout streams, after the shared init
+    blocks = apply_activation_checkpointing(module, cfg.memory.activation_checkpointing,
+                                            cfg.memory.activation_checkpointing_n)
+    if blocks:
+        log.info("activation checkpointing on %d blocks", blocks)
     if cfg.train.micro_batch_size == AUTO and device.type == "cuda" \
             and cfg.distributed.strategy != "fsdp":
         micro, accum = auto_micro_batch(cfg, env, module, data, device, micro * accum)
