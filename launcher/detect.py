@@ -160,8 +160,9 @@ def _check_cuda(hw: Hardware, tb: TorchBuild) -> list[Finding]:
 def _check_rocm(hw: Hardware, tb: TorchBuild, hsa_override: str | None) -> list[Finding]:
     if hsa_override or not tb.arch_list:
         return []
+    built = {a.split(":")[0] for a in tb.arch_list}  # "gfx90a:xnack-" -> "gfx90a"
     for gpu in hw.gpus:
-        if gpu.arch and gpu.arch not in tb.arch_list:
+        if gpu.arch and gpu.arch not in built:
             return [Finding("fail", "arch", f"GPU {gpu.index} ({gpu.name}) is {gpu.arch}, but "
                             f"torch {tb.version} was built for {' '.join(tb.arch_list)}",
                             "use a ROCm image built for this GPU (HSA_OVERRIDE_GFX_VERSION "

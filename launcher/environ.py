@@ -73,7 +73,6 @@ class Environ:
     visibility: Visibility = field(default_factory=Visibility)
     user_set: Mapping[str, str] = field(default_factory=dict)     # variables the plan must not override
     path: str = ""
-    hostname_env: str | None = None
     build_manifest: str = DEFAULT_BUILD_MANIFEST
     hw_root: str = "/"
     dns_wait_s: float = DEFAULT_DNS_WAIT_S
@@ -167,7 +166,6 @@ def read(env: Mapping[str, str] | None = None) -> Environ:
         visibility=visibility,
         user_set={k: env[k] for k in USER_OVERRIDABLE if env.get(k, "").strip()},
         path=env.get("PATH", os.defpath),
-        hostname_env=_opt(env, "HOSTNAME"),
         build_manifest=_opt(env, "TRAIN_BUILD_MANIFEST") or DEFAULT_BUILD_MANIFEST,
         hw_root=_opt(env, "TRAIN_HW_ROOT") or "/",
         dns_wait_s=_float(env, "TRAIN_DNS_WAIT_S", DEFAULT_DNS_WAIT_S))

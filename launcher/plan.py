@@ -201,6 +201,9 @@ def _torchrun_env(env: Environ) -> Nodes:
         host = addr if (hi > 1 and rank != 0) else None
     else:
         conf = parse_rdzv_conf(pet.get("RDZV_CONF", ""), "PET_RDZV_CONF")
+        if hi > 1 and not endpoint:
+            raise ConfigError("environment", "PET_RDZV_ENDPOINT", f"required for {backend} "
+                              f"rendezvous over {lo}:{hi} nodes: host:port of the store")
         if endpoint:
             host, port = parse_endpoint(endpoint, "PET_RDZV_ENDPOINT", DEFAULT_RDZV_PORT)
             args += ["--rdzv-endpoint", f"{host}:{port}"]

@@ -84,6 +84,8 @@ def classify(rc: int, reports: list[dict], signals: list[int], expected: int,
              mode: str) -> Outcome:
     """Map the child's exit status and the workers' reports to the user's exit code."""
     failed = [r for r in reports if r.get("exit_code") not in (EXIT_OK, EXIT_STOPPED_BY_SIGNAL)]
+    # The first to fail is the root cause; the others usually fail because it vanished.
+    failed.sort(key=lambda r: (r.get("time", 0), r.get("rank", 0)))
     if failed:
         r = failed[0]
         code = r["exit_code"] if r["exit_code"] in (2, 3) else EXIT_TRAINING_FAILED

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 from launcher.environ import worker_identity
 
@@ -37,7 +38,7 @@ def write_status(code: int, error: str | None) -> None:
         return
     record = {"rank": ident.rank, "local_rank": ident.local_rank, "restart": ident.restart,
               "exit_code": code, "error": " ".join(error.split())[:500] if error else None,
-              "log_dir": ident.log_dir, "pid": os.getpid()}
+              "log_dir": ident.log_dir, "pid": os.getpid(), "time": time.time()}
     path = os.path.join(ident.status_dir, f"rank-{ident.rank}.json")
     try:
         with open(path + ".tmp", "w", encoding="utf-8") as f:

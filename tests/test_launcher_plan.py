@@ -216,6 +216,7 @@ def test_dp_is_one_process_over_all_gpus(cfg_file):
     ([], {"PET_NNODES": "2", "PET_RDZV_ENDPOINT": "s:1", "PET_RDZV_CONF": "is_host=false"},
      "PET_RDZV_ID"),
     ([], {"MASTER_ADDR": "m", "WORLD_SIZE": "2", "RANK": "2"}, "RANK"),
+    ([], {"PET_NNODES": "2", "PET_RDZV_BACKEND": "c10d"}, "PET_RDZV_ENDPOINT"),
 ])
 def test_bad_input_is_exit_2_naming_the_key(cfg_file, overrides, env, key):
     with pytest.raises(ConfigError) as err:

@@ -142,3 +142,10 @@ def test_direct_mode_success_is_0(tmp_path):
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert "error" not in err and "restart" not in err.replace("RESTART_COUNT", "")
+
+
+def test_the_earliest_failure_is_named_not_the_lowest_rank():
+    reports = [{**rep(0, 1, "DistBackendError: connection closed"), "time": 20.0},
+               {**rep(1, 1, "torch.OutOfMemoryError: CUDA out of memory"), "time": 10.0}]
+    out = classify(1, reports, [], 2, "torchrun")
+    assert "rank 1: torch.OutOfMemoryError" in out.message
