@@ -406,7 +406,14 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     nproc = resolve_nproc(cfg, hw, device, nodes, source, notes)
     sizes = world_sizes(cfg, nodes, nproc)
     for size in sizes:
-        batch_split(cfg, size)
+        try:
+            batch_split(cfg, size)
+        except ConfigError as exc:
+            if nodes.max == nodes.min:
+                raise
+            raise ConfigError(exc.source, exc.key, f"{exc.problem} (at {size // nproc} of "
+                              f"{nodes.min}:{nodes.max} nodes x {nproc} process(es); every "
+                              "world size in the range must divide it)") from None
     max_restarts = cfg.distributed.max_restarts if nodes.max_restarts is None \
         else nodes.max_restarts
     direct = nodes.convention == "single" and nproc == 1

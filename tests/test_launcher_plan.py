@@ -257,3 +257,12 @@ def test_valid_but_not_here_is_exit_3(cfg_file, overrides, hw, tb, env, words):
 def test_plan_is_pure_and_repeatable(cfg_file):
     path = cfg_file()
     assert make(path, ["distributed.nproc_per_node=2"]) == make(path, ["distributed.nproc_per_node=2"])
+
+
+def test_batch_error_over_a_node_range_names_the_node_count(cfg_file):
+    with pytest.raises(ConfigError) as err:
+        make(cfg_file(), ["distributed.nproc_per_node=2"],
+             env={"PET_NNODES": "2:5", "PET_RDZV_ENDPOINT": "h:1", "PET_RDZV_ID": "x"})
+    assert err.value.one_line().endswith(
+        "48 is not divisible by world size 10; use a multiple of 10 (at 5 of 2:5 nodes x 2 "
+        "process(es); every world size in the range must divide it)")
