@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train.config import load_config
 from train.data import build_data
 from train.models import build_model
+from train.optim import build_optimizer
 
 
 def main(config: str, warmup: int, *overrides: str) -> None:
@@ -31,7 +32,7 @@ def main(config: str, warmup: int, *overrides: str) -> None:
     data = build_data(cfg)
     model = DDP(build_model(cfg.model, input_shape=data.input_shape,
                             num_classes=data.num_classes))
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+    opt = build_optimizer(model, cfg.optim)  # the same optimizer and parameter groups
     per_rank = cfg.train.global_batch_size // world
     n = len(data.train)
     times = []

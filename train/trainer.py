@@ -46,14 +46,18 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class StopFlag:
     """Set by SIGTERM/SIGINT; ranks agree on it so that all stop after the same step.
 
-    The agreement is an all-reduce (MAX) started after step s and read after step s+1,
-    so it overlaps a step of compute instead of stalling every step; a signal therefore
-    stops training one step later on every rank alike.
+    The agreement is an all-reduce (MAX). Run every step it cost 10-30 % of a small
+    model's step time on gloo (measured with bench/ddp_overhead.py), so ranks agree every
+    `every` steps instead, sized from the step time all ranks share (see
+    :meth:`pace`) to about AGREE_EVERY_S: a signal stops training within about that long,
+    well inside torchrun's ~30 s between SIGTERM and SIGKILL.
     """
+
+    AGREE_EVERY_S = 0.5
 
     def __init__(self) -> None:
         self.requested = False
-        self._pending: tuple | None = None
+        self.every = 1
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -61,25 +65,20 @@ class StopFlag:
 
     def _handle(self, signum, frame) -> None:
         if not self.requested:
-            log.warning("received %s: stopping with a checkpoint after the next step",
-                        signal.Signals(signum).name)
+            log.warning("received %s: stopping with a checkpoint", signal.Signals(signum).name)
         self.requested = True
 
-    def agreed(self, device: torch.device, distributed: bool) -> bool:
+    def pace(self, mean_step_time_s: float) -> None:
+        """Called with the same value on every rank (an all-reduced mean), at the same step."""
+        self.every = max(1, min(1000, int(self.AGREE_EVERY_S / max(mean_step_time_s, 1e-6))))
+
+    def agreed(self, step: int, device: torch.device, distributed: bool) -> bool:
         if not distributed:
             return self.requested
-        stop = self.drain()
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
-        return stop
-
-    def drain(self) -> bool:
-        """Wait for the outstanding agreement (before teardown); True if any rank stops."""
-        if self._pending is None:
+        if step % self.every:
             return False
-        work, flag = self._pending
-        self._pending = None
-        work.wait()
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
 
@@ -272,12 +271,15 @@ def optimizer_step(p: Parts, want_norm: bool) -> float | None:
     return None if norm is None else float(norm)
 
 
-def mean_over_ranks(value: torch.Tensor, distributed: bool) -> float:
+def mean_over_ranks(values: list[torch.Tensor | float], device: torch.device,
+                    distributed: bool) -> list[float]:
+    """One all-reduce for several scalars (loss, step time, ...)."""
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
+                           for v in values])
     if distributed:
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= dist.get_world_size()
-    return float(value)
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+        stacked /= dist.get_world_size()
+    return stacked.tolist()
 
 
 @torch.no_grad()
@@ -367,10 +369,11 @@ def run_loop(p: Parts) -> int:
         log_now = step % every_log == 0 or step == cfg.train.max_steps
         norm = optimizer_step(p, want_norm=log_now)
         if log_now:
-            loss_value = mean_over_ranks(loss, p.env.distributed)
             now = time.perf_counter()
-            step_time = (now - last_time) / (step - last_step)
+            loss_value, step_time = mean_over_ranks(
+                [loss, (now - last_time) / (step - last_step)], p.device, p.env.distributed)
             last_time, last_step = now, step
+            p.stop.pace(step_time)
             if p.metrics:
                 values = {"loss": loss_value, "lr": p.scheduler.get_last_lr()[0]}
                 if norm is not None:
@@ -379,7 +382,7 @@ def run_loop(p: Parts) -> int:
                 p.metrics.log(step, values, step_time=step_time)
         if every_eval and step % every_eval == 0 and step < cfg.train.max_steps:
             _log_eval(p, step)
-        stopping = p.stop.agreed(p.device, p.env.distributed)
+        stopping = p.stop.agreed(step, p.device, p.env.distributed)
         last = stopping or step == cfg.train.max_steps
         if last or (every_ckpt and step % every_ckpt == 0):
             # The last checkpoint is written in the foreground: exit 0 or 143 means saved.
@@ -389,7 +392,6 @@ def run_loop(p: Parts) -> int:
             log.warning("stopped at step %d by a signal; rerun the same command to resume", step)
             return EXIT_STOPPED_BY_SIGNAL
     watchdog.stop()
-    p.stop.drain()
     final = _log_eval(p, step)
     if p.metrics:
         p.metrics.close({"loss": final.get("val/loss", float("nan"))} if final else None)
@@ -426,7 +428,6 @@ def train(cfg: Config, env: runtime.WorkerEnv | None = None) -> int:
             code = EXIT_OK
         else:
             code = run_loop(p)
-        p.stop.drain()
         p.checkpointer.wait()
         clean = True
         return code
