@@ -205,3 +205,27 @@ def test_parse_override_reads_yaml_values():
     assert parse_override("a=") == ("a", "")
     with pytest.raises(ConfigError):
         parse_override("=3")
+
+
+def test_token_ids_beyond_vocab_size_are_bad_input(tmp_path):
+    import numpy as np
+    path = tmp_path / "t.bin"
+    (np.arange(4000) % 700).astype(np.uint16).tofile(path)
+    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
+        "data": {"kind": "tokens", "path": str(path), "vocab_size": 500}}))
+    assert_one_line_error(_run(config), str(config), "data.vocab_size", "token id 699")
+
+
+def test_a_failing_worker_exits_1_with_one_line_naming_its_rank(tmp_path):
+    """Valid config, but the data does not fit the model: fails inside training."""
+    import torch
+    torch.save({"features": torch.randn(64, 3), "labels": torch.arange(64) % 2}, tmp_path / "d.pt")
+    config = write_config(tmp_path / "c.yaml", merge(TINY_MLP, {
+        "model": {"kind": "cnn"}, "data": {"kind": "tensors", "path": str(tmp_path / "d.pt")},
+        "output": {"dir": str(tmp_path / "runs")}}))
+    proc = _run(config)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "error: rank 0: ValueError: model.kind cnn needs samples shaped " \
+                   "[channels, height, width], got [3]", last
+    assert "Traceback" in proc.stderr, "the details belong in the rank's log"

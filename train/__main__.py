@@ -40,9 +40,19 @@ def main(argv: list[str] | None = None) -> int:
         import logging
         import os
         logging.getLogger("train").exception("training failed")
+        record_for_torchrun(exc)
         print(f"error: rank {os.environ.get('RANK', '0')}: {type(exc).__name__}: {exc}",
               file=sys.stderr)
         return EXIT_TRAINING_FAILED
+
+
+def record_for_torchrun(exc: BaseException) -> None:
+    """Under torchrun, write the error file its failure summary reads (root cause, rank)."""
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+        ErrorHandler().record_exception(exc)
+    except Exception:  # no torchrun, or an older torch: the stderr line is enough
+        pass
 
 
 if __name__ == "__main__":

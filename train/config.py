@@ -25,6 +25,9 @@ import yaml
 from train.errors import ConfigError
 
 AUTO = "auto"
+# Token files up to this size are scanned for ids >= data.vocab_size before training
+# (about a second per GiB); larger ones are checked batch by batch.
+TOKEN_SCAN_LIMIT = 2 << 30
 
 
 def opt(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None,
@@ -442,8 +445,15 @@ def _validate_data_paths(cfg: Config, fail) -> None:
     if not path.is_file():
         fail("data.path", f"{d.path}: no such file")
     if d.kind == "tokens":
-        if path.stat().st_size < 4 or path.stat().st_size % 2:
+        size = path.stat().st_size
+        if size < 4 or size % 2:
             fail("data.path", f"{d.path}: not a uint16 token file (odd or tiny size)")
+        if size <= TOKEN_SCAN_LIMIT:  # larger files are checked batch by batch
+            import numpy as np
+            top = int(np.memmap(path, dtype=np.uint16, mode="r").max())
+            if top >= d.vocab_size:
+                fail("data.vocab_size", f"{d.vocab_size} but {d.path} holds token id {top}; "
+                                        f"set data.vocab_size to at least {top + 1}")
         return
     if path.suffix not in (".pt", ".npy"):
         fail("data.path", f"{d.path}: expected a .pt or .npy file")

@@ -47,8 +47,10 @@ class ArrayDataset(Dataset):
 class WindowDataset(Dataset):
     """Next-token windows over a 1-D token array: sample i is tokens [i*L, i*L+L+1)."""
 
-    def __init__(self, tokens: np.ndarray, length: int, first: int, count: int):
+    def __init__(self, tokens: np.ndarray, length: int, first: int, count: int,
+                 vocab_size: int = 1 << 16, source: str = ""):
         self.tokens, self.length, self.first, self.count = tokens, length, first, count
+        self.vocab_size, self.source = vocab_size, source
 
     def __len__(self) -> int:
         return self.count
@@ -63,6 +65,9 @@ class WindowDataset(Dataset):
 
     def __getitems__(self, indices: list[int]):
         w = torch.from_numpy(np.stack([self._window(i) for i in indices]))
+        if self.vocab_size < 1 << 16 and int(w.max()) >= self.vocab_size:
+            raise ValueError(f"{self.source}: token id {int(w.max())} >= data.vocab_size="
+                             f"{self.vocab_size}")
         return w[:, :-1], w[:, 1:]
 
 
@@ -171,8 +176,8 @@ def _windows(tokens: np.ndarray, cfg: DataConfig, length: int, vocab: int, data_
         raise ConfigError(source, "data.path", f"only {len(tokens)} tokens; need at least "
                                                f"{2 * length + 1} for model.context_length={length}")
     n_train, n_val = _split_counts(n, cfg.val_fraction)
-    return DataBundle(WindowDataset(tokens, length, 0, n_train),
-                      WindowDataset(tokens, length, n_train, n_val),
+    return DataBundle(WindowDataset(tokens, length, 0, n_train, vocab, source),
+                      WindowDataset(tokens, length, n_train, n_val, vocab, source),
                       (length,), vocab, length, data_hash, description)
 
 

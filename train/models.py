@@ -36,6 +36,9 @@ class ConvNet(nn.Module):
 
     def __init__(self, cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int):
         super().__init__()
+        if len(in_shape) != 3:
+            raise ValueError(f"model.kind cnn needs samples shaped [channels, height, width], "
+                             f"got {list(in_shape)}")
         channels, size = in_shape[0], min(in_shape[1:])
         blocks: list[nn.Module] = []
         for i in range(cfg.depth):

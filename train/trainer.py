@@ -271,6 +271,16 @@ def optimizer_step(p: Parts, want_norm: bool) -> float | None:
     return None if norm is None else float(norm)
 
 
+def gpu_memory_stats(device: torch.device) -> dict[str, float]:
+    """Peak memory of this logging interval (rank 0's GPU), then reset for the next one."""
+    if device.type != "cuda":
+        return {}
+    stats = {"gpu/peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+             "gpu/reserved_gb": torch.cuda.memory_reserved(device) / 2**30}
+    torch.cuda.reset_peak_memory_stats(device)
+    return stats
+
+
 def mean_over_ranks(values: list[torch.Tensor | float], device: torch.device,
                     distributed: bool) -> list[float]:
     """One all-reduce for several scalars (loss, step time, ...)."""
@@ -379,6 +389,7 @@ def run_loop(p: Parts) -> int:
                 if norm is not None:
                     values["grad_norm"] = norm
                 values["throughput"] = samples_per_step / step_time
+                values.update(gpu_memory_stats(p.device))
                 p.metrics.log(step, values, step_time=step_time)
         if every_eval and step % every_eval == 0 and step < cfg.train.max_steps:
             _log_eval(p, step)
