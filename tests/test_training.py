@@ -69,6 +69,8 @@ def test_run_directory_layout(runs):
     assert manifest["software"]["torch"].startswith("2.")
     assert (run / "config.yaml").read_text().startswith("seed: 0")
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS}"
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir())
+    assert kept == ["step-10", "step-15", "step-20"], "checkpoint.keep_last defaults to 3"
     rows = read_metrics(run)
     assert {"step", "loss", "lr", "grad_norm", "throughput"} <= set(rows[0])
     assert any("val/loss" in r for r in rows)
@@ -113,3 +115,14 @@ def test_log_lines_carry_the_rank(runs, tmp_path):
     proc = run_train(config, "train.max_steps=2")
     assert proc.returncode == 0
     assert "[rank 0] INFO model mlp" in proc.stderr
+
+
+def test_progress_bar_on_request_plain_lines_otherwise(tmp_path):
+    config = write_config(tmp_path / "c.yaml", merge(TINY_MLP, {"output": {"dir": str(tmp_path)}}))
+    bar = run_train(config, "train.max_steps=3", "logging.progress=bar", "run.name=bar")
+    assert bar.returncode == 0
+    assert "\x1b[K" in bar.stdout and "step 3/3" in bar.stdout  # redrawn in place
+    plain = run_train(config, "train.max_steps=3", "logging.progress=auto", "run.name=plain")
+    assert "\x1b[K" not in plain.stdout  # not a terminal: one line per logged step
+    assert [line.split(" |")[0] for line in plain.stdout.splitlines() if line.startswith("step")
+            and "/" in line.split(" |")[0]] == ["step 1/3", "step 2/3", "step 3/3"]
