@@ -358,6 +358,9 @@ def build_env(cfg: Config, hw: Hardware, device: str, backend: str, nproc: int, 
               environ: Environ, app_root: str, direct: bool, master_port: int,
               max_restarts: int) -> tuple[dict[str, str], list[str]]:
     e = _Env(environ)
+    # The node's variable wins over the config: interfaces can differ between nodes.
+    ifname = environ.train_socket_ifname or cfg.distributed.socket_ifname
+    debug = environ.train_debug or cfg.distributed.debug
     path = environ.user_set.get("PYTHONPATH", "")
     if app_root not in path.split(":"):  # workers run `-m launcher.worker` from any cwd
         e.force("PYTHONPATH", app_root + (":" + path if path else ""))
@@ -375,11 +378,11 @@ def build_env(cfg: Config, hw: Hardware, device: str, backend: str, nproc: int, 
         e.default("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")         # a timeout dumps it per rank
         e.default("TORCH_FR_DUMP_TEMP_FILE", flight)
         e.default("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", flight)  # the same, older torch
-        e.default("NCCL_DEBUG", "INFO" if environ.train_debug else "WARN")
-    if environ.train_socket_ifname:
-        e.default("NCCL_SOCKET_IFNAME", environ.train_socket_ifname)
-        e.default("GLOO_SOCKET_IFNAME", environ.train_socket_ifname)
-    if environ.train_debug:
+        e.default("NCCL_DEBUG", "INFO" if debug else "WARN")
+    if ifname:
+        e.default("NCCL_SOCKET_IFNAME", ifname)
+        e.default("GLOO_SOCKET_IFNAME", ifname)
+    if debug:
         e.default("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
     for name, value in nodes.env.items():
         e.default(name, value)

@@ -52,6 +52,8 @@ ERROR_CASES = [
     ("warmup longer than run", TINY_GPT, ["schedule.warmup_steps=99"], "schedule.warmup_steps",
      "exceeds"),
     ("bad run name", TINY_GPT, ["run.name=a/b"], "run.name", "without '/'"),
+    ("cross-key check caused by an override", merge(TINY_GPT, {"schedule": {"warmup_steps": 5}}),
+     ["train.max_steps=3"], "schedule.warmup_steps", "exceeds train.max_steps=3"),
     ("activation checkpointing on mlp", merge(TINY_MLP, {"memory": {
         "activation_checkpointing": "full"}}), [], "memory.activation_checkpointing", "gpt"),
 ]
@@ -78,7 +80,7 @@ def test_config_errors_exit_2_with_one_line(tmp_path, name, tree, overrides, key
     runs = tmp_path / "runs"
     config = write_config(tmp_path / "bad.yaml", merge(tree, {"output": {"dir": str(runs)}}))
     proc = _run(config, *overrides)
-    source = "command line" if any(o.startswith(key) for o in overrides) else str(config)
+    source = "command line" if overrides else str(config)
     assert_one_line_error(proc, source, key, fragment)
     assert not runs.exists(), "a rejected config must not write anything"
 

@@ -182,6 +182,15 @@ def test_debug_switch(cfg_file):
     assert p.env["NCCL_DEBUG"] == "INFO" and p.env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
 
 
+def test_debug_and_interface_from_config_node_variable_wins(cfg_file):
+    p = make(cfg_file(distributed={"debug": True, "socket_ifname": "eth1"}), hw=gpus(1),
+             tb=CUDA_TORCH)
+    assert p.env["NCCL_DEBUG"] == "INFO" and p.env["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+    assert p.env["NCCL_SOCKET_IFNAME"] == p.env["GLOO_SOCKET_IFNAME"] == "eth1"
+    p = make(cfg_file(distributed={"socket_ifname": "eth1"}), env={"TRAIN_SOCKET_IFNAME": "ib0"})
+    assert p.env["GLOO_SOCKET_IFNAME"] == "ib0"
+
+
 def test_device_cpu_ignores_gpus_and_an_unusable_build(cfg_file):
     p = make(cfg_file(), ["device=cpu"], hw=gpus(4),
              tb=CPU_TORCH)

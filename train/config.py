@@ -140,6 +140,11 @@ class DistributedConfig:
     max_restarts: int = opt(3, "torchrun restarts of the local workers after a failure.", ge=0)
     timeout_s: int = opt(600, "Collective timeout; a rank stuck this long dumps its stacks "
                               "and fails.", ge=10)
+    socket_ifname: str | None = opt(None, "Network interface for NCCL and gloo (sets "
+                                          "NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); the "
+                                          "TRAIN_SOCKET_IFNAME variable of a node wins.")
+    debug: bool = opt(False, "Verbose communication logs: NCCL_DEBUG=INFO, "
+                             "TORCH_DISTRIBUTED_DEBUG=DETAIL (also TRAIN_DEBUG=1).")
 
 
 @dataclass(kw_only=True)
@@ -397,35 +402,41 @@ def validate(cfg: Config, source: str, from_cli: dict[str, bool] | None = None) 
     """Checks that span several keys, plus files that must exist."""
     from_cli = from_cli or {}
 
-    def fail(key: str, problem: str) -> None:
-        raise ConfigError(from_cli_source(source, key, from_cli), key, problem)
+    def fail(key: str, problem: str, *related: str) -> None:
+        """related: other keys of a cross-key check; any of them from the command line
+        makes the command line the source."""
+        from_cmdline = any(from_cli.get(k) for k in (key, *related))
+        raise ConfigError("command line" if from_cmdline else source, key, problem)
 
     m, d, t = cfg.model, cfg.data, cfg.train
     if not cfg.run.name or "/" in cfg.run.name or cfg.run.name in (".", ".."):
         fail("run.name", f"got {cfg.run.name!r}; a non-empty name without '/'")
     if m.kind == "gpt":
         if m.width % m.heads:
-            fail("model.heads", f"{m.heads} does not divide model.width={m.width}")
+            fail("model.heads", f"{m.heads} does not divide model.width={m.width}", "model.width")
         if d.kind not in ("text", "tokens"):
-            fail("data.kind", f"model.kind gpt needs text or tokens data, got {d.kind}")
+            fail("data.kind", f"model.kind gpt needs text or tokens data, got {d.kind}",
+                 "model.kind")
     elif d.kind in ("text", "tokens"):
-        fail("data.kind", f"{d.kind} data needs model.kind gpt, got {m.kind}")
+        fail("data.kind", f"{d.kind} data needs model.kind gpt, got {m.kind}", "model.kind")
     if m.kind == "cnn" and d.kind == "synthetic" and len(d.shape) != 3:
-        fail("data.shape", f"cnn needs [channels, height, width], got {d.shape}")
+        fail("data.shape", f"cnn needs [channels, height, width], got {d.shape}", "model.kind")
     if not d.shape or any(s < 1 for s in d.shape):
         fail("data.shape", f"got {d.shape}; a list of positive sizes")
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         fail("optim.betas", f"got {cfg.optim.betas}; two numbers in [0, 1)")
     if cfg.schedule.warmup_steps > t.max_steps:
         fail("schedule.warmup_steps", f"{cfg.schedule.warmup_steps} exceeds "
-                                      f"train.max_steps={t.max_steps}")
+                                      f"train.max_steps={t.max_steps}", "train.max_steps")
     if t.micro_batch_size != AUTO and t.global_batch_size % t.micro_batch_size:
         fail("train.micro_batch_size", f"{t.micro_batch_size} does not divide "
-                                       f"train.global_batch_size={t.global_batch_size}")
+                                       f"train.global_batch_size={t.global_batch_size}",
+             "train.global_batch_size")
     if cfg.memory.activation_checkpointing != "none" and m.kind != "gpt":
-        fail("memory.activation_checkpointing", f"applies to gpt blocks; model.kind is {m.kind}")
+        fail("memory.activation_checkpointing", f"applies to gpt blocks; model.kind is {m.kind}",
+             "model.kind")
     if cfg.memory.cpu_offload and cfg.distributed.strategy != "fsdp":
-        fail("memory.cpu_offload", "needs distributed.strategy=fsdp")
+        fail("memory.cpu_offload", "needs distributed.strategy=fsdp", "distributed.strategy")
     _validate_data_paths(cfg, fail)
 
 
