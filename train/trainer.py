@@ -198,7 +198,9 @@ def save_checkpoint(p: Parts, step: int, *, background: bool = False) -> None:
     shared = {"step": step, "samples_consumed": step * p.cfg.train.global_batch_size,
               "world_size": p.env.world_size, "model": model_state,
               "optimizer": optim_state, "scheduler": p.scheduler.state_dict(),
-              "scaler": p.scaler.state_dict() if p.scaler else None, "config": to_dict(p.cfg)}
+              "scaler": p.scaler.state_dict() if p.scaler else None, "config": to_dict(p.cfg),
+              "model_io": {"input_shape": list(p.data.input_shape),
+                           "num_classes": p.data.num_classes}}
     path = p.checkpointer.save(step, shared, {"rng": rng_state(), "rank": p.env.rank},
                                background=background)
     if p.is_main:

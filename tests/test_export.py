@@ -1,0 +1,39 @@
+"""export: the newest checkpoint's weights as plain files that rebuild the model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from conftest import ROOT, TINY_GPT, merge, run_train, worker_env, write_config
+from train.config import ModelConfig
+from train.models import build_model
+
+
+def test_export_rebuilds_the_trained_model(tmp_path):
+    config = write_config(tmp_path / "e.yaml", merge(TINY_GPT, {"output": {"dir": str(tmp_path)},
+                                                                "train": {"max_steps": 4}}))
+    assert run_train(config).returncode == 0
+    run_dir = tmp_path / "e"
+    proc = subprocess.run([sys.executable, "entrypoint.py", "export", str(run_dir)], cwd=ROOT,
+                          env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((run_dir / "export" / "model.json").read_text())
+    assert meta["step"] == 4 and meta["io"] == {"input_shape": [16], "num_classes": 256}
+    state = torch.load(run_dir / "export" / "model.pt", weights_only=True)
+    model = build_model(ModelConfig(**meta["model"]), input_shape=tuple(meta["io"]["input_shape"]),
+                        num_classes=meta["io"]["num_classes"])
+    model.load_state_dict(state)  # strict: every name and shape matches
+    ckpt = torch.load(run_dir / "checkpoints" / "step-4" / "state.pt", weights_only=True)
+    assert all(torch.equal(state[k], ckpt["model"][k]) for k in state)
+
+
+def test_export_without_checkpoint_is_exit_3(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "train.export", str(tmp_path)], cwd=ROOT,
+                          env=worker_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    assert proc.stderr.strip() == f"error: {tmp_path}: no valid checkpoint under checkpoints/; " \
+                                  "train first"

@@ -1,0 +1,65 @@
+"""``python -m train.export RUN_DIR [--out DIR]`` (``entrypoint.py export RUN_DIR``).
+
+Writes the newest valid checkpoint's model as plain files usable without this trainer:
+``model.pt`` (a flat state dict of tensors, loadable with ``torch.load(...,
+weights_only=True)``) and ``model.json`` (model config, input shape, number of classes
+or vocabulary, source checkpoint and step, SHA-256 of model.pt). Default output:
+``RUN_DIR/export/``, written to a temporary name and renamed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from train.errors import CannotRunHere, ConfigError, UserError
+
+
+def export(run_dir: Path, out: Path) -> Path:
+    import torch
+
+    from train.checkpoint import Checkpointer
+
+    if not run_dir.is_dir():
+        raise ConfigError("command line", "RUN_DIR", f"{run_dir}: not a directory")
+    found = Checkpointer(run_dir, rank=0, keep_last=1).load_newest(rank=0)
+    if found is None:
+        raise CannotRunHere(f"{run_dir}: no valid checkpoint under checkpoints/; train first")
+    path, shared, _ = found
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save({k: v.contiguous() for k, v in shared["model"].items()}, tmp / "model.pt")
+    digest = hashlib.sha256((tmp / "model.pt").read_bytes()).hexdigest()
+    meta = {"model": shared["config"]["model"], "io": shared.get("model_io"),
+            "checkpoint": str(path), "step": shared["step"], "model_pt_sha256": digest,
+            "load": "torch.load('model.pt', weights_only=True) -> state dict of "
+                    "train.models.build_model(ModelConfig(**model), input_shape=..., "
+                    "num_classes=...)"}
+    (tmp / "model.json").write_text(json.dumps(meta, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="export", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, help="a run directory (output.dir/run.name)")
+    parser.add_argument("--out", type=Path, help="output directory (default RUN_DIR/export)")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.run_dir, args.out or args.run_dir / "export")
+    except UserError as exc:
+        print(exc.one_line(), file=sys.stderr)
+        return exc.exit_code
+    print(f"exported {out}/model.pt and {out}/model.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
