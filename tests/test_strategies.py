@@ -26,6 +26,9 @@ def _assert_close(a: dict, b: dict, rel: float = 1e-5) -> None:
 def test_fsdp_on_two_processes_matches_one_process_and_resumes(tmp_path):
     config = _config(tmp_path)
     assert run_train(config, "run.name=one").returncode == 0
+    single = run_train(config, "run.name=fsdp1", "distributed.strategy=fsdp")  # a group of one
+    assert single.returncode == 0, single.stderr[-3000:]
+    _assert_close(losses(tmp_path / "one"), losses(tmp_path / "fsdp1"))
     proc = run_train(config, "run.name=fsdp", "distributed.strategy=fsdp", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_close(losses(tmp_path / "one"), losses(tmp_path / "fsdp"))

@@ -71,10 +71,10 @@ def parallelize(module: nn.Module, cfg: Config, env: WorkerEnv, device: torch.de
         if device.type != "cuda":
             raise CannotRunHere("distributed.strategy=dp needs GPUs; use single or ddp on CPU")
         return nn.DataParallel(module)
+    if strategy == "fsdp":  # also on one process: CPU offload and mixed precision apply
+        return _fsdp(module, cfg, device)
     if not env.distributed:
         return module
-    if strategy == "fsdp":
-        return _fsdp(module, cfg, device)
     return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
 
 

@@ -135,10 +135,15 @@ def set_deterministic(enabled: bool) -> None:
     torch.backends.cudnn.benchmark = not enabled
 
 
-def init_distributed(env: WorkerEnv, backend: str, device: torch.device, timeout_s: int) -> None:
-    if not env.distributed:
+def init_distributed(env: WorkerEnv, backend: str, device: torch.device, timeout_s: int,
+                     *, single_process_group: bool = False) -> None:
+    """Join the process group (torchrun's env://). single_process_group: a group of one,
+    for FSDP on a single process (its CPU offload and mixed precision need a group)."""
+    if not (env.distributed or single_process_group):
         return
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    if not env.distributed:  # world size 1: an in-memory store, no address or port needed
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                             **kwargs)
 

@@ -144,7 +144,8 @@ def build(cfg: Config, env: runtime.WorkerEnv) -> Parts:
     micro, accum = batch_split(cfg, env.world_size)  # bad input fails before joining the group
     device = runtime.resolve_device(cfg, env)
     runtime.init_distributed(env, runtime.resolve_backend(cfg, device), device,
-                             cfg.distributed.timeout_s)
+                             cfg.distributed.timeout_s,
+                             single_process_group=cfg.distributed.strategy == "fsdp")
     env.check_consistent()
     torch.set_num_threads(runtime.cpus_per_rank(env))
     runtime.set_deterministic(cfg.deterministic)
