@@ -58,7 +58,7 @@ def cmd_train(args: list[str]) -> int:
     from launcher import environ, supervise, system
     from launcher.detect import detect, torch_build
     from launcher.plan import plan as make_plan
-    from train.config import load_config
+    from train.config import check_resume_compatible, load_config
     from train.errors import CannotRunHere
     parser = _Parser(prog="entrypoint.py train", add_help=True)
     parser.add_argument("config")
@@ -67,6 +67,7 @@ def cmd_train(args: list[str]) -> int:
     ns = parser.parse_args(args)
     env = environ.read()
     cfg = load_config(ns.config, ns.overrides)
+    check_resume_compatible(cfg)
     hw = detect(env)
     tb = torch_build()
     if not tb.importable:

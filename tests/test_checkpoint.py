@@ -209,3 +209,21 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert latest.read_text().strip() == f"step-{step}"
     assert Checkpointer.verify(latest.parent / f"step-{step}") is None
     assert (latest.parent / f"step-{step}" / "rank-1.pt").exists()
+
+
+def test_resuming_with_a_different_model_is_bad_input(reference, tmp_path):
+    """Through the entrypoint: the parent refuses before any worker starts."""
+    config, ref_dir = reference
+    shutil.copytree(ref_dir, tmp_path / "ref")
+    before = sorted(p.name for p in (tmp_path / "ref" / "checkpoints").iterdir())
+    proc = subprocess.run([sys.executable, "entrypoint.py", "train", str(config),
+                           f"output.dir={tmp_path}", "model.width=64"], cwd=ROOT,
+                          env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {config}: model.width: differs from the run being resumed")
+    assert "model.width 32 -> 64" in line and "checkpoint.resume_from=none" in line
+    assert sorted(p.name for p in (tmp_path / "ref" / "checkpoints").iterdir()) == before
+    fresh = run_train(config, f"output.dir={tmp_path}", "model.width=64",
+                      "checkpoint.resume_from=none", "train.max_steps=2")
+    assert fresh.returncode == 0, fresh.stderr[-2000:]

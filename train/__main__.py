@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from train.config import load_config, to_yaml
+from train.config import check_resume_compatible, load_config, to_yaml
 from train.errors import EXIT_TRAINING_FAILED, UserError
 
 
@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             sys.stdout.write(to_yaml(cfg))
             return 0
+        check_resume_compatible(cfg)
         from train.trainer import train  # torch is imported only when training
         return train(cfg)
     except UserError as exc:

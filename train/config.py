@@ -511,3 +511,47 @@ def batch_split(cfg: Config, world_size: int) -> tuple[int, int]:
                           f"(train.global_batch_size={t.global_batch_size} / world size "
                           f"{world_size}); choose a divisor of {per_rank}")
     return micro, per_rank // micro
+
+
+# Keys whose change makes a run's checkpoints unloadable (parameter shapes or meaning).
+SHAPE_KEYS = ("model.kind", "model.depth", "model.width", "model.heads", "model.context_length",
+              "model.tie_weights", "data.kind", "data.vocab_size", "data.shape",
+              "data.num_classes")
+
+
+def _dig(tree: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+    return tree
+
+
+def _differences(old: Any, new: Any, prefix: str) -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new)):
+            out += _differences(old.get(key), new.get(key), f"{prefix}.{key}")
+        return out
+    return [] if old == new else [f"{prefix} {old!r} -> {new!r}"]
+
+
+def check_resume_compatible(cfg: Config) -> None:
+    """A config that would resume a run whose checkpoints it cannot load is bad input.
+
+    Compares the shape-defining keys with the run directory's config.yaml (written at
+    the run's start) when a checkpoint would be resumed; raises ConfigError (exit 2)
+    naming what changed, instead of a state-dict error from inside every worker.
+    """
+    run_dir = cfg.run_dir
+    if cfg.checkpoint.resume_from != AUTO or not (run_dir / "checkpoints" / "latest").exists():
+        return
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return  # nothing to compare with; the checkpoint's own checks still apply
+    new = to_dict(cfg)
+    changed = [d for key in SHAPE_KEYS for d in _differences(_dig(saved, key), _dig(new, key), key)]
+    if changed:
+        raise ConfigError(cfg.source, changed[0].split()[0],
+                          f"differs from the run being resumed ({run_dir}: "
+                          f"{'; '.join(changed[:3])}); use a new run.name, or "
+                          f"checkpoint.resume_from=none to start this run over")
