@@ -160,6 +160,12 @@ def test_resume_from_none_starts_fresh(reference, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resumed" not in proc.stderr
     assert sorted(losses(tmp_path / "ref")) == [1, 2, 3]
+    run_dir = tmp_path / "ref"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-3"]
+    aside = list(run_dir.glob("checkpoints.replaced-*"))
+    assert len(aside) == 1 and (aside[0] / f"step-{STEPS}").is_dir(), "kept, not deleted"
+    again = run_train(config, f"output.dir={tmp_path}", "train.max_steps=4")
+    assert "at step 3" in again.stderr, "a later resume continues the new attempt"
 
 
 def test_async_save_on_two_processes_writes_complete_checkpoints(tmp_path):

@@ -180,6 +180,15 @@ class Checkpointer:
         os.replace(tmp, self.dir / "latest")
         _fsync_dir(self.dir)
 
+    def set_aside(self) -> Path | None:
+        """Starting a run over: move its old checkpoints out of the way (not deleted), so
+        a later resume can never pick up a checkpoint of the previous attempt."""
+        if not self.dir.is_dir() or not any(self.dir.iterdir()):
+            return None
+        target = self.dir.with_name(f"checkpoints.replaced-{time.strftime('%Y%m%dT%H%M%S')}")
+        os.replace(self.dir, target)
+        return target
+
     def _prune(self) -> None:
         steps = sorted(self._step_dirs(), key=lambda p: -int(p.name.split("-")[1]))
         for old in steps[self.keep_last:]:

@@ -160,8 +160,9 @@ class CheckpointConfig:
     every_steps: int = opt(0, "Save a checkpoint every N steps and at the end (0 = only at the "
                               "end and on SIGTERM).", ge=0)
     keep_last: int = opt(3, "Checkpoints to keep.", ge=1)
-    resume_from: str = opt(AUTO, "auto (newest valid checkpoint of this run), none, or a "
-                                 "checkpoint directory.")
+    resume_from: str = opt(AUTO, "auto (newest valid checkpoint of this run), none (start "
+                                 "over; earlier checkpoints are moved to "
+                                 "checkpoints.replaced-<time>/), or a checkpoint directory.")
     async_save: bool = opt(False, "Write checkpoints in the background.")
 
 

@@ -211,6 +211,11 @@ def save_checkpoint(p: Parts, step: int, *, background: bool = False) -> None:
 def resume(p: Parts) -> None:
     choice = p.cfg.checkpoint.resume_from
     if choice == "none":
+        if p.is_main:
+            moved = p.checkpointer.set_aside()
+            if moved:
+                log.warning("checkpoint.resume_from=none: earlier checkpoints moved to %s", moved)
+        _barrier(p.env)()
         return
     if choice == AUTO:
         found = p.checkpointer.load_newest(p.env.rank)
