@@ -52,6 +52,8 @@ ERROR_CASES = [
     ("warmup longer than run", TINY_GPT, ["schedule.warmup_steps=99"], "schedule.warmup_steps",
      "exceeds"),
     ("bad run name", TINY_GPT, ["run.name=a/b"], "run.name", "without '/'"),
+    ("resume from a missing checkpoint", TINY_GPT, ["checkpoint.resume_from=/no/step-3"],
+     "checkpoint.resume_from", "not a checkpoint directory"),
     ("cross-key check caused by an override", merge(TINY_GPT, {"schedule": {"warmup_steps": 5}}),
      ["train.max_steps=3"], "schedule.warmup_steps", "exceeds train.max_steps=3"),
     ("activation checkpointing on mlp", merge(TINY_MLP, {"memory": {

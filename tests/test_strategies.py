@@ -32,6 +32,10 @@ def test_fsdp_on_two_processes_matches_one_process_and_resumes(tmp_path):
     proc = run_train(config, "run.name=fsdp", "distributed.strategy=fsdp", nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _assert_close(losses(tmp_path / "one"), losses(tmp_path / "fsdp"))
+    accum = run_train(config, "run.name=fsdp_accum", "distributed.strategy=fsdp",
+                      "train.micro_batch_size=2", nproc=2)  # 2 micro-steps, one gradient sync
+    assert accum.returncode == 0, accum.stderr[-3000:]
+    _assert_close(losses(tmp_path / "one"), losses(tmp_path / "fsdp_accum"))
     # Resume the FSDP run from its step-4 checkpoint (full tensors, loaded by broadcast).
     ckpts = tmp_path / "fsdp" / "checkpoints"
     (ckpts / "latest").write_text("step-4\n")

@@ -439,6 +439,10 @@ def validate(cfg: Config, source: str, from_cli: dict[str, bool] | None = None) 
     if cfg.memory.cpu_offload and cfg.distributed.strategy != "fsdp":
         fail("memory.cpu_offload", "needs distributed.strategy=fsdp", "distributed.strategy")
     _validate_data_paths(cfg, fail)
+    resume = cfg.checkpoint.resume_from
+    if resume not in (AUTO, "none") and not (Path(resume) / "checksums.json").is_file():
+        fail("checkpoint.resume_from", f"{resume}: not a checkpoint directory (no "
+                                       f"checksums.json); use auto, none or a step-N directory")
 
 
 def _validate_data_paths(cfg: Config, fail) -> None:

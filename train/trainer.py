@@ -244,6 +244,16 @@ def resume(p: Parts) -> None:
 
 # ------------------------------------------------------------------------ steps
 
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Skip the gradient all-reduce on non-final micro-steps (DDP no_sync; FSDP2 keeps
+    unsharded gradients until the last one)."""
+    if isinstance(model, DDP):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 module
+        model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()
+
+
 def train_step(p: Parts, batches) -> torch.Tensor:
     """One optimizer step over `accum` micro-batches; returns this rank's mean loss."""
     total = torch.zeros((), device=p.device)
@@ -251,10 +261,7 @@ def train_step(p: Parts, batches) -> torch.Tensor:
         x, y = next(batches)
         x = x.to(p.device, non_blocking=True)
         y = y.to(p.device, non_blocking=True)
-        last = i == p.accum - 1
-        sync = contextlib.nullcontext() if last or not isinstance(p.model, DDP) \
-            else p.model.no_sync()
-        with sync:
+        with gradient_sync(p.model, enabled=i == p.accum - 1):
             with p.autocast():
                 loss = loss_fn(p.model(x), y) / p.accum
             (p.scaler.scale(loss) if p.scaler else loss).backward()
