@@ -32,3 +32,18 @@ def test_a_size_that_leaves_no_room_counts_as_not_fitting():
 def test_nothing_fits_is_exit_3():
     with pytest.raises(CannotRunHere, match="not even a micro-batch of 1"):
         largest_fitting(8, lambda m: False)
+
+
+def test_library_allocation_failures_count_as_out_of_memory_other_errors_propagate():
+    def cublas(m):
+        if m > 2:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")
+        return True
+
+    assert largest_fitting(8, cublas) == 2
+
+    def bug(m):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes"):
+        largest_fitting(8, bug)

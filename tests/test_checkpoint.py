@@ -165,6 +165,7 @@ def test_resume_from_none_starts_fresh(reference, tmp_path):
     aside = list(run_dir.glob("checkpoints.replaced-*"))
     assert len(aside) == 1 and (aside[0] / f"step-{STEPS}").is_dir(), "kept, not deleted"
     again = run_train(config, f"output.dir={tmp_path}", "train.max_steps=4")
+    assert again.returncode == 0, again.stderr[-2000:]
     assert "at step 3" in again.stderr, "a later resume continues the new attempt"
 
 
@@ -233,3 +234,107 @@ def test_resuming_with_a_different_model_is_bad_input(reference, tmp_path):
     fresh = run_train(config, f"output.dir={tmp_path}", "model.width=64",
                       "checkpoint.resume_from=none", "train.max_steps=2")
     assert fresh.returncode == 0, fresh.stderr[-2000:]
+
+
+def _saver(run_dir: Path, keep_last: int) -> Checkpointer:
+    return Checkpointer(run_dir, rank=0, keep_last=keep_last)
+
+
+def test_prune_keeps_latest_and_drops_an_abandoned_trajectory(tmp_path):
+    ck = _saver(tmp_path, keep_last=10)
+    for step in (5, 10, 15, 20):
+        ck.save(step, {"step": step}, {})
+    (tmp_path / "checkpoints" / "latest").write_text("step-10\n")  # resumed from step 10
+    _saver(tmp_path, keep_last=1).save(13, {"step": 13}, {})
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["latest", "step-13"], "15 and 20 belong to the abandoned trajectory"
+    assert _saver(tmp_path, 1).load_newest(0)[1]["step"] == 13
+
+
+def test_saving_a_step_again_replaces_it_whole(tmp_path):
+    ck = _saver(tmp_path, keep_last=1)
+    ck.save(5, {"step": 5, "v": 1}, {})
+    ck.save(5, {"step": 5, "v": 2}, {})
+    assert ck.load_newest(0)[1]["v"] == 2
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-5"]
+
+
+def test_restarts_of_a_start_over_run_continue_it(tmp_path):
+    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path)}, "train": {"max_steps": 4},
+        "checkpoint": {"every_steps": 2, "resume_from": "none"}}))
+    assert run_train(config).returncode == 0
+    restarted = run_train(config, "train.max_steps=6", env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    assert restarted.returncode == 0, restarted.stderr[-2000:]
+    assert "at step 4" in restarted.stderr
+    assert not list((tmp_path / "c").glob("checkpoints.replaced-*"))
+
+
+def test_a_larger_global_batch_on_resume_continues_at_the_next_sample(tmp_path):
+    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path)}, "train": {"max_steps": 5}}))
+    assert run_train(config).returncode == 0
+    bigger = run_train(config, "train.max_steps=7", "train.global_batch_size=16")
+    assert bigger.returncode == 0, bigger.stderr[-2000:]
+    assert "at step 5, sample 40" in bigger.stderr  # 5 steps x 8, not 5 x 16
+    state = torch.load(tmp_path / "c" / "checkpoints" / "step-7" / "state.pt", weights_only=True)
+    assert state["samples_consumed"] == 40 + 2 * 16
+
+
+def test_a_rerun_after_the_final_checkpoint_finishes_the_run(reference, tmp_path):
+    config, ref_dir = reference
+    shutil.copytree(ref_dir, tmp_path / "ref")
+    (tmp_path / "ref" / "result.json").unlink()  # killed after the last checkpoint
+    proc = run_train(config, f"output.dir={tmp_path}")
+    assert proc.returncode == 0 and "nothing to do" in proc.stderr
+    assert "val/loss" in (tmp_path / "ref" / "result.json").read_text()
+
+
+def test_logged_lr_is_the_rate_the_update_used(reference):
+    _, ref_dir = reference
+    rows = {r["step"]: r for r in read_metrics(ref_dir) if "lr" in r}
+    peak = TINY_GPT["optim"]["lr"]
+    assert math.isclose(rows[1]["lr"], peak / 2) and math.isclose(rows[2]["lr"], peak)
+
+
+SITE_PATCH = textwrap.dedent("""
+    import os
+    if os.environ.get("RANK") == "1":
+        import train.checkpoint as ck
+        real = ck.Checkpointer.load
+        def load(path, rank):
+            if path.name == "step-6":
+                raise MemoryError("simulated: host out of memory while loading")
+            return real(path, rank)
+        ck.Checkpointer.load = staticmethod(load)
+""")
+
+
+def test_a_rank_that_cannot_load_the_chosen_checkpoint_fails_instead_of_diverging(tmp_path):
+    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path)}, "train": {"max_steps": 6},
+        "checkpoint": {"every_steps": 3}}))
+    assert run_train(config, nproc=2).returncode == 0
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SITE_PATCH)
+    proc = run_train(config, "train.max_steps=9", nproc=2,
+                     env={"PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}"})
+    assert proc.returncode != 0
+    assert "step-3" not in proc.stderr, "no rank may fall back to an older checkpoint alone"
+    assert "MemoryError" in proc.stderr
+
+
+def test_worker_refuses_a_checkpoint_of_another_shape_and_leaves_config_yaml(reference, tmp_path):
+    """Explicit resume_from skips the parent's config.yaml check; the worker compares the
+    checkpoint's own config, and writes nothing before the resume succeeded."""
+    config, ref_dir = reference
+    shutil.copytree(ref_dir, tmp_path / "ref")
+    saved = (tmp_path / "ref" / "config.yaml").read_text()
+    ckpt = tmp_path / "ref" / "checkpoints" / "step-10"
+    for change, key in (("model.width=64", "model.width"), ("optim.name=sgd", "optim.name")):
+        proc = run_train(config, f"output.dir={tmp_path}", change,
+                         f"checkpoint.resume_from={ckpt}")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1].startswith(
+            f"error: {config}: {key}: differs from the run being resumed")
+        assert (tmp_path / "ref" / "config.yaml").read_text() == saved

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +23,7 @@ ENTRY = str(ROOT / "entrypoint.py")
 FAKES = Path(__file__).parent / "fakes"
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 # Small enough that 20 steps on 2 ranks take seconds on a 2-core machine.
-SMALL = ["model.depth=1", "model.width=32", "model.context_length=32",
+SMALL = ["model.depth=1", "model.width=32", "model.heads=4", "model.context_length=32",
          "train.global_batch_size=8", "data.max_bytes=200000", "data.num_workers=0",
          "schedule.warmup_steps=2", "train.eval_batches=1", "logging.every_steps=5",
          "logging.progress=plain", "checkpoint.every_steps=0"]
@@ -210,16 +212,34 @@ def test_comm_summary_names_the_rank_that_did_not_answer(tmp_path):
 
 # --------------------------------------------------------------------- rendezvous
 
+_STDERR_LINES: dict[int, queue.Queue] = {}
+
+
 def read_until(proc: subprocess.Popen, pattern: str, timeout: float = 30) -> re.Match:
+    """The next stderr line of a long-lived process matching pattern, with a real timeout
+    (a bare readline() blocks forever on a server that stays silent)."""
+    lines = _STDERR_LINES.get(proc.pid)
+    if lines is None:
+        lines = _STDERR_LINES[proc.pid] = queue.Queue()
+
+        def pump() -> None:
+            for line in proc.stderr:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line and proc.poll() is not None:
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=remaining)
+        except queue.Empty:
             break
+        if line is None:
+            raise AssertionError(f"exited before a line matching {pattern!r}")
         m = re.search(pattern, line)
         if m:
             return m
-    raise AssertionError(f"no line matching {pattern!r}")
+    raise AssertionError(f"no line matching {pattern!r} within {timeout} s")
 
 
 def test_rendezvous_store_serves_clients_and_stops_on_sigterm(tmp_path):
@@ -236,7 +256,7 @@ def test_rendezvous_store_serves_clients_and_stops_on_sigterm(tmp_path):
         assert client.get("some/key") == b"v"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
-        assert "stopping" in proc.stderr.read()
+        read_until(proc, "stopping")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -307,13 +327,13 @@ def test_two_nodes_join_the_standalone_store_as_an_indexed_job(tmp_path):
                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 text=True))
         outs = [n.communicate(timeout=240)[0] for n in nodes]
+        assert [n.returncode for n in nodes] == [0, 0], outs
         m = read_until(store, r"round 0 complete: (\d) node")
     finally:
         for p in [*nodes, store]:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 p.wait(timeout=30)
-    assert [n.returncode for n in nodes] == [0, 0], outs
     assert "is_host=false" in outs[0] and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in outs[0]
     assert "world size 2" in "".join(outs)
     assert m[1] == "2"

@@ -6,10 +6,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import ROOT, TINY_GPT, merge, run_train, worker_env, write_config
 from train.config import ModelConfig
+from train.errors import ConfigError
+from train.export import check_output
 from train.models import build_model
 
 
@@ -37,3 +40,26 @@ def test_export_without_checkpoint_is_exit_3(tmp_path):
     assert proc.returncode == 3
     assert proc.stderr.strip() == f"error: {tmp_path}: no valid checkpoint under checkpoints/; " \
                                   "train first"
+
+
+@pytest.mark.parametrize("out", ["RUN", "RUN/checkpoints", "PARENT", "OTHER"])
+def test_export_never_replaces_what_is_not_an_export(tmp_path, out):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    target = {"RUN": run_dir, "RUN/checkpoints": run_dir / "checkpoints", "PARENT": tmp_path,
+              "OTHER": other}[out]
+    with pytest.raises(ConfigError, match="--out"):
+        check_output(run_dir, target)
+    assert (other / "notes.txt").read_text() == "keep me"
+
+
+def test_export_may_replace_an_earlier_export(tmp_path):
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "shipped"
+    run_dir.mkdir()
+    for target in (run_dir / "export", elsewhere):
+        target.mkdir()
+        (target / "model.json").write_text("{}")
+        check_output(run_dir, target)  # no error

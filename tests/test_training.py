@@ -111,7 +111,7 @@ def test_cnn_with_loader_workers_and_accumulation(tmp_path):
     assert sorted(losses(tmp_path / "c")) == [2, 4, 6]
 
 
-def test_log_lines_carry_the_rank(runs, tmp_path):
+def test_log_lines_carry_the_rank(tmp_path):
     config = write_config(tmp_path / "c.yaml", merge(TINY_MLP, {"output": {"dir": str(tmp_path)}}))
     proc = run_train(config, "train.max_steps=2")
     assert proc.returncode == 0

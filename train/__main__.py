@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         import os
         logging.getLogger("train").exception("training failed")
         record_for_torchrun(exc)
-        print(f"error: rank {os.environ.get('RANK', '0')}: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
+        message = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, always
+        print(f"error: rank {os.environ.get('RANK', '0')}: {message}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
 
 

@@ -27,14 +27,26 @@ def divisors_descending(n: int, start: int) -> list[int]:
     return [m for m in range(min(n, start), 0, -1) if n % m == 0]
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's OutOfMemoryError, or a library's allocation failure (cuBLAS, cuDNN), which
+    arrives as a plain RuntimeError."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text.lower()
+                                              or "ALLOC_FAILED" in text)
+
+
 def largest_fitting(per_rank: int, fits: Callable[[int], bool]) -> int:
-    """Largest divisor m of per_rank with fits(m); fits raises OutOfMemoryError or says no."""
+    """Largest divisor m of per_rank with fits(m); fits raises an out-of-memory error or
+    says no."""
     for m in divisors_descending(per_rank, per_rank):
         try:
             if fits(m):
                 return m
-        except torch.OutOfMemoryError:
-            pass
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if not is_out_of_memory(exc):
+                raise
         log.info("micro-batch %d does not fit; trying a smaller one", m)
     raise CannotRunHere("train.micro_batch_size=auto: not even a micro-batch of 1 fits in GPU "
                         "memory; use a smaller model, precision=bf16, "
@@ -43,8 +55,15 @@ def largest_fitting(per_rank: int, fits: Callable[[int], bool]) -> int:
 
 def probe_on_gpu(module: torch.nn.Module, sample: Callable[[int], tuple], loss_fn, autocast,
                  device: torch.device, extra_bytes: int) -> Callable[[int], bool]:
-    """A fits(m) that runs one forward/backward of m samples and measures peak memory."""
-    total = torch.cuda.get_device_properties(device).total_memory
+    """A fits(m) that runs one forward/backward of m samples and measures peak memory.
+
+    The budget is the memory free before the probe (other processes, the CUDA context
+    and NCCL's buffers already taken) plus what this process holds, times MEMORY_BUDGET;
+    extra_bytes is what training adds later (optimizer state, DDP's gradient buckets).
+    """
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = MEMORY_BUDGET * (free + torch.cuda.memory_reserved(device))
 
     def fits(m: int) -> bool:
         torch.cuda.empty_cache()
@@ -55,7 +74,7 @@ def probe_on_gpu(module: torch.nn.Module, sample: Callable[[int], tuple], loss_f
                 loss = loss_fn(module(x), y)
             loss.backward()
             del x, y, loss
-            return torch.cuda.max_memory_allocated(device) + extra_bytes < MEMORY_BUDGET * total
+            return torch.cuda.max_memory_allocated(device) + extra_bytes < budget
         finally:
             module.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()

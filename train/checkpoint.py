@@ -35,6 +35,10 @@ CHECKSUMS = "checksums.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
+def _step_of(path: Path) -> int:
+    return int(path.name.split("-")[1])
+
+
 def _fsync_file(path: Path) -> None:
     with path.open("rb") as f:
         os.fsync(f.fileno())
@@ -171,29 +175,54 @@ class Checkpointer:
         (partial / CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
         _fsync_file(partial / CHECKSUMS)
         _fsync_dir(partial)
-        if final.exists():  # the same step saved again after a resume
-            shutil.rmtree(final)
+        # The same step saved again (after a resume): the old copy stays loadable until
+        # the new one is in place and named by `latest`.
+        replaced = final.with_name(final.name + ".replaced")
+        if final.exists():
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
         os.replace(partial, final)
         tmp = self.dir / "latest.tmp"
         tmp.write_text(final.name + "\n")
         _fsync_file(tmp)
         os.replace(tmp, self.dir / "latest")
         _fsync_dir(self.dir)
+        shutil.rmtree(replaced, ignore_errors=True)
 
     def set_aside(self) -> Path | None:
         """Starting a run over: move its old checkpoints out of the way (not deleted), so
         a later resume can never pick up a checkpoint of the previous attempt."""
         if not self.dir.is_dir() or not any(self.dir.iterdir()):
             return None
-        target = self.dir.with_name(f"checkpoints.replaced-{time.strftime('%Y%m%dT%H%M%S')}")
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        target = self.dir.with_name(f"checkpoints.replaced-{stamp}")
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.dir.with_name(f"checkpoints.replaced-{stamp}-{n}")
         os.replace(self.dir, target)
         return target
 
+    def latest_step(self) -> int | None:
+        try:
+            match = _STEP_DIR.match((self.dir / "latest").read_text().strip())
+        except OSError:
+            return None
+        return int(match.group(1)) if match else None
+
     def _prune(self) -> None:
-        steps = sorted(self._step_dirs(), key=lambda p: -int(p.name.split("-")[1]))
+        """Keep the newest keep_last checkpoints up to `latest` (always including it);
+        step directories newer than `latest` belong to an abandoned trajectory (a resume
+        from an older checkpoint) and go."""
+        newest = self.latest_step()
+        steps = sorted(self._step_dirs(), key=_step_of, reverse=True)
+        if newest is not None:
+            for abandoned in [p for p in steps if _step_of(p) > newest]:
+                shutil.rmtree(abandoned, ignore_errors=True)
+            steps = [p for p in steps if _step_of(p) <= newest]
         for old in steps[self.keep_last:]:
             shutil.rmtree(old, ignore_errors=True)
-        for stale in self.dir.glob("step-*.partial"):
+        for stale in [*self.dir.glob("step-*.partial"), *self.dir.glob("step-*.replaced")]:
             shutil.rmtree(stale, ignore_errors=True)
 
     # --------------------------------------------------------------- loading
@@ -204,7 +233,7 @@ class Checkpointer:
 
     def candidates(self) -> list[Path]:
         """Newest first: the one `latest` names, then every step-N by step."""
-        ordered = sorted(self._step_dirs(), key=lambda p: -int(p.name.split("-")[1]))
+        ordered = sorted(self._step_dirs(), key=_step_of, reverse=True)
         try:
             named = self.dir / (self.dir / "latest").read_text().strip()
             if named in ordered:
@@ -236,14 +265,16 @@ class Checkpointer:
         mine = torch.load(own, map_location="cpu", weights_only=True) if own.exists() else None
         return shared, mine
 
-    def load_newest(self, rank: int) -> tuple[Path, dict, dict | None] | None:
+    def newest_valid(self) -> Path | None:
+        """The newest checkpoint whose files match their checksums (warning on others)."""
         for path in self.candidates():
             problem = self.verify(path)
             if problem is None:
-                try:
-                    shared, mine = self.load(path, rank)
-                    return path, shared, mine
-                except Exception as exc:  # verified bytes that still do not load
-                    problem = f"cannot load: {exc}"
+                return path
             log.warning("checkpoint %s is unusable (%s); trying the previous one", path, problem)
         return None
+
+    def load_newest(self, rank: int) -> tuple[Path, dict, dict | None] | None:
+        """Single-process convenience (export, tools): newest valid checkpoint, loaded."""
+        path = self.newest_valid()
+        return None if path is None else (path, *self.load(path, rank))

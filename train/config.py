@@ -125,7 +125,9 @@ class TrainLoopConfig:
                                                   ge=1)
     eval_every_steps: int = opt(0, "Evaluate on the validation split every N steps and at the "
                                    "end (0 = only at the end).", ge=0)
-    eval_batches: int = opt(8, "Validation micro-batches per evaluation (0 = none).", ge=0)
+    eval_batches: int = opt(8, "Validation size per evaluation, in global batches: the first "
+                               "eval_batches x global_batch_size validation samples (0 = none).",
+                            ge=0)
 
 
 @dataclass(kw_only=True)
@@ -518,10 +520,11 @@ def batch_split(cfg: Config, world_size: int) -> tuple[int, int]:
     return micro, per_rank // micro
 
 
-# Keys whose change makes a run's checkpoints unloadable (parameter shapes or meaning).
-SHAPE_KEYS = ("model.kind", "model.depth", "model.width", "model.heads", "model.context_length",
-              "model.tie_weights", "data.kind", "data.vocab_size", "data.shape",
-              "data.num_classes")
+# Keys whose change makes a run's checkpoints unloadable (parameter or optimizer-state
+# shapes, or what the inputs mean).
+RESUME_KEYS = ("model.kind", "model.depth", "model.width", "model.heads", "model.context_length",
+               "model.tie_weights", "data.kind", "data.vocab_size", "data.shape",
+               "data.num_classes", "optim.name")
 
 
 def _dig(tree: dict, dotted: str) -> Any:
@@ -530,21 +533,25 @@ def _dig(tree: dict, dotted: str) -> Any:
     return tree
 
 
-def _differences(old: Any, new: Any, prefix: str) -> list[str]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        out = []
-        for key in sorted(set(old) | set(new)):
-            out += _differences(old.get(key), new.get(key), f"{prefix}.{key}")
-        return out
-    return [] if old == new else [f"{prefix} {old!r} -> {new!r}"]
+def check_checkpoint_config(cfg: Config, saved: dict, where: Path | str) -> None:
+    """ConfigError (exit 2) naming the first resume key that differs from `saved` (the
+    resolved config a run or checkpoint was written with)."""
+    new = to_dict(cfg)
+    changed = [f"{key} {_dig(saved, key)!r} -> {_dig(new, key)!r}" for key in RESUME_KEYS
+               if _dig(saved, key) != _dig(new, key)]
+    if changed:
+        raise ConfigError(cfg.source, changed[0].split()[0],
+                          f"differs from the run being resumed ({where}: "
+                          f"{'; '.join(changed[:3])}); use a new run.name, or "
+                          f"checkpoint.resume_from=none to start this run over")
 
 
 def check_resume_compatible(cfg: Config) -> None:
     """A config that would resume a run whose checkpoints it cannot load is bad input.
 
-    Compares the shape-defining keys with the run directory's config.yaml (written at
-    the run's start) when a checkpoint would be resumed; raises ConfigError (exit 2)
-    naming what changed, instead of a state-dict error from inside every worker.
+    Before any worker starts: compares with the run directory's config.yaml (written
+    once a start has loaded its checkpoint, so it matches the checkpoints' shapes).
+    The worker checks the checkpoint's own copy again when it loads it.
     """
     run_dir = cfg.run_dir
     if cfg.checkpoint.resume_from != AUTO or not (run_dir / "checkpoints" / "latest").exists():
@@ -552,11 +559,5 @@ def check_resume_compatible(cfg: Config) -> None:
     try:
         saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
-        return  # nothing to compare with; the checkpoint's own checks still apply
-    new = to_dict(cfg)
-    changed = [d for key in SHAPE_KEYS for d in _differences(_dig(saved, key), _dig(new, key), key)]
-    if changed:
-        raise ConfigError(cfg.source, changed[0].split()[0],
-                          f"differs from the run being resumed ({run_dir}: "
-                          f"{'; '.join(changed[:3])}); use a new run.name, or "
-                          f"checkpoint.resume_from=none to start this run over")
+        return  # nothing to compare with; the worker checks the checkpoint itself
+    check_checkpoint_config(cfg, saved, run_dir)

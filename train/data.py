@@ -130,6 +130,16 @@ def _file_hash(path: Path) -> str:
     return "sampled:" + h.hexdigest()
 
 
+def _load_npy(path: Path) -> np.ndarray:
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:  # corrupt, truncated, or object arrays
+        raise ConfigError(str(path), "data.path", f"not a readable numeric .npy: {exc}") from None
+    if array.dtype.kind not in "biuf":
+        raise ConfigError(str(path), "data.path", f"dtype {array.dtype} is not numeric")
+    return array
+
+
 def _tensors(cfg: DataConfig) -> DataBundle:
     path = Path(cfg.path)
     if path.suffix == ".pt":
@@ -143,8 +153,7 @@ def _tensors(cfg: DataConfig) -> DataBundle:
         x, y = blob["features"], blob["labels"]
         digest = _file_hash(path)
     else:
-        x = torch.from_numpy(np.load(path, allow_pickle=False))
-        y = torch.from_numpy(np.load(cfg.labels_path, allow_pickle=False))
+        x, y = (torch.from_numpy(_load_npy(Path(f))) for f in (path, cfg.labels_path))
         digest = hashlib.sha256((_file_hash(path) + _file_hash(Path(cfg.labels_path)))
                                 .encode()).hexdigest()
     if len(x) != len(y) or y.dim() != 1 or y.is_floating_point():
@@ -242,17 +251,21 @@ class RankBatchSampler:
     """Yields this rank's micro-batches for steps [start_step, end_step)."""
 
     def __init__(self, order: GlobalOrder, *, global_batch_size: int, rank: int, world_size: int,
-                 micro_batch_size: int, start_step: int, end_step: int):
+                 micro_batch_size: int, start_step: int, end_step: int,
+                 first_sample: int | None = None):
         self.order, self.g, self.rank, self.world = order, global_batch_size, rank, world_size
         self.micro, self.start, self.end = micro_batch_size, start_step, end_step
         self.per_rank = global_batch_size // world_size
+        # Where start_step's batch begins: start_step * G unless the global batch size
+        # changed since the checkpoint (the checkpoint's samples_consumed then).
+        self.first = start_step * global_batch_size if first_sample is None else first_sample
 
     def __len__(self) -> int:
         return (self.end - self.start) * (self.per_rank // self.micro)
 
     def __iter__(self) -> Iterator[list[int]]:
-        for step in range(self.start, self.end):
-            batch = self.order.global_batch(step, self.g)
+        for k in range(self.end - self.start):
+            batch = self.order.take(self.first + k * self.g, self.g)
             mine = batch[self.rank * self.per_rank: (self.rank + 1) * self.per_rank]
             for i in range(0, self.per_rank, self.micro):
                 yield mine[i: i + self.micro]

@@ -20,6 +20,21 @@ from pathlib import Path
 from train.errors import CannotRunHere, ConfigError, UserError
 
 
+def check_output(run_dir: Path, out: Path) -> None:
+    """The output is replaced, so it must be an earlier export or not exist, and must not
+    hold or sit inside the run's own files (except RUN_DIR/export itself)."""
+    run, target = run_dir.resolve(), out.resolve()
+    if target == run or target in run.parents:
+        raise ConfigError("command line", "--out", f"{out} contains the run directory; "
+                                                   f"choose a new or an earlier export directory")
+    if run in target.parents and target.relative_to(run).parts[0] != "export":
+        raise ConfigError("command line", "--out", f"{out} is inside the run's own files; "
+                                                   f"use {run_dir / 'export'} or a path outside")
+    if target.exists() and not (target.is_dir() and (target / "model.json").is_file()):
+        raise ConfigError("command line", "--out", f"{out} exists and is not an earlier export "
+                                                   f"(no model.json); it would be replaced")
+
+
 def export(run_dir: Path, out: Path) -> Path:
     import torch
 
@@ -31,6 +46,7 @@ def export(run_dir: Path, out: Path) -> Path:
     if found is None:
         raise CannotRunHere(f"{run_dir}: no valid checkpoint under checkpoints/; train first")
     path, shared, _ = found
+    check_output(run_dir, out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -22,22 +22,45 @@ from train.runtime import WorkerEnv
 log = logging.getLogger("train")
 
 
-def _checkpointed(forward, *args):
-    return checkpoint(forward, *args, use_reentrant=False)
+def _with_forward(module: nn.Module, name: str, wrap) -> None:
+    """Give one module instance a forward wrapped by `wrap(call, *args)`, by swapping in
+    a subclass.
+
+    Not an instance attribute: DataParallel's replicas copy the instance dict, and a
+    bound method there would run the original (device 0) module. The original class is
+    captured, not found through super(), so a later subclass (FSDP2 makes one) cannot
+    make the wrapper call itself. State-dict names do not change.
+    """
+    cls = type(module)
+
+    def forward(self, *args, **kwargs):
+        return wrap(functools.partial(cls.forward, self), *args, **kwargs)
+
+    module.__class__ = type(f"{name}{cls.__name__}", (cls,), {"forward": forward})
+
+
+def _recompute_in_backward(call, *args, **kwargs):
+    return checkpoint(call, *args, use_reentrant=False, **kwargs)
 
 
 def apply_activation_checkpointing(module: nn.Module, mode: str, every_n: int) -> int:
-    """Recompute the chosen blocks' activations in backward. Returns how many blocks.
-
-    The block's forward is replaced on the instance, so state_dict keys do not change.
-    """
+    """Recompute the chosen blocks' activations in backward. Returns how many blocks."""
     blocks = getattr(module, "blocks", None)
     if mode == "none" or blocks is None:
         return 0
     chosen = [b for i, b in enumerate(blocks) if mode == "full" or i % every_n == 0]
     for block in chosen:
-        block.forward = functools.partial(_checkpointed, block.forward)
+        _with_forward(block, "Checkpointed", _recompute_in_backward)
     return len(chosen)
+
+
+def autocast_inside(module: nn.Module, dtype: torch.dtype) -> None:
+    """DataParallel runs replicas in threads that do not inherit the caller's autocast
+    dtype (they would run fp16 for bf16): autocast inside forward instead."""
+    def wrap(call, *args, **kwargs):
+        with torch.autocast("cuda", dtype=dtype):
+            return call(*args, **kwargs)
+    _with_forward(module, "Autocast", wrap)
 
 
 def _fsdp(module: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
@@ -70,6 +93,8 @@ def parallelize(module: nn.Module, cfg: Config, env: WorkerEnv, device: torch.de
     if strategy == "dp":
         if device.type != "cuda":
             raise CannotRunHere("distributed.strategy=dp needs GPUs; use single or ddp on CPU")
+        if cfg.precision != "fp32":
+            autocast_inside(module, torch.bfloat16 if cfg.precision == "bf16" else torch.float16)
         return nn.DataParallel(module)
     if strategy == "fsdp":  # also on one process: CPU offload and mixed precision apply
         return _fsdp(module, cfg, device)

@@ -27,10 +27,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train import runtime
 from train.autobatch import largest_fitting, probe_on_gpu
 from train.checkpoint import Checkpointer, rng_state, set_rng_state
-from train.config import AUTO, Config, batch_split, to_dict, to_yaml
+from train.config import AUTO, Config, batch_split, check_checkpoint_config, to_dict, to_yaml
 from train.data import (DataBundle, GlobalOrder, RankBatchSampler, build_data, eval_indices,
                         make_loader)
-from train.errors import CannotRunHere, EXIT_OK, EXIT_STOPPED_BY_SIGNAL
+from train.errors import ConfigError, EXIT_OK, EXIT_STOPPED_BY_SIGNAL
 from train.manifest import update_manifest, write_json_atomic
 from train.metrics import MetricsLogger
 from train.models import build_model, count_parameters
@@ -97,9 +97,10 @@ class Watchdog:
             faulthandler.dump_traceback_later(self.timeout_s + 1, exit=True)
             self.armed_at = now
 
-    @staticmethod
-    def stop() -> None:
+    def pause(self) -> None:
+        """Disarm until the next pet() (which re-arms at once)."""
         faulthandler.cancel_dump_traceback_later()
+        self.armed_at = -math.inf
 
 
 @dataclass
@@ -119,6 +120,7 @@ class Parts:
     run_dir: Path
     checkpointer: Checkpointer
     start_step: int = 0
+    start_sample: int = 0  # position in the global order where this attempt starts
     metrics: MetricsLogger | None = None
     stop: StopFlag = field(default_factory=StopFlag)
 
@@ -176,12 +178,14 @@ def build(cfg: Config, env: runtime.WorkerEnv) -> Parts:
 def auto_micro_batch(cfg: Config, env: runtime.WorkerEnv, module: nn.Module, data: DataBundle,
                      device: torch.device, per_rank: int) -> tuple[int, int]:
     params = sum(p.numel() * p.element_size() for p in module.parameters())
-    optimizer_bytes = params * (2 if cfg.optim.name == "adamw" else 1)
+    # AdamW keeps two moments (SGD one); DDP adds gradient buckets the size of the grads.
+    later_bytes = params * (2 if cfg.optim.name == "adamw" else 1) \
+        + (params if env.distributed else 0)
     autocast = (lambda: torch.autocast("cuda", dtype=_DTYPES[cfg.precision])) \
         if cfg.precision != "fp32" else contextlib.nullcontext
     n = len(data.train)
     fits = probe_on_gpu(module, lambda m: data.train.__getitems__([i % n for i in range(m)]),
-                        loss_fn, autocast, device, extra_bytes=optimizer_bytes)
+                        loss_fn, autocast, device, extra_bytes=later_bytes)
     micro = largest_fitting(per_rank, fits)
     if env.distributed:  # every rank must use the same size
         agreed = torch.tensor([micro], device=device)
@@ -196,7 +200,8 @@ def auto_micro_batch(cfg: Config, env: runtime.WorkerEnv, module: nn.Module, dat
 
 def save_checkpoint(p: Parts, step: int, *, background: bool = False) -> None:
     model_state, optim_state = full_state(p.model, p.optimizer)
-    shared = {"step": step, "samples_consumed": step * p.cfg.train.global_batch_size,
+    consumed = p.start_sample + (step - p.start_step) * p.cfg.train.global_batch_size
+    shared = {"step": step, "samples_consumed": consumed,
               "world_size": p.env.world_size, "model": model_state,
               "optimizer": optim_state, "scheduler": p.scheduler.state_dict(),
               "scaler": p.scaler.state_dict() if p.scaler else None, "config": to_dict(p.cfg),
@@ -208,38 +213,60 @@ def save_checkpoint(p: Parts, step: int, *, background: bool = False) -> None:
         log.info("checkpoint %s: %s", "writing" if background else "saved", path)
 
 
-def resume(p: Parts) -> None:
+def _from_main(value, env: runtime.WorkerEnv):
+    """Rank 0's value on every rank (decisions that must not differ between ranks)."""
+    if not env.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def choose_checkpoint(p: Parts) -> Path | None:
+    """Rank 0 picks the checkpoint and every rank loads that one: ranks deciding on their
+    own could resume from different steps after one of them failed to read a file."""
     choice = p.cfg.checkpoint.resume_from
+    if choice == "none" and p.env.restart_count > 0:
+        choice = AUTO  # a restart of this attempt continues it instead of starting over
     if choice == "none":
         if p.is_main:
             moved = p.checkpointer.set_aside()
             if moved:
                 log.warning("checkpoint.resume_from=none: earlier checkpoints moved to %s", moved)
         _barrier(p.env)()
+        return None
+    problem = None
+    if p.is_main:
+        if choice == AUTO:
+            path = p.checkpointer.newest_valid()
+        else:
+            path, problem = Path(choice), Checkpointer.verify(Path(choice))
+    path, problem = _from_main((str(path) if p.is_main and path else None, problem), p.env)
+    if problem:
+        raise ConfigError(p.cfg.source, "checkpoint.resume_from", f"{choice}: {problem}")
+    return Path(path) if path else None
+
+
+def resume(p: Parts) -> None:
+    path = choose_checkpoint(p)
+    if path is None:
         return
-    if choice == AUTO:
-        found = p.checkpointer.load_newest(p.env.rank)
-    else:
-        path = Path(choice)
-        problem = Checkpointer.verify(path)
-        if problem:
-            raise CannotRunHere(f"checkpoint.resume_from={choice}: {problem}")
-        found = (path, *Checkpointer.load(path, p.env.rank))
-    if found is None:
-        return
-    path, shared, mine = found
+    shared, mine = Checkpointer.load(path, p.env.rank)
+    check_checkpoint_config(p.cfg, shared.get("config", {}), path)
     load_full_state(p.model, p.optimizer, shared["model"], shared["optimizer"])
     p.scheduler.load_state_dict(shared["scheduler"])
     if p.scaler and shared.get("scaler"):
         p.scaler.load_state_dict(shared["scaler"])
     p.start_step = int(shared["step"])
+    p.start_sample = int(shared.get("samples_consumed",
+                                    p.start_step * p.cfg.train.global_batch_size))
     same_world = shared.get("world_size") == p.env.world_size
     if mine is not None and same_world:
         set_rng_state(mine["rng"])
     else:  # resized: fresh per-rank streams, derived from the step so reruns agree
         torch.manual_seed(p.cfg.seed + 1 + p.env.rank + 7919 * p.start_step)
-    log.info("resumed from %s at step %d (saved with world size %s, now %d)", path,
-             p.start_step, shared.get("world_size"), p.env.world_size)
+    log.info("resumed from %s at step %d, sample %d (saved with world size %s, now %d)", path,
+             p.start_step, p.start_sample, shared.get("world_size"), p.env.world_size)
 
 
 # ------------------------------------------------------------------------ steps
@@ -342,7 +369,7 @@ def train_loader(p: Parts):
     sampler = RankBatchSampler(order, global_batch_size=cfg.train.global_batch_size,
                                rank=env.rank, world_size=env.world_size,
                                micro_batch_size=p.micro, start_step=p.start_step,
-                               end_step=cfg.train.max_steps)
+                               end_step=cfg.train.max_steps, first_sample=p.start_sample)
     workers = cfg.data.num_workers
     if workers == AUTO:
         workers = min(4, runtime.cpus_per_rank(env) // 2)
@@ -358,13 +385,14 @@ def train_loader(p: Parts):
 def prepare_run_dir(p: Parts) -> None:
     if p.is_main:
         p.run_dir.mkdir(parents=True, exist_ok=True)
-        (p.run_dir / "config.yaml").write_text(to_yaml(p.cfg))
     _barrier(p.env)()
 
 
 def start_logging(p: Parts) -> None:
+    """After a successful resume: config.yaml then always describes loadable checkpoints."""
     if not p.is_main:
         return
+    (p.run_dir / "config.yaml").write_text(to_yaml(p.cfg))
     update_manifest(p.run_dir, p.cfg, data_hash=p.data.data_hash,
                     data_description=p.data.description, world_size=p.env.world_size,
                     start_step=p.start_step, restart_count=p.env.restart_count,
@@ -392,6 +420,7 @@ def run_loop(p: Parts) -> int:
         loss = train_step(p, batches)
         step += 1
         log_now = step % every_log == 0 or step == cfg.train.max_steps
+        lr = p.scheduler.get_last_lr()[0]  # the rate this step's update uses
         norm = optimizer_step(p, want_norm=log_now)
         if log_now:
             now = time.perf_counter()
@@ -400,29 +429,37 @@ def run_loop(p: Parts) -> int:
             last_time, last_step = now, step
             p.stop.pace(step_time)
             if p.metrics:
-                values = {"loss": loss_value, "lr": p.scheduler.get_last_lr()[0]}
+                values = {"loss": loss_value, "lr": lr}
                 if norm is not None:
                     values["grad_norm"] = norm
                 values["throughput"] = samples_per_step / step_time
                 values.update(gpu_memory_stats(p.device))
                 p.metrics.log(step, values, step_time=step_time)
+        # Evaluation and saving can outlast a step by far: the watchdog guards steps only.
+        watchdog.pause()
         if every_eval and step % every_eval == 0 and step < cfg.train.max_steps:
             _log_eval(p, step)
-        stopping = p.stop.agreed(step, p.device, p.env.distributed)
+        # A signal during the final step changes nothing: the run finishes normally.
+        stopping = p.stop.agreed(step, p.device, p.env.distributed) \
+            and step < cfg.train.max_steps
         last = stopping or step == cfg.train.max_steps
         if last or (every_ckpt and step % every_ckpt == 0):
             # The last checkpoint is written in the foreground: exit 0 or 143 means saved.
             save_checkpoint(p, step, background=cfg.checkpoint.async_save and not last)
         if stopping:
-            watchdog.stop()
             log.warning("stopped at step %d by a signal; rerun the same command to resume", step)
             return EXIT_STOPPED_BY_SIGNAL
-    watchdog.stop()
+    finish(p, step)
+    return EXIT_OK
+
+
+def finish(p: Parts, step: int) -> None:
+    """Final evaluation, hparams and result.json (also for a rerun of a run whose final
+    checkpoint was written but whose finish was interrupted)."""
     final = _log_eval(p, step)
     if p.metrics:
         p.metrics.close({"loss": final.get("val/loss", float("nan"))} if final else None)
         write_json_atomic(p.run_dir / "result.json", {"step": step, **final})
-    return EXIT_OK
 
 
 def _log_eval(p: Parts, step: int) -> dict[str, float]:
@@ -449,7 +486,9 @@ def train(cfg: Config, env: runtime.WorkerEnv | None = None) -> int:
         start_logging(p)
         if p.start_step >= cfg.train.max_steps:
             log.info("nothing to do: the run already reached step %d", p.start_step)
-            if p.metrics:
+            if _from_main(not (p.run_dir / "result.json").exists(), env):
+                finish(p, p.start_step)
+            elif p.metrics:
                 p.metrics.close()
             code = EXIT_OK
         else:
