@@ -98,11 +98,10 @@ def resolve_backend(cfg: Config, device: str, tb: TorchBuild, source: str) -> st
     if backend == AUTO:
         backend = "nccl" if device == "gpu" else "gloo"
     if backend == "nccl" and device == "cpu":
-        if cfg.device == "cpu":
-            raise ConfigError(source, "distributed.backend", "nccl needs GPUs but device is "
-                              "cpu; use gloo (or auto)")
-        raise CannotRunHere("distributed.backend=nccl needs GPUs, and none is usable here; "
-                            "use backend auto/gloo, or run on a GPU machine")
+        _needs_gpu(cfg, source, "distributed.backend",
+                   "nccl needs GPUs but device is cpu; use gloo (or auto)",
+                   "distributed.backend=nccl needs GPUs, and none is usable here; use backend "
+                   "auto/gloo, or run on a GPU machine")
     available = {"nccl": tb.nccl, "gloo": tb.gloo, "mpi": tb.mpi}
     if not available[backend]:
         raise CannotRunHere(f"distributed.backend={backend}: torch {tb.version} was built "
@@ -313,17 +312,23 @@ def check_strategy(cfg: Config, device: str, nodes: Nodes, source: str) -> None:
                             f"environment launches {nodes.min}:{nodes.max} nodes "
                             f"({nodes.convention}); use ddp or fsdp")
     if device == "cpu" and strategy == "dp":
-        if cfg.device == "cpu":
-            raise ConfigError(source, "distributed.strategy", "dp (DataParallel) needs GPUs, "
-                              "but device is cpu; use single or ddp")
-        raise CannotRunHere("distributed.strategy=dp needs GPUs and none is usable here; use "
-                            "single or ddp on CPU")
+        _needs_gpu(cfg, source, "distributed.strategy",
+                   "dp (DataParallel) needs GPUs, but device is cpu; use single or ddp",
+                   "distributed.strategy=dp needs GPUs and none is usable here; use single "
+                   "or ddp on CPU")
     if device == "cpu" and cfg.memory.cpu_offload:
-        if cfg.device == "cpu":
-            raise ConfigError(source, "memory.cpu_offload", "offloads from GPUs, but device "
-                              "is cpu; set it to false")
-        raise CannotRunHere("memory.cpu_offload=true needs a GPU (torch cannot offload "
-                            "without an accelerator); none is usable here")
+        _needs_gpu(cfg, source, "memory.cpu_offload",
+                   "offloads from GPUs, but device is cpu; set it to false",
+                   "memory.cpu_offload=true needs a GPU (torch cannot offload without an "
+                   "accelerator); none is usable here")
+
+
+def _needs_gpu(cfg: Config, source: str, key: str, contradiction: str, unavailable: str):
+    """A GPU-only setting on the CPU: bad input (2) when the config itself says
+    device=cpu, otherwise valid input this machine cannot run (3)."""
+    if cfg.device == "cpu":
+        raise ConfigError(source, key, contradiction)
+    raise CannotRunHere(unavailable)
 
 
 def world_sizes(cfg: Config, nodes: Nodes, nproc: int) -> tuple[int, ...]:
