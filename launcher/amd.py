@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher import visibility
 from launcher.environ import Visibility
 from launcher.hardware import Gpu, Hardware
 
@@ -170,14 +171,14 @@ def _label(node: KfdNode, pos: int, cards: list[ToolCard], n_nodes: int) -> Tool
     return ToolCard()
 
 
-def detect(vis: Visibility, path: str, root: str = "/") -> Hardware | None:
-    """AMD hardware usable by this process, or None when nothing AMD is present."""
+def detect(vis: Visibility, path: str, root: str = "/") -> Hardware:
+    """AMD hardware usable by this process; no vendor when nothing AMD is present."""
     rootp = Path(root)
     source, cards = tool_cards(path)
     nodes = kfd_nodes(rootp)
     has_kfd = (rootp / "dev/kfd").exists()
     if not cards and not nodes:
-        return None
+        return Hardware()
     warnings: list[str] = []
     usable: list[tuple[KfdNode | None, ToolCard]] = []
     if nodes:
@@ -207,25 +208,21 @@ def detect(vis: Visibility, path: str, root: str = "/") -> Hardware | None:
 
 
 def _pick(items: list, spec: str, var: str, uid=None) -> tuple[list, str | None]:
-    """Select items by a visibility list; the first entry matching nothing ends it."""
-    chosen: list = []
-    for raw in spec.split(","):
-        entry = raw.strip()
-        hit = None
+    """Select items by a visibility list: indices, or ``GPU-<unique id>`` prefixes."""
+    def match(entry: str):
         if entry.isdigit() and int(entry) < len(items):
-            hit = items[int(entry)]
-        elif entry.upper().startswith("GPU-") and uid is not None:
-            hits = [it for it in items if uid(it) and f"GPU-{uid(it):016X}".startswith(
-                entry.upper())]
-            hit = hits[0] if len(hits) == 1 else None
-        if hit is None or hit in chosen:
-            if (entry and entry != "-1") or chosen:
-                return chosen, (f"{var}={spec!r}: entry {entry!r} matches none of the "
-                                f"{len(items)} GPU(s) left at that point; it and every entry "
-                                "after it are ignored")
-            return chosen, None
-        chosen.append(hit)
-    return chosen, None
+            return items[int(entry)]
+        if entry.upper().startswith("GPU-") and uid is not None:
+            hits = [it for it in items
+                    if uid(it) and f"GPU-{uid(it):016X}".startswith(entry.upper())]
+            return hits[0] if len(hits) == 1 else None
+        return None
+
+    chosen, cut = visibility.walk(spec, match)
+    if cut is None:
+        return chosen, None
+    return chosen, (f"{var}={spec!r}: entry {cut.entry!r} matches none of the {len(items)} "
+                    "GPU(s) left at that point; it and every entry after it are ignored")
 
 
 def apply_visibility(usable: list, vis: Visibility) -> tuple[list, list[str]]:

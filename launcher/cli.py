@@ -67,7 +67,7 @@ def cmd_train(args: list[str]) -> int:
     ns = parser.parse_args(args)
     env = environ.read()
     cfg = load_config(ns.config, ns.overrides)
-    check_resume_compatible(cfg)
+    check_resume_compatible(cfg, ns.config)
     hw = detect(env)
     tb = torch_build()
     if not tb.importable:
@@ -121,7 +121,7 @@ def cmd_doctor(args: list[str]) -> int:
 
 def cmd_rendezvous(args: list[str]) -> int:
     from launcher import rendezvous
-    from launcher.plan import DEFAULT_RDZV_PORT
+    from launcher.conventions import DEFAULT_RDZV_PORT
     parser = _Parser(prog="entrypoint.py rendezvous")
     parser.add_argument("--port", type=int, default=DEFAULT_RDZV_PORT)
     parser.add_argument("--host", default="0.0.0.0")
@@ -132,10 +132,6 @@ def cmd_rendezvous(args: list[str]) -> int:
 
 
 def cmd_export(args: list[str]) -> int:
-    import importlib.util
-    from train.errors import ConfigError
-    if importlib.util.find_spec("train.export") is None:
-        raise ConfigError("command line", "export", "not available in this version")
     os.execv(sys.executable, [sys.executable, "-m", "train.export", *args])
     return 0  # not reached
 

@@ -12,7 +12,6 @@ Child: ``python -m launcher.comm --device gpu|cpu --backend nccl|gloo|mpi --time
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -23,19 +22,17 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from launcher.environ import STATUS_DIR_VAR, worker_identity
+from launcher import reports
+from train.worker_env import STATUS_DIR_VAR, WorkerEnv
 
 STAGES = ("start", "init", "allreduce", "done")
 ELEMENTS = {"gpu": 16 * 1024 * 1024, "cpu": 256 * 1024}   # 64 MiB / 1 MiB of float32
 
 
-def _report(folder: str | None, rank: int, **fields: object) -> None:
-    if not folder:
-        return
-    path = Path(folder) / f"comm-rank-{rank}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"rank": rank, "time": time.time(), **fields}))
-    os.replace(tmp, path)
+def _report(folder: str | None, rank: int, stage: str, error: str | None = None,
+            **details: object) -> None:
+    reports.write(folder, reports.Report(rank=rank, kind="comm", stage=stage, error=error,
+                                         details=details))
 
 
 def child(argv: list[str]) -> int:
@@ -44,9 +41,9 @@ def child(argv: list[str]) -> int:
     parser.add_argument("--backend", choices=("nccl", "gloo", "mpi"), required=True)
     parser.add_argument("--timeout", type=float, default=60)
     args = parser.parse_args(argv)
-    ident = worker_identity()
+    ident = WorkerEnv.from_environ()
     folder, rank = ident.status_dir, ident.rank
-    _report(folder, rank, stage="start")
+    _report(folder, rank, "start")
     try:
         import datetime
 
@@ -58,12 +55,12 @@ def child(argv: list[str]) -> int:
             device = torch.device("cuda", ident.local_rank)
             torch.cuda.set_device(device)
             kwargs["device_id"] = device
-        _report(folder, rank, stage="init")
+        _report(folder, rank, "init")
         dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout),
                                 **kwargs)
         world = dist.get_world_size()
         x = torch.ones(ELEMENTS[args.device], device=device)
-        _report(folder, rank, stage="allreduce", world_size=world)
+        _report(folder, rank, "allreduce", world_size=world)
         dist.all_reduce(x)  # warm-up (connects the ring)
         x.fill_(1.0)
         _sync(torch, device)
@@ -74,12 +71,12 @@ def child(argv: list[str]) -> int:
         ok = bool((x == world).all().item())
         nbytes = x.numel() * 4
         busbw = nbytes * 2 * (world - 1) / world / seconds / 1e9 if world > 1 else None
-        _report(folder, rank, stage="done", ok=ok, world_size=world, seconds=seconds,
+        _report(folder, rank, "done", ok=ok, world_size=world, seconds=seconds,
                 bytes=nbytes, bus_gb_s=busbw)
         dist.destroy_process_group()
         return 0 if ok else 1
     except Exception as exc:
-        _report(folder, rank, stage="error", error=f"{type(exc).__name__}: {exc}")
+        _report(folder, rank, "error", error=f"{type(exc).__name__}: {exc}")
         return 1
 
 
@@ -117,28 +114,27 @@ def run(device: str, backend: str, nproc: int, timeout_s: float, base_env: Mappi
 
 def summarise(folder: str, nproc: int, timed_out: list[int], outputs: list[str], device: str,
               backend: str, timeout_s: float) -> dict:
+    found = {r.rank: r for r in reports.read_all(folder, kind="comm")}
     ranks = []
     for rank in range(nproc):
-        path = Path(folder) / f"comm-rank-{rank}.json"
-        try:
-            rep = json.loads(path.read_text())
-        except (OSError, ValueError):
-            rep = {"rank": rank, "stage": "not started"}
-        rep["timed_out"] = rank in timed_out
-        if rep.get("stage") != "done" and outputs[rank].strip():
+        r = found.get(rank)
+        rep = {"rank": rank, "stage": r.stage if r else "not started",
+               **({"error": r.error} if r and r.error else {}), **(r.details if r else {}),
+               "timed_out": rank in timed_out}
+        if rep["stage"] != "done" and outputs[rank].strip():
             rep["output_tail"] = outputs[rank].strip().splitlines()[-3:]
         ranks.append(rep)
-    bad = [r for r in ranks if r.get("stage") != "done" or not r.get("ok")]
+    bad = [r for r in ranks if r["stage"] != "done" or not r.get("ok")]
     problems = []
     for r in bad:
-        if r.get("stage") == "error":
+        if r["stage"] == "error":
             problems.append(f"rank {r['rank']} failed: {r.get('error')}")
-        elif r.get("stage") == "done":
+        elif r["stage"] == "done":
             problems.append(f"rank {r['rank']} got a wrong all-reduce result")
         else:
             problems.append(f"rank {r['rank']} did not answer within {timeout_s:.0f} s (stuck "
-                            f"at stage '{r.get('stage')}')")
-    done = [r for r in ranks if r.get("stage") == "done"]
+                            f"at stage '{r['stage']}')")
+    done = [r for r in ranks if r["stage"] == "done"]
     return {"ok": not bad, "device": device, "backend": backend, "processes": nproc,
             "seconds": max((r.get("seconds") or 0 for r in done), default=None),
             "bus_gb_s": min((r["bus_gb_s"] for r in done if r.get("bus_gb_s")), default=None),

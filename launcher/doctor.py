@@ -15,11 +15,13 @@ import socket
 import sys
 from typing import Any
 
+from launcher import conventions, system
 from launcher import detect as detect_mod
-from launcher import system
+from launcher.compat import check_build
 from launcher.environ import Environ
 from launcher.hardware import Finding, Hardware, TorchBuild
 from train.errors import UserError
+from train.host import read_build_manifest
 
 GIB = 1024 ** 3
 
@@ -43,14 +45,14 @@ def gather(env: Environ, config_path: str | None, overrides: list[str], *, app_r
         findings.append(Finding("fail", "torch", f"torch is not importable: {tb.error}",
                                 "rebuild the image", 3))
     findings += [Finding("warn", "gpu", w) for w in hw.warnings]
-    findings += detect_mod.check_build(hw, tb, env.visibility.hsa_override_gfx_version)
+    findings += check_build(hw, tb, env.visibility.hsa_override_gfx_version)
     report: dict[str, Any] = {"torch": tb.to_dict(), "hardware": hw.to_dict(),
                               "visibility": env.visibility.as_dict(),
                               "convention": None, "plan": None}
     cfg = None
     try:
         cfg = load_config(config_path, overrides) if config_path else _default_config()
-        report["convention"] = env.convention
+        report["convention"] = conventions.detect(env).NAME
         p = make_plan(cfg, hw, tb, env, config_path=config_path or "<defaults>",
                       overrides=overrides, python=sys.executable, app_root=app_root)
         report["plan"] = p.to_dict()
@@ -71,7 +73,7 @@ def gather(env: Environ, config_path: str | None, overrides: list[str], *, app_r
         findings.append(system.check_output_dir(cfg.output.dir, create=False))
     findings.append(system.check_shm())
     report["network"] = _network(env)
-    manifest = system.read_manifest(env.build_manifest)
+    manifest = read_build_manifest(env.build_manifest)
     report["build_manifest"] = {"path": env.build_manifest, "present": manifest is not None,
                                 "content": manifest}
     findings += _manifest_findings(manifest, tb)

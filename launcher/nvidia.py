@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher import visibility
 from launcher.environ import Visibility
 from launcher.hardware import Gpu, Hardware
 
@@ -104,20 +105,11 @@ def select_visible(phys: list[_Physical], cvd: str | None
     cands = _candidates(phys)
     if cvd is None:
         return cands, []
-    chosen: list[tuple[_Physical, str | None, int | None]] = []
-    warnings: list[str] = []
-    for raw in cvd.split(","):
-        entry = raw.strip()
-        match = _match(entry, phys, cands)
-        if match is None or match in chosen:
-            what = "repeats a device" if match is not None else "matches no device"
-            if (entry and entry != "-1") or chosen:  # "" and "-1" hide all GPUs on purpose
-                warnings.append(f"CUDA_VISIBLE_DEVICES={cvd!r}: entry {entry!r} {what} "
-                                f"(NVML lists {len(phys)} GPU(s)); CUDA ignores it and every "
-                                f"entry after it")
-            break
-        chosen.append(match)
-    return chosen, warnings
+    chosen, cut = visibility.walk(cvd, lambda entry: _match(entry, phys, cands))
+    if cut is None:
+        return chosen, []
+    return chosen, [f"CUDA_VISIBLE_DEVICES={cvd!r}: entry {cut.entry!r} {cut.what()} (NVML "
+                    f"lists {len(phys)} GPU(s)); CUDA ignores it and every entry after it"]
 
 
 def _match(entry: str, phys: list[_Physical], cands: list) -> tuple | None:
@@ -189,8 +181,8 @@ def _smi_migs(exe: str, phys: list[_Physical]) -> None:
 
 
 def detect(vis: Visibility, nvml: Any | None = None, root: str = "/",
-           load: bool = True, path: str = "") -> Hardware | None:
-    """NVIDIA hardware visible to this process, or None with nothing NVIDIA found.
+           load: bool = True, path: str = "") -> Hardware:
+    """NVIDIA hardware visible to this process; no vendor (and a note why) when none.
 
     ``nvml`` is pynvml or a substitute with the same functions (tests inject one).
     """
@@ -222,7 +214,7 @@ def detect(vis: Visibility, nvml: Any | None = None, root: str = "/",
         finally:
             _try(nvml, "nvmlShutdown")
     if not phys:
-        return Hardware(notes=tuple(notes)) if notes else None
+        return Hardware(notes=tuple(notes))
     chosen, warnings = select_visible(phys, vis.cuda_visible_devices)
     if vis.cuda_visible_devices is not None:
         notes.append(f"CUDA_VISIBLE_DEVICES={vis.cuda_visible_devices!r} selects "
@@ -254,7 +246,7 @@ def _init_problem(nvml: Any, exc: Exception) -> str:
     return f"NVML could not start: {exc}"
 
 
-def _no_nvml(root: str, why: str) -> Hardware | None:
+def _no_nvml(root: str, why: str) -> Hardware:
     nodes = sorted(p.name for p in (Path(root) / "dev").glob("nvidia[0-9]*"))
     if nodes:  # device nodes without a usable NVML: a half-configured container
         return Hardware(warnings=(f"{why}, yet /dev has {', '.join(nodes)}: the NVIDIA "

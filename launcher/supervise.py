@@ -1,4 +1,4 @@
-"""Run a plan as a supervised child and turn its ending into DESIGN.md's exit codes.
+"""Run a plan as a supervised child and turn its ending into the documented exit codes.
 
 torchrun exits 1 with a traceback both when a worker fails and when it is stopped
 by SIGTERM, so its own code cannot be passed through. The launcher instead:
@@ -16,7 +16,6 @@ would.
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import subprocess
@@ -26,9 +25,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.environ import STATUS_DIR_VAR
+from launcher import reports
 from launcher.plan import Plan
-from train.errors import EXIT_OK, EXIT_STOPPED_BY_SIGNAL, EXIT_TRAINING_FAILED
+from launcher.reports import Report
+from train.errors import (EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_OK, EXIT_STOPPED_BY_SIGNAL,
+                          EXIT_TRAINING_FAILED)
+from train.worker_env import STATUS_DIR_VAR
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
@@ -66,38 +68,29 @@ class Forwarder:
             proc.send_signal(sig)
 
 
-def read_reports(folder: Path) -> list[dict]:
+def read_reports(folder: Path) -> list[Report]:
     """The latest report of each rank (elastic restarts renumber ranks: keep the last round)."""
-    reports = []
-    for path in sorted(folder.glob("rank-*.json")):
-        try:
-            reports.append(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError):
-            continue
-    if reports:
-        last = max(r.get("restart", 0) for r in reports)
-        reports = [r for r in reports if r.get("restart", 0) == last]
-    return sorted(reports, key=lambda r: r.get("rank", 0))
+    return reports.latest_round(reports.read_all(folder))
 
 
-def classify(rc: int, reports: list[dict], signals: list[int], expected: int,
+def classify(rc: int, found: list[Report], signals: list[int], expected: int,
              mode: str) -> Outcome:
     """Map the child's exit status and the workers' reports to the user's exit code."""
-    failed = [r for r in reports if r.get("exit_code") not in (EXIT_OK, EXIT_STOPPED_BY_SIGNAL)]
+    failed = [r for r in found if r.exit_code not in (EXIT_OK, EXIT_STOPPED_BY_SIGNAL)]
     # The first to fail is the root cause; the others usually fail because it vanished.
-    failed.sort(key=lambda r: (r.get("time", 0), r.get("rank", 0)))
+    failed.sort(key=lambda r: (r.time, r.rank))
     if failed:
         r = failed[0]
-        code = r["exit_code"] if r["exit_code"] in (2, 3) else EXIT_TRAINING_FAILED
-        where = (f"its log {r['log_dir']}/stderr.log" if r.get("log_dir")
-                 else "its output above")
-        what = r.get("error") or f"exit code {r['exit_code']}"
+        code = r.exit_code if r.exit_code in (EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE) \
+            else EXIT_TRAINING_FAILED
+        where = f"its log {r.log_dir}/stderr.log" if r.log_dir else "its output above"
+        what = r.error or f"exit code {r.exit_code}"
         more = f" ({len(failed) - 1} more rank(s) failed)" if len(failed) > 1 else ""
-        return Outcome(code, f"error: training failed: rank {r.get('rank', '?')}: {what}{more}; "
+        return Outcome(code, f"error: training failed: rank {r.rank}: {what}{more}; "
                              f"details in {where}")
-    stopped = [r for r in reports if r.get("exit_code") == EXIT_STOPPED_BY_SIGNAL]
+    stopped = [r for r in found if r.exit_code == EXIT_STOPPED_BY_SIGNAL]
     if signals or stopped:
-        if rc == 0 and not stopped and len(reports) >= expected:
+        if rc == 0 and not stopped and len(found) >= expected:
             return Outcome(EXIT_OK)  # the signal came as the last step finished
         name = signal.Signals(signals[0]).name if signals else "a signal to a worker"
         unsure = "" if len(stopped) >= expected else \
@@ -106,18 +99,16 @@ def classify(rc: int, reports: list[dict], signals: list[int], expected: int,
                                                "command to resume from the last checkpoint")
     if rc == 0:
         return Outcome(EXIT_OK)
-    if rc < 0 or not reports:
+    if rc < 0 or not found:
         how = (f"was killed by {signal.Signals(-rc).name}" if rc < 0
                else f"exited with code {rc}")
         who = "the worker" if mode == "direct" else "torchrun"
-        why = ("before any worker reported (startup or rendezvous failure)"
-               if not reports else "")
+        why = " before any worker reported (startup or rendezvous failure)" if not found else ""
         return Outcome(EXIT_TRAINING_FAILED,
-                       f"error: training failed: {who} {how} {why}; a worker killed without "
+                       f"error: training failed: {who} {how}{why}; a worker killed without "
                        "a report is often out of memory (dmesg, kubectl describe pod) or the "
-                       "hang watchdog (stack dump in its log); see the log above".replace(
-                           "  ", " "))
-    missing = max(0, expected - len(reports))
+                       "hang watchdog (stack dump in its log); see the log above")
+    missing = max(0, expected - len(found))
     return Outcome(EXIT_TRAINING_FAILED,
                    f"error: training failed: {missing} local worker(s) ended without a report "
                    f"(killed, e.g. out of memory) and torchrun exited with code {rc}; see the "

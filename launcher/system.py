@@ -1,4 +1,4 @@
-"""Machine checks with I/O: /dev/shm, the output folder, network, DNS, the image manifest.
+"""Machine checks with I/O: /dev/shm, the output folder, network, DNS.
 
 The plan is pure; these are the side-effecting checks the ``train`` command runs
 before it starts workers and that ``doctor`` reports.
@@ -6,7 +6,6 @@ before it starts workers and that ``doctor`` reports.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import tempfile
@@ -127,14 +126,6 @@ def wait_for_host(host: str, timeout_s: float, log: Callable[[str], None],
             said = True
         sleep(delay)
         delay = min(delay * 1.5, 5.0)
-
-
-def read_manifest(path: str) -> dict | None:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else {"value": data}
 
 
 def free_port() -> int:

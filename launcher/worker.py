@@ -1,22 +1,19 @@
 """One training worker: ``python -m train``'s main, plus a report of how it ended.
 
 torchrun (or the launcher, for a single process) starts ``python -m launcher.worker
-CONFIG [overrides]``. This runs the worker in-process and writes
-``rank-<RANK>.json`` (exit code, error, log folder) into the launcher's status
-folder, so the launcher can map torchrun's result to the user-facing exit codes and
-name the failing rank in one line — torchrun alone reports exit 1 with a traceback
-for a failure and for SIGTERM alike.
+CONFIG [overrides]``. This runs the worker in-process and leaves a
+:class:`~launcher.reports.Report` (exit code, error, log folder) in the launcher's
+status folder, so the launcher can map torchrun's result to the user-facing exit
+codes and name the failing rank in one line.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
-import time
 
-from launcher.environ import worker_identity
+from launcher import reports
+from train.worker_env import WorkerEnv
 
 
 class _LastError(logging.Handler):
@@ -32,20 +29,11 @@ class _LastError(logging.Handler):
             self.error = f"{type(exc).__name__}: {exc}"
 
 
-def write_status(code: int, error: str | None) -> None:
-    ident = worker_identity()
-    if not ident.status_dir:
-        return
-    record = {"rank": ident.rank, "local_rank": ident.local_rank, "restart": ident.restart,
-              "exit_code": code, "error": " ".join(error.split())[:500] if error else None,
-              "log_dir": ident.log_dir, "pid": os.getpid(), "time": time.time()}
-    path = os.path.join(ident.status_dir, f"rank-{ident.rank}.json")
-    try:
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(record, f)
-        os.replace(path + ".tmp", path)
-    except OSError:
-        pass  # reporting must never turn a result into a crash
+def write_status(code: int, error: str | None, env: WorkerEnv | None = None) -> None:
+    env = env or WorkerEnv.from_environ()
+    reports.write(env.status_dir, reports.Report(
+        rank=env.rank, local_rank=env.local_rank, restart=env.restart_count, exit_code=code,
+        error=error, log_dir=env.log_dir))
 
 
 def main(argv: list[str]) -> int:

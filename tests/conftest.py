@@ -2,10 +2,16 @@
 
 Everything runs for real: `python -m train` as a subprocess, torchrun with gloo on
 127.0.0.1 for more than one process.
+
+The suite passes on any host. Subprocesses see no GPU unless a test asks for one
+(:data:`NO_GPU`): tests that mean "a machine without GPUs" get one, also on a GPU host.
+Tests marked ``gpu`` need a usable GPU and are skipped without one; scripts/gpu-check
+runs them on GPU machines.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -54,25 +60,59 @@ def write_config(path: Path, tree: dict) -> Path:
     return path
 
 
-def worker_env(extra: dict | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "PET_", "TORCHELASTIC"))}
-    env["PYTHONPATH"] = str(ROOT)
-    env["OMP_NUM_THREADS"] = "1"
+# What a machine without GPUs looks like to the launcher and to torch, on any host:
+# the container runtime gave no NVIDIA GPUs, and CUDA/HIP see none.
+NO_GPU = {"NVIDIA_VISIBLE_DEVICES": "void", "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
+# Variables of the host that would change what a test means.
+HOST_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "PET_", "TORCHELASTIC",
+                 "JOB_COMPLETION", "TRAIN_", "CUDA_VISIBLE", "NVIDIA_VISIBLE", "ROCR_", "HIP_",
+                 "OMP_NUM")
+
+
+def clean_env(gpu: bool = False, **extra: str) -> dict:
+    """The host's environment without launch or visibility variables; no GPU unless asked."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(HOST_PREFIXES)}
+    if not gpu:
+        env.update(NO_GPU)
+    env.update(extra)
+    return env
+
+
+def worker_env(extra: dict | None = None, gpu: bool = False) -> dict:
+    env = clean_env(gpu, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.update(extra or {})
     return env
 
 
+@functools.cache
+def usable_gpus() -> int:
+    """GPUs torch can use here, asked in a subprocess (this process never starts CUDA)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                             capture_output=True, text=True, timeout=120, env=clean_env(gpu=True))
+        return int(out.stdout.strip() or 0)
+    except (subprocess.SubprocessError, ValueError):
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_tests and not usable_gpus():
+        skip = pytest.mark.skip(reason="needs a usable GPU (scripts/gpu-check runs these)")
+        for item in gpu_tests:
+            item.add_marker(skip)
+
+
 def run_train(config: Path, *overrides: str, nproc: int = 1, timeout: int = 240,
-              env: dict | None = None) -> subprocess.CompletedProcess:
+              env: dict | None = None, gpu: bool = False) -> subprocess.CompletedProcess:
     """`python -m train` for one process, torchrun (gloo, 127.0.0.1) for more."""
     if nproc == 1:
         cmd = [sys.executable, "-m", "train", str(config), *overrides]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", "-m", "train", str(config), *overrides]
-    return subprocess.run(cmd, cwd=ROOT, env=worker_env(env), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, env=worker_env(env, gpu=gpu), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -8,7 +8,8 @@ from train.errors import CannotRunHere
 
 
 def test_divisors_descending():
-    assert divisors_descending(12, 12) == [12, 6, 4, 3, 2, 1]
+    assert divisors_descending(12) == [12, 6, 4, 3, 2, 1]
+    assert divisors_descending(7) == [7, 1]
 
 
 @pytest.mark.parametrize("limit,expect", [(64, 32), (20, 16), (5, 4), (1, 1)])

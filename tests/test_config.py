@@ -165,7 +165,7 @@ def test_print_config_round_trips(tmp_path):
 def test_batch_split_keeps_global_batch(tmp_path, world, micro, expect):
     cfg = load_config(write_config(tmp_path / "c.yaml", TINY_GPT),
                       [f"train.micro_batch_size={micro}"])
-    got = batch_split(cfg, world)
+    got = batch_split(cfg, world, "c.yaml")
     assert got == expect
     assert world * got[0] * got[1] == cfg.train.global_batch_size
 

@@ -10,7 +10,7 @@ from conftest import TINY_GPT, TINY_MLP, merge, write_config
 from train.config import load_config
 from train.data import (GlobalOrder, RankBatchSampler, build_data, eval_indices, make_loader,
                         read_text_corpus)
-from train.runtime import _cgroup_cpu_quota
+from train.host import cgroup_cpu_quota
 
 
 def steps_seen(order: GlobalOrder, world: int, micro: int, g: int, start: int, end: int):
@@ -141,11 +141,11 @@ def test_synthetic_is_exact_from_seed_and_learnable_labels_are_balanced(tmp_path
 @pytest.mark.parametrize("v2,expect", [("max 100000\n", None), ("150000 100000\n", 1.5)])
 def test_cgroup_v2_cpu_quota(tmp_path, v2, expect):
     (tmp_path / "cpu.max").write_text(v2)
-    assert _cgroup_cpu_quota(tmp_path) == expect
+    assert cgroup_cpu_quota(tmp_path) == expect
 
 
 def test_cgroup_v1_cpu_quota(tmp_path):
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("250000\n")
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert _cgroup_cpu_quota(tmp_path) == 2.5
+    assert cgroup_cpu_quota(tmp_path) == 2.5

@@ -9,6 +9,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,6 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
+
+from conftest import clean_env
+
+TORCH_IS_ROCM = bool(__import__("torch").version.hip)
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = str(ROOT / "entrypoint.py")
@@ -27,14 +32,6 @@ SMALL = ["model.depth=1", "model.width=32", "model.heads=4", "model.context_leng
          "train.global_batch_size=8", "data.max_bytes=200000", "data.num_workers=0",
          "schedule.warmup_steps=2", "train.eval_batches=1", "logging.every_steps=5",
          "logging.progress=plain", "checkpoint.every_steps=0"]
-
-
-def clean_env(**extra: str) -> dict:
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "PET_", "TORCHELASTIC", "JOB_COMPLETION",
-            "TRAIN_", "CUDA_VISIBLE", "NVIDIA_VISIBLE", "ROCR_", "HIP_", "OMP_NUM")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(extra)
-    return env
 
 
 def entry(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120
@@ -52,17 +49,14 @@ def one_error_line(err: str) -> str:
 
 # ---------------------------------------------------------------------------- CLI
 
-def test_help_is_fast_and_imports_no_torch(tmp_path):
-    start = time.perf_counter()
+def test_help_imports_nothing_heavy(tmp_path):
     out = subprocess.run([sys.executable, "-X", "importtime", ENTRY, "--help"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=30)
-    elapsed = time.perf_counter() - start
     assert out.returncode == 0, out.stderr
     assert "train CONFIG" in out.stdout and "rendezvous" in out.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()}
     assert "launcher.cli" in imported
     assert not {"torch", "yaml", "numpy", "train.config"} & imported
-    assert elapsed < 1.0
 
 
 def test_no_arguments_prints_help(tmp_path):
@@ -75,8 +69,11 @@ def test_dry_run_prints_a_runnable_plan(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[1].startswith("# mode=torchrun device=cpu backend=gloo nproc_per_node=2")
-    assert "OMP_NUM_THREADS=" in out.stdout and lines[-1].startswith(sys.executable)
-    assert lines[-1].endswith("distributed.nproc_per_node=2 device=cpu distributed.backend=gloo")
+    argv = shlex.split(lines[-1])
+    assert "OMP_NUM_THREADS=" in out.stdout and argv[1:3] == ["-m", "torch.distributed.run"]
+    assert argv[-4:] == [QUICKSTART, "distributed.nproc_per_node=2", "device=cpu",
+                         "distributed.backend=gloo"]
+    assert argv[argv.index("-m", 3) + 1] == "launcher.worker"
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
@@ -137,7 +134,7 @@ def test_doctor_here_is_ready_on_cpu(tmp_path):
     out = entry("doctor", cwd=tmp_path, env=clean_env(TRAIN_BUILD_MANIFEST=str(manifest)))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "gpus       none found (CPU only)" in out.stdout
-    assert "libnvidia-ml.so.1" in out.stdout and "/dev/shm" in out.stdout
+    assert "NVIDIA_VISIBLE_DEVICES=void" in out.stdout and "/dev/shm" in out.stdout
     assert "flavor=cpu, base=debian:12, torch=9.9.9" in out.stdout
     assert "records torch 9.9.9" in out.stdout  # venv changed after the build
     assert out.stdout.strip().endswith("verdict    ready to train")
@@ -160,7 +157,8 @@ def test_doctor_reports_a_bad_config_with_exit_2(tmp_path):
     assert out.returncode == 2 and "FAIL" in out.stdout and "model.heads" in out.stdout
 
 
-def test_doctor_with_amd_gpus_and_this_cpu_torch_exits_3(tmp_path):
+@pytest.mark.skipif(TORCH_IS_ROCM, reason="this torch can drive the fake AMD GPU")
+def test_doctor_with_amd_gpus_and_a_non_rocm_torch_exits_3(tmp_path):
     from test_launcher_detect import kfd_tree
     kfd_tree(tmp_path / "hw", {7: (31896, 128, 90010)}, present=[128])
     env = clean_env(PATH=f"{FAKES}:{os.environ['PATH']}", TRAIN_HW_ROOT=str(tmp_path / "hw"),
@@ -171,7 +169,7 @@ def test_doctor_with_amd_gpus_and_this_cpu_torch_exits_3(tmp_path):
     assert out.returncode == 3, out.stdout
     assert "1 usable of 1 listed (amd, via rocm-smi)" in out.stdout
     assert "AMD INSTINCT MI200" in out.stdout and "gfx90a" in out.stdout
-    assert "CPU-only build and cannot use the 1 AMD GPU" in out.stdout
+    assert re.search(r"(CPU-only|CUDA) build and cannot use the 1 AMD GPU", out.stdout)
     assert "use the ROCm image" in out.stdout
     assert "both ROCR_VISIBLE_DEVICES='0' and HIP_VISIBLE_DEVICES='0'" in out.stdout
     train = entry("train", QUICKSTART, cwd=tmp_path, env=env)
@@ -198,9 +196,9 @@ def test_doctor_comm_all_reduce_over_two_cpu_processes(tmp_path):
 
 
 def test_comm_summary_names_the_rank_that_did_not_answer(tmp_path):
-    from launcher import comm
-    (tmp_path / "comm-rank-0.json").write_text(json.dumps({"rank": 0, "stage": "allreduce"}))
-    (tmp_path / "comm-rank-1.json").write_text(json.dumps({"rank": 1, "stage": "init"}))
+    from launcher import comm, reports
+    reports.write(tmp_path, reports.Report(rank=0, kind="comm", stage="allreduce"))
+    reports.write(tmp_path, reports.Report(rank=1, kind="comm", stage="init"))
     result = comm.summarise(str(tmp_path), 3, [0, 1], ["", "", "ImportError: x"], "gpu",
                             "nccl", 30)
     assert not result["ok"]
@@ -346,7 +344,7 @@ def test_gpu_check_reports_no_gpu_cleanly_here(tmp_path):
     assert out.returncode == 3, out.stdout + out.stderr
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "deps     ok" in summary and "doctor   ok" in summary
-    assert "no GPU: NVML library (libnvidia-ml.so.1) not found" in summary
+    assert "no GPU: NVIDIA_VISIBLE_DEVICES=void" in summary
     assert "skipped: no GPU here" in summary
     assert json.loads((tmp_path / "out" / "doctor.json").read_text())["hardware"]["gpus"] == []
     stages = [json.loads(x) for x in (tmp_path / "out" / "stages.jsonl").read_text().splitlines()]

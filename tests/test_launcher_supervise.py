@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.reports import Report
 from launcher.supervise import classify
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,9 +21,10 @@ FAKE = str(ROOT / "tests" / "fakes" / "fake_worker.py")
 RUN_PLAN = str(ROOT / "tests" / "fakes" / "run_plan.py")
 
 
-def rep(rank: int, code: int, error: str | None = None, restart: int = 0) -> dict:
-    return {"rank": rank, "exit_code": code, "error": error, "restart": restart,
-            "log_dir": f"/runs/x/logs/a/attempt_0/{rank}"}
+def rep(rank: int, code: int, error: str | None = None, restart: int = 0,
+        time: float = 0.0) -> Report:
+    return Report(rank=rank, exit_code=code, error=error, restart=restart, time=time,
+                  log_dir=f"/runs/x/logs/a/attempt_0/{rank}")
 
 
 # ------------------------------------------------------------------------- classify
@@ -68,10 +70,12 @@ def test_worker_exit_2_or_3_passes_through():
 
 
 def test_older_restart_rounds_are_ignored(tmp_path):
+    from launcher import reports
     from launcher.supervise import read_reports
     for r in (rep(0, 1, "old", restart=0), rep(1, 0, restart=1)):
-        (tmp_path / f"rank-{r['rank']}.json").write_text(json.dumps(r))
-    assert [r["rank"] for r in read_reports(tmp_path)] == [1]
+        reports.write(tmp_path, r)
+    (tmp_path / "rank-2.json").write_text("{torn")  # a half-written file is skipped
+    assert [r.rank for r in read_reports(tmp_path)] == [1]
 
 
 # -------------------------------------------------------------------- real processes
@@ -113,12 +117,12 @@ def test_torchrun_worker_failure_is_1_naming_rank_1(tmp_path):
 def test_sigterm_reaches_torchrun_workers_and_exits_143(tmp_path):
     proc = start("sigterm", 2, tmp_path)
     wait_ready(tmp_path, 2, proc)
-    sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
-    assert time.monotonic() - sent < 15  # forwarded at once, not after torchrun's 30 s kill
-    assert "stopped by SIGTERM; rerun the same command" in err
+    # Both workers saw SIGTERM and reported 143 (torchrun's SIGKILL would leave no report).
+    assert err.strip().splitlines()[-1] == ("stopped by SIGTERM; rerun the same command to "
+                                            "resume from the last checkpoint")
 
 
 def test_sigint_in_direct_mode_is_143(tmp_path):
@@ -145,7 +149,7 @@ def test_direct_mode_success_is_0(tmp_path):
 
 
 def test_the_earliest_failure_is_named_not_the_lowest_rank():
-    reports = [{**rep(0, 1, "DistBackendError: connection closed"), "time": 20.0},
-               {**rep(1, 1, "torch.OutOfMemoryError: CUDA out of memory"), "time": 10.0}]
+    reports = [rep(0, 1, "DistBackendError: connection closed", time=20.0),
+               rep(1, 1, "torch.OutOfMemoryError: CUDA out of memory", time=10.0)]
     out = classify(1, reports, [], 2, "torchrun")
     assert "rank 1: torch.OutOfMemoryError" in out.message

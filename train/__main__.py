@@ -12,6 +12,7 @@ import sys
 
 from train.config import check_resume_compatible, load_config, to_yaml
 from train.errors import EXIT_TRAINING_FAILED, UserError
+from train.worker_env import WorkerEnv
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -31,19 +32,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_config:
             sys.stdout.write(to_yaml(cfg))
             return 0
-        check_resume_compatible(cfg)
+        check_resume_compatible(cfg, args.config)
         from train.trainer import train  # torch is imported only when training
-        return train(cfg)
+        return train(cfg, args.config)
     except UserError as exc:
         print(exc.one_line(), file=sys.stderr)
         return exc.exit_code
     except Exception as exc:  # one line here; the traceback goes to this rank's log
         import logging
-        import os
         logging.getLogger("train").exception("training failed")
         record_for_torchrun(exc)
         message = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, always
-        print(f"error: rank {os.environ.get('RANK', '0')}: {message}", file=sys.stderr)
+        print(f"error: rank {WorkerEnv.from_environ().rank}: {message}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
 
 

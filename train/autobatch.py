@@ -23,8 +23,8 @@ log = logging.getLogger("train")
 MEMORY_BUDGET = 0.9
 
 
-def divisors_descending(n: int, start: int) -> list[int]:
-    return [m for m in range(min(n, start), 0, -1) if n % m == 0]
+def divisors_descending(n: int) -> list[int]:
+    return [m for m in range(n, 0, -1) if n % m == 0]
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -40,7 +40,7 @@ def is_out_of_memory(exc: BaseException) -> bool:
 def largest_fitting(per_rank: int, fits: Callable[[int], bool]) -> int:
     """Largest divisor m of per_rank with fits(m); fits raises an out-of-memory error or
     says no."""
-    for m in divisors_descending(per_rank, per_rank):
+    for m in divisors_descending(per_rank):
         try:
             if fits(m):
                 return m

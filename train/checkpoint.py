@@ -1,22 +1,21 @@
 """Crash-safe checkpoints: ``checkpoints/step-N/`` plus a ``latest`` pointer.
 
-Protocol (DESIGN.md "Checkpoints"): every file is written into ``step-N.partial``,
+Protocol (docs/architecture.md, "Checkpoints"): every file is written into ``step-N.partial``,
 fsync'ed and listed with its SHA-256 in ``checksums.json``; then the directory is
 renamed to ``step-N`` and ``latest`` (a small text file naming it) is replaced by
 rename. A process killed at any point leaves either the previous checkpoint or the
 new one, never a torn one. Loading verifies the checksums and falls back to older
 checkpoints with a warning. Files load with ``torch.load(weights_only=True)``.
 
-The checkpointer is handed the state; it never reaches into the trainer.
+The checkpointer is handed the state; it never reaches into the trainer. What the
+state holds is :mod:`train.state`'s business.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import threading
@@ -24,9 +23,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from torch.utils._pytree import tree_map
+
+from train.files import fsync_dir, fsync_file, sha256_file, write_atomic
 
 log = logging.getLogger("train")
 
@@ -39,55 +39,9 @@ def _step_of(path: Path) -> int:
     return int(path.name.split("-")[1])
 
 
-def _fsync_file(path: Path) -> None:
-    with path.open("rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def save_file(obj: Any, path: Path) -> None:
     torch.save(obj, path)
-    _fsync_file(path)
-
-
-def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)),
-                       "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
-                       "cached": float(np_state[4])}}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_as_tuple(state["python"]))
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["cached"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _as_tuple(value: Any) -> Any:
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+    fsync_file(path)
 
 
 def snapshot(state: Any) -> Any:
@@ -171,10 +125,9 @@ class Checkpointer:
             self._writer_error = exc
 
     def _seal(self, partial: Path, final: Path) -> None:
-        sums = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
-        (partial / CHECKSUMS).write_text(json.dumps(sums, indent=1) + "\n")
-        _fsync_file(partial / CHECKSUMS)
-        _fsync_dir(partial)
+        sums = {p.name: sha256_file(p) for p in sorted(partial.iterdir()) if p.is_file()}
+        write_atomic(partial / CHECKSUMS, json.dumps(sums, indent=1) + "\n")
+        fsync_dir(partial)
         # The same step saved again (after a resume): the old copy stays loadable until
         # the new one is in place and named by `latest`.
         replaced = final.with_name(final.name + ".replaced")
@@ -182,11 +135,8 @@ class Checkpointer:
             shutil.rmtree(replaced, ignore_errors=True)
             os.replace(final, replaced)
         os.replace(partial, final)
-        tmp = self.dir / "latest.tmp"
-        tmp.write_text(final.name + "\n")
-        _fsync_file(tmp)
-        os.replace(tmp, self.dir / "latest")
-        _fsync_dir(self.dir)
+        write_atomic(self.dir / "latest", final.name + "\n")
+        fsync_dir(self.dir)
         shutil.rmtree(replaced, ignore_errors=True)
 
     def set_aside(self) -> Path | None:
@@ -254,7 +204,7 @@ class Checkpointer:
             return f"no {STATE_FILE}"
         for name, digest in sums.items():
             file = path / name
-            if not file.is_file() or _sha256(file) != digest:
+            if not file.is_file() or sha256_file(file) != digest:
                 return f"{name} is missing or does not match its checksum"
         return None
 

@@ -1,6 +1,6 @@
 """Datasets and the global sample order.
 
-The order contract (DESIGN.md "Data order"): a permutation of the training samples
+The order contract (docs/architecture.md, "Data order"): a permutation of the training samples
 fixed by seed and epoch; optimizer step ``s`` consumes samples ``[s*G, (s+1)*G)`` of
 the concatenated epochs (G = global batch size); rank r takes the r-th contiguous
 slice of that batch and splits it into micro-batches. Nothing here depends on the world
@@ -19,7 +19,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from train.config import Config, ConfigError, DataConfig, default_text_root
+from train.config import Config, DataConfig
+from train.errors import ConfigError
+from train.files import sha256_file
 
 # Hashing a multi-GB token file at every start would cost minutes; above this size the
 # manifest records a hash of the size plus sampled chunks and says so.
@@ -116,13 +118,11 @@ def _synthetic(cfg: DataConfig, seed: int) -> DataBundle:
 
 
 def _file_hash(path: Path) -> str:
-    h = hashlib.sha256()
     size = path.stat().st_size
+    if size <= FULL_HASH_LIMIT:
+        return sha256_file(path)
+    h = hashlib.sha256()
     with path.open("rb") as f:
-        if size <= FULL_HASH_LIMIT:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-            return h.hexdigest()
         h.update(str(size).encode())
         for k in range(64):  # 64 evenly spaced 1 MiB chunks
             f.seek(k * (size - (1 << 20)) // 63)
@@ -188,6 +188,12 @@ def _windows(tokens: np.ndarray, cfg: DataConfig, length: int, vocab: int, data_
     return DataBundle(WindowDataset(tokens, length, 0, n_train, vocab, source),
                       WindowDataset(tokens, length, n_train, n_val, vocab, source),
                       (length,), vocab, length, data_hash, description)
+
+
+def default_text_root() -> str:
+    """The standard library's source directory: real text on every machine, no download."""
+    import sysconfig
+    return sysconfig.get_paths()["stdlib"]
 
 
 def _text(cfg: DataConfig, length: int) -> DataBundle:

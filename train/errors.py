@@ -1,4 +1,4 @@
-"""Errors that map to the exit codes users rely on (see DESIGN.md "Exit codes").
+"""Errors that map to the exit codes users rely on (docs/architecture.md, "Contracts").
 
 Raised anywhere, caught once at the top of each command, printed as a single line,
 never as a traceback.

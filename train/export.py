@@ -10,7 +10,6 @@ or vocabulary, source checkpoint and step, SHA-256 of model.pt). Default output:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ import sys
 from pathlib import Path
 
 from train.errors import CannotRunHere, ConfigError, UserError
+from train.files import sha256_file
 
 
 def check_output(run_dir: Path, out: Path) -> None:
@@ -39,6 +39,7 @@ def export(run_dir: Path, out: Path) -> Path:
     import torch
 
     from train.checkpoint import Checkpointer
+    from train.state import Restored
 
     if not run_dir.is_dir():
         raise ConfigError("command line", "RUN_DIR", f"{run_dir}: not a directory")
@@ -46,14 +47,15 @@ def export(run_dir: Path, out: Path) -> Path:
     if found is None:
         raise CannotRunHere(f"{run_dir}: no valid checkpoint under checkpoints/; train first")
     path, shared, _ = found
+    saved = Restored(shared)
     check_output(run_dir, out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    torch.save({k: v.contiguous() for k, v in shared["model"].items()}, tmp / "model.pt")
-    digest = hashlib.sha256((tmp / "model.pt").read_bytes()).hexdigest()
-    meta = {"model": shared["config"]["model"], "io": shared.get("model_io"),
-            "checkpoint": str(path), "step": shared["step"], "model_pt_sha256": digest,
+    torch.save({k: v.contiguous() for k, v in saved.model.items()}, tmp / "model.pt")
+    digest = sha256_file(tmp / "model.pt")
+    meta = {"model": saved.config["model"], "io": saved.model_io,
+            "checkpoint": str(path), "step": saved.step, "model_pt_sha256": digest,
             "load": "torch.load('model.pt', weights_only=True) -> state dict of "
                     "train.models.build_model(ModelConfig(**model), input_shape=..., "
                     "num_classes=...)"}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import subprocess
 import time
@@ -20,6 +19,8 @@ import torch
 
 from train import __version__
 from train.config import Config, to_yaml
+from train.files import write_json_atomic
+from train.host import read_build_manifest
 
 
 def config_hash(cfg: Config) -> str:
@@ -67,23 +68,6 @@ def _driver_version() -> str | None:
             pynvml.nvmlShutdown()
     except Exception:  # AMD, or no NVML: the driver is then described by the ROCm version
         return None
-
-
-def read_build_manifest(path: str) -> Any:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(data, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def update_manifest(run_dir: Path, cfg: Config, *, data_hash: str, data_description: str,

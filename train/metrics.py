@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from train.config import Config, to_yaml
+from train.files import write_atomic
 
 
 def truncate_jsonl(path: Path, keep_through_step: int) -> None:
@@ -32,9 +32,7 @@ def truncate_jsonl(path: Path, keep_through_step: int) -> None:
             continue
         if isinstance(row, dict) and row.get("step", math.inf) <= keep_through_step:
             kept.append(line)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(k + "\n" for k in kept))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(k + "\n" for k in kept))
 
 
 def format_eta(seconds: float) -> str:

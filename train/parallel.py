@@ -17,7 +17,9 @@ from torch.utils.checkpoint import checkpoint
 
 from train.config import Config
 from train.errors import CannotRunHere
-from train.runtime import WorkerEnv
+from train.placement import gpu_only_settings, one_process_problem, runs_one_process
+from train.precision import autocast_dtype
+from train.worker_env import WorkerEnv
 
 log = logging.getLogger("train")
 
@@ -67,18 +69,25 @@ def _fsdp(module: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs = {}
-    if cfg.precision in ("bf16", "fp16"):
-        dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
+    dtype = autocast_dtype(cfg.precision)
+    if dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if cfg.memory.cpu_offload:
-        if device.type != "cuda":
-            raise CannotRunHere("memory.cpu_offload needs a GPU (FSDP offloads from GPU to CPU); "
-                                "set memory.cpu_offload=false on CPU")
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in getattr(module, "blocks", []):
         fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
     return module
+
+
+def check_placement(cfg: Config, env: WorkerEnv, device: torch.device) -> None:
+    """The launcher's rules again, for a worker started without it (exit 3)."""
+    strategy = cfg.distributed.strategy
+    if runs_one_process(strategy) and env.distributed:
+        raise CannotRunHere(one_process_problem(strategy, f"WORLD_SIZE={env.world_size}"))
+    if device.type != "cuda":
+        for setting in gpu_only_settings(cfg):
+            raise CannotRunHere(setting.unavailable)
 
 
 def parallelize(module: nn.Module, cfg: Config, env: WorkerEnv, device: torch.device) -> nn.Module:
@@ -87,14 +96,10 @@ def parallelize(module: nn.Module, cfg: Config, env: WorkerEnv, device: torch.de
     strategy = cfg.distributed.strategy
     if cfg.compile:
         module.compile()
-    if strategy in ("single", "dp") and env.distributed:
-        raise CannotRunHere(f"distributed.strategy={strategy} runs one process, but "
-                            f"WORLD_SIZE={env.world_size}; use ddp or fsdp, or one process")
     if strategy == "dp":
-        if device.type != "cuda":
-            raise CannotRunHere("distributed.strategy=dp needs GPUs; use single or ddp on CPU")
-        if cfg.precision != "fp32":
-            autocast_inside(module, torch.bfloat16 if cfg.precision == "bf16" else torch.float16)
+        dtype = autocast_dtype(cfg.precision)
+        if dtype is not None:
+            autocast_inside(module, dtype)
         return nn.DataParallel(module)
     if strategy == "fsdp":  # also on one process: CPU offload and mixed precision apply
         return _fsdp(module, cfg, device)

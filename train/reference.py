@@ -7,56 +7,45 @@ editors), ``--markdown`` the README's config table. Tests keep both in sync.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-import types
-import typing
-from typing import Any, Literal
+from typing import Any
 
-from train.config import Config, field_types, _is_dataclass_type
+from train.config import Config
+from train.config import types
 
 
 def _json_type(tp: Any) -> dict:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return {"enum": list(typing.get_args(tp))}
-    if origin in (typing.Union, types.UnionType):
-        return {"anyOf": [_json_type(a) for a in typing.get_args(tp)]}
-    if origin is list:
-        return {"type": "array", "items": _json_type(typing.get_args(tp)[0])}
-    if tp is type(None):
+    kind, args = types.shape(tp)
+    if kind == "choice":
+        return {"enum": list(args)}
+    if kind == "union":
+        return {"anyOf": [_json_type(a) for a in args]}
+    if kind == "list":
+        return {"type": "array", "items": _json_type(args[0])}
+    if kind == "null":
         return {"type": "null"}
-    return {"type": {int: "integer", float: "number", bool: "boolean", str: "string"}[tp]}
+    return {"type": {int: "integer", float: "number", bool: "boolean", str: "string"}[args[0]]}
 
 
-def _bounds(schema: dict, meta: Any) -> dict:
+def _with_bounds(schema: dict, bounds: dict) -> dict:
     target = schema.get("items", schema)
     for arm in schema.get("anyOf", [target]):
         if arm.get("type") in ("integer", "number"):
             for key, name in (("ge", "minimum"), ("gt", "exclusiveMinimum"), ("le", "maximum")):
-                if meta.get(key) is not None:
-                    arm[name] = meta[key]
+                if key in bounds:
+                    arm[name] = bounds[key]
     return schema
-
-
-def _default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    value = f.default_factory()
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
 
 def schema_for(cls: type) -> dict:
     props = {}
-    types_ = field_types(cls)
-    for f in dataclasses.fields(cls):
-        tp = types_[f.name]
-        if _is_dataclass_type(tp):
-            props[f.name] = schema_for(tp) | {"description": f.metadata["doc"]}
+    for key in types.keys(cls):
+        if key.section is not None:
+            props[key.name] = schema_for(key.section) | {"description": key.doc}
         else:
-            props[f.name] = _bounds(_json_type(tp), f.metadata) | {
-                "description": f.metadata["doc"], "default": _default(f)}
+            props[key.name] = _with_bounds(_json_type(key.type), key.bounds) | {
+                "description": key.doc, "default": key.default}
     return {"type": "object", "additionalProperties": False, "properties": props}
 
 
@@ -66,33 +55,20 @@ def json_schema() -> dict:
 
 
 def _type_text(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " \\| ".join(str(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " \\| ".join(_type_text(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"list[{_type_text(typing.get_args(tp)[0])}]"
-    return "null" if tp is type(None) else tp.__name__
-
-
-def markdown_rows(cls: type = Config, prefix: str = "") -> list[str]:
-    rows = []
-    types_ = field_types(cls)
-    for f in dataclasses.fields(cls):
-        tp = types_[f.name]
-        if _is_dataclass_type(tp):
-            rows += markdown_rows(tp, f"{prefix}{f.name}.")
-            continue
-        default = json.dumps(_default(f))
-        rows.append(f"| `{prefix}{f.name}` | {_type_text(tp)} | `{default}` | "
-                    f"{f.metadata['doc']} |")
-    return rows
+    kind, args = types.shape(tp)
+    if kind == "choice":
+        return " \\| ".join(str(a) for a in args)
+    if kind == "union":
+        return " \\| ".join(_type_text(a) for a in args)
+    if kind == "list":
+        return f"list[{_type_text(args[0])}]"
+    return "null" if kind == "null" else args[0].__name__
 
 
 def markdown() -> str:
-    return "\n".join(["| key | type | default | meaning |", "|---|---|---|---|",
-                      *markdown_rows()]) + "\n"
+    rows = [f"| `{dotted}` | {_type_text(key.type)} | `{json.dumps(key.default)}` | {key.doc} |"
+            for dotted, key in types.leaves(Config)]
+    return "\n".join(["| key | type | default | meaning |", "|---|---|---|---|", *rows]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

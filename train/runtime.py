@@ -1,104 +1,27 @@
-"""The worker's view of its process: environment, CPUs, device, process group.
+"""The worker's process set-up: device, determinism, seeds, the process group, the few
+collectives the trainer needs outside the model, logging.
 
-All environment variables the worker reads are read here, once (torchrun's RANK,
-WORLD_SIZE, LOCAL_RANK, ...; the image's build-manifest path). Everything else gets
-plain values from :class:`WorkerEnv`.
+What the process is (rank, world size, ...) comes from :class:`~train.worker_env.WorkerEnv`.
+The placement rules it applies are :mod:`train.placement`'s, shared with the launcher.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import math
-import os
 import random
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from train import comm_env, placement
 from train.config import AUTO, Config
 from train.errors import CannotRunHere
+from train.worker_env import WorkerEnv
 
 log = logging.getLogger("train")
-
-
-@dataclass(frozen=True)
-class WorkerEnv:
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
-    group_world_size: int | None = None  # torchrun: nodes in this rendezvous round
-    restart_count: int = 0
-    run_id: str | None = None
-    build_manifest: str = "/app/build-manifest.json"
-    code_version: str | None = None
-
-    @classmethod
-    def from_environ(cls, env: dict[str, str] | None = None) -> "WorkerEnv":
-        env = os.environ if env is None else env
-
-        def num(name: str, default: int | None) -> int | None:
-            return int(env[name]) if env.get(name, "").strip() else default
-
-        return cls(rank=num("RANK", 0), local_rank=num("LOCAL_RANK", 0),
-                   world_size=num("WORLD_SIZE", 1), local_world_size=num("LOCAL_WORLD_SIZE", 1),
-                   group_world_size=num("GROUP_WORLD_SIZE", None),
-                   restart_count=num("TORCHELASTIC_RESTART_COUNT", 0),
-                   run_id=env.get("TORCHELASTIC_RUN_ID"),
-                   build_manifest=env.get("TRAIN_BUILD_MANIFEST", "/app/build-manifest.json"),
-                   code_version=env.get("TRAIN_CODE_VERSION"))
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    def check_consistent(self) -> None:
-        """torchrun's WORLD_SIZE must equal nodes in this round x local processes."""
-        if self.group_world_size is None:
-            return
-        expected = self.group_world_size * self.local_world_size
-        if self.world_size != expected:
-            raise RuntimeError(
-                f"WORLD_SIZE={self.world_size} but GROUP_WORLD_SIZE={self.group_world_size} x "
-                f"LOCAL_WORLD_SIZE={self.local_world_size} = {expected}: every node must run "
-                f"the same distributed.nproc_per_node")
-
-
-def available_cpus() -> int:
-    """CPUs this process may use: affinity mask, capped by the cgroup CPU quota.
-
-    os.cpu_count() reports the host's cores, which oversubscribes a container
-    limited to a few CPUs (a classic slowdown).
-    """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    quota = _cgroup_cpu_quota()
-    if quota is not None:
-        cpus = min(cpus, max(1, math.ceil(quota)))
-    return max(1, cpus or 1)
-
-
-def _cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
-    try:
-        text = (root / "cpu.max").read_text().split()  # cgroup v2: "max 100000" or "200000 100000"
-        if text and text[0] != "max":
-            return int(text[0]) / int(text[1])
-        return None
-    except (OSError, ValueError, IndexError):
-        pass
-    try:  # cgroup v1
-        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-        return quota / period if quota > 0 else None
-    except (OSError, ValueError):
-        return None
-
-
-def cpus_per_rank(env: WorkerEnv) -> int:
-    return max(1, available_cpus() // env.local_world_size)
 
 
 def resolve_device(cfg: Config, env: WorkerEnv) -> torch.device:
@@ -114,9 +37,28 @@ def resolve_device(cfg: Config, env: WorkerEnv) -> torch.device:
 
 
 def resolve_backend(cfg: Config, device: torch.device) -> str:
-    if cfg.distributed.backend != AUTO:
-        return cfg.distributed.backend
-    return "nccl" if device.type == "cuda" else "gloo"
+    backend = placement.resolve_backend(cfg.distributed.backend, device.type == "cuda")
+    built = {"nccl": dist.is_nccl_available(), "gloo": dist.is_gloo_available(),
+             "mpi": dist.is_mpi_available()} if dist.is_available() else {}
+    problem = placement.backend_problem(backend, built, torch.__version__)
+    if problem:
+        raise CannotRunHere(problem)
+    return backend
+
+
+def apply_comm_env(cfg: Config, env: WorkerEnv, device: torch.device, backend: str) -> None:
+    """The communication variables the launcher would have set (a bare torchrun gets them
+    too); the environment's values win. Before the process group and the first cuBLAS
+    handle exist, which read them."""
+    # vendor=None: CUDA_DEVICE_ORDER only matters before CUDA starts, which it already has
+    # here; the launcher sets it for workers so that CUDA numbers GPUs as NVML does.
+    added = comm_env.apply_defaults(comm_env.worker_defaults(
+        gpu=device.type == "cuda", backend=backend, vendor=None,
+        deterministic=cfg.deterministic,
+        run_dir=cfg.run_dir, debug=env.debug or cfg.distributed.debug,
+        socket_ifname=env.socket_ifname or cfg.distributed.socket_ifname))
+    if added and env.is_main:
+        log.info("set %s", " ".join(f"{k}={v}" for k, v in added.items()))
 
 
 def seed_everything(seed: int, rank: int) -> None:
@@ -127,9 +69,7 @@ def seed_everything(seed: int, rank: int) -> None:
 
 
 def set_deterministic(enabled: bool) -> None:
-    if enabled:
-        # cuBLAS needs this before its first handle; the launcher sets it too.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    """cuBLAS also needs CUBLAS_WORKSPACE_CONFIG, set by :func:`apply_comm_env`."""
     torch.use_deterministic_algorithms(enabled)
     torch.backends.cudnn.deterministic = enabled
     torch.backends.cudnn.benchmark = not enabled
@@ -146,6 +86,30 @@ def init_distributed(env: WorkerEnv, backend: str, device: torch.device, timeout
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                             **kwargs)
+
+
+def barrier(env: WorkerEnv) -> Callable[[], None]:
+    return dist.barrier if env.distributed else (lambda: None)
+
+
+def from_main(value, env: WorkerEnv):
+    """Rank 0's value on every rank (decisions that must not differ between ranks)."""
+    if not env.distributed:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def mean_over_ranks(values: list[torch.Tensor | float], device: torch.device,
+                    distributed: bool) -> list[float]:
+    """One all-reduce for several scalars (loss, step time, ...)."""
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
+                           for v in values])
+    if distributed:
+        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
+        stacked /= dist.get_world_size()
+    return stacked.tolist()
 
 
 def shutdown_distributed(clean: bool) -> None:

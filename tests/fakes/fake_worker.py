@@ -10,11 +10,11 @@ import signal
 import sys
 import time
 
-from launcher.environ import worker_identity
 from launcher.worker import write_status
+from train.worker_env import WorkerEnv
 
 mode = sys.argv[1]
-rank = worker_identity().rank
+rank = WorkerEnv.from_environ().rank
 if mode == "ok":
     write_status(0, None)
     sys.exit(0)

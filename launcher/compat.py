@@ -1,0 +1,112 @@
+"""Can this torch build drive these GPUs? The compatibility policy, as pure functions.
+
+Used by the launch plan (a failure is exit 3) and by ``doctor``. Inputs are the plain
+records of :mod:`launcher.hardware`; nothing here runs a tool or imports torch.
+
+- NVIDIA: the driver must support the CUDA major the wheel was built with (CUDA's
+  minor-version compatibility covers a newer minor, with a warning: PTX JIT may fail),
+  and the GPU's compute capability must be in the build's arch list (a cubin for
+  sm_XY runs on the same major with an equal or higher minor; PTX for compute_XY is
+  JIT-compiled for any newer GPU). CUDA 13 builds start at sm_75.
+- AMD: the GPU's gfx target must be in the build's list, unless
+  ``HSA_OVERRIDE_GFX_VERSION`` asks the runtime to treat it as another one.
+- A GPU of one vendor with the other vendor's build (or a CPU build) cannot work.
+"""
+
+from __future__ import annotations
+
+import re
+
+from launcher.hardware import Finding, Hardware, TorchBuild
+
+# Oldest driver branch for each CUDA major (CUDA's minor-version compatibility).
+DRIVER_FOR_CUDA = {11: "R450", 12: "R525", 13: "R580"}
+
+
+def cuda_arch_supported(arch: str, arch_list: tuple[str, ...]) -> bool | None:
+    """Can a build compiled for ``arch_list`` run on a GPU of ``arch`` (sm_XY)?
+
+    A cubin for sm_XY runs on the same major with an equal or higher minor; PTX
+    (compute_XY) is JIT-compiled for any newer GPU. None when the list is unknown.
+    """
+    if not arch_list or not arch.startswith("sm_"):
+        return None
+    cc = int(arch[3:])
+    for entry in arch_list:
+        m = re.fullmatch(r"(sm|compute)_(\d+)([a-z]?)", entry)
+        if not m:
+            continue
+        v, suffix = int(m[2]), m[3]
+        if m[1] == "sm" and v // 10 == cc // 10 and v <= cc and (not suffix or v == cc):
+            return True
+        if m[1] == "compute" and v <= cc and not suffix:
+            return True
+    return False
+
+
+def _major(version: str | None) -> tuple[int, int] | None:
+    try:
+        major, minor = (version or "").split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
+def check_build(hw: Hardware, tb: TorchBuild, hsa_override: str | None = None) -> list[Finding]:
+    """Findings about driving ``hw.gpus`` with ``tb``; level fail means exit 3 on GPU."""
+    if not hw.gpus:
+        return []
+    n = len(hw.gpus)
+    if not tb.importable:
+        return [Finding("fail", "torch", f"torch is not importable: {tb.error}",
+                        "rebuild the image or reinstall torch", 3)]
+    if hw.vendor == "nvidia" and tb.kind != "cuda":
+        what = "a ROCm build" if tb.kind == "rocm" else "a CPU-only build"
+        return [Finding("fail", "torch", f"torch {tb.version} is {what} and cannot use the {n} "
+                        "NVIDIA GPU(s) found", "use the CUDA image (Dockerfile.cuda), or set "
+                        "device=cpu to train on the CPU", 3)]
+    if hw.vendor == "amd" and tb.kind != "rocm":
+        what = "a CUDA build" if tb.kind == "cuda" else "a CPU-only build"
+        return [Finding("fail", "torch", f"torch {tb.version} is {what} and cannot use the {n} "
+                        "AMD GPU(s) found", "use the ROCm image (Dockerfile.rocm), or set "
+                        "device=cpu to train on the CPU", 3)]
+    if hw.vendor == "nvidia":
+        return _check_cuda(hw, tb)
+    return _check_rocm(hw, tb, hsa_override)
+
+
+def _check_cuda(hw: Hardware, tb: TorchBuild) -> list[Finding]:
+    out: list[Finding] = []
+    need, have = _major(tb.cuda), _major(hw.cuda_driver_version)
+    if need and have and have[0] < need[0]:
+        out.append(Finding(
+            "fail", "driver", f"the NVIDIA driver {hw.driver_version} supports CUDA up to "
+            f"{hw.cuda_driver_version}, older than this image's torch {tb.version} (CUDA "
+            f"{tb.cuda})", f"update the host driver to {DRIVER_FOR_CUDA.get(need[0], 'a newer')}"
+            f" or newer, or use an image built for CUDA {have[0]}.x (e.g. the cu126 variant)", 3))
+    elif need and have and have < need:
+        out.append(Finding("warn", "driver", f"driver CUDA {hw.cuda_driver_version} < torch's "
+                           f"CUDA {tb.cuda}: runs through minor-version compatibility; PTX JIT "
+                           "may fail", "update the host driver"))
+    for gpu in hw.gpus:
+        if gpu.arch and cuda_arch_supported(gpu.arch, tb.arch_list) is False:
+            out.append(Finding(
+                "fail", "arch", f"GPU {gpu.index} ({gpu.name}) is {gpu.arch}, but torch "
+                f"{tb.version} was built for {' '.join(tb.arch_list)}",
+                "use an image whose torch covers this GPU (CUDA 13 builds start at sm_75; "
+                "cu126 covers sm_50-sm_90)", 3))
+            break
+    return out
+
+
+def _check_rocm(hw: Hardware, tb: TorchBuild, hsa_override: str | None) -> list[Finding]:
+    if hsa_override or not tb.arch_list:
+        return []
+    built = {a.split(":")[0] for a in tb.arch_list}  # "gfx90a:xnack-" -> "gfx90a"
+    for gpu in hw.gpus:
+        if gpu.arch and gpu.arch not in built:
+            return [Finding("fail", "arch", f"GPU {gpu.index} ({gpu.name}) is {gpu.arch}, but "
+                            f"torch {tb.version} was built for {' '.join(tb.arch_list)}",
+                            "use a ROCm image built for this GPU (HSA_OVERRIDE_GFX_VERSION "
+                            "works only for a compatible ISA)", 3)]
+    return []

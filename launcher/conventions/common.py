@@ -1,0 +1,134 @@
+"""What every launch convention produces (:class:`Nodes`), and the pieces they share:
+parsing node counts and endpoints, and the torchrun rendezvous flags.
+
+Two rendezvous styles exist. *Static* (``--rdzv-backend static``): a fixed number of
+nodes, each told its rank and the rank-0 node's address; nothing can join or leave.
+*Dynamic* (c10d): nodes meet at a store, MIN:MAX of them form a round, and a node
+that leaves or joins starts a new round (re-rendezvous).
+
+Re-rendezvous needs two settings on torch 2.13 (measured with torchrun agents on
+127.0.0.1 and the standalone store):
+
+- ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it, any round after the first
+  with two or more agents completes and then stalls in the agents' rank assignment
+  (the family of failures in pytorch/pytorch#123678). With it, the workers' process
+  group uses a store hosted by the rank-0 agent at its address, so that address must
+  be reachable from the other nodes (``--local-addr``).
+- keep-alive: a dead node leaves the rendezvous only once its keep-alive expires
+  (torch's default 5 s x 3 attempts); ``keep_alive_interval=2,keep_alive_max_attempt=3``
+  lets survivors move on after ~6 s. ``--rdzv-conf`` entries the user gives win.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from train.errors import ConfigError
+
+DEFAULT_RDZV_PORT = 29400
+RE_RENDEZVOUS_CONF = {"keep_alive_interval": "2", "keep_alive_max_attempt": "3"}
+RE_RENDEZVOUS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """How this node joins the job, as one launch convention reads the environment."""
+    convention: str
+    min: int = 1
+    max: int = 1
+    args: tuple[str, ...] = ()       # torchrun rendezvous flags
+    env: dict[str, str] = field(default_factory=dict)  # defaults for the workers' environment
+    host: str | None = None          # must resolve before starting (multi-node)
+    max_restarts: int | None = None  # from the environment, when it says
+    nproc: int | None = None         # from the environment, when it says
+    notes: tuple[str, ...] = ()
+
+
+def env_error(var: str, problem: str) -> ConfigError:
+    return ConfigError("environment", var, problem)
+
+
+def parse_nnodes(value: str, var: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` with 1 <= MIN <= MAX."""
+    lo, sep, hi = value.partition(":")
+    try:
+        a, b = int(lo), int(hi) if sep else int(lo)
+    except ValueError:
+        a = b = 0
+    if a < 1 or b < a:
+        raise env_error(var, f"got {value!r}; expected N or MIN:MAX with 1 <= MIN <= MAX")
+    return a, b
+
+
+def nnodes_arg(lo: int, hi: int) -> str:
+    return f"{lo}:{hi}" if lo != hi else str(lo)
+
+
+def parse_port(value: str, var: str) -> int:
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise env_error(var, f"got {value!r}; expected a port 1..65535")
+    return int(value)
+
+
+def parse_endpoint(value: str, var: str, default_port: int = DEFAULT_RDZV_PORT
+                   ) -> tuple[str, int]:
+    """host:port, [v6]:port or a bare host (default port)."""
+    v = value.strip()
+    if v.startswith("["):
+        host, _, rest = v[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif v.count(":") == 1:
+        host, port = v.split(":")
+    else:
+        host, port = v, ""
+    port = port or str(default_port)
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise env_error(var, f"got {value!r}; expected host:port")
+    return host, int(port)
+
+
+def parse_rdzv_conf(value: str, var: str) -> dict[str, str]:
+    """``key=value,key=value`` as torchrun's --rdzv-conf takes it."""
+    conf = {}
+    for item in filter(None, (s.strip() for s in value.split(","))):
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise env_error(var, f"got {value!r}; expected key=value,...")
+        conf[key.strip()] = val.strip()
+    return conf
+
+
+def static_rendezvous(lo: int, hi: int, *, rank: int | None, addr: str | None,
+                      port: int | None) -> list[str]:
+    args = ["--nnodes", nnodes_arg(lo, hi)]
+    if rank is not None:
+        args += ["--node-rank", str(rank)]
+    args += ["--rdzv-backend", "static"]
+    if addr:
+        args += ["--master-addr", addr]
+    if port is not None:
+        args += ["--master-port", str(port)]
+    return args
+
+
+def dynamic_rendezvous(lo: int, hi: int, *, backend: str = "c10d",
+                       endpoint: tuple[str, int] | None = None, run_id: str | None = None,
+                       own_conf: Mapping[str, str] | None = None,
+                       user_conf: Mapping[str, str] | None = None,
+                       re_rendezvous: bool) -> tuple[list[str], dict[str, str]]:
+    """torchrun flags and worker variables for a dynamic (c10d) rendezvous.
+
+    re_rendezvous: rounds after the first can happen (several nodes, or a standalone
+    store that outlives the agents), so the settings in the module docstring apply.
+    """
+    args = ["--nnodes", nnodes_arg(lo, hi), "--rdzv-backend", backend]
+    if endpoint:
+        args += ["--rdzv-endpoint", f"{endpoint[0]}:{endpoint[1]}"]
+    if run_id:
+        args += ["--rdzv-id", run_id]
+    conf = {**(own_conf or {}), **(RE_RENDEZVOUS_CONF if re_rendezvous else {}),
+            **(user_conf or {})}
+    if conf:
+        args += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
+    return args, dict(RE_RENDEZVOUS_ENV) if re_rendezvous else {}

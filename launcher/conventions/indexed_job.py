@@ -1,0 +1,51 @@
+"""A Kubernetes Indexed Job from this project's manifests: ``JOB_COMPLETION_INDEX`` plus
+``TRAIN_RDZV_ENDPOINT``.
+
+Worker pods meet at the standalone rendezvous store (``entrypoint.py rendezvous``,
+behind a Service) with ``is_host=false``, so no worker pod holds the store and losing
+any of them costs a re-rendezvous, not the job. Variables:
+
+- ``TRAIN_RDZV_ENDPOINT``: host:port of the store (port default 29400);
+- ``TRAIN_NNODES``: ``N`` or ``MIN:MAX`` nodes;
+- ``TRAIN_RDZV_ID``: an id unique to the job (the Job's uid, from the pod label
+  ``batch.kubernetes.io/controller-uid``): the store outlives jobs, and a reused id
+  names a closed rendezvous that refuses new nodes;
+- ``TRAIN_LOCAL_ADDR``: this pod's address for its peers (the pod IP), so no peer
+  needs DNS for it.
+"""
+
+from __future__ import annotations
+
+from launcher.conventions.common import (Nodes, dynamic_rendezvous, env_error, parse_endpoint,
+                                         parse_nnodes)
+from launcher.environ import Environ, integer
+
+NAME = "indexed-job"
+
+
+def detect(env: Environ) -> bool:
+    index = integer(env.raw, "JOB_COMPLETION_INDEX")  # validated wherever it is set
+    return index is not None and bool(env.get("TRAIN_RDZV_ENDPOINT"))
+
+
+def nodes(env: Environ) -> Nodes:
+    nnodes, run_id = env.get("TRAIN_NNODES"), env.get("TRAIN_RDZV_ID")
+    if not nnodes:
+        raise env_error("TRAIN_NNODES", "required with TRAIN_RDZV_ENDPOINT: N or MIN:MAX nodes")
+    if not run_id:
+        raise env_error("TRAIN_RDZV_ID", "required with TRAIN_RDZV_ENDPOINT: a value unique to "
+                                         "the job (the pod label batch.kubernetes.io/"
+                                         "controller-uid); a reused id makes the store refuse "
+                                         "new nodes")
+    lo, hi = parse_nnodes(nnodes, "TRAIN_NNODES")
+    host, port = parse_endpoint(env.get("TRAIN_RDZV_ENDPOINT"), "TRAIN_RDZV_ENDPOINT")
+    # The store outlives the agents: a restart is a new round even at one node.
+    args, out_env = dynamic_rendezvous(lo, hi, endpoint=(host, port), run_id=run_id,
+                                       own_conf={"is_host": "false"}, re_rendezvous=True)
+    local = env.get("TRAIN_LOCAL_ADDR")
+    if local:
+        args += ["--local-addr", local]
+    note = (f"launch convention: Indexed Job (JOB_COMPLETION_INDEX="
+            f"{env.get('JOB_COMPLETION_INDEX')}), standalone rendezvous store {host}:{port}, "
+            f"nodes {lo}:{hi}")
+    return Nodes(NAME, lo, hi, tuple(args), out_env, host, notes=(note,))

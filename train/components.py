@@ -1,0 +1,132 @@
+"""Building everything a run trains with, from the config plus the worker's runtime:
+device and process group, data, model (wrapped for its strategy), optimizer,
+schedule, grad scaler, checkpointer and the data loader.
+
+The result is :class:`Components`: built once per attempt and never mutated by the
+loop. Progress lives in :class:`train.state.TrainState`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from train import runtime
+from train.autobatch import largest_fitting, probe_on_gpu
+from train.checkpoint import Checkpointer
+from train.config import AUTO, Config, batch_split
+from train.data import DataBundle, GlobalOrder, RankBatchSampler, build_data, make_loader
+from train.models import build_model
+from train.optim import build_optimizer, build_scheduler
+from train.parallel import apply_activation_checkpointing, check_placement, parallelize
+from train.precision import autocast, grad_scaler
+from train.state import TrainState
+from train.worker_env import WorkerEnv
+
+log = logging.getLogger("train")
+
+
+@dataclass(frozen=True)
+class Components:
+    """What the loop trains with, built once from config plus the runtime."""
+    cfg: Config
+    source: str                 # the config file, for messages
+    env: WorkerEnv
+    device: torch.device
+    data: DataBundle
+    model: nn.Module            # wrapped (DDP / DataParallel / FSDP) or plain
+    module: nn.Module           # the plain module inside
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None
+    micro: int                  # samples per forward pass on this rank
+    accum: int                  # micro-batches per optimizer step
+    checkpointer: Checkpointer
+
+    @property
+    def run_dir(self) -> Path:
+        return self.cfg.run_dir
+
+    def autocast(self):
+        return autocast(self.device.type, self.cfg.precision)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def build(cfg: Config, env: WorkerEnv, source: str) -> Components:
+    micro, accum = batch_split(cfg, env.world_size, source)  # fails before joining the group
+    device = runtime.resolve_device(cfg, env)
+    check_placement(cfg, env, device)
+    backend = runtime.resolve_backend(cfg, device)
+    runtime.apply_comm_env(cfg, env, device, backend)
+    runtime.init_distributed(env, backend, device, cfg.distributed.timeout_s,
+                             single_process_group=cfg.distributed.strategy == "fsdp")
+    env.check_consistent()
+    torch.set_num_threads(env.cpus_per_rank())
+    runtime.set_deterministic(cfg.deterministic)
+    runtime.seed_everything(cfg.seed, env.rank)
+    data = build_data(cfg)
+    module = build_model(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    module.to(device)
+    torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank dropout streams, after the shared init
+    blocks = apply_activation_checkpointing(module, cfg.memory.activation_checkpointing,
+                                            cfg.memory.activation_checkpointing_n)
+    if blocks:
+        log.info("activation checkpointing on %d blocks", blocks)
+    if cfg.train.micro_batch_size == AUTO and device.type == "cuda" \
+            and cfg.distributed.strategy != "fsdp":
+        micro, accum = auto_micro_batch(cfg, env, module, data, device, micro * accum)
+    model = parallelize(module, cfg, env, device)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
+    checkpointer = Checkpointer(cfg.run_dir, rank=env.rank, keep_last=cfg.checkpoint.keep_last,
+                                world_size=env.world_size, barrier=runtime.barrier(env),
+                                async_timeout_s=cfg.distributed.timeout_s)
+    return Components(cfg, source, env, device, data, model, module, optimizer, scheduler,
+                      grad_scaler(device.type, cfg.precision), micro, accum, checkpointer)
+
+
+def auto_micro_batch(cfg: Config, env: WorkerEnv, module: nn.Module, data: DataBundle,
+                     device: torch.device, per_rank: int) -> tuple[int, int]:
+    """``train.micro_batch_size: auto`` on GPU: the largest size that fits on every rank."""
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    # AdamW keeps two moments (SGD one); DDP adds gradient buckets the size of the grads.
+    later_bytes = params * (2 if cfg.optim.name == "adamw" else 1) \
+        + (params if env.distributed else 0)
+    n = len(data.train)
+    fits = probe_on_gpu(module, lambda m: data.train.__getitems__([i % n for i in range(m)]),
+                        loss_fn, lambda: autocast("cuda", cfg.precision), device,
+                        extra_bytes=later_bytes)
+    micro = largest_fitting(per_rank, fits)
+    if env.distributed:  # every rank must use the same size: the smallest that fit anywhere
+        agreed = torch.tensor([micro], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        micro = int(agreed.item())  # a divisor of per_rank, as every rank's choice was
+    log.info("train.micro_batch_size=auto: %d fits (per-rank batch %d)", micro, per_rank)
+    return micro, per_rank // micro
+
+
+def train_loader(c: Components, state: TrainState):
+    """This rank's micro-batches from ``state``'s position in the global order to the end."""
+    cfg, env = c.cfg, c.env
+    order = GlobalOrder(len(c.data.train), cfg.seed)
+    sampler = RankBatchSampler(order, global_batch_size=cfg.train.global_batch_size,
+                               rank=env.rank, world_size=env.world_size,
+                               micro_batch_size=c.micro, start_step=state.step,
+                               end_step=cfg.train.max_steps, first_sample=state.samples_consumed)
+    workers = cfg.data.num_workers
+    if workers == AUTO:
+        workers = min(4, env.cpus_per_rank() // 2)
+    pin = cfg.data.pin_memory
+    pin = c.device.type == "cuda" if pin == AUTO else pin
+    return make_loader(c.data.train, sampler, num_workers=workers, pin_memory=pin,
+                       persistent_workers=cfg.data.persistent_workers,
+                       prefetch_factor=cfg.data.prefetch_factor, seed=cfg.seed)

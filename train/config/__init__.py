@@ -1,0 +1,24 @@
+"""Typed training configuration, strictly validated, torch-free.
+
+- :mod:`.schema`: the dataclasses (one per component) with each key's doc and bounds;
+- :mod:`.types`: one walker over the schema's types (loader, JSON Schema, README table);
+- :mod:`.loader`: YAML file + ``dotted.key=value`` overrides -> :class:`Config`;
+- :mod:`.checks`: cross-key and file checks, batch arithmetic, resume compatibility.
+
+Every problem is a :class:`~train.errors.ConfigError` (exit 2) with one line naming
+the file or "command line", the dotted key, what is wrong and what is allowed.
+"""
+
+from train.config.checks import (batch_split, check_checkpoint_config,
+                                 check_resume_compatible)
+from train.config.loader import load_config, parse_override, to_dict, to_yaml
+from train.config.schema import (AUTO, CheckpointConfig, Config, DataConfig,
+                                 DistributedConfig, LoggingConfig, MemoryConfig, ModelConfig,
+                                 OptimConfig, OutputConfig, RunConfig, ScheduleConfig,
+                                 TrainLoopConfig)
+
+__all__ = ["AUTO", "CheckpointConfig", "Config", "DataConfig", "DistributedConfig",
+           "LoggingConfig", "MemoryConfig", "ModelConfig", "OptimConfig", "OutputConfig",
+           "RunConfig", "ScheduleConfig", "TrainLoopConfig", "batch_split",
+           "check_checkpoint_config", "check_resume_compatible", "load_config",
+           "parse_override", "to_dict", "to_yaml"]

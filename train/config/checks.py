@@ -1,0 +1,165 @@
+"""Checks beyond single values: keys that must agree, files that must exist, how the
+global batch splits over a world size, and whether a run's checkpoints still fit.
+
+Each failure is one :class:`ConfigError` (exit 2) naming the key and where its value
+came from. Torch-free; the token scan imports numpy only when it runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from train.config.loader import Sources, to_dict
+from train.config.schema import AUTO, Config
+from train.errors import ConfigError
+
+# Token files up to this size are scanned for ids >= data.vocab_size before training
+# (about a second per GiB); larger ones are checked batch by batch.
+TOKEN_SCAN_LIMIT = 2 << 30
+
+
+def validate(cfg: Config, sources: Sources) -> None:
+    """Checks that span several keys, plus files that must exist."""
+
+    def fail(key: str, problem: str, *related: str) -> None:
+        """related: the other keys of a cross-key check; any of them overridden on the
+        command line makes the command line the source."""
+        raise ConfigError(sources.of(key, *related), key, problem)
+
+    m, d, t = cfg.model, cfg.data, cfg.train
+    if not cfg.run.name or "/" in cfg.run.name or cfg.run.name in (".", ".."):
+        fail("run.name", f"got {cfg.run.name!r}; a non-empty name without '/'")
+    if m.kind == "gpt":
+        if m.width % m.heads:
+            fail("model.heads", f"{m.heads} does not divide model.width={m.width}", "model.width")
+        if d.kind not in ("text", "tokens"):
+            fail("data.kind", f"model.kind gpt needs text or tokens data, got {d.kind}",
+                 "model.kind")
+    elif d.kind in ("text", "tokens"):
+        fail("data.kind", f"{d.kind} data needs model.kind gpt, got {m.kind}", "model.kind")
+    if m.kind == "cnn" and d.kind == "synthetic" and len(d.shape) != 3:
+        fail("data.shape", f"cnn needs [channels, height, width], got {d.shape}", "model.kind")
+    if not d.shape or any(s < 1 for s in d.shape):
+        fail("data.shape", f"got {d.shape}; a list of positive sizes")
+    if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
+        fail("optim.betas", f"got {cfg.optim.betas}; two numbers in [0, 1)")
+    if cfg.schedule.warmup_steps > t.max_steps:
+        fail("schedule.warmup_steps", f"{cfg.schedule.warmup_steps} exceeds "
+                                      f"train.max_steps={t.max_steps}", "train.max_steps")
+    if t.micro_batch_size != AUTO and t.global_batch_size % t.micro_batch_size:
+        fail("train.micro_batch_size", f"{t.micro_batch_size} does not divide "
+                                       f"train.global_batch_size={t.global_batch_size}",
+             "train.global_batch_size")
+    if cfg.memory.activation_checkpointing != "none" and m.kind != "gpt":
+        fail("memory.activation_checkpointing", f"applies to gpt blocks; model.kind is {m.kind}",
+             "model.kind")
+    if cfg.memory.cpu_offload and cfg.distributed.strategy != "fsdp":
+        fail("memory.cpu_offload", "needs distributed.strategy=fsdp", "distributed.strategy")
+    _check_data_paths(cfg, fail)
+    resume = cfg.checkpoint.resume_from
+    if resume not in (AUTO, "none") and not (Path(resume) / "checksums.json").is_file():
+        fail("checkpoint.resume_from", f"{resume}: not a checkpoint directory (no "
+                                       f"checksums.json); use auto, none or a step-N directory")
+
+
+def _check_data_paths(cfg: Config, fail) -> None:
+    d = cfg.data
+    if d.kind == "synthetic":
+        return
+    if d.kind in ("tensors", "tokens") and not d.path:
+        fail("data.path", f"required for data.kind={d.kind}")
+    if d.path is None:
+        return  # text: the standard library's source
+    path = Path(d.path)
+    if d.kind == "text":
+        if not path.is_dir():
+            fail("data.path", f"{d.path}: not a directory")
+        return
+    if not path.is_file():
+        fail("data.path", f"{d.path}: no such file")
+    if d.kind == "tokens":
+        size = path.stat().st_size
+        if size < 4 or size % 2:
+            fail("data.path", f"{d.path}: not a uint16 token file (odd or tiny size)")
+        if size <= TOKEN_SCAN_LIMIT:  # larger files are checked batch by batch
+            import numpy as np
+            top = int(np.memmap(path, dtype=np.uint16, mode="r").max())
+            if top >= d.vocab_size:
+                fail("data.vocab_size", f"{d.vocab_size} but {d.path} holds token id {top}; "
+                                        f"set data.vocab_size to at least {top + 1}")
+        return
+    if path.suffix not in (".pt", ".npy"):
+        fail("data.path", f"{d.path}: expected a .pt or .npy file")
+    if path.suffix == ".npy":
+        if not d.labels_path:
+            fail("data.labels_path", "required when data.path is a .npy file")
+        if not Path(d.labels_path).is_file():
+            fail("data.labels_path", f"{d.labels_path}: no such file")
+
+
+def batch_split(cfg: Config, world_size: int, source: str) -> tuple[int, int]:
+    """(micro_batch_size, gradient accumulation steps) that keep global_batch_size.
+
+    global = world_size x micro x accum must hold exactly; anything else is a
+    ConfigError naming the world size, so the launcher can check every size in
+    MIN..MAX before starting workers. ``source``: the config file, for the message.
+    """
+    t = cfg.train
+    if t.global_batch_size % world_size:
+        raise ConfigError(source, "train.global_batch_size",
+                          f"{t.global_batch_size} is not divisible by world size {world_size}; "
+                          f"use a multiple of {world_size}")
+    per_rank = t.global_batch_size // world_size
+    micro = per_rank if t.micro_batch_size == AUTO else t.micro_batch_size
+    if per_rank % micro:
+        raise ConfigError(source, "train.micro_batch_size",
+                          f"{micro} does not divide the per-rank batch {per_rank} "
+                          f"(train.global_batch_size={t.global_batch_size} / world size "
+                          f"{world_size}); choose a divisor of {per_rank}")
+    return micro, per_rank // micro
+
+
+# Keys whose change makes a run's checkpoints unloadable (parameter or optimizer-state
+# shapes, or what the inputs mean).
+RESUME_KEYS = ("model.kind", "model.depth", "model.width", "model.heads", "model.context_length",
+               "model.tie_weights", "data.kind", "data.vocab_size", "data.shape",
+               "data.num_classes", "optim.name")
+
+
+def _dig(tree: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+    return tree
+
+
+def check_checkpoint_config(cfg: Config, saved: dict, where: Path | str, source: str) -> None:
+    """ConfigError (exit 2) naming the first resume key that differs from `saved` (the
+    resolved config a run or checkpoint was written with)."""
+    new = to_dict(cfg)
+    changed = [f"{key} {_dig(saved, key)!r} -> {_dig(new, key)!r}" for key in RESUME_KEYS
+               if _dig(saved, key) != _dig(new, key)]
+    if changed:
+        raise ConfigError(source, changed[0].split()[0],
+                          f"differs from the run being resumed ({where}: "
+                          f"{'; '.join(changed[:3])}); use a new run.name, or "
+                          f"checkpoint.resume_from=none to start this run over")
+
+
+def check_resume_compatible(cfg: Config, source: str) -> None:
+    """A config that would resume a run whose checkpoints it cannot load is bad input.
+
+    Before any worker starts: compares with the run directory's config.yaml (written
+    once a start has loaded its checkpoint, so it matches the checkpoints' shapes).
+    The worker checks the checkpoint's own copy again when it loads it.
+    """
+    run_dir = cfg.run_dir
+    if cfg.checkpoint.resume_from != AUTO or not (run_dir / "checkpoints" / "latest").exists():
+        return
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return  # nothing to compare with; the worker checks the checkpoint itself
+    check_checkpoint_config(cfg, saved, run_dir, source)

@@ -1,0 +1,188 @@
+"""The configuration schema: one keyword-only dataclass per component, nothing else.
+
+Each field carries its one-line doc and numeric bounds (:func:`opt`); the loader
+validates against them, and the README's config table and ``configs/schema.json`` are
+generated from them (``python -m train.reference``). The key names are a contract
+with users (docs/architecture.md, "Contracts"): rename one only on purpose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+AUTO = "auto"
+
+
+def opt(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, factory: bool = False) -> Any:
+    """A config field with its one-line doc and optional numeric bounds."""
+    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le}
+    if factory:
+        return field(default_factory=default, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str | None = opt(None, "Run name; the run directory is output.dir/run.name. "
+                                 "Default: the config file's stem, so rerunning a config resumes it.")
+
+
+@dataclass(kw_only=True)
+class OutputConfig:
+    dir: str = opt("runs", "Directory holding run directories (a mounted volume in containers).")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    kind: Literal["mlp", "cnn", "gpt"] = opt("gpt", "Model family: mlp, cnn (3x32x32 images) "
+                                                    "or gpt (decoder-only transformer).")
+    depth: int = opt(4, "Hidden layers (mlp), conv blocks (cnn) or transformer blocks (gpt).",
+                     ge=1, le=256)
+    width: int = opt(128, "Hidden size (mlp), base channels (cnn) or embedding size (gpt).",
+                     ge=1)
+    heads: int = opt(4, "Attention heads (gpt); must divide model.width.", ge=1)
+    context_length: int = opt(128, "Tokens per sequence (gpt); also the sample length of "
+                                   "text and tokens data.", ge=2)
+    dropout: float = opt(0.0, "Dropout probability.", ge=0.0, le=0.9)
+    tie_weights: bool = opt(True, "Share the gpt token embedding with the output layer.")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    kind: Literal["synthetic", "tensors", "text", "tokens"] = opt(
+        "text", "synthetic (learnable, from the seed), tensors (.pt/.npy features + labels), "
+                "text (bytes of text files) or tokens (uint16 memmap .bin).")
+    path: str | None = opt(None, "tensors: .pt file holding {features, labels} or a .npy "
+                                 "features file; text: a directory of text files (default: the "
+                                 "Python standard library's source); tokens: the .bin file.")
+    labels_path: str | None = opt(None, "tensors: .npy labels when data.path is a .npy file.")
+    text_glob: str = opt("**/*.py", "text: which files under data.path to read, in sorted order.")
+    max_bytes: int = opt(8_000_000, "text: stop reading after this many bytes (0 = all).", ge=0)
+    vocab_size: int = opt(50304, "tokens: number of token ids (ids must be below it).",
+                          ge=2, le=65536)
+    num_samples: int = opt(8192, "synthetic: number of samples.", ge=2)
+    shape: list[int] = opt(lambda: [32], "synthetic: shape of one sample, e.g. [32] for mlp, "
+                                         "[3, 32, 32] for cnn.", factory=True)
+    num_classes: int = opt(10, "synthetic: number of classes.", ge=2)
+    val_fraction: float = opt(0.05, "Fraction of samples held out for validation (the tail "
+                                    "of the data, never shuffled into training).", ge=0.0, le=0.5)
+    num_workers: int | Literal["auto"] = opt(AUTO, "DataLoader worker processes per rank; "
+                                                   "auto follows the CPUs this container may use.",
+                                             ge=0)
+    persistent_workers: bool = opt(True, "Keep DataLoader workers alive between epochs.")
+    pin_memory: bool | Literal["auto"] = opt(AUTO, "Pin host memory for faster copies "
+                                                   "(auto: on GPU only).")
+    prefetch_factor: int = opt(2, "Batches each worker loads ahead.", ge=1)
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    name: Literal["adamw", "sgd"] = opt("adamw", "Optimizer.")
+    lr: float = opt(3e-4, "Peak learning rate.", gt=0.0, le=10.0)
+    weight_decay: float = opt(0.0, "Decoupled weight decay (adamw) or L2 (sgd).", ge=0.0)
+    betas: list[float] = opt(lambda: [0.9, 0.95], "adamw betas [beta1, beta2].", factory=True)
+    eps: float = opt(1e-8, "adamw epsilon.", gt=0.0)
+    momentum: float = opt(0.9, "sgd momentum.", ge=0.0, le=1.0)
+    grad_clip: float = opt(1.0, "Clip the global gradient norm to this value (0 = off).",
+                           ge=0.0)
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    name: Literal["constant", "cosine", "linear"] = opt("cosine", "Learning-rate decay after "
+                                                                   "warmup.")
+    warmup_steps: int = opt(0, "Linear warmup from 0 to optim.lr over this many steps.", ge=0)
+    min_lr_ratio: float = opt(0.1, "Final learning rate as a fraction of optim.lr "
+                                   "(cosine, linear).", ge=0.0, le=1.0)
+
+
+@dataclass(kw_only=True)
+class TrainLoopConfig:
+    max_steps: int = opt(1000, "Optimizer steps to train for.", ge=1)
+    global_batch_size: int = opt(64, "Samples per optimizer step over all ranks; fixed "
+                                     "whatever the world size.", ge=1)
+    micro_batch_size: int | Literal["auto"] = opt(AUTO, "Samples per forward pass per rank; "
+                                                        "gradient accumulation makes up the rest. "
+                                                        "auto: global_batch_size / world size.",
+                                                  ge=1)
+    eval_every_steps: int = opt(0, "Evaluate on the validation split every N steps and at the "
+                                   "end (0 = only at the end).", ge=0)
+    eval_batches: int = opt(8, "Validation size per evaluation, in global batches: the first "
+                               "eval_batches x global_batch_size validation samples (0 = none).",
+                            ge=0)
+
+
+@dataclass(kw_only=True)
+class DistributedConfig:
+    strategy: Literal["single", "dp", "ddp", "fsdp"] = opt(
+        "ddp", "Parallelism: single (one process), dp (DataParallel), ddp or fsdp. ddp with one "
+               "process trains unwrapped.")
+    backend: Literal["auto", "nccl", "gloo", "mpi"] = opt(
+        AUTO, "Process-group backend; auto: nccl on CUDA/ROCm (RCCL), gloo on CPU.")
+    nproc_per_node: int | Literal["auto"] = opt(AUTO, "Processes per node; auto: one per "
+                                                      "usable GPU, 1 on CPU.", ge=1)
+    max_restarts: int = opt(3, "torchrun restarts of the local workers after a failure.", ge=0)
+    timeout_s: int = opt(600, "Collective timeout; a rank stuck this long dumps its stacks "
+                              "and fails.", ge=10)
+    socket_ifname: str | None = opt(None, "Network interface for NCCL and gloo (sets "
+                                          "NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); the "
+                                          "TRAIN_SOCKET_IFNAME variable of a node wins.")
+    debug: bool = opt(False, "Verbose communication logs: NCCL_DEBUG=INFO, "
+                             "TORCH_DISTRIBUTED_DEBUG=DETAIL (also TRAIN_DEBUG=1).")
+
+
+@dataclass(kw_only=True)
+class MemoryConfig:
+    activation_checkpointing: Literal["none", "full", "every_n"] = opt(
+        "none", "Recompute activations in backward: none, full (every block) or every_n.")
+    activation_checkpointing_n: int = opt(2, "every_n: checkpoint every n-th block.", ge=1)
+    cpu_offload: bool = opt(False, "fsdp: keep parameters and optimizer state on the CPU.")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every_steps: int = opt(0, "Save a checkpoint every N steps and at the end (0 = only at the "
+                              "end and on SIGTERM).", ge=0)
+    keep_last: int = opt(3, "Checkpoints to keep.", ge=1)
+    resume_from: str = opt(AUTO, "auto (newest valid checkpoint of this run), none (start "
+                                 "over; earlier checkpoints are moved to "
+                                 "checkpoints.replaced-<time>/), or a checkpoint directory.")
+    async_save: bool = opt(False, "Write checkpoints in the background.")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    every_steps: int = opt(10, "Console line, metrics.jsonl row and TensorBoard scalars every "
+                               "N steps.", ge=1)
+    progress: Literal["auto", "bar", "plain"] = opt(AUTO, "Console style; auto: a live bar on "
+                                                          "a terminal, plain lines otherwise.")
+    tensorboard: bool = opt(True, "Write TensorBoard events to the run's tb/ directory.")
+
+
+@dataclass(kw_only=True)
+class Config:
+    seed: int = opt(0, "Seeds model init, data order and dropout.", ge=0)
+    deterministic: bool = opt(False, "Deterministic algorithms everywhere PyTorch has them.")
+    device: Literal["auto", "gpu", "cpu"] = opt(AUTO, "auto: GPUs when usable, else CPU.")
+    precision: Literal["fp32", "bf16", "fp16"] = opt("fp32", "fp32, bf16 autocast, or fp16 "
+                                                             "autocast with a gradient scaler.")
+    compile: bool = opt(False, "torch.compile the model.")
+    run: RunConfig = opt(RunConfig, "Run identity.", factory=True)
+    output: OutputConfig = opt(OutputConfig, "Where runs are written.", factory=True)
+    model: ModelConfig = opt(ModelConfig, "Model architecture.", factory=True)
+    data: DataConfig = opt(DataConfig, "Dataset and loading.", factory=True)
+    optim: OptimConfig = opt(OptimConfig, "Optimizer.", factory=True)
+    schedule: ScheduleConfig = opt(ScheduleConfig, "Learning-rate schedule.", factory=True)
+    train: TrainLoopConfig = opt(TrainLoopConfig, "Training loop.", factory=True)
+    distributed: DistributedConfig = opt(DistributedConfig, "Processes and communication.",
+                                         factory=True)
+    memory: MemoryConfig = opt(MemoryConfig, "Memory savers.", factory=True)
+    checkpoint: CheckpointConfig = opt(CheckpointConfig, "Checkpoints.", factory=True)
+    logging: LoggingConfig = opt(LoggingConfig, "Metrics and console.", factory=True)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output.dir) / str(self.run.name)

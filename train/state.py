@@ -1,0 +1,133 @@
+"""What a checkpoint holds, in one place: the training progress and the payload layout.
+
+:class:`TrainState` is the mutable progress of a run (step, position in the global
+sample order). :func:`payload` and :class:`Restored` are the one save/restore pair for
+``state.pt`` (written by rank 0): the trainer writes and resumes with them, ``export``
+reads the model from them. Each rank also writes ``rank-<r>.pt`` with its RNG state
+(:func:`rank_payload`), so an unchanged world size resumes bitwise.
+
+``state.pt`` is a flat dict of tensors and plain values, loadable with
+``torch.load(weights_only=True)``:
+
+    step, samples_consumed, world_size   progress, and the world size it was saved at
+    model, optimizer, scheduler, scaler  state dicts (full tensors, plain module names)
+    config                               the resolved config (a dict)
+    model_io                             {input_shape, num_classes}: what export needs
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TrainState:
+    """Progress: optimizer steps taken and samples consumed from the global order.
+
+    samples_consumed equals step x global_batch_size unless the global batch size was
+    changed on a resume; the data order continues from samples_consumed either way.
+    """
+    step: int = 0
+    samples_consumed: int = 0
+
+    def advance(self, global_batch_size: int) -> None:
+        self.step += 1
+        self.samples_consumed += global_batch_size
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "samples_consumed": self.samples_consumed}
+
+    def load_state_dict(self, saved: dict[str, Any], global_batch_size: int) -> None:
+        self.step = int(saved["step"])
+        # Checkpoints written before samples_consumed existed: the batch size never changed.
+        self.samples_consumed = int(saved.get("samples_consumed",
+                                              self.step * global_batch_size))
+
+
+def payload(state: TrainState, *, world_size: int, model: dict, optimizer: dict,
+            scheduler: dict, scaler: dict | None, config: dict,
+            model_io: dict[str, Any]) -> dict[str, Any]:
+    """The contents of state.pt."""
+    return {**state.state_dict(), "world_size": world_size, "model": model,
+            "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
+            "config": config, "model_io": model_io}
+
+
+@dataclass(frozen=True)
+class Restored:
+    """state.pt read back."""
+    raw: dict[str, Any]
+
+    def train_state(self, global_batch_size: int) -> TrainState:
+        state = TrainState()
+        state.load_state_dict(self.raw, global_batch_size)
+        return state
+
+    @property
+    def step(self) -> int:
+        return int(self.raw["step"])
+
+    @property
+    def world_size(self) -> int | None:
+        return self.raw.get("world_size")
+
+    @property
+    def model(self) -> dict[str, torch.Tensor]:
+        return self.raw["model"]
+
+    @property
+    def optimizer(self) -> dict:
+        return self.raw["optimizer"]
+
+    @property
+    def scheduler(self) -> dict:
+        return self.raw["scheduler"]
+
+    @property
+    def scaler(self) -> dict | None:
+        return self.raw.get("scaler")
+
+    @property
+    def config(self) -> dict:
+        return self.raw.get("config", {})
+
+    @property
+    def model_io(self) -> dict | None:
+        return self.raw.get("model_io")
+
+
+# ----------------------------------------------------------------- per-rank RNG state
+
+def rank_payload(rank: int) -> dict[str, Any]:
+    """The contents of rank-<r>.pt: this rank's RNG streams (dropout, data workers)."""
+    return {"rng": rng_state(), "rank": rank}
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)),
+                       "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
+                       "cached": float(np_state[4])}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _as_tuple(value: Any) -> Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value

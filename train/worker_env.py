@@ -1,0 +1,90 @@
+"""A worker process's identity and settings, read from its environment once.
+
+torchrun (or the launcher, for a single process) gives each worker ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE`` and
+``TORCHELASTIC_RESTART_COUNT``; the launcher adds where to report how the worker
+ended. This is the only place a worker reads them; everything else receives a
+:class:`WorkerEnv`. Torch-free: the launcher's own child processes use it too.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from train.host import DEFAULT_BUILD_MANIFEST, available_cpus
+
+# Set by the launcher's supervisor: the folder where each worker writes its report.
+STATUS_DIR_VAR = "TRAIN_LAUNCHER_STATUS_DIR"
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    group_world_size: int | None = None  # torchrun: nodes in this rendezvous round
+    restart_count: int = 0
+    status_dir: str | None = None        # the launcher's report folder, when supervised
+    log_dir: str | None = None           # torchrun's per-worker log folder, when it keeps one
+    build_manifest: str = DEFAULT_BUILD_MANIFEST
+    code_version: str | None = None
+    debug: bool = False                  # TRAIN_DEBUG: verbose communication logs
+    socket_ifname: str | None = None     # TRAIN_SOCKET_IFNAME: this node's interface
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
+        env = os.environ if env is None else env
+
+        def text(name: str) -> str | None:
+            value = env.get(name, "").strip()
+            return value or None
+
+        def num(name: str, default: int | None) -> int | None:
+            value = text(name)
+            return int(value) if value is not None and value.isdigit() else default
+
+        return cls(rank=num("RANK", 0), local_rank=num("LOCAL_RANK", 0),
+                   world_size=num("WORLD_SIZE", 1), local_world_size=num("LOCAL_WORLD_SIZE", 1),
+                   group_world_size=num("GROUP_WORLD_SIZE", None),
+                   restart_count=num("TORCHELASTIC_RESTART_COUNT", 0),
+                   status_dir=text(STATUS_DIR_VAR), log_dir=_torchrun_log_dir(env),
+                   build_manifest=text("TRAIN_BUILD_MANIFEST") or DEFAULT_BUILD_MANIFEST,
+                   code_version=text("TRAIN_CODE_VERSION"),
+                   debug=(text("TRAIN_DEBUG") or "0").lower() in ("1", "true", "yes", "on"),
+                   socket_ifname=text("TRAIN_SOCKET_IFNAME"))
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one rank that writes run-level files and logs metrics."""
+        return self.rank == 0
+
+    def cpus_per_rank(self) -> int:
+        return max(1, available_cpus() // max(1, self.local_world_size))
+
+    def check_consistent(self) -> None:
+        """torchrun's WORLD_SIZE must equal nodes in this round x local processes."""
+        if self.group_world_size is None:
+            return
+        expected = self.group_world_size * self.local_world_size
+        if self.world_size != expected:
+            raise RuntimeError(
+                f"WORLD_SIZE={self.world_size} but GROUP_WORLD_SIZE={self.group_world_size} x "
+                f"LOCAL_WORLD_SIZE={self.local_world_size} = {expected}: every node must run "
+                f"the same distributed.nproc_per_node")
+
+
+def _torchrun_log_dir(env: Mapping[str, str]) -> str | None:
+    """torchrun writes each worker's stdout.log/stderr.log beside its error file when it
+    runs with --log-dir; without it the output went to the console."""
+    error_file = env.get("TORCHELASTIC_ERROR_FILE", "").strip()
+    log_dir = os.path.dirname(error_file) if error_file else None
+    if log_dir and os.path.isfile(os.path.join(log_dir, "stderr.log")):
+        return log_dir
+    return None
