@@ -10,7 +10,7 @@ LOCK   ?= requirements/dev-$(PYVER).lock
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed-$(PYVER)
 
-.PHONY: quickstart test bench venv clean
+.PHONY: quickstart test test-slow test-all bench venv clean
 
 venv: $(STAMP)
 
@@ -23,7 +23,16 @@ $(STAMP): $(LOCK) Makefile
 quickstart: venv
 	$(PY) entrypoint.py train configs/quickstart.yaml
 
+# `make test`: everything but the slow end-to-end tests (about 5 minutes on 2 idle
+# cores); `make test-slow`: those (multi-process resumes, FSDP, compile, torchrun
+# signals, simulated nodes); CI runs both.
 test: venv
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: venv
+	$(PY) -m pytest -q -m slow
+
+test-all: venv
 	$(PY) -m pytest -q
 
 bench: venv

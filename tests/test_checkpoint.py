@@ -57,6 +57,7 @@ def test_resumed_equals_uninterrupted_bitwise(reference, tmp_path):
     assert steps == list(range(1, STEPS + 1)), "each step must appear once after a resume"
 
 
+@pytest.mark.slow
 def test_resume_on_two_processes_continues_the_trajectory(tmp_path):
     """Elastic resize 1 -> 2 processes: same global batch, same next samples, same losses."""
     tree = merge(TINY_GPT, {"output": {"dir": str(tmp_path)}, "train": {"max_steps": STEPS},
@@ -109,6 +110,7 @@ KILLED_WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_killed_mid_write_still_loads(tmp_path):
     """SIGKILL at random moments of a save loop: the newest checkpoint found is always whole."""
     rng = random.Random(0)
@@ -169,6 +171,7 @@ def test_resume_from_none_starts_fresh(reference, tmp_path):
     assert "at step 3" in again.stderr, "a later resume continues the new attempt"
 
 
+@pytest.mark.slow
 def test_async_save_on_two_processes_writes_complete_checkpoints(tmp_path):
     config = write_config(tmp_path / "a.yaml", merge(TINY_GPT, {
         "output": {"dir": str(tmp_path)}, "train": {"max_steps": 9},
@@ -193,6 +196,7 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in text.split()]
 
 
+@pytest.mark.slow
 def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
         "output": {"dir": str(tmp_path)}, "train": {"max_steps": 100000}}))
@@ -259,6 +263,7 @@ def test_saving_a_step_again_replaces_it_whole(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-5"]
 
 
+@pytest.mark.slow
 def test_restarts_of_a_start_over_run_continue_it(tmp_path):
     config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
         "output": {"dir": str(tmp_path)}, "train": {"max_steps": 4},
@@ -270,6 +275,7 @@ def test_restarts_of_a_start_over_run_continue_it(tmp_path):
     assert not list((tmp_path / "c").glob("checkpoints.replaced-*"))
 
 
+@pytest.mark.slow
 def test_a_larger_global_batch_on_resume_continues_at_the_next_sample(tmp_path):
     config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
         "output": {"dir": str(tmp_path)}, "train": {"max_steps": 5}}))
@@ -310,6 +316,7 @@ SITE_PATCH = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_rank_that_cannot_load_the_chosen_checkpoint_fails_instead_of_diverging(tmp_path):
     config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
         "output": {"dir": str(tmp_path)}, "train": {"max_steps": 6},
@@ -324,6 +331,7 @@ def test_a_rank_that_cannot_load_the_chosen_checkpoint_fails_instead_of_divergin
     assert "MemoryError" in proc.stderr
 
 
+@pytest.mark.slow
 def test_worker_refuses_a_checkpoint_of_another_shape_and_leaves_config_yaml(reference, tmp_path):
     """Explicit resume_from skips the parent's config.yaml check; the worker compares the
     checkpoint's own config, and writes nothing before the resume succeeded."""

@@ -23,6 +23,7 @@ def _assert_close(a: dict, b: dict, rel: float = 1e-5) -> None:
         assert math.isclose(a[step], b[step], rel_tol=rel), (step, a[step], b[step])
 
 
+@pytest.mark.slow
 def test_fsdp_on_two_processes_matches_one_process_and_resumes(tmp_path):
     config = _config(tmp_path)
     assert run_train(config, "run.name=one").returncode == 0
@@ -49,6 +50,7 @@ def test_fsdp_on_two_processes_matches_one_process_and_resumes(tmp_path):
     _assert_close(losses(tmp_path / "one"), losses(tmp_path / "fsdp"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "every_n"])
 def test_activation_checkpointing_does_not_change_the_math(tmp_path, mode):
     config = _config(tmp_path, model={"depth": 2})
@@ -73,6 +75,7 @@ def test_strategies_this_machine_cannot_run_exit_3(tmp_path, strategy, nproc, fr
         assert proc.returncode != 0
 
 
+@pytest.mark.slow
 def test_compiled_model_matches_eager_and_its_checkpoint_loads_without_compile(tmp_path):
     from conftest import TINY_MLP
     tree = merge(TINY_MLP, {"output": {"dir": str(tmp_path)}, "train": {"max_steps": 5}})

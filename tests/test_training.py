@@ -76,6 +76,7 @@ def test_run_directory_layout(runs):
     assert any("val/loss" in r for r in rows)
 
 
+@pytest.mark.slow
 def test_quickstart_loss_falls(tmp_path):
     proc = run_train(ROOT / "configs" / "quickstart.yaml", f"output.dir={tmp_path}",
                      "train.max_steps=60", "logging.progress=plain", "logging.every_steps=1")
@@ -118,6 +119,7 @@ def test_log_lines_carry_the_rank(tmp_path):
     assert "[rank 0] INFO model mlp" in proc.stderr
 
 
+@pytest.mark.slow
 def test_progress_bar_on_request_plain_lines_otherwise(tmp_path):
     config = write_config(tmp_path / "c.yaml", merge(TINY_MLP, {"output": {"dir": str(tmp_path)}}))
     bar = run_train(config, "train.max_steps=3", "logging.progress=bar", "run.name=bar")
