@@ -59,6 +59,7 @@ def cmd_train(args: list[str]) -> int:
     from launcher.detect import detect, torch_build
     from launcher.plan import plan as make_plan
     from train.config import check_resume_compatible, load_config
+    from train import runlock
     from train.errors import CannotRunHere
     parser = _Parser(prog="entrypoint.py train", add_help=True)
     parser.add_argument("config")
@@ -86,10 +87,14 @@ def cmd_train(args: list[str]) -> int:
         log(line)
     for name, value in p.env.items():
         log(f"set {name}={value}")
-    log("run " + shlex.join(p.argv))
-    if p.rdzv_host:
-        system.wait_for_host(p.rdzv_host, env.dns_wait_s, log)
-    return supervise.run(p, env.raw, log)
+    lock = runlock.acquire(cfg.run_dir, p.job)  # one writer per run directory
+    try:
+        log("run " + shlex.join(p.argv))
+        if p.rdzv_host:
+            system.wait_for_host(p.rdzv_host, env.dns_wait_s, log)
+        return supervise.run(p, env.raw, log, keep_fds=(lock.fd,) if lock.fd else ())
+    finally:
+        lock.release()
 
 
 def render_plan(p) -> str:

@@ -16,18 +16,19 @@ from typing import Any
 from launcher import amd, nvidia
 from launcher.environ import Environ
 from launcher.hardware import Hardware, TorchBuild
-from train.host import available_cpus
+from train.host import available_cpus, available_memory
 
 
 def detect(env: Environ, nvml: Any | None = None, load_nvml: bool = True) -> Hardware:
     """GPUs this process can use (NVIDIA first, then AMD), else CPU only."""
-    cpus = available_cpus(env.hw_root)
+    host = {"cpus": available_cpus(env.hw_root),
+            "memory_available": available_memory(env.hw_root)}
     nv = nvidia.detect(env.visibility, nvml=nvml, root=env.hw_root, load=load_nvml,
                        path=env.path)
     if nv.vendor:
-        return replace(nv, cpus=cpus)
+        return replace(nv, **host)
     am = amd.detect(env.visibility, env.path, root=env.hw_root)
-    return replace(am, cpus=cpus, notes=nv.notes + am.notes, warnings=nv.warnings + am.warnings)
+    return replace(am, **host, notes=nv.notes + am.notes, warnings=nv.warnings + am.warnings)
 
 
 def torch_build() -> TorchBuild:

@@ -11,6 +11,7 @@ mapping, never from ``os.environ``. Malformed values raise
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -97,14 +98,46 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
     raise _error(name, f"got {value!r}; expected 1 or 0")
 
 
+# One entry of a visibility list: an index (-1 hides all), or a device UUID (prefix).
+_VISIBLE_ENTRY = re.compile(r"-?\d+|GPU-[0-9A-Fa-f-]+|MIG-[0-9A-Za-z/-]+")
+
+
+def _visibility_list(env: Mapping[str, str], name: str) -> str | None:
+    """The variable as set, after checking that each entry can name a device (the
+    runtimes silently treat anything else as the end of the list: no GPU, no error)."""
+    value = env.get(name)
+    if value is None or not value.strip():
+        return value
+    for entry in (e.strip() for e in value.split(",")):
+        if not _VISIBLE_ENTRY.fullmatch(entry):
+            raise _error(name, f"entry {entry[:40]!r} of {value[:80]!r} is not a device index "
+                               "or GPU-/MIG- UUID; use e.g. 0,1 or GPU-<uuid> (doctor lists "
+                               "the GPUs)")
+    return value
+
+
+def _positive(env: Mapping[str, str], name: str) -> None:
+    value = text(env, name)
+    if value is not None and (not value.isdigit() or int(value) < 1):
+        raise _error(name, f"got {value!r}; expected a positive integer")
+
+
+def _port(env: Mapping[str, str], name: str) -> None:
+    value = text(env, name)
+    if value is not None and (not value.isdigit() or not 0 < int(value) < 65536):
+        raise _error(name, f"got {value!r}; expected a port 1..65535")
+
+
 def read(env: Mapping[str, str] | None = None) -> Environ:
     """Read the environment once. ``env`` defaults to ``os.environ``."""
     env = dict(os.environ if env is None else env)
+    _positive(env, "OMP_NUM_THREADS")
+    _port(env, "MASTER_PORT")
     visibility = Visibility(
-        cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+        cuda_visible_devices=_visibility_list(env, "CUDA_VISIBLE_DEVICES"),
         nvidia_visible_devices=env.get("NVIDIA_VISIBLE_DEVICES"),
-        rocr_visible_devices=env.get("ROCR_VISIBLE_DEVICES"),
-        hip_visible_devices=env.get("HIP_VISIBLE_DEVICES"),
+        rocr_visible_devices=_visibility_list(env, "ROCR_VISIBLE_DEVICES"),
+        hip_visible_devices=_visibility_list(env, "HIP_VISIBLE_DEVICES"),
         hsa_override_gfx_version=text(env, "HSA_OVERRIDE_GFX_VERSION"),
         cuda_device_order=text(env, "CUDA_DEVICE_ORDER"))
     return Environ(

@@ -34,6 +34,7 @@ class Hardware:
     notes: tuple[str, ...] = ()      # informational (why NVML is absent, ...)
     warnings: tuple[str, ...] = ()   # likely problems (conflicting visibility variables, ...)
     cpus: int = 1
+    memory_available: int | None = None  # bytes of host memory still free (cgroup-aware)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,7 +9,8 @@ anywhere raises ConfigError (exit 2); valid input this machine or image cannot r
 raises CannotRunHere (exit 3).
 
 One process on one node runs the worker directly (the launcher supervises and
-restarts it, like torchrun would); anything else runs torchrun.
+restarts it, like torchrun would); anything else runs torchrun (through
+:mod:`launcher.torchrun`, which only quiets its traceback on a signal).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from launcher.hardware import Hardware, TorchBuild
 from launcher.variables import WorkerVariables, direct_worker_identity
 from train.comm_env import worker_defaults
 from train.config import AUTO, Config, batch_split
+from train.config.checks import check_batch_memory
 from train.errors import CannotRunHere, ConfigError
-from train.placement import (backend_problem, gpu_only_settings, one_process_problem,
+from train.placement import (backend_problem, check_gpu_only, one_process_problem,
                              resolve_backend, runs_one_process)
 
 WORKER_MODULE = "launcher.worker"
@@ -44,6 +46,7 @@ class Plan:
     world_sizes: tuple[int, ...]
     max_restarts: int
     convention: str
+    job: str | None = None           # shared by every node of the job (the run lock's id)
     rdzv_host: str | None = None
     log_dir: str | None = None
     notes: tuple[str, ...] = ()
@@ -71,17 +74,6 @@ def resolve_device(cfg: Config, hw: Hardware, tb: TorchBuild, hsa_override: str 
                             "(NVIDIA) or --device /dev/kfd --device /dev/dri (AMD), or set "
                             "device=cpu")
     return "cpu"
-
-
-def check_gpu_only_settings(cfg: Config, device: str, source: str) -> None:
-    """A GPU-only setting on the CPU: bad input (2) when the config itself says
-    device=cpu, otherwise valid input this machine cannot run (3)."""
-    if device != "cpu":
-        return
-    for setting in gpu_only_settings(cfg):
-        if cfg.device == "cpu":
-            raise ConfigError(source, setting.key, setting.contradiction)
-        raise CannotRunHere(setting.unavailable)
 
 
 def check_backend_built(backend: str, tb: TorchBuild) -> None:
@@ -132,11 +124,12 @@ def world_sizes(cfg: Config, nodes: Nodes, nproc: int) -> tuple[int, ...]:
 
 
 def check_batch_splits(cfg: Config, sizes: tuple[int, ...], nodes: Nodes, nproc: int,
-                       source: str) -> None:
-    """The global batch must split for every world size the node range allows."""
+                       source: str, memory_per_rank: int | None) -> None:
+    """The global batch must split, and fit, for every world size the node range allows."""
     for size in sizes:
         try:
             batch_split(cfg, size, source)
+            check_batch_memory(cfg, size, source, memory_per_rank)
         except ConfigError as exc:
             if nodes.max == nodes.min:
                 raise
@@ -161,7 +154,8 @@ def worker_variables(cfg: Config, hw: Hardware, device: str, backend: str, nproc
         deterministic=cfg.deterministic, run_dir=cfg.run_dir,
         debug=environ.debug or cfg.distributed.debug,
         socket_ifname=environ.socket_ifname or cfg.distributed.socket_ifname))
-    v.defaults(nodes.env)
+    if not direct:  # the convention's torchrun settings
+        v.defaults(nodes.env)
     if direct:
         for name, value in direct_worker_identity(master_port, max_restarts).items():
             v.force(name, value)
@@ -174,14 +168,15 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     source = str(config_path)
     notes: list[str] = []
     device = resolve_device(cfg, hw, tb, environ.visibility.hsa_override_gfx_version, notes)
-    check_gpu_only_settings(cfg, device, source)
+    check_gpu_only(cfg, device == "gpu", source)
     backend = resolve_backend(cfg.distributed.backend, device == "gpu")
     check_backend_built(backend, tb)
     nodes = conventions.resolve(environ)
     notes.extend(nodes.notes)
     nproc = resolve_nproc(cfg, hw, device, nodes, source, notes)
     sizes = world_sizes(cfg, nodes, nproc)
-    check_batch_splits(cfg, sizes, nodes, nproc, source)
+    check_batch_splits(cfg, sizes, nodes, nproc, source,
+                       hw.memory_available // nproc if hw.memory_available else None)
     max_restarts = cfg.distributed.max_restarts if nodes.max_restarts is None \
         else nodes.max_restarts
     direct = nodes.convention == "single" and nproc == 1
@@ -194,7 +189,7 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
         argv = [python, "-m", *worker]
     else:
         log_dir = str(cfg.run_dir / "logs")
-        argv = [python, "-m", "torch.distributed.run", *nodes.args, "--nproc-per-node",
+        argv = [python, "-m", "launcher.torchrun", *nodes.args, "--nproc-per-node",
                 str(nproc), "--max-restarts", str(max_restarts), "--log-dir", log_dir,
                 "--tee", "3", "-m", *worker]
     warnings = list(hw.warnings) + [f"kept {k}" for k in variables.kept]
@@ -203,5 +198,6 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     return Plan(mode="direct" if direct else "torchrun", argv=tuple(argv), env=variables.values,
                 device=device, backend=backend, nproc_per_node=nproc,
                 nnodes=(nodes.min, nodes.max), world_sizes=sizes, max_restarts=max_restarts,
-                convention=nodes.convention, rdzv_host=nodes.host, log_dir=log_dir,
+                convention=nodes.convention, job=nodes.job, rdzv_host=nodes.host,
+                log_dir=log_dir,
                 notes=tuple(notes), warnings=tuple(warnings))

@@ -60,8 +60,16 @@ class _AllowList(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing {module}.{name}")
 
 
+def printable(text: str, limit: int = 80) -> str:
+    """Text from the network as one log-safe line: control characters (newlines, ANSI
+    escapes) shown as escapes, so a node's name cannot forge or garble log lines."""
+    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                  for c in str(text))
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
 def _node(desc: object) -> str:
-    return f"{getattr(desc, 'addr', '?')}:{getattr(desc, 'pid', '?')}"
+    return printable(f"{getattr(desc, 'addr', '?')}:{getattr(desc, 'pid', '?')}")
 
 
 def describe(raw: bytes) -> str | None:
@@ -98,7 +106,7 @@ def watch(store, seen: dict[str, str | None], log: Callable[[str], None]) -> Non
         except Exception:
             continue
         if summary is not None and seen.get(key) != summary:
-            log(f"run {key[len(PREFIX):]!r}: {summary}")
+            log(f"run {printable(key[len(PREFIX):])!r}: {summary}")
         seen[key] = summary
 
 

@@ -4,7 +4,8 @@ torchrun exits 1 with a traceback both when a worker fails and when it is stoppe
 by SIGTERM, so its own code cannot be passed through. The launcher instead:
 
 - starts the child (torchrun, or the worker itself for one process) in its own
-  session, so a terminal's Ctrl-C reaches it once, through us;
+  session, so a terminal's Ctrl-C reaches it once, through us, and with a
+  parent-death signal, so it never outlives us (kill -9 of the launcher included);
 - forwards SIGTERM/SIGINT to it at once (torchrun forwards to the workers, which
   checkpoint and exit 143);
 - reads each local worker's report (``launcher.worker``) and decides:
@@ -16,6 +17,7 @@ would.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -28,8 +30,9 @@ from pathlib import Path
 from launcher import reports
 from launcher.plan import Plan
 from launcher.reports import Report
-from train.errors import (EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_OK, EXIT_STOPPED_BY_SIGNAL,
-                          EXIT_TRAINING_FAILED)
+from train.errors import (EXIT_OK, EXIT_STOPPED_BY_SIGNAL, EXIT_TRAINING_FAILED,
+                          FINAL_EXIT_CODES)
+from train.host import die_with_parent
 from train.worker_env import STATUS_DIR_VAR
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
@@ -81,8 +84,12 @@ def classify(rc: int, found: list[Report], signals: list[int], expected: int,
     failed.sort(key=lambda r: (r.time, r.rank))
     if failed:
         r = failed[0]
-        code = r.exit_code if r.exit_code in (EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE) \
-            else EXIT_TRAINING_FAILED
+        if r.exit_code in FINAL_EXIT_CODES:  # the worker's own one-line message says it all
+            if mode == "direct":
+                return Outcome(r.exit_code)  # already the last line of its output
+            return Outcome(r.exit_code, r.error or f"error: rank {r.rank} exited "
+                                                   f"{r.exit_code}; see its output above")
+        code = EXIT_TRAINING_FAILED
         where = f"its log {r.log_dir}/stderr.log" if r.log_dir else "its output above"
         what = r.error or f"exit code {r.exit_code}"
         more = f" ({len(failed) - 1} more rank(s) failed)" if len(failed) > 1 else ""
@@ -115,8 +122,18 @@ def classify(rc: int, found: list[Report], signals: list[int], expected: int,
                    "log above")
 
 
-def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None]) -> int:
-    """Start the plan's command, forward signals, restart (direct mode), map the result."""
+def _child_setup(launcher_pid: int) -> Callable[[], None]:
+    """Runs in the child between fork and exec: it gets SIGTERM when the launcher dies,
+    even by kill -9, and then checkpoints and stops like on any SIGTERM (torchrun passes
+    it on to the workers), instead of training on unsupervised."""
+    return lambda: die_with_parent(signal.SIGTERM, parent=launcher_pid)
+
+
+def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
+        keep_fds: tuple[int, ...] = ()) -> int:
+    """Start the plan's command, forward signals, restart (direct mode), map the result.
+    keep_fds: descriptors the child inherits (the run-directory lock, so that it is held
+    as long as any process of the run lives)."""
     folder = Path(tempfile.mkdtemp(prefix="train-launcher-"))
     env = {**base_env, **plan.env, STATUS_DIR_VAR: str(folder)}
     log(f"set {STATUS_DIR_VAR}={folder} (where workers report how they ended)")
@@ -131,7 +148,8 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None]) -> 
             if plan.mode == "direct":
                 env["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
                 log(f"set TORCHELASTIC_RESTART_COUNT={attempt}")
-            proc = subprocess.Popen(list(plan.argv), env=env, start_new_session=True)
+            proc = subprocess.Popen(list(plan.argv), env=env, start_new_session=True,
+                                    pass_fds=keep_fds, preexec_fn=_child_setup(os.getpid()))
             forwarder.attach(proc)
             rc = proc.wait()
             forwarder.proc = None

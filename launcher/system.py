@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from launcher.hardware import Finding
+from train.host import OUTPUT_DIR_FIX, output_dir_problem
 
 GIB = 1024 ** 3
 SHM_MIN_BYTES = GIB
@@ -41,35 +41,12 @@ def check_shm(path: str = "/dev/shm") -> Finding:
     return Finding("ok", "shm", text)
 
 
-def _nearest_existing(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def check_output_dir(path: str | Path, create: bool) -> Finding:
     """Writable? With create=False nothing is written (doctor, --dry-run)."""
-    target = Path(path)
-    fix = ("mount a writable volume there (docker run -v $PWD/runs:/workspace/runs), check "
-           "its owner against the container user, or set output.dir")
-    if not create:
-        base = _nearest_existing(target)
-        ok = base.is_dir() and os.access(base, os.W_OK | os.X_OK)
-        if ok:
-            return Finding("ok", "output", f"output.dir {target} is writable"
-                           + ("" if base == target.absolute() else f" (will be created in {base})"))
-        return Finding("fail", "output", f"output.dir {target} is not writable ({base} "
-                       f"{'is not a directory' if not base.is_dir() else 'denies writing'})",
-                       fix, 3)
-    try:
-        target.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=target, prefix=".write-test-"):
-            pass
-    except OSError as exc:
-        return Finding("fail", "output", f"output.dir {target} is not writable: "
-                       f"{exc.strerror or exc}", fix, 3)
-    return Finding("ok", "output", f"output.dir {target} is writable")
+    problem = output_dir_problem(path, create)
+    if problem:
+        return Finding("fail", "output", problem, OUTPUT_DIR_FIX, 3)
+    return Finding("ok", "output", f"output.dir {path} is writable")
 
 
 def interfaces() -> list[dict[str, str | None]]:

@@ -9,24 +9,12 @@ codes and name the failing rank in one line.
 
 from __future__ import annotations
 
-import logging
+import signal
 import sys
 
 from launcher import reports
+from train.host import die_with_parent
 from train.worker_env import WorkerEnv
-
-
-class _LastError(logging.Handler):
-    """Remembers the last exception the worker logged (it logs, then returns 1)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.error: str | None = None
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.exc_info and record.exc_info[1] is not None:
-            exc = record.exc_info[1]
-            self.error = f"{type(exc).__name__}: {exc}"
 
 
 def write_status(code: int, error: str | None, env: WorkerEnv | None = None) -> None:
@@ -37,12 +25,13 @@ def write_status(code: int, error: str | None, env: WorkerEnv | None = None) -> 
 
 
 def main(argv: list[str]) -> int:
-    catcher = _LastError()
-    logging.getLogger("train").addHandler(catcher)
+    # torchrun killed (or the launcher, in direct mode): stop like on SIGTERM, with a
+    # checkpoint, instead of training on with no one to report to.
+    die_with_parent(signal.SIGTERM)
     code, error = 1, None
     try:
-        from train.__main__ import main as train_main
-        code = int(train_main(argv) or 0)
+        from train.__main__ import run
+        code, error = run(argv)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         raise
@@ -50,7 +39,7 @@ def main(argv: list[str]) -> int:
         code, error = 1, f"{type(exc).__name__}: {exc}"
         raise
     finally:
-        write_status(code, error or (catcher.error if code else None))
+        write_status(code, error)
     return code
 
 

@@ -81,7 +81,7 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(reference, tmp_path
     shutil.copytree(ref_dir, run_dir)
     newest = run_dir / "checkpoints" / f"step-{STEPS}" / "state.pt"
     newest.write_bytes(newest.read_bytes()[:1000])  # torn by a crash or a full disk
-    found = Checkpointer(run_dir, rank=0, keep_last=3).load_newest(rank=0)
+    found = Checkpointer(run_dir, rank=0, keep_last=3).newest_loadable(rank=0)
     assert found is not None and found[0].name == f"step-{STEPS - 5}"
     assert found[1]["step"] == STEPS - 5
     assert "unusable" in caplog.text
@@ -92,7 +92,7 @@ def test_latest_naming_a_missing_directory_still_loads(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(ref_dir, run_dir)
     (run_dir / "checkpoints" / "latest").write_text("step-999\n")
-    found = Checkpointer(run_dir, rank=0, keep_last=3).load_newest(rank=0)
+    found = Checkpointer(run_dir, rank=0, keep_last=3).newest_loadable(rank=0)
     assert found[0].name == f"step-{STEPS}"
 
 
@@ -124,7 +124,7 @@ def test_killed_mid_write_still_loads(tmp_path):
         proc.kill()
         proc.wait()
         proc.stdout.close()
-        found = Checkpointer(tmp_path / "run", rank=0, keep_last=2).load_newest(rank=0)
+        found = Checkpointer(tmp_path / "run", rank=0, keep_last=2).newest_loadable(rank=0)
         assert found is not None, f"attempt {attempt}: nothing loadable"
         path, shared, _ = found
         step = shared["step"]
@@ -244,7 +244,7 @@ def _saver(run_dir: Path, keep_last: int) -> Checkpointer:
     return Checkpointer(run_dir, rank=0, keep_last=keep_last)
 
 
-def test_prune_keeps_latest_and_drops_an_abandoned_trajectory(tmp_path):
+def test_prune_keeps_latest_and_moves_an_abandoned_trajectory_aside(tmp_path):
     ck = _saver(tmp_path, keep_last=10)
     for step in (5, 10, 15, 20):
         ck.save(step, {"step": step}, {})
@@ -252,14 +252,17 @@ def test_prune_keeps_latest_and_drops_an_abandoned_trajectory(tmp_path):
     _saver(tmp_path, keep_last=1).save(13, {"step": 13}, {})
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["latest", "step-13"], "15 and 20 belong to the abandoned trajectory"
-    assert _saver(tmp_path, 1).load_newest(0)[1]["step"] == 13
+    aside = list(tmp_path.glob("checkpoints.abandoned-*"))
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["step-15", "step-20"]
+    assert Checkpointer.verify(aside[0] / "step-20") is None  # moved whole, never deleted
+    assert _saver(tmp_path, 1).newest_loadable(0)[1]["step"] == 13
 
 
 def test_saving_a_step_again_replaces_it_whole(tmp_path):
     ck = _saver(tmp_path, keep_last=1)
     ck.save(5, {"step": 5, "v": 1}, {})
     ck.save(5, {"step": 5, "v": 2}, {})
-    assert ck.load_newest(0)[1]["v"] == 2
+    assert ck.newest_loadable(0)[1]["v"] == 2
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-5"]
 
 

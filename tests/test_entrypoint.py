@@ -70,7 +70,7 @@ def test_dry_run_prints_a_runnable_plan(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[1].startswith("# mode=torchrun device=cpu backend=gloo nproc_per_node=2")
     argv = shlex.split(lines[-1])
-    assert "OMP_NUM_THREADS=" in out.stdout and argv[1:3] == ["-m", "torch.distributed.run"]
+    assert "OMP_NUM_THREADS=" in out.stdout and argv[1:3] == ["-m", "launcher.torchrun"]
     assert argv[-4:] == [QUICKSTART, "distributed.nproc_per_node=2", "device=cpu",
                          "distributed.backend=gloo"]
     assert argv[argv.index("-m", 3) + 1] == "launcher.worker"
@@ -267,7 +267,7 @@ def test_train_two_ranks_through_torchrun(tmp_path):
     out = entry("train", QUICKSTART, "distributed.nproc_per_node=2", "train.max_steps=20",
                 *SMALL, cwd=tmp_path, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "-m torch.distributed.run --standalone" in out.stderr
+    assert "-m launcher.torchrun --standalone" in out.stderr
     assert "world size 2" in out.stdout + out.stderr
     run = tmp_path / "runs" / "quickstart"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -294,6 +294,7 @@ def test_sigterm_during_training_checkpoints_and_exits_143(tmp_path):
             proc.kill()
     assert proc.returncode == 143, out[-3000:]
     assert "stopped by SIGTERM; rerun the same command" in out
+    assert "Traceback" not in out and "SignalException" not in out
     latest = tmp_path / "runs" / "quickstart" / "checkpoints" / "latest"
     assert latest.read_text().startswith("step-")
 

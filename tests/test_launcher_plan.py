@@ -65,7 +65,7 @@ NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZ
 
 
 def torchrun(*rdzv: str, nproc: int, restarts: int = 3) -> list[str]:
-    return [PY, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", str(nproc),
+    return [PY, "-m", "launcher.torchrun", *rdzv, "--nproc-per-node", str(nproc),
             "--max-restarts", str(restarts), "--log-dir", "/runs/job/logs", "--tee", "3",
             "-m", "launcher.worker"]
 
@@ -91,7 +91,8 @@ def test_two_cpu_processes_use_standalone_torchrun(cfg_file):
     p = make(path, ["distributed.nproc_per_node=2"])
     assert list(p.argv) == torchrun("--standalone", "--nnodes", "1", nproc=2) + [
         path, "distributed.nproc_per_node=2", "device=cpu", "distributed.backend=gloo"]
-    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "4"}
+    # Restarts after a lost worker need the unshared rendezvous store (a new round).
+    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "4", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def test_single_node_gpus_one_process_each_with_nccl(cfg_file):
@@ -101,7 +102,8 @@ def test_single_node_gpus_one_process_each_with_nccl(cfg_file):
     assert list(p.argv) == torchrun("--standalone", "--nnodes", "1", nproc=4) + [
         path, "deterministic=true", "device=gpu", "distributed.backend=nccl"]
     assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "8", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-                     "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **NCCL_ENV}
+                     "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **NCCL_ENV,
+                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def test_rocm_gpus_use_nccl_which_is_rccl(cfg_file):

@@ -85,6 +85,13 @@ def test_rendezvous_state_summary():
         "closed (a new job needs a new run id)")
 
 
+def test_node_names_cannot_forge_log_lines():
+    raw = _state({("evil\nentrypoint: forged line\x1b[31m", 7): 0})
+    summary = rendezvous.describe(raw)
+    assert "\n" not in summary and "\x1b" not in summary
+    assert "evil\\nentrypoint: forged line\\x1b[31m:7" in summary
+
+
 class Evil:
     def __reduce__(self):
         return (os.system, ("touch /tmp/pwned-by-rendezvous",))

@@ -25,26 +25,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def run(argv: list[str]) -> tuple[int, str | None]:
+    """(exit code, the one-line error printed, if any). launcher.worker reports both."""
+    args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
             sys.stdout.write(to_yaml(cfg))
-            return 0
+            return 0, None
         check_resume_compatible(cfg, args.config)
         from train.trainer import train  # torch is imported only when training
-        return train(cfg, args.config)
+        return train(cfg, args.config), None
     except UserError as exc:
         print(exc.one_line(), file=sys.stderr)
-        return exc.exit_code
+        return exc.exit_code, exc.one_line()
     except Exception as exc:  # one line here; the traceback goes to this rank's log
         import logging
         logging.getLogger("train").exception("training failed")
         record_for_torchrun(exc)
         message = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, always
         print(f"error: rank {WorkerEnv.from_environ().rank}: {message}", file=sys.stderr)
-        return EXIT_TRAINING_FAILED
+        return EXIT_TRAINING_FAILED, f"{type(exc).__name__}: {exc}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(sys.argv[1:] if argv is None else argv)[0]
 
 
 def record_for_torchrun(exc: BaseException) -> None:

@@ -13,6 +13,7 @@ state holds is :mod:`train.state`'s business.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -23,9 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-from torch.utils._pytree import tree_map
-
+from train.files import describe_load_error as load_error
 from train.files import fsync_dir, fsync_file, sha256_file, write_atomic
 
 log = logging.getLogger("train")
@@ -39,13 +38,44 @@ def _step_of(path: Path) -> int:
     return int(path.name.split("-")[1])
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, quota); the previous one is intact."""
+
+
 def save_file(obj: Any, path: Path) -> None:
-    torch.save(obj, path)
-    fsync_file(path)
+    import torch
+    try:
+        torch.save(obj, path)
+        fsync_file(path)
+    except (OSError, RuntimeError) as exc:
+        raise write_error(exc, path) from exc
+
+
+def write_error(exc: BaseException, path: Path) -> CheckpointWriteError:
+    """Say what went wrong in words: torch reports a full disk as "[enforce fail at
+    inline_container.cc] unexpected pos" or "file write failed"."""
+    folder = path.parent.parent  # checkpoints/
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    left = f" ({free / 2**20:.0f} MiB free)" if free is not None else ""
+    short_write = any(s in str(exc) for s in ("unexpected pos", "file write failed"))
+    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or \
+            (free is not None and free < 64 << 20):
+        what = f"no space left on {folder}{left}"
+    elif short_write:  # torch's words for a write the file system cut short
+        what = f"the write was cut short: is the disk holding {folder} full{left}?"
+    else:
+        what = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    return CheckpointWriteError(f"cannot write checkpoint file {path.parent.name}/{path.name}: "
+                                f"{what}; the previous checkpoint is intact")
 
 
 def snapshot(state: Any) -> Any:
     """A CPU copy that training can no longer mutate (for writing in the background)."""
+    import torch
+    from torch.utils._pytree import tree_map
     return tree_map(lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor)
                     else t, state)
 
@@ -144,36 +174,65 @@ class Checkpointer:
         a later resume can never pick up a checkpoint of the previous attempt."""
         if not self.dir.is_dir() or not any(self.dir.iterdir()):
             return None
-        stamp = time.strftime("%Y%m%dT%H%M%S")
-        target = self.dir.with_name(f"checkpoints.replaced-{stamp}")
-        n = 1
-        while target.exists():
-            n += 1
-            target = self.dir.with_name(f"checkpoints.replaced-{stamp}-{n}")
+        target = self._aside("replaced")
         os.replace(self.dir, target)
         return target
 
-    def latest_step(self) -> int | None:
+    def latest_name(self) -> str | None:
+        """The step directory `latest` names; None when it is missing or unreadable
+        (garbage in it is ignored with a warning: the newest verified checkpoint wins)."""
         try:
-            match = _STEP_DIR.match((self.dir / "latest").read_text().strip())
+            text = (self.dir / "latest").read_bytes()[:256].decode("utf-8", "replace").strip()
         except OSError:
             return None
-        return int(match.group(1)) if match else None
+        if _STEP_DIR.match(text):
+            return text
+        log.warning("%s is unreadable (%r); ignoring it and using the newest checkpoint that "
+                    "verifies", self.dir / "latest", text[:40])
+        return None
+
+    def latest_step(self) -> int | None:
+        name = self.latest_name()
+        return _step_of(Path(name)) if name else None
 
     def _prune(self) -> None:
-        """Keep the newest keep_last checkpoints up to `latest` (always including it);
-        step directories newer than `latest` belong to an abandoned trajectory (a resume
-        from an older checkpoint) and go."""
+        """Keep the newest keep_last checkpoints up to `latest` (always including it).
+        Step directories newer than `latest` belong to an abandoned trajectory (a resume
+        from an older checkpoint, or past one that did not verify): they are moved aside
+        to checkpoints.abandoned-<time>/, never deleted, and never resumed by accident."""
         newest = self.latest_step()
-        steps = sorted(self._step_dirs(), key=_step_of, reverse=True)
         if newest is not None:
-            for abandoned in [p for p in steps if _step_of(p) > newest]:
-                shutil.rmtree(abandoned, ignore_errors=True)
-            steps = [p for p in steps if _step_of(p) <= newest]
+            self.set_aside_newer_than(newest)
+        steps = sorted(self._step_dirs(), key=_step_of, reverse=True)
         for old in steps[self.keep_last:]:
             shutil.rmtree(old, ignore_errors=True)
         for stale in [*self.dir.glob("step-*.partial"), *self.dir.glob("step-*.replaced")]:
             shutil.rmtree(stale, ignore_errors=True)
+
+    def set_aside_newer_than(self, step: int) -> Path | None:
+        """Resuming from ``step`` while newer checkpoints exist (an explicit resume_from, or
+        newer ones that did not verify): move those to checkpoints.abandoned-<time>/, whole,
+        so that nothing is deleted or overwritten and no later resume picks them up."""
+        newer = sorted((p for p in self._step_dirs() if _step_of(p) > step), key=_step_of)
+        if not newer:
+            return None
+        target = self._aside("abandoned")
+        target.mkdir(parents=True)
+        for path in newer:
+            os.replace(path, target / path.name)
+        log.warning("moved %s (newer than step-%d, which this run continues from) to %s",
+                    ", ".join(p.name for p in newer), step, target)
+        return target
+
+    def _aside(self, why: str) -> Path:
+        """A new folder name beside checkpoints/ for directories moved out of the way."""
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        target = self.dir.with_name(f"checkpoints.{why}-{stamp}")
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.dir.with_name(f"checkpoints.{why}-{stamp}-{n}")
+        return target
 
     # --------------------------------------------------------------- loading
     def _step_dirs(self) -> list[Path]:
@@ -184,47 +243,80 @@ class Checkpointer:
     def candidates(self) -> list[Path]:
         """Newest first: the one `latest` names, then every step-N by step."""
         ordered = sorted(self._step_dirs(), key=_step_of, reverse=True)
-        try:
-            named = self.dir / (self.dir / "latest").read_text().strip()
-            if named in ordered:
-                ordered.remove(named)
-                ordered.insert(0, named)
-        except OSError:
-            pass
+        named = self.latest_name()
+        if named and self.dir / named in ordered:
+            ordered.remove(self.dir / named)
+            ordered.insert(0, self.dir / named)
         return ordered
 
     @staticmethod
-    def verify(path: Path) -> str | None:
-        """None when every file matches checksums.json, else what is wrong."""
+    def quick_check(path: Path) -> str | None:
+        """What a look at the files (no hashing) finds wrong, or None."""
         try:
             sums = json.loads((path / CHECKSUMS).read_text())
         except (OSError, ValueError):
             return "missing or unreadable checksums.json"
-        if STATE_FILE not in sums:
-            return f"no {STATE_FILE}"
+        if not isinstance(sums, dict) or STATE_FILE not in sums:
+            return f"checksums.json does not list {STATE_FILE}"
+        missing = [name for name in sums if not (path / name).is_file()]
+        return f"{', '.join(missing)} missing" if missing else None
+
+    @staticmethod
+    def verify(path: Path) -> str | None:
+        """None when every file matches checksums.json, else what is wrong."""
+        problem = Checkpointer.quick_check(path)
+        if problem:
+            return problem
+        sums = json.loads((path / CHECKSUMS).read_text())
         for name, digest in sums.items():
-            file = path / name
-            if not file.is_file() or sha256_file(file) != digest:
-                return f"{name} is missing or does not match its checksum"
+            if sha256_file(path / name) != digest:
+                return f"{name} does not match its checksum"
         return None
 
     @staticmethod
     def load(path: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        import torch
         shared = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
         own = path / f"rank-{rank}.pt"
         mine = torch.load(own, map_location="cpu", weights_only=True) if own.exists() else None
         return shared, mine
 
-    def newest_valid(self) -> Path | None:
-        """The newest checkpoint whose files match their checksums (warning on others)."""
-        for path in self.candidates():
+    def usable_problem(self) -> str | None:
+        """The parent's cheap check before a resume: checkpoints exist, but none of them
+        even has its files. None when there are none, or one looks whole."""
+        found = self.candidates()
+        problems = [(p.name, self.quick_check(p)) for p in found]
+        if not found or any(problem is None for _, problem in problems):
+            return None
+        return none_usable(self.dir, problems)
+
+    def newest_loadable(self, rank: int = 0) -> tuple[Path, dict, dict | None] | None:
+        """The newest checkpoint that verifies and loads, loaded; a warning for each one
+        passed over. None when there are no checkpoints; CheckpointsUnusable when there
+        are some but none verifies and loads (never a silent start from step 0)."""
+        found, problems = self.candidates(), []
+        for path in found:
             problem = self.verify(path)
             if problem is None:
-                return path
+                try:
+                    return (path, *self.load(path, rank))
+                except Exception as exc:  # verified bytes that torch cannot read back
+                    problem = f"cannot be loaded: {load_error(exc)}"
             log.warning("checkpoint %s is unusable (%s); trying the previous one", path, problem)
+            problems.append((path.name, problem))
+        if found:
+            raise CheckpointsUnusable(none_usable(self.dir, problems))
         return None
 
-    def load_newest(self, rank: int) -> tuple[Path, dict, dict | None] | None:
-        """Single-process convenience (export, tools): newest valid checkpoint, loaded."""
-        path = self.newest_valid()
-        return None if path is None else (path, *self.load(path, rank))
+
+class CheckpointsUnusable(Exception):
+    """Checkpoints exist and none of them can be resumed."""
+
+
+def none_usable(folder: Path, problems: list[tuple[str, str]]) -> str:
+    listed = "; ".join(f"{name}: {problem}" for name, problem in problems[:4])
+    more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
+    return (f"{folder}: {len(problems)} checkpoint(s) and none is usable ({listed}{more}); "
+            "nothing was changed. To start this run over, set checkpoint.resume_from=none "
+            "(they are moved to checkpoints.replaced-<time>/, not deleted); to resume one, "
+            "restore its files")

@@ -21,6 +21,9 @@ from train import runtime
 from train.autobatch import largest_fitting, probe_on_gpu
 from train.checkpoint import Checkpointer
 from train.config import AUTO, Config, batch_split
+from train.config.checks import check_batch_memory
+from train.errors import CannotRunHere
+from train.host import OUTPUT_DIR_FIX, available_memory, output_dir_problem
 from train.data import DataBundle, GlobalOrder, RankBatchSampler, build_data, make_loader
 from train.models import build_model
 from train.optim import build_optimizer, build_scheduler
@@ -61,11 +64,31 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
-def build(cfg: Config, env: WorkerEnv, source: str) -> Components:
-    micro, accum = batch_split(cfg, env.world_size, source)  # fails before joining the group
+@dataclass(frozen=True)
+class Placement:
+    """What the pre-flight checks decided: where this rank runs and how it batches."""
+    device: torch.device
+    backend: str
+    micro: int
+    accum: int
+
+
+def preflight(cfg: Config, env: WorkerEnv, source: str) -> Placement:
+    """The launcher's checks again (a bare worker has no launcher), before anything is
+    written or any process group joined: exit 2 or 3 with one line, nothing changed."""
+    problem = output_dir_problem(cfg.output.dir, create=True)
+    if problem:
+        raise CannotRunHere(f"{problem}; {OUTPUT_DIR_FIX}")
+    micro, accum = batch_split(cfg, env.world_size, source)
+    check_batch_memory(cfg, env.world_size, source,
+                       (available_memory() or 0) // env.local_world_size or None)
     device = runtime.resolve_device(cfg, env)
-    check_placement(cfg, env, device)
-    backend = runtime.resolve_backend(cfg, device)
+    check_placement(cfg, env, device, source)
+    return Placement(device, runtime.resolve_backend(cfg, device), micro, accum)
+
+
+def build(cfg: Config, env: WorkerEnv, source: str, placed: Placement) -> Components:
+    device, backend, micro, accum = placed.device, placed.backend, placed.micro, placed.accum
     runtime.apply_comm_env(cfg, env, device, backend)
     runtime.init_distributed(env, backend, device, cfg.distributed.timeout_s,
                              single_process_group=cfg.distributed.strategy == "fsdp")

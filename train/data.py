@@ -20,13 +20,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from train.config import Config, DataConfig
+from train.datafiles import check_labels, load_npy, load_pt, text_files
 from train.errors import ConfigError
 from train.files import sha256_file
 
 # Hashing a multi-GB token file at every start would cost minutes; above this size the
 # manifest records a hash of the size plus sampled chunks and says so.
 FULL_HASH_LIMIT = 256 << 20
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
 class ArrayDataset(Dataset):
@@ -130,44 +130,26 @@ def _file_hash(path: Path) -> str:
     return "sampled:" + h.hexdigest()
 
 
-def _load_npy(path: Path) -> np.ndarray:
-    try:
-        array = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:  # corrupt, truncated, or object arrays
-        raise ConfigError(str(path), "data.path", f"not a readable numeric .npy: {exc}") from None
-    if array.dtype.kind not in "biuf":
-        raise ConfigError(str(path), "data.path", f"dtype {array.dtype} is not numeric")
-    return array
-
-
 def _tensors(cfg: DataConfig) -> DataBundle:
     path = Path(cfg.path)
     if path.suffix == ".pt":
-        try:
-            blob = torch.load(path, weights_only=True, map_location="cpu")
-        except Exception as exc:  # a corrupt or pickled-object file: bad input
-            raise ConfigError(str(path), "data.path", f"cannot load: {exc}") from None
-        if not isinstance(blob, dict) or not {"features", "labels"} <= set(blob):
-            raise ConfigError(str(path), "data.path", "a .pt file must hold a dict with "
-                                                      "tensors 'features' and 'labels'")
-        x, y = blob["features"], blob["labels"]
+        x, y = load_pt(path, mmap=False)
         digest = _file_hash(path)
+        where, key = str(path), "data.path"
     else:
-        x, y = (torch.from_numpy(_load_npy(Path(f))) for f in (path, cfg.labels_path))
+        x, y = (torch.from_numpy(np.array(load_npy(Path(f), k, mmap=False)))
+                for f, k in ((path, "data.path"), (cfg.labels_path, "data.labels_path")))
         digest = hashlib.sha256((_file_hash(path) + _file_hash(Path(cfg.labels_path)))
                                 .encode()).hexdigest()
-    if len(x) != len(y) or y.dim() != 1 or y.is_floating_point():
-        raise ConfigError(str(path), "data.path", f"need N features and N integer labels, got "
-                                                  f"{tuple(x.shape)} and {tuple(y.shape)}")
+        where, key = str(cfg.labels_path), "data.labels_path"
+    check_labels(tuple(x.shape), y.numpy(), where, key)
     return _array_bundle(x.float(), y.long(), cfg, digest, f"tensors {path.name} {tuple(x.shape)}")
 
 
 def read_text_corpus(root: Path, glob: str, max_bytes: int) -> bytes:
     """Files under root matching glob in sorted order, concatenated, cut at max_bytes."""
     parts, total = [], 0
-    files = sorted(p for p in root.glob(glob)
-                   if p.is_file() and not _SKIP_DIRS & set(p.relative_to(root).parts))
-    for p in files:
+    for p in text_files(root, glob):
         blob = p.read_bytes()
         if max_bytes:
             blob = blob[: max_bytes - total]

@@ -10,7 +10,10 @@ EXIT_OK = 0
 EXIT_TRAINING_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_CANNOT_RUN_HERE = 3
+EXIT_DIVERGED = 4
 EXIT_STOPPED_BY_SIGNAL = 143
+# Exit codes a retry cannot change: launchers and Kubernetes should not restart on them.
+FINAL_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_DIVERGED)
 
 
 class UserError(Exception):
@@ -37,3 +40,10 @@ class CannotRunHere(UserError):
     """Valid input that this machine or image cannot run: exit 3."""
 
     exit_code = EXIT_CANNOT_RUN_HERE
+
+
+class Diverged(UserError):
+    """Training produced a non-finite loss, gradient or weight: exit 4. Nothing non-finite
+    was saved; the message names the last good checkpoint and what to change."""
+
+    exit_code = EXIT_DIVERGED

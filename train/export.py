@@ -1,6 +1,6 @@
-"""``python -m train.export RUN_DIR [--out DIR]`` (``entrypoint.py export RUN_DIR``).
+"""``python -m train.export RUN_DIR [--out DIR] [--step N]`` (``entrypoint.py export RUN_DIR``).
 
-Writes the newest valid checkpoint's model as plain files usable without this trainer:
+Writes the newest valid checkpoint's (or step-N's) model as plain files usable without this trainer:
 ``model.pt`` (a flat state dict of tensors, loadable with ``torch.load(...,
 weights_only=True)``) and ``model.json`` (model config, input shape, number of classes
 or vocabulary, source checkpoint and step, SHA-256 of model.pt). Default output:
@@ -35,19 +35,45 @@ def check_output(run_dir: Path, out: Path) -> None:
                                                    f"(no model.json); it would be replaced")
 
 
-def export(run_dir: Path, out: Path) -> Path:
+def load_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, dict]:
+    """The newest checkpoint that verifies and loads, or step-N when asked for."""
+    from train.checkpoint import Checkpointer, CheckpointsUnusable
+    checkpointer = Checkpointer(run_dir, rank=0, keep_last=1)
+    if step is not None:
+        path = checkpointer.dir / f"step-{step}"
+        problem = Checkpointer.verify(path) if path.is_dir() else "no such checkpoint"
+        if problem:
+            raise ConfigError("command line", "--step", f"{path}: {problem}")
+        return path, Checkpointer.load(path, 0)[0]
+    try:
+        found = checkpointer.newest_loadable(rank=0)
+    except CheckpointsUnusable as exc:
+        raise ConfigError("command line", "RUN_DIR", str(exc)) from None
+    if found is None:
+        raise CannotRunHere(f"{run_dir}: no valid checkpoint under checkpoints/; train first")
+    return found[0], found[1]
+
+
+def non_finite(model: dict) -> list[str]:
+    """Names of the tensors holding NaN or infinity."""
+    import torch
+    return [k for k, v in model.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+
+
+def export(run_dir: Path, out: Path, step: int | None = None) -> Path:
     import torch
 
-    from train.checkpoint import Checkpointer
     from train.state import Restored
 
     if not run_dir.is_dir():
         raise ConfigError("command line", "RUN_DIR", f"{run_dir}: not a directory")
-    found = Checkpointer(run_dir, rank=0, keep_last=1).load_newest(rank=0)
-    if found is None:
-        raise CannotRunHere(f"{run_dir}: no valid checkpoint under checkpoints/; train first")
-    path, shared, _ = found
+    path, shared = load_checkpoint(run_dir, step)
     saved = Restored(shared)
+    bad = non_finite(saved.model)
+    if bad:  # a checkpoint of a diverged run (written before the divergence guard)
+        raise ConfigError("command line", "RUN_DIR", f"{path} holds non-finite weights "
+                                                     f"({', '.join(bad[:3])}); export an "
+                                                     "earlier checkpoint with --step N")
     check_output(run_dir, out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -69,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="export", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="a run directory (output.dir/run.name)")
     parser.add_argument("--out", type=Path, help="output directory (default RUN_DIR/export)")
+    parser.add_argument("--step", type=int, help="export checkpoints/step-N instead of the newest")
     args = parser.parse_args(argv)
     try:
-        out = export(args.run_dir, args.out or args.run_dir / "export")
+        out = export(args.run_dir, args.out or args.run_dir / "export", args.step)
     except UserError as exc:
         print(exc.one_line(), file=sys.stderr)
         return exc.exit_code

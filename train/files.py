@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -50,5 +51,31 @@ def write_atomic(path: Path, data: str | bytes, *, durable: bool = True) -> None
     os.replace(tmp, path)
 
 
+def json_text(data: Any, indent: int | None = None) -> str:
+    """Strict JSON: NaN and infinities (which JSON does not have) are written as null."""
+    return json.dumps(_finite(data), indent=indent, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def write_json_atomic(path: Path, data: Any, *, durable: bool = True) -> None:
-    write_atomic(path, json.dumps(data, indent=2) + "\n", durable=durable)
+    write_atomic(path, json_text(data, indent=2) + "\n", durable=durable)
+
+
+def describe_load_error(exc: BaseException) -> str:
+    """One line for a torch.load failure, without torch's advice to retry with
+    weights_only=False (which would run whatever code the file carries)."""
+    text = " ".join(str(exc).split())
+    if "WeightsUnpickler error:" in text:  # the reason, after torch's advice
+        text = text.split("WeightsUnpickler error:", 1)[1]
+        text = text.split("Please use `torch.serialization", 1)[0]
+    text = text.split("Re-running `torch.load`", 1)[0].split("(1) In PyTorch", 1)[0].strip()
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__

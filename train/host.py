@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
 # Written by scripts/build-manifest when the image is built; TRAIN_BUILD_MANIFEST
@@ -43,6 +44,76 @@ def cgroup_cpu_quota(cgroup: Path) -> float | None:
         return quota / period if quota > 0 and period > 0 else None
     except (OSError, ValueError):
         return None
+
+
+def available_memory(root: str | Path = "/") -> int | None:
+    """Bytes this process could still allocate: MemAvailable, capped by the cgroup's
+    memory limit minus its usage (v2, else v1). None when unknown."""
+    root = Path(root)
+    found = None
+    try:
+        for line in (root / "proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    cgroup = root / "sys/fs/cgroup"
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes",
+                                    "memory/memory.usage_in_bytes")):
+        try:
+            limit = (cgroup / limit_file).read_text().strip()
+            usage = int((cgroup / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # v1 reports "no limit" as ~2**63
+            left = max(0, int(limit) - usage)
+            found = left if found is None else min(found, left)
+        break
+    return found
+
+
+OUTPUT_DIR_FIX = ("mount a writable volume there (docker run -v $PWD/runs:/workspace/runs), "
+                  "check its owner against the container user, or set output.dir")
+
+
+def output_dir_problem(path: str | Path, create: bool) -> str | None:
+    """Why runs cannot be written under ``path``, or None. create=False writes nothing
+    (doctor, --dry-run): it looks at the nearest folder that exists."""
+    target = Path(path)
+    if not create:
+        base = target.absolute()
+        while not base.exists() and base != base.parent:
+            base = base.parent
+        if base.is_dir() and os.access(base, os.W_OK | os.X_OK):
+            return None
+        why = "is not a directory" if not base.is_dir() else "denies writing"
+        return f"output.dir {target} is not writable ({base} {why})"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=target, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        return f"output.dir {target} is not writable: {exc.strerror or exc}"
+    return None
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(signum: int, parent: int | None = None) -> None:
+    """Have the kernel send ``signum`` to this process when its parent dies, however it
+    dies (kill -9 included), so supervised processes never outlive their supervisor.
+    Linux only (prctl); elsewhere nothing happens. ``parent``: the pid that must still
+    be the parent (the race of a parent dying before this call ends the process)."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signum)
 
 
 def read_build_manifest(path: str | Path) -> dict | None:

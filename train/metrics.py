@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from train.config import Config, to_yaml
-from train.files import write_atomic
+from train.files import json_text, write_atomic
 
 
 def truncate_jsonl(path: Path, keep_through_step: int) -> None:
@@ -62,7 +62,7 @@ class MetricsLogger:
 
     def log(self, step: int, values: dict[str, float], *, step_time: float) -> None:
         row = {"step": step, **values, "step_time_s": step_time, "time": time.time()}
-        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.write(json_text(row) + "\n")
         if self.tb:
             for key, value in values.items():
                 self.tb.add_scalar(f"train/{key}" if "/" not in key else key, value, step)
@@ -87,7 +87,7 @@ class MetricsLogger:
         sys.stdout.flush()
 
     def log_eval(self, step: int, values: dict[str, float]) -> None:
-        self.jsonl.write(json.dumps({"step": step, **values}) + "\n")
+        self.jsonl.write(json_text({"step": step, **values}) + "\n")
         if self.tb:
             for key, value in values.items():
                 self.tb.add_scalar(key, value, step)

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from train.config import Config
 from train.errors import CannotRunHere
-from train.placement import gpu_only_settings, one_process_problem, runs_one_process
+from train.placement import check_gpu_only, one_process_problem, runs_one_process
 from train.precision import autocast_dtype
 from train.worker_env import WorkerEnv
 
@@ -80,14 +80,12 @@ def _fsdp(module: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
     return module
 
 
-def check_placement(cfg: Config, env: WorkerEnv, device: torch.device) -> None:
-    """The launcher's rules again, for a worker started without it (exit 3)."""
+def check_placement(cfg: Config, env: WorkerEnv, device: torch.device, source: str) -> None:
+    """The launcher's rules again, for a worker started without it (exit 2 or 3)."""
     strategy = cfg.distributed.strategy
     if runs_one_process(strategy) and env.distributed:
         raise CannotRunHere(one_process_problem(strategy, f"WORLD_SIZE={env.world_size}"))
-    if device.type != "cuda":
-        for setting in gpu_only_settings(cfg):
-            raise CannotRunHere(setting.unavailable)
+    check_gpu_only(cfg, device.type == "cuda", source)
 
 
 def parallelize(module: nn.Module, cfg: Config, env: WorkerEnv, device: torch.device) -> nn.Module:

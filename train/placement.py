@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from train.config import AUTO, Config
+from train.errors import CannotRunHere, ConfigError
 
 # Strategies that run exactly one process (DataParallel drives every GPU from it).
 ONE_PROCESS = ("single", "dp")
@@ -69,3 +70,14 @@ def gpu_only_settings(cfg: Config) -> list[GpuOnly]:
             "memory.cpu_offload=true needs a GPU (torch cannot offload without an "
             "accelerator); none is usable here"))
     return found
+
+
+def check_gpu_only(cfg: Config, gpu: bool, source: str) -> None:
+    """A GPU-only setting without a GPU: bad input (exit 2) when the config itself says
+    device=cpu, otherwise valid input this machine cannot run (exit 3)."""
+    if gpu:
+        return
+    for setting in gpu_only_settings(cfg):
+        if cfg.device == "cpu":
+            raise ConfigError(source, setting.key, setting.contradiction)
+        raise CannotRunHere(setting.unavailable)

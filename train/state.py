@@ -9,7 +9,8 @@ reads the model from them. Each rank also writes ``rank-<r>.pt`` with its RNG st
 ``state.pt`` is a flat dict of tensors and plain values, loadable with
 ``torch.load(weights_only=True)``:
 
-    step, samples_consumed, world_size   progress, and the world size it was saved at
+    step, samples_consumed, skipped_steps, world_size
+                                         progress, and the world size it was saved at
     model, optimizer, scheduler, scaler  state dicts (full tensors, plain module names)
     config                               the resolved config (a dict)
     model_io                             {input_shape, num_classes}: what export needs
@@ -34,19 +35,22 @@ class TrainState:
     """
     step: int = 0
     samples_consumed: int = 0
+    skipped_steps: int = 0      # updates dropped for a non-finite gradient (train.nonfinite)
 
     def advance(self, global_batch_size: int) -> None:
         self.step += 1
         self.samples_consumed += global_batch_size
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "samples_consumed": self.samples_consumed}
+        return {"step": self.step, "samples_consumed": self.samples_consumed,
+                "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, saved: dict[str, Any], global_batch_size: int) -> None:
         self.step = int(saved["step"])
         # Checkpoints written before samples_consumed existed: the batch size never changed.
         self.samples_consumed = int(saved.get("samples_consumed",
                                               self.step * global_batch_size))
+        self.skipped_steps = int(saved.get("skipped_steps", 0))
 
 
 def payload(state: TrainState, *, world_size: int, model: dict, optimizer: dict,

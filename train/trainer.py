@@ -23,13 +23,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train import runtime
-from train.checkpoint import Checkpointer
-from train.components import Components, build, loss_fn, train_loader
+from train import runlock, runtime
+from train.checkpoint import Checkpointer, CheckpointsUnusable
+from train.components import Components, build, loss_fn, preflight, train_loader
 from train.config import AUTO, Config, check_checkpoint_config, to_dict, to_yaml
 from train.data import eval_indices
-from train.errors import EXIT_OK, EXIT_STOPPED_BY_SIGNAL, ConfigError
-from train.files import write_json_atomic
+from train.divergence import Guard, clear_marker, read_marker, write_marker
+from train.errors import EXIT_OK, EXIT_STOPPED_BY_SIGNAL, ConfigError, Diverged
+from train.files import describe_load_error, write_json_atomic
 from train.manifest import update_manifest
 from train.metrics import MetricsLogger
 from train.models import count_parameters
@@ -43,8 +44,12 @@ log = logging.getLogger("train")
 
 # ------------------------------------------------------------------ checkpoints
 
-def save_checkpoint(c: Components, state: TrainState, *, background: bool = False) -> None:
-    """Collective: every rank calls it (FSDP gathers full tensors on rank 0)."""
+def save_checkpoint(c: Components, state: TrainState, guard: Guard, *,
+                    background: bool = False) -> None:
+    """Collective: every rank calls it (FSDP gathers full tensors on rank 0). Weights that
+    are not finite are never saved: the guard stops the run instead."""
+    guard.weights(state.step, c.model, c.env.distributed)
+    state.skipped_steps = guard.skipped
     model_state, optim_state = full_state(c.model, c.optimizer)
     shared = payload(state, world_size=c.env.world_size, model=model_state,
                      optimizer=optim_state, scheduler=c.scheduler.state_dict(),
@@ -58,9 +63,11 @@ def save_checkpoint(c: Components, state: TrainState, *, background: bool = Fals
         log.info("checkpoint %s: %s", "writing" if background else "saved", path)
 
 
-def choose_checkpoint(c: Components) -> Path | None:
-    """Rank 0 picks the checkpoint and every rank loads that one: ranks deciding on their
-    own could resume from different steps after one of them failed to read a file."""
+def choose_checkpoint(c: Components) -> tuple[Path | None, tuple | None]:
+    """Rank 0 picks the checkpoint (the newest that verifies and loads, with a warning for
+    each one passed over) and every rank loads that one: ranks deciding on their own could
+    resume from different steps after one of them failed to read a file. Returns the path
+    and, on rank 0, what it already loaded."""
     choice = c.cfg.checkpoint.resume_from
     if choice == "none" and c.env.restart_count > 0:
         choice = AUTO  # a restart of this attempt continues it instead of starting over
@@ -70,25 +77,42 @@ def choose_checkpoint(c: Components) -> Path | None:
             if moved:
                 log.warning("checkpoint.resume_from=none: earlier checkpoints moved to %s", moved)
         runtime.barrier(c.env)()
-        return None
-    path, problem = None, None
+        return None, None
+    path, loaded, problem = None, None, None
     if c.env.is_main:
-        if choice == AUTO:
-            path = c.checkpointer.newest_valid()
-        else:
-            path, problem = Path(choice), Checkpointer.verify(Path(choice))
+        path, loaded, problem = _pick(c.checkpointer, choice)
+        if path is not None and path.parent == c.checkpointer.dir:
+            c.checkpointer.set_aside_newer_than(int(path.name.split("-")[1]))
     path, problem = runtime.from_main((str(path) if path else None, problem), c.env)
     if problem:
-        raise ConfigError(c.source, "checkpoint.resume_from", f"{choice}: {problem}")
-    return Path(path) if path else None
+        raise ConfigError(c.source, "checkpoint.resume_from", problem)
+    return (Path(path) if path else None), loaded
+
+
+def _pick(checkpointer: Checkpointer, choice: str) -> tuple[Path | None, tuple | None, str | None]:
+    """(path, (shared, mine) loaded on rank 0, problem) for resume_from auto or a path."""
+    if choice == AUTO:
+        try:
+            found = checkpointer.newest_loadable(rank=0)
+        except CheckpointsUnusable as exc:  # never a silent start from step 0
+            return None, None, str(exc)
+        return (found[0], found[1:], None) if found else (None, None, None)
+    path = Path(choice)
+    problem = Checkpointer.verify(path)
+    if problem:
+        return None, None, f"{choice}: {problem}"
+    try:
+        return path, Checkpointer.load(path, 0), None
+    except Exception as exc:  # verified bytes torch cannot read back
+        return None, None, f"{choice}: cannot be loaded: {describe_load_error(exc)}"
 
 
 def resume(c: Components) -> TrainState:
     """The progress to start from: a fresh state, or the chosen checkpoint's, loaded."""
-    path = choose_checkpoint(c)
+    path, loaded = choose_checkpoint(c)
     if path is None:
         return TrainState()
-    shared, mine = Checkpointer.load(path, c.env.rank)
+    shared, mine = loaded if loaded is not None else Checkpointer.load(path, c.env.rank)
     saved = Restored(shared)
     check_checkpoint_config(c.cfg, saved.config, path, c.source)
     load_full_state(c.model, c.optimizer, saved.model, saved.optimizer)
@@ -132,21 +156,23 @@ def train_step(c: Components, batches) -> torch.Tensor:
     return total
 
 
-def optimizer_step(c: Components, want_norm: bool) -> float | None:
+def optimizer_step(c: Components, guard: Guard, step: int) -> tuple[float, bool]:
+    """Clip, check and apply the gradients: (gradient norm, whether the update was applied).
+    The norm is computed every step: the divergence guard reads it before any update."""
     clip = c.cfg.optim.grad_clip
-    norm = None
     if c.scaler:
         c.scaler.unscale_(c.optimizer)
-    if clip > 0 or want_norm:
-        norm = torch.nn.utils.clip_grad_norm_(c.model.parameters(), clip if clip > 0 else math.inf)
-    if c.scaler:
+    norm = float(torch.nn.utils.clip_grad_norm_(c.model.parameters(),
+                                                clip if clip > 0 else math.inf))
+    applied = guard.gradients(step, norm)  # raises Diverged when the run must stop
+    if c.scaler:  # it skips a non-finite step by itself and lowers its loss scale
         c.scaler.step(c.optimizer)
         c.scaler.update()
-    else:
+    elif applied:
         c.optimizer.step()
-    c.scheduler.step()
+    c.scheduler.step()  # skipped or not, the schedule follows the step count
     c.optimizer.zero_grad(set_to_none=True)
-    return None if norm is None else float(norm)
+    return norm, applied
 
 
 def gpu_memory_stats(device: torch.device) -> dict[str, float]:
@@ -215,8 +241,17 @@ def start_logging(c: Components, state: TrainState) -> MetricsLogger | None:
     return MetricsLogger(c.cfg, c.run_dir, state.step, throughput_unit=unit)
 
 
+def make_guard(c: Components, state: TrainState) -> Guard:
+    def last_good() -> Path | None:
+        step = c.checkpointer.latest_step()
+        return None if step is None else c.checkpointer.dir / f"step-{step}"
+    return Guard(mode=c.cfg.train.nonfinite, max_skips=c.cfg.train.max_skipped_steps,
+                 scaled=c.scaler is not None, skipped=state.skipped_steps, run_dir=c.run_dir,
+                 last_good=last_good, grad_clip=c.cfg.optim.grad_clip)
+
+
 def run_loop(c: Components, state: TrainState, stop: StopFlag,
-             metrics: MetricsLogger | None) -> int:
+             metrics: MetricsLogger | None, guard: Guard) -> int:
     cfg, env = c.cfg, c.env
     every_log, every_eval = cfg.logging.every_steps, cfg.train.eval_every_steps
     every_ckpt = cfg.checkpoint.every_steps
@@ -231,17 +266,16 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
         step = state.step
         log_now = step % every_log == 0 or step == cfg.train.max_steps
         lr = c.scheduler.get_last_lr()[0]  # the rate this step's update uses
-        norm = optimizer_step(c, want_norm=log_now)
+        norm, applied = optimizer_step(c, guard, step)
         if log_now:
             now = time.perf_counter()
             loss_value, step_time = runtime.mean_over_ranks(
                 [loss, (now - last_time) / (step - last_step)], c.device, env.distributed)
             last_time, last_step = now, step
             stop.pace(step_time)
+            guard.loss(step, loss_value, applied)
             if env.is_main:
-                values = {"loss": loss_value, "lr": lr}
-                if norm is not None:
-                    values["grad_norm"] = norm
+                values = {"loss": loss_value, "lr": lr, "grad_norm": norm}
                 values["throughput"] = samples_per_step / step_time
                 values.update(gpu_memory_stats(c.device))
                 metrics.log(step, values, step_time=step_time)
@@ -254,7 +288,7 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
         last = stopping or step == cfg.train.max_steps
         if last or (every_ckpt and step % every_ckpt == 0):
             # The last checkpoint is written in the foreground: exit 0 or 143 means saved.
-            save_checkpoint(c, state, background=cfg.checkpoint.async_save and not last)
+            save_checkpoint(c, state, guard, background=cfg.checkpoint.async_save and not last)
         if stopping:
             log.warning("stopped at step %d by a signal; rerun the same command to resume", step)
             return EXIT_STOPPED_BY_SIGNAL
@@ -281,6 +315,18 @@ def log_eval(c: Components, metrics: MetricsLogger | None, step: int) -> dict[st
     return values
 
 
+def refuse_a_diverged_restart(c: Components) -> None:
+    """torchrun restarts workers whatever their exit code; a restart of an attempt that
+    diverged would diverge again, so it ends at once. A new run clears the marker."""
+    if c.env.restart_count > 0:
+        message = read_marker(c.run_dir)
+        if message:
+            raise Diverged(message.removeprefix("error: "))
+    runtime.barrier(c.env)()  # every rank read it before rank 0 may remove it
+    if c.env.is_main:
+        clear_marker(c.run_dir)
+
+
 def train(cfg: Config, source: str, env: WorkerEnv | None = None) -> int:
     """One worker's whole run. ``source``: the config file, named in error messages."""
     env = env or WorkerEnv.from_environ()
@@ -289,11 +335,17 @@ def train(cfg: Config, source: str, env: WorkerEnv | None = None) -> int:
     stop = StopFlag()
     stop.install()  # before the slow build, so an early SIGTERM is not lost
     clean = False
+    c, metrics, lock = None, None, None
     try:
-        c = build(cfg, env, source)
+        placed = preflight(cfg, env, source)
+        if env.is_main and not env.supervised:  # the launcher holds it otherwise
+            lock = runlock.acquire(cfg.run_dir, env.elastic_run_id)
+        c = build(cfg, env, source, placed)
         prepare_run_dir(c)
+        refuse_a_diverged_restart(c)
         state = resume(c)
         metrics = start_logging(c, state)
+        guard = make_guard(c, state)
         if state.step >= cfg.train.max_steps:
             log.info("nothing to do: the run already reached step %d", state.step)
             if runtime.from_main(not (c.run_dir / "result.json").exists(), env):
@@ -302,10 +354,21 @@ def train(cfg: Config, source: str, env: WorkerEnv | None = None) -> int:
                 metrics.close()
             code = EXIT_OK
         else:
-            code = run_loop(c, state, stop, metrics)
+            code = run_loop(c, state, stop, metrics, guard)
         c.checkpointer.wait()
         clean = True
         return code
+    except Diverged as exc:
+        # Every rank reached the same verdict at the same step: a coordinated stop.
+        c.checkpointer.wait()
+        if env.is_main:
+            write_marker(c.run_dir, c.checkpointer.latest_step() or 0, exc.one_line())
+            if metrics is not None:
+                metrics.close()
+        clean = True
+        raise
     finally:
         sys.stdout.flush()
         runtime.shutdown_distributed(clean)
+        if lock is not None:
+            lock.release()

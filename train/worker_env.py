@@ -27,6 +27,7 @@ class WorkerEnv:
     local_world_size: int = 1
     group_world_size: int | None = None  # torchrun: nodes in this rendezvous round
     restart_count: int = 0
+    elastic_run_id: str | None = None    # TORCHELASTIC_RUN_ID: the torchrun job, when there is one
     status_dir: str | None = None        # the launcher's report folder, when supervised
     log_dir: str | None = None           # torchrun's per-worker log folder, when it keeps one
     build_manifest: str = DEFAULT_BUILD_MANIFEST
@@ -50,6 +51,7 @@ class WorkerEnv:
                    world_size=num("WORLD_SIZE", 1), local_world_size=num("LOCAL_WORLD_SIZE", 1),
                    group_world_size=num("GROUP_WORLD_SIZE", None),
                    restart_count=num("TORCHELASTIC_RESTART_COUNT", 0),
+                   elastic_run_id=text("TORCHELASTIC_RUN_ID"),
                    status_dir=text(STATUS_DIR_VAR), log_dir=_torchrun_log_dir(env),
                    build_manifest=text("TRAIN_BUILD_MANIFEST") or DEFAULT_BUILD_MANIFEST,
                    code_version=text("TRAIN_CODE_VERSION"),
@@ -59,6 +61,11 @@ class WorkerEnv:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def supervised(self) -> bool:
+        """Started by the launcher (which holds the run lock and reads our report)."""
+        return self.status_dir is not None
 
     @property
     def is_main(self) -> bool:

@@ -42,6 +42,7 @@ class Nodes:
     host: str | None = None          # must resolve before starting (multi-node)
     max_restarts: int | None = None  # from the environment, when it says
     nproc: int | None = None         # from the environment, when it says
+    job: str | None = None           # what every node of this job shares (None: one launch)
     notes: tuple[str, ...] = ()
 
 

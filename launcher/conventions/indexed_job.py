@@ -48,4 +48,4 @@ def nodes(env: Environ) -> Nodes:
     note = (f"launch convention: Indexed Job (JOB_COMPLETION_INDEX="
             f"{env.get('JOB_COMPLETION_INDEX')}), standalone rendezvous store {host}:{port}, "
             f"nodes {lo}:{hi}")
-    return Nodes(NAME, lo, hi, tuple(args), out_env, host, notes=(note,))
+    return Nodes(NAME, lo, hi, tuple(args), out_env, host, job=run_id, notes=(note,))

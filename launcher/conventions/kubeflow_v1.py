@@ -34,4 +34,5 @@ def nodes(env: Environ) -> Nodes:
             f"{rank}); torchrun gives the workers WORLD_SIZE = pods x nproc_per_node")
     return Nodes(NAME, pods, pods,
                  tuple(static_rendezvous(pods, pods, rank=index, addr=addr, port=port)),
-                 host=addr if index != 0 else None, notes=(note,))
+                 host=addr if index != 0 else None, job=f"kubeflow:{addr}:{port}",
+                 notes=(note,))

@@ -36,7 +36,10 @@ def _nproc(env: Environ) -> int | None:
     value = env.get("PET_NPROC_PER_NODE")
     if value in NPROC_WORDS:
         return None  # the plan chooses: one per usable GPU, or 1 on CPU
-    return _int(env, "NPROC_PER_NODE")
+    n = _int(env, "NPROC_PER_NODE")
+    if n == 0:
+        raise env_error("PET_NPROC_PER_NODE", "got '0'; expected at least 1 process, or auto")
+    return n
 
 
 def nodes(env: Environ) -> Nodes:
@@ -52,8 +55,11 @@ def nodes(env: Environ) -> Nodes:
     local = env.get("PET_LOCAL_ADDR") or env.get("TRAIN_LOCAL_ADDR")
     if local:
         args += ["--local-addr", local]
+    job = env.get("PET_RDZV_ID") or (f"static:{env.get('PET_MASTER_ADDR')}:"
+                                      f"{env.get('PET_MASTER_PORT')}" if hi > 1 else None)
     return Nodes(NAME, lo, hi, tuple(args), out_env, host,
-                 max_restarts=_int(env, "MAX_RESTARTS"), nproc=_nproc(env), notes=notes)
+                 max_restarts=_int(env, "MAX_RESTARTS"), nproc=_nproc(env), job=job,
+                 notes=notes)
 
 
 def _static(env: Environ, lo: int, hi: int) -> tuple[list[str], dict[str, str], str | None]:

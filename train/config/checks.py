@@ -12,9 +12,11 @@ from typing import Any
 
 import yaml
 
+from train import datafiles
 from train.config.loader import Sources, to_dict
 from train.config.schema import AUTO, Config
-from train.errors import ConfigError
+from train.config.strict_yaml import short
+from train.errors import CannotRunHere, ConfigError
 
 # Token files up to this size are scanned for ids >= data.vocab_size before training
 # (about a second per GiB); larger ones are checked batch by batch.
@@ -31,7 +33,9 @@ def validate(cfg: Config, sources: Sources) -> None:
 
     m, d, t = cfg.model, cfg.data, cfg.train
     if not cfg.run.name or "/" in cfg.run.name or cfg.run.name in (".", ".."):
-        fail("run.name", f"got {cfg.run.name!r}; a non-empty name without '/'")
+        fail("run.name", f"got {short(cfg.run.name)}; a non-empty name without '/'")
+    if not cfg.output.dir.strip():
+        fail("output.dir", "is empty; a directory for run directories, e.g. runs")
     if m.kind == "gpt":
         if m.width % m.heads:
             fail("model.heads", f"{m.heads} does not divide model.width={m.width}", "model.width")
@@ -77,6 +81,7 @@ def _check_data_paths(cfg: Config, fail) -> None:
     if d.kind == "text":
         if not path.is_dir():
             fail("data.path", f"{d.path}: not a directory")
+        datafiles.check_text(path, d.text_glob, d.max_bytes, cfg.model.context_length)
         return
     if not path.is_file():
         fail("data.path", f"{d.path}: no such file")
@@ -98,6 +103,7 @@ def _check_data_paths(cfg: Config, fail) -> None:
             fail("data.labels_path", "required when data.path is a .npy file")
         if not Path(d.labels_path).is_file():
             fail("data.labels_path", f"{d.labels_path}: no such file")
+    datafiles.check_tensors(path, d.labels_path)
 
 
 def batch_split(cfg: Config, world_size: int, source: str) -> tuple[int, int]:
@@ -120,6 +126,46 @@ def batch_split(cfg: Config, world_size: int, source: str) -> tuple[int, int]:
                           f"(train.global_batch_size={t.global_batch_size} / world size "
                           f"{world_size}); choose a divisor of {per_rank}")
     return micro, per_rank // micro
+
+
+# Python's list of the step's sample indices costs about this much per sample.
+INDEX_BYTES = 40
+# A batch that would not fit even in this much memory is bad input on any machine.
+ANY_MACHINE_BYTES = 1 << 40
+
+
+def sample_bytes(cfg: Config) -> int | None:
+    """Bytes of one training sample as the loader hands it over (inputs + target);
+    None when only the data file knows (tensors)."""
+    if cfg.data.kind in ("text", "tokens"):
+        return 2 * cfg.model.context_length * 8          # int64 inputs and next tokens
+    if cfg.data.kind == "synthetic":
+        size = 1
+        for s in cfg.data.shape:
+            size *= s
+        return size * 4 + 8                              # float32 features + int64 label
+    return None
+
+
+def check_batch_memory(cfg: Config, world_size: int, source: str,
+                       available: int | None) -> None:
+    """The samples of one step on one rank (the step's index list plus one micro-batch
+    of inputs) must fit in memory: a ConfigError when they would fit nowhere, a
+    CannotRunHere when not on this machine (``available`` bytes)."""
+    micro, _ = batch_split(cfg, world_size, source)
+    per_sample = sample_bytes(cfg)
+    need = cfg.train.global_batch_size * INDEX_BYTES + micro * (per_sample or 0)
+    arithmetic = (f"train.global_batch_size={cfg.train.global_batch_size} x {INDEX_BYTES} B of "
+                  "sample indices" + (f" + a micro-batch of {micro} x {per_sample} B"
+                                      if per_sample else "") + f" = {need / 2**30:.1f} GiB")
+    if need > ANY_MACHINE_BYTES:
+        raise ConfigError(source, "train.global_batch_size",
+                          f"{arithmetic} per rank and step, more than any machine holds; "
+                          "use a smaller batch")
+    if available is not None and need > available // 2:
+        raise CannotRunHere(f"train.global_batch_size: {arithmetic} per rank and step, over "
+                            f"half of the {available / 2**30:.1f} GiB of memory available "
+                            "here; use a smaller global or micro batch")
 
 
 # Keys whose change makes a run's checkpoints unloadable (parameter or optimizer-state
@@ -151,12 +197,20 @@ def check_checkpoint_config(cfg: Config, saved: dict, where: Path | str, source:
 def check_resume_compatible(cfg: Config, source: str) -> None:
     """A config that would resume a run whose checkpoints it cannot load is bad input.
 
-    Before any worker starts: compares with the run directory's config.yaml (written
+    Before any worker starts: checkpoints present but none with its files is refused
+    (exit 2, never a silent start from step 0); then the config is compared with the run
+    directory's config.yaml (written
     once a start has loaded its checkpoint, so it matches the checkpoints' shapes).
     The worker checks the checkpoint's own copy again when it loads it.
     """
     run_dir = cfg.run_dir
-    if cfg.checkpoint.resume_from != AUTO or not (run_dir / "checkpoints" / "latest").exists():
+    if cfg.checkpoint.resume_from != AUTO:
+        return
+    from train.checkpoint import Checkpointer  # torch-free at import
+    problem = Checkpointer(run_dir, rank=0, keep_last=1).usable_problem()
+    if problem:  # checkpoints there, none whole: never start over silently
+        raise ConfigError(source, "checkpoint.resume_from", problem)
+    if not (run_dir / "checkpoints" / "latest").exists():
         return
     try:
         saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}

@@ -1,6 +1,7 @@
 """Reading a config: a YAML file plus ``dotted.key=value`` overrides, into a :class:`Config`.
 
-Strict: ``yaml.safe_load`` only, unknown keys rejected with the closest valid key,
+Strict: safe YAML under size, depth and alias limits with duplicate keys refused
+(:mod:`.strict_yaml`), unknown keys rejected with the closest valid key,
 wrong types and out-of-range values rejected, each as one :class:`ConfigError`
 naming the file (or "command line" when an override brought the value) and the
 dotted key: exit code 2. Cross-key and file checks follow in :mod:`.checks`.
@@ -17,29 +18,32 @@ from typing import Any
 
 import yaml
 
-from train.config import types
+from train.config import strict_yaml, types
 from train.config.schema import Config
+from train.config.strict_yaml import clip, short
 from train.errors import ConfigError
 
 CLI = "command line"
 
 
 def read_yaml(path: str | Path) -> dict:
-    """Read a config file with yaml.safe_load; every failure is a ConfigError."""
+    """Read a config file under :mod:`.strict_yaml`'s limits; every failure is a ConfigError."""
     path = Path(path)
     source = str(path)
     try:
+        if path.stat().st_size > strict_yaml.MAX_BYTES:  # do not even read it
+            raise ConfigError(source, "<file>", f"{path.stat().st_size / 2**20:.1f} MiB; a "
+                                                f"config is at most "
+                                                f"{strict_yaml.MAX_BYTES >> 20} MiB")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(source, "<file>", "no such file") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
         raise ConfigError(source, "<file>", f"cannot read: {exc.__class__.__name__}") from None
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark else "<file>"
-        raise ConfigError(source, where, f"invalid YAML: {getattr(exc, 'problem', exc)}") from None
+        data = strict_yaml.load(text)
+    except strict_yaml.StrictYamlError as exc:
+        raise ConfigError(source, exc.where, exc.problem) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -51,11 +55,14 @@ def parse_override(text: str, source: str = CLI) -> tuple[str, Any]:
     """Split ``a.b=value``; the value is read as YAML (so ``[1, 2]``, ``true``, ``null``)."""
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(source, text, "overrides look like dotted.key=value")
+        raise ConfigError(source, clip(text), "overrides look like dotted.key=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
+        value = strict_yaml.load(raw) if raw.strip() else ""
+    except strict_yaml.StrictYamlError as exc:
+        if exc.problem.startswith("invalid YAML"):
+            value = raw  # not YAML: the plain string
+        else:
+            raise ConfigError(source, key.strip(), exc.problem) from None
     return key.strip(), value
 
 
@@ -86,7 +93,7 @@ class Sources:
 def _unknown_key(source: str, prefix: str, key: str, valid: list[str]) -> ConfigError:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"did you mean {prefix}{close[0]}?" if close else "valid keys: " + ", ".join(valid)
-    return ConfigError(source, prefix + key, f"unknown key; {hint}")
+    return ConfigError(source, clip(prefix + key), f"unknown key; {hint}")
 
 
 def build(cls: type, data: Any, sources: Sources, prefix: str = "") -> Any:
@@ -108,10 +115,10 @@ def build(cls: type, data: Any, sources: Sources, prefix: str = "") -> Any:
         got = types.coerce(value, key.type, dotted in sources.overridden)
         if got is types.NO:
             raise ConfigError(sources.of(dotted), dotted,
-                              f"got {value!r}; expected {types.describe(key.type)}")
+                              f"got {short(value)}; expected {types.describe(key.type)}")
         problem = types.bounds_problem(got, key.bounds)
         if problem:
-            raise ConfigError(sources.of(dotted), dotted, f"got {value!r}; {problem}")
+            raise ConfigError(sources.of(dotted), dotted, f"got {short(value)}; {problem}")
         kwargs[name] = got
     return cls(**kwargs)
 

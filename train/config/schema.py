@@ -113,6 +113,12 @@ class TrainLoopConfig:
     eval_batches: int = opt(8, "Validation size per evaluation, in global batches: the first "
                                "eval_batches x global_batch_size validation samples (0 = none).",
                             ge=0)
+    nonfinite: Literal["stop", "skip_step"] = opt(
+        "stop", "A non-finite loss or gradient norm: stop (exit 4; nothing non-finite is "
+                "saved) or skip_step (drop that step's update, at most "
+                "train.max_skipped_steps times per run).")
+    max_skipped_steps: int = opt(10, "skip_step: updates a run may skip; one more stops it "
+                                     "as with stop.", ge=0)
 
 
 @dataclass(kw_only=True)

@@ -12,6 +12,7 @@ Field types: ``int``, ``float``, ``bool``, ``str``, ``None``, ``Literal[...]``,
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Iterator
@@ -147,10 +148,12 @@ def _coerce_scalar(value: Any, tp: type, from_cli: bool) -> Any:
 
 
 def bounds_problem(value: Any, bounds: dict[str, float]) -> str | None:
-    """What is wrong with a number (or each number of a list) against its bounds."""
+    """What is wrong with a number (or each number of a list): not finite, or out of bounds."""
     for v in value if isinstance(value, list) else [value]:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
+        if not math.isfinite(v):
+            return "must be a finite number"
         if "ge" in bounds and v < bounds["ge"]:
             return f"must be >= {bounds['ge']}"
         if "gt" in bounds and v <= bounds["gt"]:

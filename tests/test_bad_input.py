@@ -1,0 +1,143 @@
+"""Bad input, however odd, is one line and exit 2 from the parent before any worker
+starts, with nothing written; input this machine cannot run is one line and exit 3.
+The bare worker (``python -m train``) gives the same answers: it shares the checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, TINY_GPT, TINY_MLP, clean_env, merge, worker_env, write_config
+
+ENTRY = str(ROOT / "entrypoint.py")
+
+
+def alias_bomb() -> str:
+    lines = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    return "\n".join(lines) + "\noptim:\n  betas: *a8\n"
+
+
+def write_text_config(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def data_files(tmp: Path) -> dict[str, Path]:
+    """Data that is broken in the ways users break it."""
+    (tmp / "empty_dir").mkdir(parents=True)
+    (tmp / "one_empty_file").mkdir()
+    (tmp / "one_empty_file" / "a.txt").write_text("")
+    np.save(tmp / "x.npy", np.zeros((10, 4), np.float32))
+    np.save(tmp / "y9.npy", np.zeros(9, np.int64))
+    np.save(tmp / "y_neg.npy", np.array([0, 1, -1, 0, 1, 0, 1, 0, 1, 0]))
+    np.save(tmp / "objects.npy", np.array([{"a": 1}] * 10, dtype=object), allow_pickle=True)
+    torch.save([1, 2, 3], tmp / "list.pt")
+    return {k: tmp / k for k in ("empty_dir", "one_empty_file", "x.npy", "y9.npy", "y_neg.npy",
+                                 "objects.npy", "list.pt")}
+
+
+# (name, base tree, yaml text or None, overrides, env, expected exit, key, fragment)
+CASES = [
+    ("nan learning rate", TINY_GPT, None, ["optim.lr=.nan"], {}, 2, "optim.lr", "finite"),
+    ("infinite eps", TINY_GPT, None, ["optim.eps=.inf"], {}, 2, "optim.eps", "finite"),
+    ("5000 levels of nesting", None, "a: " + "[" * 5000 + "]" * 5000 + "\n", [], {}, 2,
+     "line 1", "nested deeper than 32 levels"),
+    ("a 2 MiB config", None, "# " + "x" * (2 << 20) + "\n", [], {}, 2, "<file>",
+     "a config is at most 1 MiB"),
+    ("alias bomb under optim.betas", None, alias_bomb(), [], {}, 2, "<file>",
+     "expands to more than 100000 values"),
+    ("duplicate key", None, "seed: 1\nmodel:\n  depth: 1\nseed: 2\n", [], {}, 2, "seed",
+     "appears twice (lines 1 and 4)"),
+    ("empty output.dir", TINY_GPT, None, ["output.dir="], {}, 2, "output.dir", "is empty"),
+    ("a global batch no machine holds", TINY_GPT, None, ["train.global_batch_size=10**13"], {}, 2,
+     "train.global_batch_size", "expected an integer"),
+    ("a global batch no machine holds (int)", TINY_GPT, None,
+     ["train.global_batch_size=100000000000000"], {}, 2, "train.global_batch_size",
+     "more than any machine holds"),
+    ("PET_NPROC_PER_NODE=0", TINY_GPT, None, [],
+     {"PET_NNODES": "1", "PET_RDZV_ENDPOINT": "127.0.0.1:1", "PET_NPROC_PER_NODE": "0"}, 2,
+     "PET_NPROC_PER_NODE", "at least 1"),
+    ("MASTER_PORT out of range", TINY_GPT, None, [], {"MASTER_PORT": "99999"}, 2, "MASTER_PORT",
+     "a port 1..65535"),
+    ("CUDA_VISIBLE_DEVICES=garbage", TINY_GPT, None, [], {"CUDA_VISIBLE_DEVICES": "garbage"}, 2,
+     "CUDA_VISIBLE_DEVICES", "not a device index"),
+    ("OMP_NUM_THREADS=0", TINY_GPT, None, [], {"OMP_NUM_THREADS": "0"}, 2, "OMP_NUM_THREADS",
+     "positive integer"),
+    ("text dir without files", TINY_GPT, None, ["data.path=@empty_dir"], {}, 2,
+     "data.text_glob", "no file matches"),
+    ("text dir with an empty file", TINY_GPT, None,
+     ["data.path=@one_empty_file", "data.text_glob=*.txt"], {}, 2, "data.path",
+     "0 bytes of text"),
+    ("npy lengths differ", TINY_MLP, None,
+     ["data.kind=tensors", "data.path=@x.npy", "data.labels_path=@y9.npy"], {}, 2,
+     "data.labels_path", "need N features and N integer labels"),
+    ("negative labels", TINY_MLP, None,
+     ["data.kind=tensors", "data.path=@x.npy", "data.labels_path=@y_neg.npy"], {}, 2,
+     "data.labels_path", "label -1 is negative"),
+    ("object npy", TINY_MLP, None,
+     ["data.kind=tensors", "data.path=@objects.npy", "data.labels_path=@y9.npy"], {}, 2,
+     "data.path", "not a readable numeric .npy"),
+    ("pt without a tensor dict", TINY_MLP, None, ["data.kind=tensors", "data.path=@list.pt"],
+     {}, 2, "data.path", "must hold a dict with tensors"),
+    ("a global batch this machine cannot hold", TINY_GPT, None,
+     ["train.global_batch_size=17179869184", "train.micro_batch_size=1"], {}, 3, None,
+     "of memory available here"),
+]
+
+
+def resolve(overrides: list[str], files: dict[str, Path]) -> list[str]:
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        out.append(f"{key}={files[value[1:]]}" if value.startswith("@") else o)
+    return out
+
+
+@pytest.mark.parametrize("name,tree,text,overrides,env,code,key,fragment", CASES,
+                         ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_from_the_parent(tmp_path, name, tree, text, overrides, env, code,
+                                               key, fragment):
+    files = data_files(tmp_path / "data")
+    runs = tmp_path / "runs"
+    config = (write_text_config(tmp_path / "c.yaml", text) if text is not None else
+              write_config(tmp_path / "c.yaml", merge(tree, {"output": {"dir": str(runs)}})))
+    proc = subprocess.run([sys.executable, ENTRY, "train", str(config),
+                           *resolve(overrides, files)], cwd=tmp_path, env=clean_env(**env),
+                          capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert len(lines) == 1 and len(lines[0]) < 600, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "entrypoint: run" not in proc.stderr
+    if key is not None:
+        assert f": {key}: " in lines[0], lines[0]
+    assert fragment in lines[0], lines[0]
+    assert not runs.exists(), "nothing may be written"
+
+
+@pytest.mark.parametrize("overrides, env, code, fragment", [
+    (["distributed.backend=mpi"], {}, 3, "was built without mpi"),
+    (["device=cpu", "distributed.backend=nccl"], {}, 2, "nccl needs GPUs but device is cpu"),
+    (["distributed.backend=nccl"], {}, 3, "nccl needs GPUs, and none is usable here"),
+    (["distributed.strategy=single"], {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2"},
+     3, "runs one process, but WORLD_SIZE=2"),
+    (["output.dir=@file/runs"], {}, 3, "is not writable"),
+    (["optim.lr=.nan"], {}, 2, "must be a finite number"),
+])
+def test_the_bare_worker_gives_the_same_answers(tmp_path, overrides, env, code, fragment):
+    """`python -m train` alone: no hang (mpi), no silent training (nccl on CPU), no traceback."""
+    (tmp_path / "file").write_text("a file where a folder should be")
+    overrides = [o.replace("@file", str(tmp_path / "file")) for o in overrides]
+    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {"output": {"dir": str(tmp_path /
+                                                                                      "runs")}}))
+    proc = subprocess.run([sys.executable, "-m", "train", str(config), *overrides], cwd=ROOT,
+                          env=worker_env(env), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert fragment in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

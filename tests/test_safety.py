@@ -1,0 +1,365 @@
+"""Never lose work, never train on garbage: divergence, unusable checkpoints, orphaned
+workers, a lost worker of a 2-process node, one writer per run directory. Real
+processes throughout (python -m train, entrypoint.py, torchrun with gloo)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (ROOT, TINY_GPT, TINY_MLP, clean_env, losses, merge, read_metrics,
+                      run_train, write_config)
+from train.checkpoint import Checkpointer
+from train.files import sha256_file
+
+ENTRY = str(ROOT / "entrypoint.py")
+# SGD at lr 10 without clipping: the loss explodes and turns NaN within a few steps.
+EXPLODES = {"optim": {"name": "sgd", "lr": 10.0, "grad_clip": 0.0},
+            "schedule": {"warmup_steps": 0},
+            "train": {"max_steps": 30}, "checkpoint": {"every_steps": 1, "keep_last": 50}}
+
+
+def strict_json_lines(path: Path) -> list[dict]:
+    """Every line parses as JSON without NaN or Infinity (which JSON does not have)."""
+    def refuse(word):
+        raise ValueError(f"{path}: {word} is not JSON")
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+def entry(*args: str, cwd: Path, env: dict | None = None, timeout: float = 240):
+    return subprocess.run([sys.executable, ENTRY, *args], cwd=cwd, env=env or clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def all_finite(state_pt: Path) -> bool:
+    model = torch.load(state_pt, weights_only=True)["model"]
+    return all(torch.isfinite(v).all() for v in model.values() if v.is_floating_point())
+
+
+# ------------------------------------------------------------------ divergence
+
+def test_divergence_stops_at_once_and_saves_nothing_non_finite(tmp_path):
+    config = write_config(tmp_path / "d.yaml", merge(TINY_GPT, {**EXPLODES,
+                                                                "output": {"dir": str(tmp_path)}}))
+    proc = run_train(config)
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    line = last_line(proc.stderr)
+    assert line.startswith("error: training diverged at step ") and "Traceback" not in proc.stderr
+    run = tmp_path / "d"
+    checkpoints = sorted((run / "checkpoints").glob("step-*"))
+    assert checkpoints and all(all_finite(p / "state.pt") for p in checkpoints)
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    assert f"the last good checkpoint is {latest}" in line
+    step = int(line.split("at step ")[1].split(":")[0])
+    assert int(latest.name.split("-")[1]) == step - 1  # every step was saved until then
+    assert not (run / "result.json").exists()
+    rows = strict_json_lines(run / "metrics.jsonl")
+    assert max(r["step"] for r in rows) < step
+    # A rerun of the same attempt (a torchrun restart) diverges again at once.
+    again = run_train(config, env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    assert again.returncode == 4 and "resumed" not in again.stderr
+    # Resumed from an earlier checkpoint with a sane learning rate, the run finishes.
+    early = run / "checkpoints" / "step-2"
+    fixed = run_train(config, "optim.lr=0.01", "optim.grad_clip=1.0",
+                      f"checkpoint.resume_from={early}")
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    assert "at step 2" in fixed.stderr and not (run / "diverged.json").exists()
+    assert math.isfinite(json.loads((run / "result.json").read_text())["val/loss"])
+    aside = list(tmp_path.glob(f"d/checkpoints.abandoned-*/{latest.name}"))
+    assert aside and all_finite(aside[0] / "state.pt"), "moved aside whole, never deleted"
+
+
+def poisoned_data(tmp_path: Path, row: int = 0) -> Path:
+    """Tensors data with one sample of infinities: the step that draws it has a NaN loss."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 16, generator=g)
+    x[row] = math.inf
+    y = (x.nan_to_num(0).sum(1) > 0).long()
+    torch.save({"features": x, "labels": y}, tmp_path / "poison.pt")
+    return tmp_path / "poison.pt"
+
+
+@pytest.mark.parametrize("mode, code", [("skip_step", 0), ("stop", 4)])
+def test_a_non_finite_step_is_skipped_or_stops_the_run(tmp_path, mode, code):
+    """Exactly one of the 15 steps draws the poisoned sample."""
+    from train.data import GlobalOrder
+    assert 0 in GlobalOrder(244, seed=0).take(0, 15 * 16)  # 244 training samples, seed 0
+    data = poisoned_data(tmp_path)
+    config = write_config(tmp_path / "p.yaml", merge(TINY_MLP, {
+        "data": {"kind": "tensors", "path": str(data)}, "output": {"dir": str(tmp_path)},
+        "train": {"max_steps": 15, "nonfinite": mode, "max_skipped_steps": 2,
+                  "eval_batches": 0}, "checkpoint": {"every_steps": 5}}))
+    proc = run_train(config)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    run = tmp_path / "p"
+    if mode == "stop":
+        assert "gradient norm nan" in last_line(proc.stderr)
+        return
+    assert proc.stderr.count("update skipped (1 of at most 2") == 1
+    rows = strict_json_lines(run / "metrics.jsonl")
+    assert sum(r["loss"] is None for r in rows if "loss" in r) == 1  # NaN written as null
+    state = torch.load(run / "checkpoints" / "step-15" / "state.pt", weights_only=True)
+    assert state["skipped_steps"] == 1 and all_finite(run / "checkpoints" / "step-15" / "state.pt")
+
+
+def test_export_refuses_non_finite_weights(tmp_path):
+    run = tmp_path / "run"
+    ck = Checkpointer(run, rank=0, keep_last=5)
+    good = {"w": torch.ones(3)}
+    ck.save(1, {"step": 1, "model": good, "config": {"model": {}}, "model_io": {}}, {})
+    ck.save(2, {"step": 2, "model": {"w": torch.tensor([1.0, math.nan, 2.0])},
+                "config": {"model": {}}, "model_io": {}}, {})
+    out = subprocess.run([sys.executable, "-m", "train.export", str(run)], cwd=ROOT,
+                         env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "non-finite weights (w)" in last_line(out.stderr)
+    assert "--step" in last_line(out.stderr) and not (run / "export").exists()
+    ok = subprocess.run([sys.executable, "-m", "train.export", str(run), "--step", "1"],
+                        cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True,
+                        text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads((run / "export" / "model.json").read_text())["step"] == 1
+
+
+# ------------------------------------------------------- checkpoints that do not load
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    base = tmp_path_factory.mktemp("finished")
+    config = write_config(base / "f.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(base)}, "train": {"max_steps": 6},
+        "checkpoint": {"every_steps": 2, "keep_last": 5}}))
+    proc = run_train(config)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return config, base / "f"
+
+
+def copy_run(finished, tmp_path: Path) -> tuple[Path, Path]:
+    config, run = finished
+    shutil.copytree(run, tmp_path / "f")
+    return config, tmp_path / "f"
+
+
+def tree_state(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): sha256_file(p) for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.parametrize("how", ["entrypoint", "worker"])
+def test_no_verifiable_checkpoint_is_exit_2_and_nothing_changes(finished, tmp_path, how):
+    config, run = copy_run(finished, tmp_path)
+    for sums in (run / "checkpoints").glob("step-*/checksums.json"):
+        sums.unlink()
+    before = tree_state(run)
+    more = ["train.max_steps=8", f"output.dir={tmp_path}"]
+    proc = (entry("train", str(config), *more, cwd=tmp_path) if how == "entrypoint"
+            else run_train(config, *more))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = last_line(proc.stderr)
+    assert "3 checkpoint(s) and none is usable (step-6: missing or unreadable checksums.json" \
+           in line and "checkpoint.resume_from=none" in line
+    assert tree_state(run) == before, "nothing may be deleted or written"
+
+
+def test_garbage_in_latest_is_ignored_with_a_warning(finished, tmp_path):
+    config, run = copy_run(finished, tmp_path)
+    (run / "checkpoints" / "latest").write_bytes(os.urandom(64))
+    proc = run_train(config, "train.max_steps=8", f"output.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "latest is unreadable" in proc.stderr and "at step 6" in proc.stderr
+
+
+@pytest.mark.parametrize("content", ["random bytes", "pickled object"])
+def test_a_checkpoint_that_verifies_but_cannot_load_falls_back(finished, tmp_path, content):
+    config, run = copy_run(finished, tmp_path)
+    newest = run / "checkpoints" / "step-6"
+    if content == "random bytes":
+        (newest / "state.pt").write_bytes(os.urandom(4096))
+    else:  # a class torch.load(weights_only=True) refuses to build
+        torch.save({"step": 6, "x": ValueError("boom")}, newest / "state.pt")
+    sums = json.loads((newest / "checksums.json").read_text())
+    sums["state.pt"] = sha256_file(newest / "state.pt")  # the checksums match the bad file
+    (newest / "checksums.json").write_text(json.dumps(sums))
+    proc = run_train(config, "train.max_steps=8", f"output.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checkpoint " in proc.stderr and "step-6 is unusable (cannot be loaded" in proc.stderr
+    assert "at step 4" in proc.stderr
+    assert "weights_only=False" not in proc.stderr and "weights_only` set to `False" \
+        not in proc.stderr
+
+
+# ---------------------------------------------------------------- supervision
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return False
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+SMALL = ["model.depth=1", "model.width=32", "model.heads=4", "model.context_length=32",
+         "train.global_batch_size=8", "data.max_bytes=200000", "data.num_workers=0",
+         "schedule.warmup_steps=2", "train.eval_batches=1", "logging.every_steps=1",
+         "logging.progress=plain"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_workers_never_outlive_the_launcher(tmp_path, nproc):
+    """kill -9 of the launcher: its workers get SIGTERM, checkpoint and exit; a rerun resumes."""
+    log = (tmp_path / "out.log").open("w")
+    cmd = [sys.executable, ENTRY, "train", str(ROOT / "configs" / "quickstart.yaml"), *SMALL,
+           f"distributed.nproc_per_node={nproc}", "train.max_steps=100000",
+           f"output.dir={tmp_path / 'runs'}"]
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "step 5/" in (tmp_path / "out.log").read_text(), 180, "no training")
+        below = descendants(launcher.pid)
+        assert below
+        launcher.kill()
+        launcher.wait()
+        wait_for(lambda: not any(alive(p) for p in below), 60, "workers outlived the launcher")
+    finally:
+        for pid in [p for p in below if alive(p)] if "below" in locals() else []:
+            os.kill(pid, signal.SIGKILL)
+    assert (tmp_path / "runs" / "quickstart" / "checkpoints" / "latest").exists()
+    rerun = entry("train", str(ROOT / "configs" / "quickstart.yaml"), *SMALL,
+                  f"distributed.nproc_per_node={nproc}", "train.max_steps=2",
+                  f"output.dir={tmp_path / 'runs'}", cwd=tmp_path)
+    assert rerun.returncode == 0 and "nothing to do" in rerun.stdout + rerun.stderr
+
+
+def is_local_rank_1(pid: int) -> bool:
+    try:
+        return ("launcher.worker" in Path(f"/proc/{pid}/cmdline").read_text()
+                and "\0LOCAL_RANK=1\0" in "\0" + Path(f"/proc/{pid}/environ").read_text())
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_two_process_node_recovers_from_a_lost_worker_bitwise(tmp_path):
+    """kill -9 of local rank 1 after a checkpoint: torchrun restarts both, they resume,
+    and the run ends with the losses of an uninterrupted one."""
+    args = [str(ROOT / "configs" / "quickstart.yaml"), *SMALL, "distributed.nproc_per_node=2",
+            "train.max_steps=40", "checkpoint.every_steps=10"]
+    reference = entry("train", *args, f"output.dir={tmp_path / 'ref'}", cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    log = (tmp_path / "out.log").open("w")
+    launcher = subprocess.Popen([sys.executable, ENTRY, "train", *args,
+                                 f"output.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                                env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        text = lambda: (tmp_path / "out.log").read_text()  # noqa: E731
+        wait_for(lambda: "checkpoint saved" in text() and "step-10" in text(), 180,
+                 "no checkpoint")
+        rank1 = [p for p in descendants(launcher.pid) if is_local_rank_1(p)]
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGKILL)
+        assert launcher.wait(timeout=240) == 0, text()[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert "resumed from" in text()
+    assert losses(tmp_path / "run" / "quickstart") == losses(tmp_path / "ref" / "quickstart")
+
+
+def test_one_run_directory_one_writer(tmp_path):
+    """A second launch of a running run fails at once naming the holder; a dead holder's
+    lock is taken over; nodes of one job share it."""
+    from train import runlock
+    from train.errors import CannotRunHere
+    run = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from train import runlock; runlock.acquire(Path(sys.argv[1]), 'job-a'); "
+         "print('held', flush=True); time.sleep(120)", str(run)],
+        cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CannotRunHere) as err:
+            runlock.acquire(run, None)
+        assert f"in use by pid {holder.pid}" in str(err.value)
+        same_job = runlock.acquire(run, "job-a")  # another node of the same job
+        assert same_job.fd is None
+        holder.kill()
+        holder.wait()
+        taken = runlock.acquire(run, None)  # the kernel released the dead holder's lock
+        assert taken.fd is not None
+        assert json.loads((run / ".lock").read_text())["pid"] == os.getpid()
+        taken.release()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+
+
+@pytest.mark.slow
+def test_a_second_launch_of_a_running_run_exits_3(tmp_path):
+    args = [str(ROOT / "configs" / "quickstart.yaml"), *SMALL, "train.max_steps=100000",
+            f"output.dir={tmp_path / 'runs'}"]
+    log = (tmp_path / "out.log").open("w")
+    first = subprocess.Popen([sys.executable, ENTRY, "train", *args], cwd=tmp_path,
+                             env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "step 2/" in (tmp_path / "out.log").read_text(), 180, "no training")
+        second = entry("train", *args, "seed=2", cwd=tmp_path)
+        assert second.returncode == 3
+        assert "is in use by pid" in last_line(second.stderr)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == 143
+    finally:
+        if first.poll() is None:
+            first.kill()
+    config = (tmp_path / "runs" / "quickstart" / "config.yaml").read_text()
+    assert "seed: 0" in config  # the second launch wrote nothing
+
+
+def test_a_full_disk_is_said_in_words(tmp_path):
+    """torch reports a short write as "[enforce fail at inline_container.cc] unexpected pos"."""
+    from train.checkpoint import write_error
+    with pytest.raises(RuntimeError) as real:  # a real short write: /dev/full takes nothing
+        torch.save({"w": torch.zeros(100_000)}, "/dev/full")
+    (tmp_path / "checkpoints" / "step-5.partial").mkdir(parents=True)
+    message = str(write_error(real.value, tmp_path / "checkpoints" / "step-5.partial" / "state.pt"))
+    assert message.startswith("cannot write checkpoint file step-5.partial/state.pt: ")
+    assert f"is the disk holding {tmp_path / 'checkpoints'} full" in message
+    assert message.endswith("the previous checkpoint is intact")
