@@ -70,6 +70,10 @@ def cmd_train(args: list[str]) -> int:
     cfg = load_config(ns.config, ns.overrides)
     check_resume_compatible(cfg, ns.config)
     hw = detect(env)
+    # This process's own torch use (a store client watching the rendezvous) must not
+    # print C++ stack frames when the store goes away; read once, as torch loads. The
+    # workers get the environment as it was (env.raw).
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     tb = torch_build()
     if not tb.importable:
         raise CannotRunHere(f"torch is not importable: {tb.error}; rebuild the image")

@@ -47,6 +47,10 @@ class Plan:
     max_restarts: int
     convention: str
     job: str | None = None           # shared by every node of the job (the run lock's id)
+    store: str | None = None         # host:port of a rendezvous store to wait for when lost
+    store_wait_s: int = 0
+    join_timeout_s: int = 0          # how long the rendezvous waits for the minimum of nodes
+    static_nodes: bool = False       # several nodes, static rendezvous: none can be replaced
     rdzv_host: str | None = None
     log_dir: str | None = None
     notes: tuple[str, ...] = ()
@@ -171,7 +175,10 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     check_gpu_only(cfg, device == "gpu", source)
     backend = resolve_backend(cfg.distributed.backend, device == "gpu")
     check_backend_built(backend, tb)
-    nodes = conventions.resolve(environ)
+    d = cfg.distributed
+    nodes = conventions.resolve(environ, conventions.Timings(
+        d.rdzv_join_timeout_s, d.rdzv_last_call_s, d.rdzv_keep_alive_s,
+        d.rdzv_keep_alive_attempts))
     notes.extend(nodes.notes)
     nproc = resolve_nproc(cfg, hw, device, nodes, source, notes)
     sizes = world_sizes(cfg, nodes, nproc)
@@ -198,6 +205,9 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     return Plan(mode="direct" if direct else "torchrun", argv=tuple(argv), env=variables.values,
                 device=device, backend=backend, nproc_per_node=nproc,
                 nnodes=(nodes.min, nodes.max), world_sizes=sizes, max_restarts=max_restarts,
-                convention=nodes.convention, job=nodes.job, rdzv_host=nodes.host,
+                convention=nodes.convention, job=nodes.job, store=nodes.store,
+                store_wait_s=d.rdzv_store_wait_s, join_timeout_s=d.rdzv_join_timeout_s,
+                static_nodes=nodes.static and nodes.max > 1,
+                rdzv_host=nodes.host,
                 log_dir=log_dir,
                 notes=tuple(notes), warnings=tuple(warnings))

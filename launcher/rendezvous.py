@@ -5,22 +5,24 @@ and every node restarts (kubeflow/trainer#1638). This process holds a
 ``torch.distributed.TCPStore`` server on its own (the Kubernetes rendezvous
 Deployment + Service); worker nodes join it with ``is_host=false`` and a run id
 unique to the job. It logs each run's rounds, members and waiting nodes as they
-change, reading the state torchrun's agents write with an allow-list unpickler (no
-class outside the rendezvous state is ever built), and stops cleanly on SIGTERM/SIGINT.
+change (:mod:`launcher.rdzv_state` reads them safely), and stops cleanly on
+SIGTERM/SIGINT.
+
+:class:`RoundWatcher` is the same view from a worker node: its launcher logs one line
+per round (members, who joined or left, what it waits for and until when) and a
+periodic "still waiting" line while a round is blocked.
 """
 
 from __future__ import annotations
 
-import base64
-import copyreg
 import datetime
-import io
-import pickle
 import signal
+import socket
 import threading
+import time
 from collections.abc import Callable
 
-PREFIX = "torch.rendezvous."
+from launcher.rdzv_state import PREFIX, Round, describe, printable, read_round
 
 
 def _keys(store) -> list[str] | None:
@@ -31,64 +33,6 @@ def _keys(store) -> list[str] | None:
         return list(lister())
     except Exception:
         return None
-
-
-class _Stub:
-    """Stands in for torchrun's rendezvous classes: holds their fields, runs no code."""
-
-    def __setstate__(self, state: object) -> None:
-        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-
-
-_RDZV = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
-_STUBS = {name: type(name, (_Stub,), {}) for name in ("_RendezvousState", "_NodeDesc")}
-_SAFE = {("datetime", "datetime"): datetime.datetime, ("datetime", "timezone"): datetime.timezone,
-         ("datetime", "timedelta"): datetime.timedelta, ("copyreg", "_reconstructor"):
-         copyreg._reconstructor, ("builtins", "object"): object, ("builtins", "set"): set,
-         ("builtins", "frozenset"): frozenset}
-
-
-class _AllowList(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if module == _RDZV and name in _STUBS:
-            return _STUBS[name]
-        if (module, name) in _SAFE:
-            return _SAFE[(module, name)]
-        raise pickle.UnpicklingError(f"refusing {module}.{name}")
-
-
-def printable(text: str, limit: int = 80) -> str:
-    """Text from the network as one log-safe line: control characters (newlines, ANSI
-    escapes) shown as escapes, so a node's name cannot forge or garble log lines."""
-    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
-                  for c in str(text))
-    return out if len(out) <= limit else out[: limit - 3] + "..."
-
-
-def _node(desc: object) -> str:
-    return printable(f"{getattr(desc, 'addr', '?')}:{getattr(desc, 'pid', '?')}")
-
-
-def describe(raw: bytes) -> str | None:
-    """A one-line summary of a c10d rendezvous state value; None when unreadable."""
-    try:
-        state = _AllowList(io.BytesIO(base64.b64decode(raw))).load()
-    except Exception:
-        return None
-    members = sorted(getattr(state, "participants", {}).items(), key=lambda kv: kv[1])
-    waiting = sorted(_node(n) for n in getattr(state, "wait_list", ()))
-    text = (f"round {getattr(state, 'round', '?')} "
-            f"{'complete' if getattr(state, 'complete', False) else 'forming'}: "
-            f"{len(members)} node(s) [" + ", ".join(f"{_node(n)} rank {r}" for n, r in members)
-            + "]")
-    if waiting:
-        text += f"; waiting to join: {', '.join(waiting)}"
-    if getattr(state, "closed", False):
-        text += "; closed (a new job needs a new run id)"
-    return text
 
 
 def watch(store, seen: dict[str, str | None], log: Callable[[str], None]) -> None:
@@ -134,3 +78,86 @@ def serve(port: int, log: Callable[[str], None], host: str = "0.0.0.0",
     log("stopping: rendezvous store shut down")
     del store
     return 0
+
+
+def reachable(endpoint: str, timeout_s: float = 1.0) -> bool:
+    """Does something accept connections at host:port?"""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+class RoundWatcher(threading.Thread):
+    """A node's view of its job's rendezvous: polls the store (as a client) while
+    torchrun runs and logs each round, who joined or left, and waits that drag on.
+    Quiet when the store is unreachable: the supervisor reports that."""
+
+    def __init__(self, endpoint: str, run_id: str, nnodes: tuple[int, int],
+                 join_timeout_s: int, log: Callable[[str], None], poll_s: float = 0.5,
+                 still_every_s: float = 15.0) -> None:
+        super().__init__(name="rendezvous-watch", daemon=True)
+        self.endpoint, self.key = endpoint, PREFIX + run_id
+        self.nnodes, self.join_timeout_s, self.log = nnodes, join_timeout_s, log
+        self.poll_s, self.still_every_s = poll_s, still_every_s
+        self.stop = threading.Event()
+        self.last: Round | None = None
+        self.members: set[str] = set()     # of the last complete round
+        self.members_round = -1
+        self.forming_since: float | None = None
+        self.said_still = 0.0
+
+    def run(self) -> None:
+        store = None
+        while not self.stop.wait(self.poll_s):
+            # A plain connection first: torch's store client prints C++ stack frames on
+            # every call to a store that went away.
+            if not reachable(self.endpoint):
+                store = None  # gone or restarting: the supervisor reports that
+                continue
+            try:
+                store = store or self._connect()
+                if store.check([self.key]):
+                    self.observe(read_round(store.get(self.key)))
+            except Exception:
+                store = None
+
+    def _connect(self):
+        import torch.distributed as dist
+        host, _, port = self.endpoint.rpartition(":")
+        return dist.TCPStore(host.strip("[]"), int(port), is_master=False,
+                             timeout=datetime.timedelta(seconds=5))
+
+    def observe(self, r: Round | None, now: float | None = None) -> None:
+        """Log what changed since the last look (also called by tests with a Round)."""
+        if r is None:
+            return
+        now = time.monotonic() if now is None else now
+        if self.last is None or r.key() != self.last.key():
+            self.log(f"rendezvous {describe(r)}{self._change(r)}")
+            self.said_still = now
+        if r.complete and r.number != self.members_round:
+            self.members, self.members_round = set(r.members), r.number
+        if r.complete:
+            self.forming_since = None
+        elif self.forming_since is None or (self.last and r.number != self.last.number):
+            self.forming_since = now
+        elif now - self.said_still >= self.still_every_s:
+            waited = now - self.forming_since
+            self.log(f"rendezvous: still waiting in round {r.number}: {len(r.members)} node(s) "
+                     f"joined, at least {self.nnodes[0]} needed, for {waited:.0f} s (gives up "
+                     f"after distributed.rdzv_join_timeout_s={self.join_timeout_s})")
+            self.said_still = now
+        self.last = r
+
+    def _change(self, r: Round) -> str:
+        """Who joined and who left since the previous complete round."""
+        if not r.complete or not self.members or r.number == self.members_round:
+            return ""
+        joined = sorted(set(r.members) - self.members)
+        left = sorted(self.members - set(r.members))
+        parts = ([f"joined: {', '.join(joined)}"] if joined else []) + \
+            ([f"left: {', '.join(left)}"] if left else [])
+        return "; " + "; ".join(parts) if parts else ""

@@ -12,28 +12,35 @@ by SIGTERM, so its own code cannot be passed through. The launcher instead:
   0 done, 143 stopped by a signal, 1 failed (naming the first failing rank).
 
 For one process, ``distributed.max_restarts`` restarts the worker here, as torchrun
-would.
+would. When torchrun loses the standalone rendezvous store (exit
+:data:`~launcher.torchrun.STORE_LOST`), the launcher waits, bounded, for the store to
+come back and starts torchrun again: the nodes re-rendezvous and resume from the last
+checkpoint, without a pod restart (exit 5 if it does not come back).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from launcher import reports
 from launcher.plan import Plan
+from launcher.rendezvous import RoundWatcher, reachable
 from launcher.reports import Report
-from train.errors import (EXIT_OK, EXIT_STOPPED_BY_SIGNAL, EXIT_TRAINING_FAILED,
-                          FINAL_EXIT_CODES)
+from launcher.torchrun import STORE_LOST
+from train.errors import (EXIT_OK, EXIT_STOPPED_BY_SIGNAL, EXIT_STORE_LOST,
+                          EXIT_TRAINING_FAILED, FINAL_EXIT_CODES)
 from train.host import die_with_parent
-from train.worker_env import STATUS_DIR_VAR
+from train.worker_env import RELAUNCH_VAR, STATUS_DIR_VAR
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
@@ -71,6 +78,21 @@ class Forwarder:
             proc.send_signal(sig)
 
 
+# gloo's words for a peer that died (its process, or its whole node), both forms.
+_PEER = (re.compile(r"\[([^\]]+)\]:(\d+): Connection (?:reset|closed) by peer"),
+         re.compile(r"Connection (?:reset|closed) by peer \[([^\]]+)\]:(\d+)"))
+
+
+def peer_lost(error: str) -> str | None:
+    """A short line for "a peer died" errors, which otherwise run to several lines."""
+    for pattern in _PEER:
+        m = pattern.search(error)
+        if m:
+            return (f"lost the connection to the worker at {m[1]}:{m[2]} (that worker or "
+                    "its node died; its own log says why)")
+    return None
+
+
 def read_reports(folder: Path) -> list[Report]:
     """The latest report of each rank (elastic restarts renumber ranks: keep the last round)."""
     return reports.latest_round(reports.read_all(folder))
@@ -91,11 +113,15 @@ def classify(rc: int, found: list[Report], signals: list[int], expected: int,
                                                    f"{r.exit_code}; see its output above")
         code = EXIT_TRAINING_FAILED
         where = f"its log {r.log_dir}/stderr.log" if r.log_dir else "its output above"
-        what = r.error or f"exit code {r.exit_code}"
+        what = peer_lost(r.error or "") or r.error or f"exit code {r.exit_code}"
         more = f" ({len(failed) - 1} more rank(s) failed)" if len(failed) > 1 else ""
         return Outcome(code, f"error: training failed: rank {r.rank}: {what}{more}; "
                              f"details in {where}")
     stopped = [r for r in found if r.exit_code == EXIT_STOPPED_BY_SIGNAL]
+    if mode == "torchrun" and rc == STORE_LOST and not signals:
+        return Outcome(EXIT_STORE_LOST, "error: torchrun lost its rendezvous store and stopped "
+                                        f"the workers ({len(stopped)} of {expected} confirmed "
+                                        "their checkpoint); rerun to resume")
     if signals or stopped:
         if rc == 0 and not stopped and len(found) >= expected:
             return Outcome(EXIT_OK)  # the signal came as the last step finished
@@ -129,39 +155,107 @@ def _child_setup(launcher_pid: int) -> Callable[[], None]:
     return lambda: die_with_parent(signal.SIGTERM, parent=launcher_pid)
 
 
+# A flapping store could otherwise relaunch forever; each relaunch resumes from a checkpoint.
+MAX_STORE_RELAUNCHES = 10
+
+
 def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
         keep_fds: tuple[int, ...] = ()) -> int:
-    """Start the plan's command, forward signals, restart (direct mode), map the result.
-    keep_fds: descriptors the child inherits (the run-directory lock, so that it is held
-    as long as any process of the run lives)."""
+    """Start the plan's command, forward signals, restart (direct mode) or relaunch (the
+    rendezvous store came back), map the result. keep_fds: descriptors the child inherits
+    (the run-directory lock, so that it is held as long as any process of the run lives)."""
     folder = Path(tempfile.mkdtemp(prefix="train-launcher-"))
     env = {**base_env, **plan.env, STATUS_DIR_VAR: str(folder)}
     log(f"set {STATUS_DIR_VAR}={folder} (where workers report how they ended)")
     forwarder = Forwarder()
     forwarder.install()
-    attempts = plan.max_restarts + 1 if plan.mode == "direct" else 1
+    restarts = relaunches = 0
     outcome = Outcome(EXIT_STOPPED_BY_SIGNAL, "stopped by a signal before training started")
     try:
-        for attempt in range(attempts):
-            if forwarder.received:
-                break
+        while not forwarder.received:
             if plan.mode == "direct":
-                env["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
-                log(f"set TORCHELASTIC_RESTART_COUNT={attempt}")
-            proc = subprocess.Popen(list(plan.argv), env=env, start_new_session=True,
-                                    pass_fds=keep_fds, preexec_fn=_child_setup(os.getpid()))
-            forwarder.attach(proc)
-            rc = proc.wait()
-            forwarder.proc = None
+                env["TORCHELASTIC_RESTART_COUNT"] = str(restarts)
+                log(f"set TORCHELASTIC_RESTART_COUNT={restarts}")
+            rc = _start_and_wait(plan, env, keep_fds, forwarder, log)
             outcome = classify(rc, read_reports(folder), forwarder.received,
                                plan.nproc_per_node, plan.mode)
-            if outcome.code != EXIT_TRAINING_FAILED or forwarder.received \
-                    or attempt + 1 == attempts:
+            if forwarder.received:
                 break
-            log(f"worker failed; restart {attempt + 1} of {plan.max_restarts}")
+            if rc == STORE_LOST and plan.store:
+                if relaunches == MAX_STORE_RELAUNCHES or not _store_returns(plan, forwarder,
+                                                                           log):
+                    outcome = store_lost(plan, relaunches)
+                    break
+                relaunches += 1
+                env[RELAUNCH_VAR] = str(relaunches)
+                log(f"set {RELAUNCH_VAR}={relaunches} (the same run, joining again)")
+                continue
+            if outcome.code == EXIT_TRAINING_FAILED and plan.static_nodes:
+                outcome = Outcome(outcome.code, f"{outcome.message}. With a static rendezvous "
+                                  f"({plan.convention}) a lost node cannot rejoin: every node "
+                                  "stops; restart the job's pods and they resume from the "
+                                  "last checkpoint")
+            if plan.mode == "direct" and outcome.code == EXIT_TRAINING_FAILED \
+                    and restarts < plan.max_restarts:
+                restarts += 1
+                log(f"worker failed; restart {restarts} of {plan.max_restarts}")
+                continue
+            break
     finally:
         forwarder.restore()
         shutil.rmtree(folder, ignore_errors=True)
     if outcome.message:
         print(outcome.message, file=sys.stderr, flush=True)
     return outcome.code
+
+
+def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
+                    forwarder: Forwarder, log: Callable[[str], None]) -> int:
+    watcher = None
+    if plan.store and plan.job:  # a node's one-line view of each rendezvous round
+        watcher = RoundWatcher(plan.store, plan.job, plan.nnodes, plan.join_timeout_s, log)
+        watcher.start()
+    try:
+        proc = subprocess.Popen(list(plan.argv), env=env, start_new_session=True,
+                                pass_fds=keep_fds, preexec_fn=_child_setup(os.getpid()))
+        forwarder.attach(proc)
+        rc = proc.wait()
+        forwarder.proc = None
+        return rc
+    finally:
+        if watcher is not None:
+            watcher.stop.set()
+
+
+def _store_returns(plan: Plan, forwarder: Forwarder, log: Callable[[str], None],
+                   poll_s: float = 1.0) -> bool:
+    """Wait, bounded, until the rendezvous store accepts connections again (on
+    Kubernetes its Deployment restarts it within seconds); False on timeout or a signal."""
+    log(f"the rendezvous store {plan.store} is unreachable (the workers checkpointed); "
+        f"waiting up to {plan.store_wait_s} s for it to come back "
+        "(distributed.rdzv_store_wait_s)")
+    deadline = time.monotonic() + plan.store_wait_s
+    said = time.monotonic()
+    while not forwarder.received:
+        if reachable(plan.store):
+            log(f"the rendezvous store {plan.store} is back: joining the job again; it "
+                "resumes from its last checkpoint")
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        if time.monotonic() - said >= 30:
+            left = deadline - time.monotonic()
+            log(f"still waiting for the rendezvous store {plan.store} ({left:.0f} s left)")
+            said = time.monotonic()
+        time.sleep(poll_s)
+    return False
+
+
+def store_lost(plan: Plan, relaunches: int) -> Outcome:
+    why = (f"did not come back within {plan.store_wait_s} s (distributed.rdzv_store_wait_s)"
+           if relaunches < MAX_STORE_RELAUNCHES else
+           f"was lost {relaunches + 1} times (the most this launcher rejoins)")
+    return Outcome(EXIT_STORE_LOST, f"error: the rendezvous store {plan.store} {why}; the "
+                                    "workers wrote their checkpoint. Check the rendezvous "
+                                    "Deployment and Service, then restart this pod: it "
+                                    "resumes from the last checkpoint")

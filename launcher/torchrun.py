@@ -1,22 +1,83 @@
 """torchrun, as the launcher runs it: ``python -m launcher.torchrun`` takes torchrun's
-arguments, and differs in one way only.
+arguments and differs in what it says and in one identity detail.
 
-Stopped by a signal (SIGTERM from Kubernetes, systemd, ``timeout``, a forwarded
-Ctrl-C), torchrun forwards it to the workers, which checkpoint and exit, and then
-dies with a 25-line ``SignalException`` traceback, in every run. The signal is the
-normal way a job ends early, so here it ends with ``128 + signal`` and one line; the
-launcher reads the workers' reports and says the rest.
+- Stopped by a signal (SIGTERM from Kubernetes, systemd, ``timeout``, a forwarded
+  Ctrl-C), torchrun forwards it to the workers, which checkpoint and exit, and then
+  dies with a 25-line ``SignalException`` traceback. Here: ``128 + signal`` and one line.
+- Losing the rendezvous store (its pod restarted, its node drained), torchrun stops the
+  workers (they checkpoint) and dies with pages of C++ frames and Python tracebacks.
+  Here: one line and exit :data:`STORE_LOST`, which tells the launcher to wait for the
+  store and start torchrun again (see :mod:`launcher.supervise`). The same when the
+  store cannot be reached at start.
+- A worker failing ends torchrun with a 20-line "Root Cause" table; here one line (the
+  launcher names the failing rank, its error and its log).
+- A node presents itself to the rendezvous as (address, pid, local id). Two pods with
+  the same hostname and the same PID tree (a replacement pod, simulated nodes in PID
+  namespaces) would be the same participant and hang. The local id is randomised
+  here, so every torchrun process is a participant of its own.
+
+C++ warnings of torch's store client (each with its stack frames) are silenced in
+this process only; the workers keep the user's ``TORCH_CPP_LOG_LEVEL``.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import signal
 import sys
 
+# Exit status meaning "the rendezvous store is unreachable" (EX_TEMPFAIL).
+STORE_LOST = 75
+
+
+def _quiet_cpp_warnings():
+    """Set TORCH_CPP_LOG_LEVEL=ERROR while torch loads (it is read then); return a
+    function that restores the variable for the workers torchrun will start."""
+    before = os.environ.get("TORCH_CPP_LOG_LEVEL")
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+
+    def restore() -> None:
+        if before is None:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
+        else:
+            os.environ["TORCH_CPP_LOG_LEVEL"] = before
+    return restore
+
+
+def _unique_node_ids() -> None:
+    """Start this process's rendezvous local ids at a random number (torch starts at 0).
+
+    The generator is a class attribute of the handler, created when torch is imported;
+    on a torch without it the identities stay torch's (addresses should then differ:
+    set TRAIN_LOCAL_ADDR to the pod IP).
+    """
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+    handler = getattr(rdzv, "DynamicRendezvousHandler", None)
+    generator = getattr(handler, "_node_desc_generator", None)
+    if generator is None or not isinstance(getattr(generator, "_local_id", None), int):
+        return
+    with generator._lock:
+        generator._local_id = secrets.randbits(31)
+
+
+def _first_line(exc: BaseException) -> str:
+    cause = exc.__cause__ or exc
+    text = " ".join(str(cause).split()) or type(cause).__name__
+    return f"{type(cause).__name__}: {text[:200]}"
+
 
 def main() -> int:
+    restore = _quiet_cpp_warnings()
+    import torch.distributed  # noqa: F401 - loads libtorch with the quiet log level
+    restore()
+    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import (RendezvousConnectionError,
+                                                          RendezvousTimeoutError)
     from torch.distributed.run import main as torchrun_main
+    _unique_node_ids()
     try:
         torchrun_main()
     except SignalException as exc:
@@ -24,6 +85,20 @@ def main() -> int:
         print(f"torchrun: stopped by {name}; workers were told to checkpoint and exit",
               file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
+    except (RendezvousConnectionError, DistNetworkError, DistStoreError) as exc:
+        print(f"torchrun: lost the rendezvous store ({_first_line(exc)}); workers were told "
+              "to checkpoint and exit", file=sys.stderr, flush=True)
+        return STORE_LOST
+    except ChildFailedError as exc:  # the workers' own reports tell the launcher the rest
+        failures = ", ".join(f"local rank {f.local_rank} (exit {f.exitcode})"
+                             for f in exc.failures.values())
+        print(f"torchrun: worker(s) failed: {failures}", file=sys.stderr, flush=True)
+        return 1
+    except RendezvousTimeoutError as exc:
+        print(f"torchrun: the rendezvous did not complete in time ({_first_line(exc)}): "
+              "fewer nodes than the minimum joined within distributed.rdzv_join_timeout_s",
+              file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -120,7 +120,8 @@ def test_torchrun_pet_variables_elastic_c10d(cfg_file):
     assert p.convention == "torchrun-env" and p.nnodes == (1, 4)
     assert list(p.argv) == torchrun(
         "--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "rdzv.ns.svc:29400",
-        "--rdzv-id", "job-123", "--rdzv-conf", "keep_alive_interval=2,keep_alive_max_attempt=3",
+        "--rdzv-id", "job-123", "--rdzv-conf",
+        "join_timeout=600,last_call_timeout=3,keep_alive_interval=2,keep_alive_max_attempt=3",
         nproc=2, restarts=10) + [path, "device=gpu", "distributed.backend=nccl"]
     assert p.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert p.rdzv_host == "rdzv.ns.svc" and p.world_sizes == (2, 4, 6, 8)
@@ -132,7 +133,8 @@ def test_pet_rdzv_conf_entries_win_over_defaults(cfg_file):
            "PET_RDZV_CONF": "is_host=false,keep_alive_interval=7"}
     p = make(cfg_file(), env=env)
     conf = p.argv[p.argv.index("--rdzv-conf") + 1]
-    assert conf == "keep_alive_interval=7,keep_alive_max_attempt=3,is_host=false"
+    assert conf == ("join_timeout=600,last_call_timeout=3,keep_alive_interval=7,"
+                    "keep_alive_max_attempt=3,is_host=false")
 
 
 def test_kubeflow_v1_static_rendezvous(cfg_file):
@@ -143,7 +145,8 @@ def test_kubeflow_v1_static_rendezvous(cfg_file):
     assert p.convention == "kubeflow-v1" and p.nnodes == (3, 3) and p.world_sizes == (24,)
     assert list(p.argv) == torchrun(
         "--nnodes", "3", "--node-rank", "2", "--rdzv-backend", "static",
-        "--master-addr", "job-master-0", "--master-port", "23456", nproc=8) + [
+        "--master-addr", "job-master-0", "--master-port", "23456", "--rdzv-conf", "timeout=600",
+        nproc=8, restarts=0) + [
         path, "device=gpu", "distributed.backend=nccl"]
     assert p.rdzv_host == "job-master-0"
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in p.env
@@ -164,7 +167,8 @@ def test_indexed_job_with_standalone_store(cfg_file):
     assert list(p.argv) == torchrun(
         "--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "train-rdzv:29400",
         "--rdzv-id", "0b7c-uid", "--rdzv-conf",
-        "is_host=false,keep_alive_interval=2,keep_alive_max_attempt=3",
+        "is_host=false,join_timeout=600,last_call_timeout=3,keep_alive_interval=2,"
+        "keep_alive_max_attempt=3",
         "--local-addr", "10.0.0.7", nproc=2) + [
         path, "distributed.nproc_per_node=2", "device=cpu", "distributed.backend=gloo"]
     assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "4", "NCCL_SOCKET_IFNAME": "eth0",

@@ -69,7 +69,7 @@ def choose_checkpoint(c: Components) -> tuple[Path | None, tuple | None]:
     resume from different steps after one of them failed to read a file. Returns the path
     and, on rank 0, what it already loaded."""
     choice = c.cfg.checkpoint.resume_from
-    if choice == "none" and c.env.restart_count > 0:
+    if choice == "none" and c.env.continuing:
         choice = AUTO  # a restart of this attempt continues it instead of starting over
     if choice == "none":
         if c.env.is_main:
@@ -318,7 +318,7 @@ def log_eval(c: Components, metrics: MetricsLogger | None, step: int) -> dict[st
 def refuse_a_diverged_restart(c: Components) -> None:
     """torchrun restarts workers whatever their exit code; a restart of an attempt that
     diverged would diverge again, so it ends at once. A new run clears the marker."""
-    if c.env.restart_count > 0:
+    if c.env.continuing:
         message = read_marker(c.run_dir)
         if message:
             raise Diverged(message.removeprefix("error: "))

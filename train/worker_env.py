@@ -17,6 +17,8 @@ from train.host import DEFAULT_BUILD_MANIFEST, available_cpus
 
 # Set by the launcher's supervisor: the folder where each worker writes its report.
 STATUS_DIR_VAR = "TRAIN_LAUNCHER_STATUS_DIR"
+# Set by the supervisor when it starts torchrun again for the same run (store came back).
+RELAUNCH_VAR = "TRAIN_RELAUNCH"
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class WorkerEnv:
     local_world_size: int = 1
     group_world_size: int | None = None  # torchrun: nodes in this rendezvous round
     restart_count: int = 0
+    relaunch: int = 0                    # the launcher's relaunches of torchrun (same run)
     elastic_run_id: str | None = None    # TORCHELASTIC_RUN_ID: the torchrun job, when there is one
     status_dir: str | None = None        # the launcher's report folder, when supervised
     log_dir: str | None = None           # torchrun's per-worker log folder, when it keeps one
@@ -51,6 +54,7 @@ class WorkerEnv:
                    world_size=num("WORLD_SIZE", 1), local_world_size=num("LOCAL_WORLD_SIZE", 1),
                    group_world_size=num("GROUP_WORLD_SIZE", None),
                    restart_count=num("TORCHELASTIC_RESTART_COUNT", 0),
+                   relaunch=num(RELAUNCH_VAR, 0),
                    elastic_run_id=text("TORCHELASTIC_RUN_ID"),
                    status_dir=text(STATUS_DIR_VAR), log_dir=_torchrun_log_dir(env),
                    build_manifest=text("TRAIN_BUILD_MANIFEST") or DEFAULT_BUILD_MANIFEST,
@@ -61,6 +65,11 @@ class WorkerEnv:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def continuing(self) -> bool:
+        """A restart or relaunch of the same attempt (not a new run of the command)."""
+        return self.restart_count > 0 or self.relaunch > 0
 
     @property
     def supervised(self) -> bool:

@@ -4,7 +4,7 @@ Each convention is one module here with
 
 - ``NAME``: what ``--dry-run`` and ``doctor`` call it;
 - ``detect(env) -> bool``: does the environment use this convention?
-- ``nodes(env) -> Nodes``: the node range, torchrun's rendezvous flags, the worker
+- ``nodes(env, timings) -> Nodes``: the node range, torchrun's rendezvous flags, the worker
   variables it needs, and the host that must resolve before starting.
 
 The first module in :data:`ORDER` whose ``detect`` is true wins; :mod:`.single` (one
@@ -19,18 +19,18 @@ from __future__ import annotations
 from types import ModuleType
 
 from launcher.conventions import indexed_job, kubeflow_v1, single, torchrun_env
-from launcher.conventions.common import DEFAULT_RDZV_PORT, Nodes
+from launcher.conventions.common import DEFAULT_RDZV_PORT, Nodes, Timings
 from launcher.environ import Environ
 
 # torchrun's own variables first: an elastic PyTorchJob also sets MASTER_ADDR & co.
 ORDER: tuple[ModuleType, ...] = (torchrun_env, indexed_job, kubeflow_v1)
 
-__all__ = ["DEFAULT_RDZV_PORT", "Nodes", "ORDER", "detect", "resolve"]
+__all__ = ["DEFAULT_RDZV_PORT", "Nodes", "ORDER", "Timings", "detect", "resolve"]
 
 
 def detect(env: Environ) -> ModuleType:
     return next((c for c in ORDER if c.detect(env)), single)
 
 
-def resolve(env: Environ) -> Nodes:
-    return detect(env).nodes(env)
+def resolve(env: Environ, timings: Timings = Timings()) -> Nodes:
+    return detect(env).nodes(env, timings)

@@ -16,7 +16,7 @@ any of them costs a re-rendezvous, not the job. Variables:
 
 from __future__ import annotations
 
-from launcher.conventions.common import (Nodes, dynamic_rendezvous, env_error, parse_endpoint,
+from launcher.conventions.common import (Nodes, Timings, dynamic_rendezvous, env_error, parse_endpoint,
                                          parse_nnodes)
 from launcher.environ import Environ, integer
 
@@ -28,7 +28,7 @@ def detect(env: Environ) -> bool:
     return index is not None and bool(env.get("TRAIN_RDZV_ENDPOINT"))
 
 
-def nodes(env: Environ) -> Nodes:
+def nodes(env: Environ, timings: Timings) -> Nodes:
     nnodes, run_id = env.get("TRAIN_NNODES"), env.get("TRAIN_RDZV_ID")
     if not nnodes:
         raise env_error("TRAIN_NNODES", "required with TRAIN_RDZV_ENDPOINT: N or MIN:MAX nodes")
@@ -41,11 +41,13 @@ def nodes(env: Environ) -> Nodes:
     host, port = parse_endpoint(env.get("TRAIN_RDZV_ENDPOINT"), "TRAIN_RDZV_ENDPOINT")
     # The store outlives the agents: a restart is a new round even at one node.
     args, out_env = dynamic_rendezvous(lo, hi, endpoint=(host, port), run_id=run_id,
-                                       own_conf={"is_host": "false"}, re_rendezvous=True)
+                                       own_conf={"is_host": "false"}, re_rendezvous=True,
+                                       timings=timings)
     local = env.get("TRAIN_LOCAL_ADDR")
     if local:
         args += ["--local-addr", local]
     note = (f"launch convention: Indexed Job (JOB_COMPLETION_INDEX="
             f"{env.get('JOB_COMPLETION_INDEX')}), standalone rendezvous store {host}:{port}, "
             f"nodes {lo}:{hi}")
-    return Nodes(NAME, lo, hi, tuple(args), out_env, host, job=run_id, notes=(note,))
+    return Nodes(NAME, lo, hi, tuple(args), out_env, host, job=run_id,
+                 store=f"{host}:{port}", notes=(note,))

@@ -9,7 +9,8 @@ the same names mean processes, so the convention does not apply there.
 
 from __future__ import annotations
 
-from launcher.conventions.common import Nodes, env_error, parse_port, static_rendezvous
+from launcher.conventions.common import (Nodes, Timings, env_error, parse_port,
+                                         static_rendezvous)
 from launcher.environ import Environ
 
 NAME = "kubeflow-v1"
@@ -21,7 +22,7 @@ def detect(env: Environ) -> bool:
         and not env.get("TORCHELASTIC_RUN_ID")
 
 
-def nodes(env: Environ) -> Nodes:
+def nodes(env: Environ, timings: Timings) -> Nodes:
     n, rank, addr = env.get("WORLD_SIZE"), env.get("RANK"), env.get("MASTER_ADDR")
     for var, value in (("WORLD_SIZE", n), ("RANK", rank)):
         if not value.isdigit():
@@ -33,6 +34,9 @@ def nodes(env: Environ) -> Nodes:
     note = (f"launch convention: Kubeflow PyTorchJob v1 (WORLD_SIZE={n} pods, this pod RANK="
             f"{rank}); torchrun gives the workers WORLD_SIZE = pods x nproc_per_node")
     return Nodes(NAME, pods, pods,
-                 tuple(static_rendezvous(pods, pods, rank=index, addr=addr, port=port)),
+                 tuple(static_rendezvous(pods, pods, rank=index, addr=addr, port=port,
+                                       timings=timings)),
                  host=addr if index != 0 else None, job=f"kubeflow:{addr}:{port}",
+                 max_restarts=0,  # a restart cannot bring back a lost pod: exit, restart pods
+                 static=True,
                  notes=(note,))

@@ -9,7 +9,7 @@ on torch 2.13 that round completes only with the rendezvous store not shared
 
 from __future__ import annotations
 
-from launcher.conventions.common import RE_RENDEZVOUS_ENV, Nodes
+from launcher.conventions.common import RE_RENDEZVOUS_ENV, Nodes, Timings
 from launcher.environ import Environ
 
 NAME = "single"
@@ -19,5 +19,5 @@ def detect(env: Environ) -> bool:
     return True
 
 
-def nodes(env: Environ) -> Nodes:
+def nodes(env: Environ, timings: Timings) -> Nodes:
     return Nodes(NAME, args=("--standalone", "--nnodes", "1"), env=dict(RE_RENDEZVOUS_ENV))

@@ -9,7 +9,7 @@ with one, dynamic (c10d unless ``PET_RDZV_BACKEND`` says otherwise).
 
 from __future__ import annotations
 
-from launcher.conventions.common import (Nodes, dynamic_rendezvous, env_error, parse_endpoint,
+from launcher.conventions.common import (Nodes, Timings, dynamic_rendezvous, env_error, parse_endpoint,
                                          parse_nnodes, parse_port, parse_rdzv_conf,
                                          static_rendezvous)
 from launcher.environ import Environ
@@ -42,27 +42,35 @@ def _nproc(env: Environ) -> int | None:
     return n
 
 
-def nodes(env: Environ) -> Nodes:
+def nodes(env: Environ, timings: Timings) -> Nodes:
     nnodes = env.get("PET_NNODES") or "1"
     lo, hi = parse_nnodes(nnodes, "PET_NNODES")
     endpoint = env.get("PET_RDZV_ENDPOINT")
     backend = env.get("PET_RDZV_BACKEND") or ("c10d" if endpoint else "static")
     notes = (f"launch convention: torchrun PET_* variables (PET_NNODES={nnodes})",)
     if backend == "static":
-        args, out_env, host = _static(env, lo, hi)
+        args, out_env, host = _static(env, lo, hi, timings)
     else:
-        args, out_env, host = _dynamic(env, lo, hi, backend, endpoint)
+        args, out_env, host = _dynamic(env, lo, hi, backend, endpoint, timings)
     local = env.get("PET_LOCAL_ADDR") or env.get("TRAIN_LOCAL_ADDR")
     if local:
         args += ["--local-addr", local]
     job = env.get("PET_RDZV_ID") or (f"static:{env.get('PET_MASTER_ADDR')}:"
                                       f"{env.get('PET_MASTER_PORT')}" if hi > 1 else None)
-    return Nodes(NAME, lo, hi, tuple(args), out_env, host,
-                 max_restarts=_int(env, "MAX_RESTARTS"), nproc=_nproc(env), job=job,
+    restarts = _int(env, "MAX_RESTARTS")
+    if restarts is None and backend == "static" and hi > 1:
+        restarts = 0  # static: a restart cannot bring back a lost node; exit promptly
+    store = None
+    if backend != "static" and env.get("PET_RDZV_ENDPOINT") and hi > 1:
+        where = parse_endpoint(env.get("PET_RDZV_ENDPOINT"), "PET_RDZV_ENDPOINT")
+        store = f"{where[0]}:{where[1]}"
+    return Nodes(NAME, lo, hi, tuple(args), out_env, host, max_restarts=restarts,
+                 nproc=_nproc(env), job=job, store=store, static=backend == "static",
                  notes=notes)
 
 
-def _static(env: Environ, lo: int, hi: int) -> tuple[list[str], dict[str, str], str | None]:
+def _static(env: Environ, lo: int, hi: int, timings: Timings
+            ) -> tuple[list[str], dict[str, str], str | None]:
     addr, port = env.get("PET_MASTER_ADDR"), env.get("PET_MASTER_PORT")
     rank = _int(env, "NODE_RANK")
     if hi > 1 and (not addr or rank is None):
@@ -71,12 +79,13 @@ def _static(env: Environ, lo: int, hi: int) -> tuple[list[str], dict[str, str], 
                         "PET_MASTER_PORT and PET_NODE_RANK (or use c10d with "
                         "PET_RDZV_ENDPOINT)")
     args = static_rendezvous(lo, hi, rank=rank, addr=addr,
-                             port=parse_port(port, "PET_MASTER_PORT") if port else None)
+                             port=parse_port(port, "PET_MASTER_PORT") if port else None,
+                             timings=timings)
     return args, {}, addr if (hi > 1 and rank != 0) else None
 
 
-def _dynamic(env: Environ, lo: int, hi: int, backend: str, endpoint: str | None
-             ) -> tuple[list[str], dict[str, str], str | None]:
+def _dynamic(env: Environ, lo: int, hi: int, backend: str, endpoint: str | None,
+             timings: Timings) -> tuple[list[str], dict[str, str], str | None]:
     conf = parse_rdzv_conf(env.get("PET_RDZV_CONF") or "", "PET_RDZV_CONF")
     if hi > 1 and not endpoint:
         raise env_error("PET_RDZV_ENDPOINT", f"required for {backend} rendezvous over "
@@ -89,5 +98,5 @@ def _dynamic(env: Environ, lo: int, hi: int, backend: str, endpoint: str | None
                                        "its uid; the default 'none' makes the store refuse new "
                                        "nodes (RendezvousClosedError)")
     args, out_env = dynamic_rendezvous(lo, hi, backend=backend, endpoint=where, run_id=run_id,
-                                       user_conf=conf, re_rendezvous=hi > 1)
+                                       user_conf=conf, re_rendezvous=hi > 1, timings=timings)
     return args, out_env, where[0] if where and hi > 1 else None

@@ -133,6 +133,20 @@ class DistributedConfig:
     max_restarts: int = opt(3, "torchrun restarts of the local workers after a failure.", ge=0)
     timeout_s: int = opt(600, "Collective timeout; a rank stuck this long dumps its stacks "
                               "and fails.", ge=10)
+    rdzv_join_timeout_s: int = opt(600, "Multi-node: how long nodes wait for the minimum "
+                                        "number of nodes before giving up (exit 1); also the "
+                                        "static rendezvous' wait (Kubeflow v1).", ge=1)
+    rdzv_last_call_s: int = opt(3, "Multi-node elastic: once the minimum is there, how long a "
+                                   "round stays open for more nodes. Each second here is a "
+                                   "second of standstill after a node is lost.", ge=0)
+    rdzv_keep_alive_s: int = opt(2, "Multi-node elastic: heartbeat interval; a node silent for "
+                                    "rdzv_keep_alive_s x rdzv_keep_alive_attempts seconds has "
+                                    "left the rendezvous.", ge=1)
+    rdzv_keep_alive_attempts: int = opt(3, "Multi-node elastic: missed heartbeats before a "
+                                           "node counts as gone.", ge=1)
+    rdzv_store_wait_s: int = opt(300, "Multi-node elastic: how long a node waits for a lost "
+                                      "rendezvous store to come back (and then re-joins) "
+                                      "before it exits 5.", ge=0)
     socket_ifname: str | None = opt(None, "Network interface for NCCL and gloo (sets "
                                           "NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); the "
                                           "TRAIN_SOCKET_IFNAME variable of a node wins.")

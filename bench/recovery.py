@@ -1,0 +1,118 @@
+"""Recovery time: from losing a worker or a node to the next training step.
+
+Three measurements with the real entrypoint on 127.0.0.1 (simulated nodes from
+tests/multinode.py: each node in its own PID namespace where the kernel allows, pinned
+to its own CPU):
+
+- single node, 2 processes: kill -9 one worker -> torchrun restarts both -> next step;
+- two nodes (``TRAIN_NNODES=1:2``, the standalone store): kill one node -> the
+  survivor's next step;
+- a replacement node started -> the next step at world size 2.
+
+Each is the median of ``--runs`` runs, printed in seconds and as a ratio to the
+single-node restart. Every wait is bounded; nothing is left running.
+
+    python bench/recovery.py [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from conftest import clean_env  # noqa: E402
+from multinode import ENTRY, Cluster, Process, descendants  # noqa: E402
+
+SMALL = [str(ROOT / "configs" / "quickstart.yaml"), "model.depth=1", "model.width=32",
+         "model.heads=4", "model.context_length=32", "train.global_batch_size=8",
+         "data.max_bytes=200000", "data.num_workers=0", "schedule.name=constant",
+         "schedule.warmup_steps=2", "train.eval_batches=1", "logging.every_steps=1",
+         "logging.progress=plain", "checkpoint.every_steps=20", "train.max_steps=100000"]
+STEP = r"\]:step \d+/"
+
+
+def first(nodes: list[Process], pattern: str, timeout: float = 240) -> Process:
+    deadline = time.monotonic() + timeout
+    while True:
+        for node in nodes:
+            if re.search(pattern, node.text()):
+                return node
+        if time.monotonic() > deadline:
+            sys.exit(f"no {pattern!r} within {timeout} s:\n{nodes[0].text()[-2000:]}")
+        time.sleep(0.05)
+
+
+def single_node(work: Path) -> float:
+    node = Process("single", [sys.executable, ENTRY, "train", *SMALL,
+                              "distributed.nproc_per_node=2", f"output.dir={work / 'runs'}"],
+                   clean_env(), work).start()
+    try:
+        first([node], r"\]:step 30/")
+        workers = [p for p in descendants(node.proc.pid)
+                   if b"launcher.worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        start = time.monotonic()
+        os.kill(max(workers), signal.SIGKILL)
+        first([node], r"resumed from (.|\n)*" + STEP)
+        return time.monotonic() - start
+    finally:
+        node.kill()
+
+
+def two_nodes(work: Path) -> tuple[float, float]:
+    cluster = Cluster(work, clean_env(), nnodes="1:2")
+    args = [*SMALL, f"output.dir={work / 'runs'}"]
+    try:
+        cluster.start_store()
+        nodes = [cluster.node(i, args).start() for i in range(2)]
+        main = first(nodes, r"world size 2(.|\n)*\]:step 30/")
+        lost = nodes[1] if main is nodes[0] else nodes[0]
+        start = time.monotonic()
+        lost.kill()
+        first([main], r"resumed from .*now 1\)(.|\n)*" + STEP)
+        shrink = time.monotonic() - start
+        start = time.monotonic()
+        back = cluster.node(1, args).start()
+        first([main, back], r"now 2\)(.|\n)*" + STEP)
+        return shrink, time.monotonic() - start
+    finally:
+        cluster.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args(argv)
+    single, shrink, join = [], [], []
+    for i in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
+            work = Path(tmp)
+            (work / "a").mkdir()
+            (work / "b").mkdir()
+            single.append(single_node(work / "a"))
+            s, j = two_nodes(work / "b")
+            shrink.append(s)
+            join.append(j)
+        print(f"run {i + 1}: single node {single[-1]:.1f} s, node lost {shrink[-1]:.1f} s, "
+              f"node joined {join[-1]:.1f} s", flush=True)
+    base = statistics.median(single)
+    print(f"median of {args.runs}: single-node restart {base:.1f} s (1.00)")
+    for name, values in (("2 nodes, one killed -> survivor's next step", shrink),
+                         ("replacement started -> next step at world size 2", join)):
+        m = statistics.median(values)
+        print(f"median of {args.runs}: {name}: {m:.1f} s ({m / base:.2f} x the single-node "
+              "restart)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Multi-node runs never hang silently. Simulated nodes (tests/multinode.py: the real
+entrypoint, each node in its own PID namespace where the kernel allows, all on
+127.0.0.1): node loss and rejoin, the static convention's bounded exit, colliding
+identities, rendezvous store loss and return. Every wait is bounded."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, clean_env, read_metrics
+from launcher.rdzv_state import Round, describe
+from launcher.rendezvous import RoundWatcher
+from multinode import ENTRY, Cluster, Process, pid_namespaces
+
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+# A constant schedule: a reference run stopped at any step saw the same learning rates.
+SMALL = [QUICKSTART, "model.depth=1", "model.width=32", "model.heads=4",
+         "model.context_length=32", "train.global_batch_size=8", "data.max_bytes=200000",
+         "data.num_workers=0", "schedule.name=constant", "schedule.warmup_steps=2",
+         "train.eval_batches=1", "logging.every_steps=1", "logging.progress=plain",
+         "checkpoint.every_steps=20", "train.max_steps=100000"]
+
+
+def first(nodes: list[Process], pattern: str, timeout: float = 180) -> Process:
+    """The first node whose output matches (ranks are assigned by the rendezvous)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for node in nodes:
+            if re.search(pattern, node.text()):
+                return node
+        assert time.monotonic() < deadline, f"no {pattern!r}: " + nodes[0].text()[-2000:]
+        time.sleep(0.1)
+
+
+def stop_all(nodes: list[Process]) -> list[int]:
+    for node in nodes:
+        node.signal(signal.SIGTERM)
+    return [node.wait(90) for node in nodes]
+
+
+def steps_and_losses(run: Path) -> dict[int, float]:
+    rows = [r for r in read_metrics(run) if "loss" in r]
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(1, len(steps) + 1)), "every step exactly once"
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path, clean_env(), nnodes="1:2")
+    yield c
+    c.close()
+
+
+@pytest.mark.slow
+def test_node_loss_and_rejoin_keep_every_step_and_the_trajectory(cluster, tmp_path):
+    args = [*SMALL, f"output.dir={tmp_path / 'runs'}"]
+    cluster.start_store()
+    nodes = [cluster.node(i, args).start() for i in range(2)]
+    main = first(nodes, r"world size 2(.|\n)*\]:step 30/")
+    lost = nodes[1] if main is nodes[0] else nodes[0]
+    lost.kill()
+    first([main], r"resumed from .*now 1\)(.|\n)*\]:step \d+/")  # shrunk, training again
+    back = cluster.node(1, args).start()
+    first([main, back], r"now 2\)(.|\n)*\]:step \d+/")  # the replacement joined
+    assert "left: " in main.text() and "joined: " in main.text()  # the node's round lines
+    assert stop_all([main, back]) == [143, 143]
+    run = tmp_path / "runs" / "quickstart"
+    got = steps_and_losses(run)
+    last = max(got)
+    ref = tmp_path / "ref"
+    done = subprocess.run(
+        [sys.executable, ENTRY, "train", *SMALL, f"output.dir={ref}", f"train.max_steps={last}"],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    want = steps_and_losses(ref / "quickstart")
+    # Same data order and global batch at every world size: the same trajectory up to
+    # floating-point reduction order (1 -> 2 -> 1 -> 2 processes over hundreds of steps).
+    tail = range(max(1, last - 19), last + 1)
+    mean = lambda d: sum(d[s] for s in tail) / len(tail)  # noqa: E731
+    assert abs(mean(got) - mean(want)) < 0.02 * mean(want)
+    assert all(abs(got[s] - want[s]) < 1e-4 for s in range(1, 21))  # before any resize
+
+
+@pytest.mark.slow
+def test_static_rendezvous_loses_a_node_exits_promptly_and_resumes_after_restart(tmp_path):
+    """Kubeflow PyTorchJob v1: a lost pod ends every pod (never a silent hang); the
+    restarted pods resume from the last checkpoint."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [*SMALL, f"output.dir={tmp_path / 'runs'}"]
+    namespaces = pid_namespaces()
+
+    def pod(rank: int) -> Process:
+        env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+                        RANK=str(rank))
+        return Process(f"pod{rank}", [sys.executable, ENTRY, "train", *args], env, tmp_path,
+                       cpus={rank % 2}, namespace=namespaces)
+
+    pods = [pod(0).start(), pod(1).start()]
+    try:
+        first(pods, r"checkpoint saved: .*step-20")
+        pods[1].kill()
+        assert pods[0].wait(120) == 1
+        last = pods[0].text().strip().splitlines()[-1]
+        assert "lost the connection to the worker at 127.0.0.1:" in last
+        assert "restart the job's pods and they resume from the last checkpoint" in last
+        pods = [p.start() for p in pods]  # the restart policy
+        first(pods, r"resumed from .*step-\d+ at step \d+(.|\n)*\]:step \d+/")
+        assert stop_all(pods) == [143, 143]
+    finally:
+        for p in pods:
+            if p.running:
+                p.kill()
+
+
+@pytest.mark.slow
+def test_nodes_with_the_same_address_and_pid_stay_two_nodes(cluster, tmp_path):
+    """In PID namespaces both torchruns have the same pid and address: without a unique
+    identity they merged into one participant and hung."""
+    if not cluster.namespaces:
+        pytest.skip("needs PID namespaces (unshare) to give two nodes the same pid")
+    args = [*SMALL, f"output.dir={tmp_path / 'runs'}", "train.max_steps=40"]
+    cluster.nnodes = "2"
+    cluster.start_store()
+    nodes = [cluster.node(i, args).start() for i in range(2)]
+    assert [n.wait(240) for n in nodes] == [0, 0]
+    first(nodes, r"world size 2")
+    store_log = cluster.store.text()
+    assert re.search(r"round 0 complete: 2 node\(s\)", store_log)
+    assert "stand(s) for several nodes" in store_log  # named, not merged
+
+
+@pytest.mark.slow
+def test_the_rendezvous_store_lost_and_back_costs_a_resume_not_the_job(cluster, tmp_path):
+    args = [*SMALL, f"output.dir={tmp_path / 'runs'}"]
+    cluster.start_store()
+    nodes = [cluster.node(i, args).start() for i in range(2)]
+    first(nodes, r"world size 2(.|\n)*\]:step 30/")
+    port = cluster.port
+    cluster.store.kill()
+    for node in nodes:
+        node.wait_for(r"rendezvous store 127\.0\.0\.1:\d+ is unreachable", 90)
+    cluster.start_store(port)
+    for node in nodes:
+        node.wait_for(r"is back: joining the job again", 90)
+    first(nodes, r"is back(.|\n)*resumed from .*now 2\)(.|\n)*\]:step \d+/")
+    assert stop_all(nodes) == [143, 143]
+    text = "".join(n.text() for n in nodes)
+    assert "frame #" not in text and "SignalException" not in text
+    assert "stopped by a signal to a worker" not in text
+
+
+@pytest.mark.slow
+def test_a_store_that_does_not_come_back_ends_the_node_with_exit_5(cluster, tmp_path):
+    args = [*SMALL, f"output.dir={tmp_path / 'runs'}", "distributed.rdzv_store_wait_s=3"]
+    cluster.nnodes = "1"
+    cluster.start_store()
+    node = cluster.node(0, args).start()
+    node.wait_for(r"\]:step 5/", 180)
+    cluster.store.kill()
+    assert node.wait(120) == 5
+    last = node.text().strip().splitlines()[-1]
+    assert last.startswith("error: the rendezvous store 127.0.0.1:") and "within 3 s" in last
+    assert (tmp_path / "runs" / "quickstart" / "checkpoints" / "latest").exists()
+
+
+# --------------------------------------------------------------- one line a round
+
+def _round(number: int, complete: bool, members: dict[str, int], **kw) -> Round:
+    return Round(number=number, complete=complete, closed=False, deadline=kw.get("deadline"),
+                 members=members, waiting=kw.get("waiting", ()), silent=kw.get("silent", {}))
+
+
+def test_a_node_logs_each_round_who_left_and_joined_and_long_waits():
+    lines: list[str] = []
+    w = RoundWatcher("127.0.0.1:1", "job", (2, 3), 600, lines.append, still_every_s=15)
+    w.observe(_round(0, True, {"a:1": 0, "b:1": 1}), now=0)
+    w.observe(_round(0, True, {"a:1": 0, "b:1": 1}, silent={"b:1": 6.0}), now=1)
+    w.observe(_round(1, False, {"a:1": 0}), now=2)
+    w.observe(_round(1, False, {"a:1": 0}), now=10)  # nothing new yet: no line
+    w.observe(_round(1, False, {"a:1": 0}), now=18)  # still waiting after 16 s
+    w.observe(_round(1, True, {"a:1": 0, "c:1": 1}), now=20)
+    assert lines[0] == "rendezvous round 0 complete: 2 node(s) [a:1 rank 0, b:1 rank 1]"
+    assert lines[1] == ("rendezvous round 0 complete: 2 node(s) [a:1 rank 0, b:1 rank 1 "
+                        "(silent 6 s)]")
+    assert lines[2] == "rendezvous round 1 forming: 1 node(s) [a:1]"
+    assert lines[3].startswith("rendezvous: still waiting in round 1: 1 node(s) joined, at "
+                               "least 2 needed, for 16 s")
+    assert lines[4] == ("rendezvous round 1 complete: 2 node(s) [a:1 rank 0, c:1 rank 1]; "
+                        "joined: c:1; left: b:1")
+    assert len(lines) == 5
+
+
+def test_a_forming_round_says_until_when_and_shows_no_ranks():
+    deadline = datetime.datetime(2026, 1, 1, 12, 0, 3, tzinfo=datetime.timezone.utc)
+    text = describe(_round(4, False, {"b:2#9": 0, "b:2#7": 0}, deadline=deadline))
+    assert text.startswith("round 4 forming: 2 node(s) [b:2#7, b:2#9]; last call until ")
+    assert "rank" not in text.split(";")[0]
+    assert "b:2 stand(s) for several nodes" in text
+
+
+def test_rendezvous_timings_are_config_keys(tmp_path):
+    import yaml
+    from launcher import environ
+    from launcher.hardware import Hardware, TorchBuild
+    from launcher.plan import plan
+    from train.config import load_config
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"kind": "mlp"}, "data": {"kind": "synthetic"},
+                                    "output": {"dir": str(tmp_path)}}))
+    cfg = load_config(path, ["distributed.rdzv_last_call_s=1", "distributed.rdzv_keep_alive_s=5",
+                             "distributed.rdzv_join_timeout_s=60"])
+    env = environ.read({"JOB_COMPLETION_INDEX": "0", "TRAIN_RDZV_ENDPOINT": "s:1",
+                        "TRAIN_NNODES": "1:2", "TRAIN_RDZV_ID": "u"})
+    p = plan(cfg, Hardware(cpus=4), TorchBuild(version="x", gloo=True), env,
+             config_path=str(path), overrides=[], python="py", app_root="/app")
+    conf = p.argv[p.argv.index("--rdzv-conf") + 1]
+    assert conf == ("is_host=false,join_timeout=60,last_call_timeout=1,keep_alive_interval=5,"
+                    "keep_alive_max_attempt=3")
+    assert p.store == "s:1" and p.job == "u" and p.join_timeout_s == 60
+    assert json.loads(json.dumps(p.to_dict()))["store_wait_s"] == 300
