@@ -85,6 +85,11 @@ def cmd_train(args: list[str]) -> int:
     if ns.dry_run:
         print(render_plan(p))
         return 0
+    done = finished_step(cfg)
+    if done is not None:  # a late pod of a finished job, or a rerun: nothing to start
+        log(f"nothing to do: run {cfg.run.name} finished at step {done} "
+            f"({cfg.run_dir / 'result.json'}); raise train.max_steps to train on")
+        return 0
     shm = system.check_shm()
     warnings = [*p.warnings, *([f"{shm.message}; fix: {shm.fix}"] if shm.level == "warn" else [])]
     for line in [*(f"note: {n}" for n in p.notes), *(f"warning: {w}" for w in warnings)]:
@@ -99,6 +104,16 @@ def cmd_train(args: list[str]) -> int:
         return supervise.run(p, env.raw, log, keep_fds=(lock.fd,) if lock.fd else ())
     finally:
         lock.release()
+
+
+def finished_step(cfg) -> int | None:
+    """The step of a finished run (result.json reaching train.max_steps), else None."""
+    import json
+    try:
+        step = json.loads((cfg.run_dir / "result.json").read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and step >= cfg.train.max_steps else None
 
 
 def render_plan(p) -> str:

@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from pathlib import Path
 
 from launcher import reports
 from train.worker_env import STATUS_DIR_VAR, WorkerEnv

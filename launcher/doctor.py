@@ -19,7 +19,7 @@ from launcher import conventions, system
 from launcher import detect as detect_mod
 from launcher.compat import check_build
 from launcher.environ import Environ
-from launcher.hardware import Finding, Hardware, TorchBuild
+from launcher.hardware import Finding, TorchBuild
 from train.errors import UserError
 from train.host import read_build_manifest
 

@@ -43,11 +43,16 @@ def pid_namespaces() -> bool:
     return False
 
 
-def _unshare_prefix() -> list[str]:
-    plain = ["unshare", "--pid", "--fork", "--kill-child"]
-    if subprocess.run([*plain, "true"], capture_output=True, timeout=10).returncode == 0:
+def _unshare_prefix(hosts: Path | None = None) -> list[str]:
+    """unshare for a PID namespace; with ``hosts``, also a mount namespace in which that
+    file is /etc/hosts (so a pod's Service names resolve as the manifests write them)."""
+    flags = ["--pid", "--fork", "--kill-child"] + (["--mount"] if hosts else [])
+    plain = ["unshare", *flags]
+    if subprocess.run([*plain, "true"], capture_output=True, timeout=10).returncode != 0:
+        plain = ["unshare", "--user", "--map-root-user", *flags]
+    if hosts is None:
         return plain
-    return ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child"]
+    return [*plain, "sh", "-c", f'mount --bind "{hosts}" /etc/hosts && exec "$@"', "sh"]
 
 
 def _children(pid: int) -> list[int]:
@@ -77,16 +82,17 @@ class Process:
     """A long-lived child whose output goes to a file, with bounded waits on it."""
 
     def __init__(self, name: str, argv: list[str], env: dict, cwd: Path,
-                 cpus: set[int] | None = None, namespace: bool = False) -> None:
+                 cpus: set[int] | None = None, namespace: bool = False,
+                 hosts: Path | None = None) -> None:
         self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
-        self.cpus, self.namespace = cpus, namespace
+        self.cpus, self.namespace, self.hosts = cpus, namespace, hosts
         self.log = cwd / f"{name}.log"
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
     def start(self) -> "Process":
         self.starts += 1
-        prefix = _unshare_prefix() if self.namespace else []
+        prefix = _unshare_prefix(self.hosts) if self.namespace else []
         cpus = self.cpus
 
         def setup() -> None:  # in the child, before exec
@@ -139,7 +145,7 @@ class Process:
         if self.proc is None or self.proc.poll() is not None:
             return
         target = self.proc.pid
-        if self.namespace:
+        if self.namespace:  # below unshare (and the sh that binds /etc/hosts, if any)
             children = _children(self.proc.pid)
             if not children:
                 return

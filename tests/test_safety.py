@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (ROOT, TINY_GPT, TINY_MLP, clean_env, losses, merge, read_metrics,
+from conftest import (ROOT, TINY_GPT, TINY_MLP, clean_env, losses, merge,
                       run_train, write_config)
 from train.checkpoint import Checkpointer
 from train.files import sha256_file

@@ -1,0 +1,181 @@
+"""The Kubernetes manifests (k8s/ and its generated amd/ and cpu/ variants): valid for
+every promised Kubernetes version, in sync, and held to the image's contract (user,
+writable paths, ports, the entrypoint's commands and variables), so that a renamed
+variable or flag breaks the build rather than the cluster."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import ROOT
+from launcher import environ
+from launcher.hardware import Gpu, Hardware, TorchBuild
+from launcher.plan import plan
+from train.config import load_config
+from train.errors import FINAL_EXIT_CODES
+
+K8S = ROOT / "k8s"
+VERSIONS = [f"1.{minor}" for minor in range(31, 38)]  # the README promises 1.31 to 1.37
+VARIANTS = {"nvidia": (K8S, "cu130", "nvidia.com/gpu"), "amd": (K8S / "amd", "rocm7.2",
+                                                               "amd.com/gpu"),
+            "cpu": (K8S / "cpu", "cpu", None)}
+VERSION = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]
+APP_UID = int(re.search(r"ARG APP_UID=(\d+)", (ROOT / "Dockerfile.cpu").read_text())[1])
+LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/part-of",
+          "app.kubernetes.io/component")
+
+
+def docs(folder: Path) -> list[dict]:
+    return [d for p in sorted(folder.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text())
+            if d]
+
+
+def one(folder: Path, kind: str, name: str) -> dict:
+    return next(d for d in docs(folder) if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def pod_specs(folder: Path) -> list[tuple[dict, dict]]:
+    return [(d, d["spec"]["template"]["spec"]) for d in docs(folder)
+            if d["kind"] in ("Deployment", "Job")]
+
+
+def test_apply_k8s_takes_only_the_nvidia_manifests():
+    assert not (K8S / "kustomization.yaml").exists()  # it would break kubectl apply -f k8s/
+    assert sorted(p.name for p in K8S.iterdir() if p.is_dir()) == ["amd", "cpu"]
+    assert {d["kind"] for d in docs(K8S)} == {"ConfigMap", "Deployment", "Job",
+                                              "PersistentVolumeClaim", "PodDisruptionBudget",
+                                              "Service", "ServiceAccount"}
+
+
+def test_variants_are_generated_from_k8s():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "k8s-variants"), "--check"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_manifests_validate_strictly(variant, version):
+    for doc in docs(VARIANTS[variant][0]):
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pods_keep_the_image_contract(variant):
+    folder, tag, gpu = VARIANTS[variant]
+    for obj, spec in pod_specs(folder):
+        name = obj["metadata"]["name"]
+        assert all(k in obj["metadata"]["labels"] for k in LABELS), name
+        assert all(k in obj["spec"]["template"]["metadata"]["labels"] for k in LABELS), name
+        assert spec["serviceAccountName"] == "train" and not spec["automountServiceAccountToken"]
+        sc = spec["securityContext"]
+        assert sc["runAsNonRoot"] and sc["runAsUser"] == APP_UID and sc["runAsGroup"] == 0
+        assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+        writable = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v
+                    or "persistentVolumeClaim" in v}
+        for c in spec["containers"]:
+            assert c["image"] == f"ghcr.io/train-project/train:{VERSION}-{tag}", c["image"]
+            csc = c["securityContext"]
+            assert csc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                           "capabilities": {"drop": ["ALL"]}}
+            mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+            assert mounts["/tmp"]["name"] in writable  # the image writes temp files there
+            assert c["args"][0] in ("train", "rendezvous", "tensorboard")
+            limits = c.get("resources", {}).get("limits", {})
+            gpus = {k for k in limits if k.endswith("/gpu")}
+            assert gpus == ({gpu} if gpu and c["args"][0] == "train" else set()), name
+
+
+def worker(folder: Path) -> tuple[dict, dict, dict]:
+    job = one(folder, "Job", "train-workers")
+    spec = job["spec"]["template"]["spec"]
+    return job, spec, spec["containers"][0]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_worker_pod_plans_an_elastic_job_against_the_rendezvous_service(variant, tmp_path):
+    """The worker's command, config and variables, planned by the real launcher code."""
+    folder, _, gpu = VARIANTS[variant]
+    job, spec, c = worker(folder)
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert c["args"][0] == "train"
+    config_path = Path(c["args"][1])
+    cm = volumes[mounts[str(config_path.parent)]]["configMap"]["name"]
+    text = one(folder, "ConfigMap", cm)["data"][config_path.name]
+    (tmp_path / "config.yaml").write_text(text)
+    overrides = [a.replace("/workspace/runs", str(tmp_path / "runs")) for a in c["args"][2:]]
+    assert any(a.startswith("output.dir=/workspace/runs") for a in c["args"])
+    assert volumes[mounts["/workspace/runs"]].get("persistentVolumeClaim")
+    assert "emptyDir" in volumes[mounts["/workspace"]]  # the image's working dir, writable
+    shm = volumes[mounts["/dev/shm"]]["emptyDir"]
+    assert shm["medium"] == "Memory" and shm["sizeLimit"]
+    cfg = load_config(tmp_path / "config.yaml", overrides)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]
+              if "valueFrom" in e}
+    assert fields == {"TRAIN_RDZV_ID": "metadata.labels['batch.kubernetes.io/controller-uid']",
+                      "TRAIN_LOCAL_ADDR": "status.podIP"}
+    env.update(TRAIN_RDZV_ID="0b7c-uid", TRAIN_LOCAL_ADDR="10.0.0.7", JOB_COMPLETION_INDEX="0")
+    per_pod = int(c["resources"].get("limits", {}).get(gpu, 0)) if gpu else 0
+    hw = Hardware(vendor="nvidia" if per_pod else None, cpus=16, listed=per_pod,
+                  cuda_driver_version="13.0", driver_version="580",
+                  gpus=tuple(Gpu(index=i, name="G", arch="sm_90") for i in range(per_pod)))
+    tb = TorchBuild(version="2.13.0", cuda="13.0" if per_pod else None, nccl=bool(per_pod),
+                    gloo=True, arch_list=("sm_90",))
+    p = plan(cfg, hw, tb, environ.read(env), config_path=str(tmp_path / "config.yaml"),
+             overrides=overrides, python="python3", app_root="/app")
+    assert p.convention == "indexed-job" and p.job == "0b7c-uid"
+    lo, hi = p.nnodes
+    assert lo <= job["spec"]["completions"] == job["spec"]["parallelism"] <= hi
+    rdzv = one(folder, "Service", "train-rendezvous")
+    assert p.store == f"train-rendezvous:{rdzv['spec']['ports'][0]['port']}"
+    store = one(folder, "Deployment", "train-rendezvous")["spec"]["template"]["spec"]
+    store_args = store["containers"][0]["args"]
+    assert store_args[:2] == ["rendezvous", "--port"]
+    assert int(store_args[2]) == store["containers"][0]["ports"][0]["containerPort"]
+    assert "--local-addr" in p.argv and "10.0.0.7" in p.argv
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_job_fails_at_once_on_final_exit_codes_and_ignores_disruptions(variant):
+    job, spec, c = worker(VARIANTS[variant][0])
+    s = job["spec"]
+    assert s["completionMode"] == "Indexed" and spec["restartPolicy"] == "Never"
+    rules = s["podFailurePolicy"]["rules"]
+    fail = [r for r in rules if r["action"] == "FailJob"]
+    assert fail[0]["onExitCodes"] == {"containerName": c["name"], "operator": "In",
+                                      "values": sorted(FINAL_EXIT_CODES)}
+    ignore = [r for r in rules if r["action"] == "Ignore"]
+    assert ignore[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+    assert s["backoffLimitPerIndex"] >= 1
+    # SIGTERM -> every rank agrees within ~0.5 s -> one checkpoint; torchrun itself gives
+    # the workers 30 s before SIGKILL.
+    assert spec["terminationGracePeriodSeconds"] >= 60
+
+
+def test_the_rendezvous_is_drained_last_and_tensorboard_reads_the_runs():
+    pdb = one(K8S, "PodDisruptionBudget", "train-rendezvous")
+    store = one(K8S, "Deployment", "train-rendezvous")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == store["spec"]["selector"]["matchLabels"]
+    tb = one(K8S, "Deployment", "train-tensorboard")["spec"]["template"]["spec"]
+    args = tb["containers"][0]["args"]
+    logdir = args[args.index("--logdir") + 1]
+    mount = next(m for m in tb["containers"][0]["volumeMounts"] if m["mountPath"] == logdir)
+    claim = next(v for v in tb["volumes"] if v["name"] == mount["name"])
+    assert mount["readOnly"] and claim["persistentVolumeClaim"]["claimName"] == "train-runs"
+    pvc = one(K8S, "PersistentVolumeClaim", "train-runs")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_amd_pods_may_open_the_gpu_devices():
+    _, spec, _ = worker(K8S / "amd")
+    assert spec["securityContext"]["supplementalGroups"]  # video and render
