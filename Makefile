@@ -18,6 +18,8 @@ $(STAMP): $(LOCK) Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(LOCK)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(TORCH_SPEC)"
+	# this project itself, editable: `import train` works from any directory
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 
 quickstart: venv

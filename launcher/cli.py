@@ -24,6 +24,12 @@ commands:
   doctor [--json] [--comm] [CONFIG [dotted.key=value ...]]
                       what was detected and whether training can run here;
                       --comm also runs a small all-reduce across local processes
+  launch [--dry-run] [dotted.key=value ...] SCRIPT.py [args ...]
+  launch [--dry-run] [dotted.key=value ...] -m MODULE [args ...]
+                      your own torchrun-compatible script under the same plan as
+                      train (GPU detection, backend, one process per GPU, cluster
+                      conventions, restarts, signals, exit codes); the keys are
+                      distributed.*, device, output.dir, run.name
   rendezvous [--port N]
                       the standalone rendezvous store for multi-node elastic runs
                       (default port 29400)
@@ -59,7 +65,7 @@ def cmd_train(args: list[str]) -> int:
     from launcher.detect import detect, torch_build
     from launcher.plan import plan as make_plan
     from train.config import check_resume_compatible, load_config
-    from train import runlock
+    from train import runlock, usercode
     from train.errors import CannotRunHere
     parser = _Parser(prog="entrypoint.py train", add_help=True)
     parser.add_argument("config")
@@ -68,6 +74,7 @@ def cmd_train(args: list[str]) -> int:
     ns = parser.parse_args(args)
     env = environ.read()
     cfg = load_config(ns.config, ns.overrides)
+    usercode.check(cfg, ns.config, sample=True)  # the user's own model, data, loss
     check_resume_compatible(cfg, ns.config)
     hw = detect(env)
     # This process's own torch use (a store client watching the rendezvous) must not
@@ -131,6 +138,64 @@ def render_plan(p) -> str:
     return "\n".join(lines)
 
 
+def split_launch_args(args: list[str]) -> tuple[bool, list[str], list[str]]:
+    """(dry run, config overrides, the script and its arguments): options and overrides
+    come before the script; everything after it is the script's."""
+    from train.errors import ConfigError
+    dry, overrides = False, []
+    for i, arg in enumerate(args):
+        if arg == "--dry-run":
+            dry = True
+        elif arg == "-m" or not ("=" in arg and not arg.startswith("-")):
+            script = args[i:]
+            if script[0] == "-m" and len(script) < 2:
+                break
+            if script[0].startswith("-") and script[0] != "-m":
+                raise ConfigError("command line", script[0], "unknown option of launch; see "
+                                                             "--help")
+            return dry, overrides, script
+        else:
+            overrides.append(arg)
+    raise ConfigError("command line", "launch", "no script: launch [key=value ...] SCRIPT.py "
+                                                "[args] or launch -m MODULE [args]")
+
+
+def cmd_launch(args: list[str]) -> int:
+    from launcher import environ, supervise, system
+    from launcher.detect import detect, torch_build
+    from launcher.plan import plan as make_plan
+    from train.config.loader import load_overrides
+    from train.errors import CannotRunHere, ConfigError
+    dry, overrides, script = split_launch_args(args)
+    name = script[1] if script[0] == "-m" else Path(script[0]).stem
+    if script[0] != "-m" and not Path(script[0]).is_file():
+        raise ConfigError("command line", script[0], "no such script (a .py file, or -m "
+                                                     "MODULE)")
+    # A script may not resume from where it stopped: no restarts unless asked for.
+    cfg = load_overrides(overrides, {"run.name": name, "distributed.max_restarts": 0})
+    env = environ.read()
+    hw = detect(env)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # as for train
+    tb = torch_build()
+    if not tb.importable:
+        raise CannotRunHere(f"torch is not importable: {tb.error}; rebuild the image")
+    p = make_plan(cfg, hw, tb, env, config_path="command line", overrides=overrides,
+                  python=sys.executable, app_root=APP_ROOT, master_port=system.free_port(),
+                  script=script)
+    out = system.check_output_dir(cfg.output.dir, create=not dry)  # torchrun's logs go there
+    if out.level == "fail":
+        raise CannotRunHere(f"{out.message}; {out.fix}")
+    if dry:
+        print(render_plan(p))
+        return 0
+    for line in [*(f"note: {n}" for n in p.notes), *(f"warning: {w}" for w in p.warnings)]:
+        log(line)
+    log("run " + shlex.join(p.argv))
+    if p.rdzv_host:
+        system.wait_for_host(p.rdzv_host, env.dns_wait_s, log)
+    return supervise.run(p, env.raw, log)
+
+
 def cmd_doctor(args: list[str]) -> int:
     from launcher import doctor, environ
     flags, rest = _split_flags(args, {"--json", "--comm"})
@@ -156,8 +221,8 @@ def cmd_rendezvous(args: list[str]) -> int:
 
 
 def cmd_export(args: list[str]) -> int:
-    os.execv(sys.executable, [sys.executable, "-m", "train.export", *args])
-    return 0  # not reached
+    from train.export import main as export_main  # in this process: works from any directory
+    return export_main(args)
 
 
 def cmd_exec(args: list[str]) -> int:
@@ -165,22 +230,24 @@ def cmd_exec(args: list[str]) -> int:
     try:
         os.execvp(args[0], args)
     except FileNotFoundError:
-        raise ConfigError("command line", args[0], "unknown command: not train, doctor, "
-                          "rendezvous or export, and no such executable on PATH; see "
+        raise ConfigError("command line", args[0], "unknown command: not train, launch, "
+                          "doctor, rendezvous or export, and no such executable on PATH; see "
                           "--help") from None
     except PermissionError:
         raise ConfigError("command line", args[0], "not executable") from None
     return 0  # not reached
 
 
-COMMANDS = {"train": cmd_train, "doctor": cmd_doctor, "rendezvous": cmd_rendezvous,
-            "export": cmd_export}
+COMMANDS = {"train": cmd_train, "launch": cmd_launch, "doctor": cmd_doctor,
+            "rendezvous": cmd_rendezvous, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help") or \
-            (argv[0] in COMMANDS and ("-h" in argv[1:] or "--help" in argv[1:])):
+            (argv[0] in COMMANDS and argv[0] != "launch" and
+             ("-h" in argv[1:] or "--help" in argv[1:])) or \
+            (argv[0] == "launch" and argv[1:2] in (["-h"], ["--help"])):
         print(HELP, end="")
         return 0
     from train.errors import UserError

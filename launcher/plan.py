@@ -32,6 +32,7 @@ from train.placement import (backend_problem, check_gpu_only, one_process_proble
                              resolve_backend, runs_one_process)
 
 WORKER_MODULE = "launcher.worker"
+SCRIPT_MODULE = "launcher.script"
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Plan:
     store_wait_s: int = 0
     join_timeout_s: int = 0          # how long the rendezvous waits for the minimum of nodes
     static_nodes: bool = False       # several nodes, static rendezvous: none can be replaced
+    program: str = "train"           # train (the trainer) | script (entrypoint.py launch)
     rdzv_host: str | None = None
     log_dir: str | None = None
     notes: tuple[str, ...] = ()
@@ -167,8 +169,15 @@ def worker_variables(cfg: Config, hw: Hardware, device: str, backend: str, nproc
 
 
 def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_path: str,
-         overrides: list[str], python: str, app_root: str, master_port: int = 29500) -> Plan:
-    """Decide everything about the launch; raise ConfigError (2) or CannotRunHere (3)."""
+         overrides: list[str], python: str, app_root: str, master_port: int = 29500,
+         script: list[str] | None = None) -> Plan:
+    """Decide everything about the launch; raise ConfigError (2) or CannotRunHere (3).
+
+    script: ``launch``'s program instead of the trainer (``[path, args...]`` or
+    ``["-m", module, args...]``); it runs under ``launcher.script``, which reports how
+    it ended as a training worker does, and learns the plan's device and backend from
+    TRAIN_DEVICE and TRAIN_BACKEND. The global batch is the trainer's business only.
+    """
     source = str(config_path)
     notes: list[str] = []
     device = resolve_device(cfg, hw, tb, environ.visibility.hsa_override_gfx_version, notes)
@@ -182,15 +191,21 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     notes.extend(nodes.notes)
     nproc = resolve_nproc(cfg, hw, device, nodes, source, notes)
     sizes = world_sizes(cfg, nodes, nproc)
-    check_batch_splits(cfg, sizes, nodes, nproc, source,
-                       hw.memory_available // nproc if hw.memory_available else None)
+    if script is None:
+        check_batch_splits(cfg, sizes, nodes, nproc, source,
+                           hw.memory_available // nproc if hw.memory_available else None)
     max_restarts = cfg.distributed.max_restarts if nodes.max_restarts is None \
         else nodes.max_restarts
     direct = nodes.convention == "single" and nproc == 1
     variables = worker_variables(cfg, hw, device, backend, nproc, nodes, environ, app_root,
                                  direct, master_port, max_restarts)
-    worker = [WORKER_MODULE, source, *overrides, f"device={device}",
-              f"distributed.backend={backend}"]
+    if script is None:
+        worker = [WORKER_MODULE, source, *overrides, f"device={device}",
+                  f"distributed.backend={backend}"]
+    else:
+        worker = [SCRIPT_MODULE, *script]
+        variables.force("TRAIN_DEVICE", device)
+        variables.force("TRAIN_BACKEND", backend)
     log_dir = None
     if direct:
         argv = [python, "-m", *worker]
@@ -208,6 +223,7 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
                 convention=nodes.convention, job=nodes.job, store=nodes.store,
                 store_wait_s=d.rdzv_store_wait_s, join_timeout_s=d.rdzv_join_timeout_s,
                 static_nodes=nodes.static and nodes.max > 1,
+                program="train" if script is None else "script",
                 rdzv_host=nodes.host,
                 log_dir=log_dir,
                 notes=tuple(notes), warnings=tuple(warnings))

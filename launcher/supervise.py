@@ -99,8 +99,9 @@ def read_reports(folder: Path) -> list[Report]:
 
 
 def classify(rc: int, found: list[Report], signals: list[int], expected: int,
-             mode: str) -> Outcome:
-    """Map the child's exit status and the workers' reports to the user's exit code."""
+             mode: str, program: str = "train") -> Outcome:
+    """Map the child's exit status and the workers' reports to the user's exit code.
+    program: "train" (workers checkpoint on a signal) or "script" (``launch``)."""
     failed = [r for r in found if r.exit_code not in (EXIT_OK, EXIT_STOPPED_BY_SIGNAL)]
     # The first to fail is the root cause; the others usually fail because it vanished.
     failed.sort(key=lambda r: (r.time, r.rank))
@@ -115,7 +116,8 @@ def classify(rc: int, found: list[Report], signals: list[int], expected: int,
         where = f"its log {r.log_dir}/stderr.log" if r.log_dir else "its output above"
         what = peer_lost(r.error or "") or r.error or f"exit code {r.exit_code}"
         more = f" ({len(failed) - 1} more rank(s) failed)" if len(failed) > 1 else ""
-        return Outcome(code, f"error: training failed: rank {r.rank}: {what}{more}; "
+        failed_text = "training failed" if program == "train" else "the script failed"
+        return Outcome(code, f"error: {failed_text}: rank {r.rank}: {what}{more}; "
                              f"details in {where}")
     stopped = [r for r in found if r.exit_code == EXIT_STOPPED_BY_SIGNAL]
     if mode == "torchrun" and rc == STORE_LOST and not signals:
@@ -126,6 +128,9 @@ def classify(rc: int, found: list[Report], signals: list[int], expected: int,
         if rc == 0 and not stopped and len(found) >= expected:
             return Outcome(EXIT_OK)  # the signal came as the last step finished
         name = signal.Signals(signals[0]).name if signals else "a signal to a worker"
+        if program == "script":
+            return Outcome(EXIT_STOPPED_BY_SIGNAL, f"stopped by {name} (forwarded to the "
+                                                   "script's processes)")
         unsure = "" if len(stopped) >= expected else \
             f" ({len(stopped)} of {expected} local worker(s) confirmed their checkpoint)"
         return Outcome(EXIT_STOPPED_BY_SIGNAL, f"stopped by {name}{unsure}; rerun the same "
@@ -178,7 +183,7 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
                 log(f"set TORCHELASTIC_RESTART_COUNT={restarts}")
             rc = _start_and_wait(plan, env, keep_fds, forwarder, log)
             outcome = classify(rc, read_reports(folder), forwarder.received,
-                               plan.nproc_per_node, plan.mode)
+                               plan.nproc_per_node, plan.mode, plan.program)
             if forwarder.received:
                 break
             if rc == STORE_LOST and plan.store:

@@ -31,7 +31,7 @@ ERROR_CASES = [
     ("heads do not divide width", merge(TINY_GPT, {"model": {"heads": 3}}), [], "model.heads",
      "does not divide"),
     ("gpt on image data", merge(TINY_GPT, {"data": {"kind": "synthetic"}}), [], "data.kind",
-     "needs text or tokens"),
+     "needs text, tokens or custom"),
     ("micro batch does not divide", TINY_GPT, ["train.micro_batch_size=3"],
      "train.micro_batch_size", "does not divide"),
     ("tensors without a path", merge(TINY_MLP, {"data": {"kind": "tensors"}}), [], "data.path",

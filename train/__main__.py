@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from train import usercode
 from train.config import check_resume_compatible, load_config, to_yaml
 from train.errors import EXIT_TRAINING_FAILED, UserError
 from train.worker_env import WorkerEnv
@@ -33,6 +34,7 @@ def run(argv: list[str]) -> tuple[int, str | None]:
         if args.print_config:
             sys.stdout.write(to_yaml(cfg))
             return 0, None
+        usercode.check(cfg, args.config, sample=False)  # the dataset is built just below
         check_resume_compatible(cfg, args.config)
         from train.trainer import train  # torch is imported only when training
         return train(cfg, args.config), None

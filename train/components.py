@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from train import runtime
+from train import losses, runtime
 from train.autobatch import largest_fitting, probe_on_gpu
 from train.checkpoint import Checkpointer
 from train.config import AUTO, Config, batch_split
@@ -51,6 +51,7 @@ class Components:
     micro: int                  # samples per forward pass on this rank
     accum: int                  # micro-batches per optimizer step
     checkpointer: Checkpointer
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     @property
     def run_dir(self) -> Path:
@@ -58,10 +59,6 @@ class Components:
 
     def autocast(self):
         return autocast(self.device.type, self.cfg.precision)
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
 @dataclass(frozen=True)
@@ -96,8 +93,10 @@ def build(cfg: Config, env: WorkerEnv, source: str, placed: Placement) -> Compon
     torch.set_num_threads(env.cpus_per_rank())
     runtime.set_deterministic(cfg.deterministic)
     runtime.seed_everything(cfg.seed, env.rank)
-    data = build_data(cfg)
-    module = build_model(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    loss_fn = losses.resolve(cfg.train.loss, source)
+    data = build_data(cfg, source)
+    module = build_model(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes,
+                         source=source)
     module.to(device)
     torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank dropout streams, after the shared init
     blocks = apply_activation_checkpointing(module, cfg.memory.activation_checkpointing,
@@ -106,7 +105,7 @@ def build(cfg: Config, env: WorkerEnv, source: str, placed: Placement) -> Compon
         log.info("activation checkpointing on %d blocks", blocks)
     if cfg.train.micro_batch_size == AUTO and device.type == "cuda" \
             and cfg.distributed.strategy != "fsdp":
-        micro, accum = auto_micro_batch(cfg, env, module, data, device, micro * accum)
+        micro, accum = auto_micro_batch(cfg, env, module, data, device, micro * accum, loss_fn)
     model = parallelize(module, cfg, env, device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
@@ -114,11 +113,12 @@ def build(cfg: Config, env: WorkerEnv, source: str, placed: Placement) -> Compon
                                 world_size=env.world_size, barrier=runtime.barrier(env),
                                 async_timeout_s=cfg.distributed.timeout_s)
     return Components(cfg, source, env, device, data, model, module, optimizer, scheduler,
-                      grad_scaler(device.type, cfg.precision), micro, accum, checkpointer)
+                      grad_scaler(device.type, cfg.precision), micro, accum, checkpointer,
+                      loss_fn)
 
 
 def auto_micro_batch(cfg: Config, env: WorkerEnv, module: nn.Module, data: DataBundle,
-                     device: torch.device, per_rank: int) -> tuple[int, int]:
+                     device: torch.device, per_rank: int, loss_fn) -> tuple[int, int]:
     """``train.micro_batch_size: auto`` on GPU: the largest size that fits on every rank."""
     params = sum(p.numel() * p.element_size() for p in module.parameters())
     # AdamW keeps two moments (SGD one); DDP adds gradient buckets the size of the grads.

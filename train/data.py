@@ -11,14 +11,16 @@ exactly the next sample.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
+from train import usercode
 from train.config import Config, DataConfig
 from train.datafiles import check_labels, load_npy, load_pt, text_files
 from train.errors import ConfigError
@@ -193,8 +195,46 @@ def _tokens(cfg: DataConfig, length: int) -> DataBundle:
                     f"tokens {path.name} ({len(tokens):,} tokens)", str(path))
 
 
-def build_data(cfg: Config) -> DataBundle:
+class SampleDataset(Dataset):
+    """The user's map-style dataset, batched the way the loader and evaluation fetch:
+    ``__getitems__`` collates samples with torch's default collate."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        return self.dataset[i]
+
+    def __getitems__(self, indices: list[int]):
+        return default_collate([self.dataset[i] for i in indices])
+
+
+def _custom(cfg: Config, source: str) -> DataBundle:
+    """data.kind custom: the user's factory (train.usercode); a validation set of its
+    own, or the tail data.val_fraction of the training set."""
     d = cfg.data
+    train, val = usercode.split_datasets(usercode.call(d.factory, d.args, "data", source),
+                                         source)
+    x, _ = usercode.first_sample(train, source)
+    if val is None:
+        n_train, n_val = _split_counts(len(train), d.val_fraction)
+        train, val = Subset(train, range(n_train)), Subset(train, range(n_train, n_train + n_val))
+    classes = d.vocab_size if cfg.model.kind == "gpt" else d.num_classes
+    digest = hashlib.sha256(json.dumps({"factory": d.factory, "args": d.args}, sort_keys=True,
+                                       default=str).encode()).hexdigest()
+    tokens = cfg.model.context_length if cfg.model.kind == "gpt" else 0
+    return DataBundle(SampleDataset(train), SampleDataset(val), tuple(torch.as_tensor(x).shape),
+                      classes, tokens, f"custom:{digest}",
+                      f"custom {d.factory} ({len(train):,} + {len(val):,} samples)")
+
+
+def build_data(cfg: Config, source: str = "config") -> DataBundle:
+    d = cfg.data
+    if d.kind == "custom":
+        return _custom(cfg, source)
     if d.kind == "synthetic":
         return _synthetic(d, cfg.seed)
     if d.kind == "tensors":

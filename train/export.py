@@ -80,15 +80,39 @@ def export(run_dir: Path, out: Path, step: int | None = None) -> Path:
     tmp.mkdir(parents=True)
     torch.save({k: v.contiguous() for k, v in saved.model.items()}, tmp / "model.pt")
     digest = sha256_file(tmp / "model.pt")
-    meta = {"model": saved.config["model"], "io": saved.model_io,
-            "checkpoint": str(path), "step": saved.step, "model_pt_sha256": digest,
-            "load": "torch.load('model.pt', weights_only=True) -> state dict of "
-                    "train.models.build_model(ModelConfig(**model), input_shape=..., "
-                    "num_classes=...)"}
+    model = saved.config["model"]
+    load = ("torch.load('model.pt', weights_only=True) -> state dict of "
+            + (f"{model['factory']}(**model['args']) (your factory)"
+               if model.get("kind") == "custom" else
+               "train.models.build_model(ModelConfig(**model), input_shape=tuple(io["
+               "'input_shape']), num_classes=io['num_classes'])"))
+    meta = {"model": model, "io": saved.model_io, "checkpoint": str(path), "step": saved.step,
+            "model_pt_sha256": digest, "load": load}
     (tmp / "model.json").write_text(json.dumps(meta, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+def load_model(export_dir: str | Path):
+    """The exported model, rebuilt and loaded, ready for inference (``model.eval()``):
+
+        from train.export import load_model
+        model = load_model("runs/quickstart/export")
+
+    A custom model's factory must be importable (run from your project directory)."""
+    import torch
+
+    from train.config import ModelConfig
+    from train.models import build_model
+    export_dir = Path(export_dir)
+    meta = json.loads((export_dir / "model.json").read_text())
+    io = meta.get("io") or {}
+    model = build_model(ModelConfig(**meta["model"]),
+                        input_shape=tuple(io.get("input_shape") or ()),
+                        num_classes=io.get("num_classes") or 0, source=str(export_dir))
+    model.load_state_dict(torch.load(export_dir / "model.pt", weights_only=True))
+    return model.eval()
 
 
 def main(argv: list[str] | None = None) -> int:

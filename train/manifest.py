@@ -1,7 +1,8 @@
 """manifest.json: what a run was made of, so it can be reproduced or audited.
 
 Config hash, data hash, code version, the image's build manifest, torch / CUDA / ROCm /
-driver versions, GPU names, seed, and one entry per (re)start with its world size.
+driver versions, GPU names, seed, the user's own code files with their hashes (custom
+models, data or losses), and one entry per (re)start with its world size.
 Written by rank 0, atomically, and extended (never replaced) on restarts.
 """
 
@@ -72,7 +73,8 @@ def _driver_version() -> str | None:
 
 def update_manifest(run_dir: Path, cfg: Config, *, data_hash: str, data_description: str,
                     world_size: int, start_step: int, restart_count: int,
-                    build_manifest_path: str, explicit_code_version: str | None) -> dict:
+                    build_manifest_path: str, explicit_code_version: str | None,
+                    user_code: dict[str, str] | None = None) -> dict:
     path = run_dir / "manifest.json"
     try:
         manifest = json.loads(path.read_text())
@@ -87,6 +89,8 @@ def update_manifest(run_dir: Path, cfg: Config, *, data_hash: str, data_descript
         "software": software_versions(),
         "image_build_manifest": read_build_manifest(build_manifest_path),
     })
+    if user_code:  # the user's own files this run imported (model.factory, data.factory...)
+        manifest["user_code"] = user_code
     manifest.setdefault("starts", []).append({
         "time": now, "world_size": world_size, "start_step": start_step,
         "torchelastic_restart_count": restart_count})

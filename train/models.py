@@ -2,7 +2,9 @@
 
 Every model maps a batch of inputs to logits; the trainer owns the loss. Layers are
 chosen so that results do not depend on how a batch is split across ranks (no
-BatchNorm): world size 1 and world size N then follow the same trajectory.
+BatchNorm): world size 1 and world size N then follow the same trajectory. The user's
+own model (``model.kind: custom``) comes from its factory; the same rule serves it
+(BatchNorm statistics would differ with the world size).
 """
 
 from __future__ import annotations
@@ -120,8 +122,19 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def build_model(cfg: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """num_classes is the vocabulary size for gpt."""
+def build_model(cfg: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int,
+                source: str = "config") -> nn.Module:
+    """num_classes is the vocabulary size for gpt. custom: the user's factory, called with
+    model.args (train.usercode)."""
+    if cfg.kind == "custom":
+        from train import usercode
+        model = usercode.call(cfg.factory, cfg.args, "model", source)
+        if not isinstance(model, nn.Module):
+            from train.errors import ConfigError
+            raise ConfigError(source, "model.factory", f"{cfg.factory} returned "
+                                                       f"{type(model).__name__}, not a "
+                                                       "torch.nn.Module")
+        return model
     if cfg.kind == "gpt":
         return GPT(cfg, num_classes)
     if cfg.kind == "cnn":

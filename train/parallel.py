@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 from train.config import Config
-from train.errors import CannotRunHere
+from train.errors import CannotRunHere, ConfigError
 from train.placement import check_gpu_only, one_process_problem, runs_one_process
 from train.precision import autocast_dtype
 from train.worker_env import WorkerEnv
@@ -45,11 +45,28 @@ def _recompute_in_backward(call, *args, **kwargs):
     return checkpoint(call, *args, use_reentrant=False, **kwargs)
 
 
+def blocks_of(module: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a model, which FSDP shards one by one and activation
+    checkpointing recomputes: its ``blocks`` (a ModuleList, as gpt has), else the
+    submodules whose class is named in its ``_no_split_modules`` (the hint Hugging Face
+    models carry), in order."""
+    blocks = getattr(module, "blocks", None)
+    if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        return list(blocks)
+    names = set(getattr(module, "_no_split_modules", None) or ())
+    return [m for m in module.modules() if m is not module and type(m).__name__ in names]
+
+
 def apply_activation_checkpointing(module: nn.Module, mode: str, every_n: int) -> int:
     """Recompute the chosen blocks' activations in backward. Returns how many blocks."""
-    blocks = getattr(module, "blocks", None)
-    if mode == "none" or blocks is None:
+    if mode == "none":
         return 0
+    blocks = blocks_of(module)
+    if not blocks:
+        raise ConfigError("config", "memory.activation_checkpointing",
+                          f"{type(module).__name__} has no blocks to recompute: give it a "
+                          "`blocks` ModuleList or a `_no_split_modules` list of block class "
+                          "names, or set it to none")
     chosen = [b for i, b in enumerate(blocks) if mode == "full" or i % every_n == 0]
     for block in chosen:
         _with_forward(block, "Checkpointed", _recompute_in_backward)
@@ -74,7 +91,7 @@ def _fsdp(module: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if cfg.memory.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in getattr(module, "blocks", []):
+    for block in blocks_of(module):
         fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
     return module

@@ -23,6 +23,8 @@ def _json_type(tp: Any) -> dict:
         return {"anyOf": [_json_type(a) for a in args]}
     if kind == "list":
         return {"type": "array", "items": _json_type(args[0])}
+    if kind == "mapping":
+        return {"type": "object"}
     if kind == "null":
         return {"type": "null"}
     return {"type": {int: "integer", float: "number", bool: "boolean", str: "string"}[args[0]]}
@@ -62,6 +64,8 @@ def _type_text(tp: Any) -> str:
         return " \\| ".join(_type_text(a) for a in args)
     if kind == "list":
         return f"list[{_type_text(args[0])}]"
+    if kind == "mapping":
+        return "mapping"
     return "null" if kind == "null" else args[0].__name__
 
 

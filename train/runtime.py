@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import random
+from dataclasses import dataclass
 from collections.abc import Callable
 
 import numpy as np
@@ -127,3 +128,45 @@ def configure_logging(rank: int) -> None:
     logging.basicConfig(level=logging.INFO, force=True,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
                         datefmt="%H:%M:%S")
+
+
+@dataclass(frozen=True)
+class Context:
+    """What ``init()`` set up for a script: its device, rank and process group."""
+    device: torch.device
+    rank: int
+    local_rank: int
+    world_size: int
+    backend: str | None          # None: one process, no process group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init() -> Context:
+    """For your own script under ``entrypoint.py launch`` (or plain torchrun): the device
+    and process group the way the trainer sets them up.
+
+        from train import runtime
+        ctx = runtime.init()          # ctx.device, ctx.rank, ctx.world_size
+        model = DDP(model.to(ctx.device)) if ctx.world_size > 1 else model.to(ctx.device)
+
+    The device and backend are the launcher's choice (TRAIN_DEVICE, TRAIN_BACKEND), else
+    a GPU when torch sees one; every rank of a multi-process run joins the group.
+    """
+    env = WorkerEnv.from_environ()
+    gpu = env.device == "gpu" if env.device else torch.cuda.is_available()
+    device = torch.device("cpu")
+    if gpu:
+        if not torch.cuda.is_available():
+            raise CannotRunHere("TRAIN_DEVICE=gpu but this torch build sees no GPU")
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    backend = None
+    if env.distributed:
+        backend = env.backend or placement.resolve_backend(AUTO, gpu)
+        if not dist.is_initialized():
+            kwargs = {"device_id": device} if gpu else {}
+            dist.init_process_group(backend=backend, **kwargs)
+    return Context(device, env.rank, env.local_rank, env.world_size, backend)

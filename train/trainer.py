@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train import runlock, runtime
+from train import runlock, runtime, usercode
 from train.checkpoint import Checkpointer, CheckpointsUnusable
-from train.components import Components, build, loss_fn, preflight, train_loader
+from train.components import Components, build, preflight, train_loader
 from train.config import AUTO, Config, check_checkpoint_config, to_dict, to_yaml
 from train.data import eval_indices
 from train.divergence import Guard, clear_marker, read_marker, write_marker
@@ -150,7 +150,7 @@ def train_step(c: Components, batches) -> torch.Tensor:
         y = y.to(c.device, non_blocking=True)
         with gradient_sync(c.model, enabled=i == c.accum - 1):
             with c.autocast():
-                loss = loss_fn(c.model(x), y) / c.accum
+                loss = c.loss_fn(c.model(x), y) / c.accum
             (c.scaler.scale(loss) if c.scaler else loss).backward()
         total += loss.detach()
     return total
@@ -194,6 +194,7 @@ def evaluate(c: Components) -> dict[str, float]:
     # Every rank runs the same number of forwards (FSDP gathers parameters in each one);
     # a rank whose share ran out evaluates sample 0 with weight 0.
     n_batches = math.ceil(math.ceil(total / env.world_size) / c.micro)
+    classes = cfg.train.loss == "cross_entropy"  # accuracy means something only there
     c.module.eval()
     sums = torch.zeros(3, device=c.device)  # loss x n, correct, n
     for i in range(n_batches):
@@ -203,15 +204,20 @@ def evaluate(c: Components) -> dict[str, float]:
         with c.autocast():
             logits = c.module(x)
         if chunk:
-            sums[0] += loss_fn(logits, y) * y.numel()
-            sums[1] += (logits.argmax(-1) == y).sum()
-            sums[2] += y.numel()
+            n = len(chunk)  # a loss is a mean over its batch: weight it by the samples
+            sums[0] += c.loss_fn(logits, y) * n
+            if classes:
+                sums[1] += (logits.argmax(-1) == y).float().mean() * n
+            sums[2] += n
     c.module.train()
     if env.distributed:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     if sums[2] == 0:
         return {}
-    return {"val/loss": float(sums[0] / sums[2]), "val/accuracy": float(sums[1] / sums[2])}
+    out = {"val/loss": float(sums[0] / sums[2])}
+    if classes:
+        out["val/accuracy"] = float(sums[1] / sums[2])
+    return out
 
 
 # ------------------------------------------------------------------------- loop
@@ -232,7 +238,8 @@ def start_logging(c: Components, state: TrainState) -> MetricsLogger | None:
                     data_description=c.data.description, world_size=c.env.world_size,
                     start_step=state.step, restart_count=c.env.restart_count,
                     build_manifest_path=c.env.build_manifest,
-                    explicit_code_version=c.env.code_version)
+                    explicit_code_version=c.env.code_version,
+                    user_code=usercode.imported_files())
     unit = "tokens" if c.data.tokens_per_sample else "samples"
     log.info("model %s: %s parameters | data %s | world size %d | micro-batch %d x %d "
              "accumulation | device %s | precision %s", c.cfg.model.kind,

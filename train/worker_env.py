@@ -37,6 +37,8 @@ class WorkerEnv:
     code_version: str | None = None
     debug: bool = False                  # TRAIN_DEBUG: verbose communication logs
     socket_ifname: str | None = None     # TRAIN_SOCKET_IFNAME: this node's interface
+    device: str | None = None            # TRAIN_DEVICE: gpu | cpu, as the launcher planned
+    backend: str | None = None           # TRAIN_BACKEND: nccl | gloo | mpi, likewise
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
@@ -60,7 +62,8 @@ class WorkerEnv:
                    build_manifest=text("TRAIN_BUILD_MANIFEST") or DEFAULT_BUILD_MANIFEST,
                    code_version=text("TRAIN_CODE_VERSION"),
                    debug=(text("TRAIN_DEBUG") or "0").lower() in ("1", "true", "yes", "on"),
-                   socket_ifname=text("TRAIN_SOCKET_IFNAME"))
+                   socket_ifname=text("TRAIN_SOCKET_IFNAME"),
+                   device=text("TRAIN_DEVICE"), backend=text("TRAIN_BACKEND"))
 
     @property
     def distributed(self) -> bool:

@@ -32,6 +32,7 @@ def validate(cfg: Config, sources: Sources) -> None:
         raise ConfigError(sources.of(key, *related), key, problem)
 
     m, d, t = cfg.model, cfg.data, cfg.train
+    _check_custom(cfg, fail)
     if not cfg.run.name or "/" in cfg.run.name or cfg.run.name in (".", ".."):
         fail("run.name", f"got {short(cfg.run.name)}; a non-empty name without '/'")
     if not cfg.output.dir.strip():
@@ -39,11 +40,12 @@ def validate(cfg: Config, sources: Sources) -> None:
     if m.kind == "gpt":
         if m.width % m.heads:
             fail("model.heads", f"{m.heads} does not divide model.width={m.width}", "model.width")
-        if d.kind not in ("text", "tokens"):
-            fail("data.kind", f"model.kind gpt needs text or tokens data, got {d.kind}",
+        if d.kind not in ("text", "tokens", "custom"):
+            fail("data.kind", f"model.kind gpt needs text, tokens or custom data, got {d.kind}",
                  "model.kind")
-    elif d.kind in ("text", "tokens"):
-        fail("data.kind", f"{d.kind} data needs model.kind gpt, got {m.kind}", "model.kind")
+    elif d.kind in ("text", "tokens") and m.kind != "custom":
+        fail("data.kind", f"{d.kind} data needs model.kind gpt or custom, got {m.kind}",
+             "model.kind")
     if m.kind == "cnn" and d.kind == "synthetic" and len(d.shape) != 3:
         fail("data.shape", f"cnn needs [channels, height, width], got {d.shape}", "model.kind")
     if not d.shape or any(s < 1 for s in d.shape):
@@ -57,9 +59,9 @@ def validate(cfg: Config, sources: Sources) -> None:
         fail("train.micro_batch_size", f"{t.micro_batch_size} does not divide "
                                        f"train.global_batch_size={t.global_batch_size}",
              "train.global_batch_size")
-    if cfg.memory.activation_checkpointing != "none" and m.kind != "gpt":
-        fail("memory.activation_checkpointing", f"applies to gpt blocks; model.kind is {m.kind}",
-             "model.kind")
+    if cfg.memory.activation_checkpointing != "none" and m.kind not in ("gpt", "custom"):
+        fail("memory.activation_checkpointing", f"applies to the blocks of gpt or custom "
+                                                f"models; model.kind is {m.kind}", "model.kind")
     if cfg.memory.cpu_offload and cfg.distributed.strategy != "fsdp":
         fail("memory.cpu_offload", "needs distributed.strategy=fsdp", "distributed.strategy")
     _check_data_paths(cfg, fail)
@@ -69,9 +71,23 @@ def validate(cfg: Config, sources: Sources) -> None:
                                        f"checksums.json); use auto, none or a step-N directory")
 
 
+def _check_custom(cfg: Config, fail) -> None:
+    """The factory keys go with kind custom, both ways (the code itself is checked by
+    train.usercode, which imports it)."""
+    for section in ("model", "data"):
+        part = getattr(cfg, section)
+        if part.kind == "custom" and not part.factory:
+            fail(f"{section}.factory", f"required for {section}.kind=custom: the import path "
+                                       "of your factory, e.g. mypkg.module:build",
+                 f"{section}.kind")
+        if part.kind != "custom" and (part.factory or part.args):
+            key = f"{section}.factory" if part.factory else f"{section}.args"
+            fail(key, f"only for {section}.kind=custom (it is {part.kind})", f"{section}.kind")
+
+
 def _check_data_paths(cfg: Config, fail) -> None:
     d = cfg.data
-    if d.kind == "synthetic":
+    if d.kind in ("synthetic", "custom"):
         return
     if d.kind in ("tensors", "tokens") and not d.path:
         fail("data.path", f"required for data.kind={d.kind}")
@@ -171,22 +187,26 @@ def check_batch_memory(cfg: Config, world_size: int, source: str,
 # Keys whose change makes a run's checkpoints unloadable (parameter or optimizer-state
 # shapes, or what the inputs mean).
 RESUME_KEYS = ("model.kind", "model.depth", "model.width", "model.heads", "model.context_length",
-               "model.tie_weights", "data.kind", "data.vocab_size", "data.shape",
-               "data.num_classes", "optim.name")
+               "model.tie_weights", "model.factory", "model.args", "data.kind",
+               "data.vocab_size", "data.shape", "data.num_classes", "optim.name")
+
+
+_MISSING = object()
 
 
 def _dig(tree: dict, dotted: str) -> Any:
     for part in dotted.split("."):
-        tree = tree.get(part, {}) if isinstance(tree, dict) else {}
+        tree = tree.get(part, _MISSING) if isinstance(tree, dict) else _MISSING
     return tree
 
 
 def check_checkpoint_config(cfg: Config, saved: dict, where: Path | str, source: str) -> None:
     """ConfigError (exit 2) naming the first resume key that differs from `saved` (the
-    resolved config a run or checkpoint was written with)."""
+    resolved config a run or checkpoint was written with). Keys the saved config does
+    not have (written by an older version) are not compared."""
     new = to_dict(cfg)
     changed = [f"{key} {_dig(saved, key)!r} -> {_dig(new, key)!r}" for key in RESUME_KEYS
-               if _dig(saved, key) != _dig(new, key)]
+               if _dig(saved, key) is not _MISSING and _dig(saved, key) != _dig(new, key)]
     if changed:
         raise ConfigError(source, changed[0].split()[0],
                           f"differs from the run being resumed ({where}: "

@@ -140,6 +140,24 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     return cfg
 
 
+def load_overrides(overrides: list[str], defaults: dict[str, Any]) -> Config:
+    """A config from defaults and ``key=value`` overrides alone, without a file
+    (``entrypoint.py launch``: the distributed.* keys of a script's launch)."""
+    from train.config.checks import validate
+    tree: dict = {}
+    for key, value in defaults.items():
+        set_dotted(tree, key, value)
+    overridden = set()
+    for text in overrides:
+        key, value = parse_override(text)
+        set_dotted(tree, key, value)
+        overridden.add(key)
+    sources = Sources(CLI, overridden)
+    cfg = build(Config, tree, sources)
+    validate(cfg, sources)
+    return cfg
+
+
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 

@@ -37,8 +37,15 @@ class OutputConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    kind: Literal["mlp", "cnn", "gpt"] = opt("gpt", "Model family: mlp, cnn (3x32x32 images) "
-                                                    "or gpt (decoder-only transformer).")
+    kind: Literal["mlp", "cnn", "gpt", "custom"] = opt(
+        "gpt", "Model family: mlp, cnn (3x32x32 images), gpt (decoder-only transformer) or "
+               "custom (your own, from model.factory).")
+    factory: str | None = opt(None, "custom: import path of a callable returning the "
+                                    "torch.nn.Module, 'package.module:name' (a function or a "
+                                    "class), importable from the working directory "
+                                    "(/workspace in the image) or an installed package.")
+    args: dict[str, Any] = opt(dict, "custom: keyword arguments for model.factory.",
+                               factory=True)
     depth: int = opt(4, "Hidden layers (mlp), conv blocks (cnn) or transformer blocks (gpt).",
                      ge=1, le=256)
     width: int = opt(128, "Hidden size (mlp), base channels (cnn) or embedding size (gpt).",
@@ -52,21 +59,28 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    kind: Literal["synthetic", "tensors", "text", "tokens"] = opt(
+    kind: Literal["synthetic", "tensors", "text", "tokens", "custom"] = opt(
         "text", "synthetic (learnable, from the seed), tensors (.pt/.npy features + labels), "
-                "text (bytes of text files) or tokens (uint16 memmap .bin).")
+                "text (bytes of text files), tokens (uint16 memmap .bin) or custom (your own, "
+                "from data.factory).")
+    factory: str | None = opt(None, "custom: import path of a callable returning a map-style "
+                                    "Dataset of (input, target) pairs, or a pair (train, "
+                                    "validation) of them.")
+    args: dict[str, Any] = opt(dict, "custom: keyword arguments for data.factory.",
+                               factory=True)
     path: str | None = opt(None, "tensors: .pt file holding {features, labels} or a .npy "
                                  "features file; text: a directory of text files (default: the "
                                  "Python standard library's source); tokens: the .bin file.")
     labels_path: str | None = opt(None, "tensors: .npy labels when data.path is a .npy file.")
     text_glob: str = opt("**/*.py", "text: which files under data.path to read, in sorted order.")
     max_bytes: int = opt(8_000_000, "text: stop reading after this many bytes (0 = all).", ge=0)
-    vocab_size: int = opt(50304, "tokens: number of token ids (ids must be below it).",
-                          ge=2, le=65536)
+    vocab_size: int = opt(50304, "tokens, and custom data with gpt: number of token ids (ids "
+                                 "must be below it).", ge=2, le=65536)
     num_samples: int = opt(8192, "synthetic: number of samples.", ge=2)
     shape: list[int] = opt(lambda: [32], "synthetic: shape of one sample, e.g. [32] for mlp, "
                                          "[3, 32, 32] for cnn.", factory=True)
-    num_classes: int = opt(10, "synthetic: number of classes.", ge=2)
+    num_classes: int = opt(10, "synthetic, and custom data with a built-in mlp or cnn: number "
+                                "of classes.", ge=2)
     val_fraction: float = opt(0.05, "Fraction of samples held out for validation (the tail "
                                     "of the data, never shuffled into training).", ge=0.0, le=0.5)
     num_workers: int | Literal["auto"] = opt(AUTO, "DataLoader worker processes per rank; "
@@ -113,6 +127,9 @@ class TrainLoopConfig:
     eval_batches: int = opt(8, "Validation size per evaluation, in global batches: the first "
                                "eval_batches x global_batch_size validation samples (0 = none).",
                             ge=0)
+    loss: str = opt("cross_entropy", "cross_entropy (classes or next tokens), mse "
+                                     "(regression), or the import path of your own "
+                                     "fn(outputs, targets) -> scalar tensor.")
     nonfinite: Literal["stop", "skip_step"] = opt(
         "stop", "A non-finite loss or gradient norm: stop (exit 4; nothing non-finite is "
                 "saved) or skip_step (drop that step's update, at most "

@@ -5,8 +5,8 @@ The loader (checking and converting values), the JSON Schema and the README tabl
 type is taught here once.
 
 Field types: ``int``, ``float``, ``bool``, ``str``, ``None``, ``Literal[...]``,
-``list[T]``, unions of those (``int | Literal["auto"]``), and a nested dataclass
-(a config section).
+``list[T]``, ``dict[str, Any]`` (free keyword arguments for the user's own code),
+unions of those (``int | Literal["auto"]``), and a nested dataclass (a config section).
 """
 
 from __future__ import annotations
@@ -67,8 +67,10 @@ def leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, Key]]:
 
 def shape(tp: Any) -> tuple[str, tuple]:
     """What a field type is: ("choice", values), ("union", arms), ("list", (item,)),
-    ("null", ()) or ("scalar", (int | float | bool | str,))."""
+    ("mapping", ()), ("null", ()) or ("scalar", (int | float | bool | str,))."""
     origin = typing.get_origin(tp)
+    if origin is dict:
+        return "mapping", ()
     if origin is Literal:
         return "choice", typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
@@ -94,6 +96,8 @@ def describe(tp: Any) -> str:
         return " or ".join(describe(a) for a in args)
     if kind == "list":
         return f"a list of {describe(args[0])}"
+    if kind == "mapping":
+        return "a mapping of names to values"
     if kind == "null":
         return "null"
     return _WORDS[args[0]]
@@ -122,6 +126,11 @@ def coerce(value: Any, tp: Any, from_cli: bool) -> Any:
             return NO
         items = [coerce(v, args[0], from_cli) for v in value]
         return NO if any(i is NO for i in items) else items
+    if kind == "mapping":
+        if value is None:
+            return {}
+        ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
+        return dict(value) if ok else NO
     if kind == "null":
         return None if value is None else NO
     return _coerce_scalar(value, args[0], from_cli)

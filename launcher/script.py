@@ -1,0 +1,63 @@
+"""The user's own script under the launcher: ``python -m launcher.script SCRIPT [args]`` or
+``python -m launcher.script -m MODULE [args]``.
+
+torchrun (or the launcher, for one process) starts this in place of the trainer for
+``entrypoint.py launch``. It runs the script as ``__main__`` (as ``python SCRIPT`` would:
+``sys.argv``, ``sys.path[0]``), and leaves a :class:`~launcher.reports.Report` of how it
+ended, so the launcher can name the failing rank in one line and map the exit codes as
+for training. Like a training worker, it stops when its parent (torchrun or the
+launcher) dies.
+"""
+
+from __future__ import annotations
+
+import runpy
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+from launcher.worker import write_status
+from train.host import die_with_parent
+
+
+def run(argv: list[str]) -> tuple[int, str | None]:
+    """(exit code, one-line error) of the script."""
+    if not argv:
+        return 2, "error: command line: launch: no script given"
+    module = argv[0] == "-m"
+    target, args = (argv[1], argv[2:]) if module else (argv[0], argv[1:])
+    sys.argv = [target, *args]
+    if not module:
+        sys.path.insert(0, str(Path(target).resolve().parent))
+    try:
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        message = None if code == 0 or isinstance(exc.code, int) else str(exc.code)
+        if message:
+            print(message, file=sys.stderr)
+        return code, message
+    except BaseException as exc:  # the traceback is the script's business: show it
+        traceback.print_exc()
+        return 1, f"{type(exc).__name__}: {exc}"
+    return 0, None
+
+
+def main(argv: list[str]) -> int:
+    die_with_parent(signal.SIGTERM)
+    code, error = 1, None
+    try:
+        code, error = run(argv)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        write_status(code, error)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
