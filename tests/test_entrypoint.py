@@ -22,6 +22,7 @@ import pytest
 from conftest import clean_env
 
 TORCH_IS_ROCM = bool(__import__("torch").version.hip)
+TORCH_KIND = "rocm" if TORCH_IS_ROCM else "cuda" if __import__("torch").version.cuda else "cpu"
 
 ROOT = Path(__file__).resolve().parent.parent
 ENTRY = str(ROOT / "entrypoint.py")
@@ -144,7 +145,7 @@ def test_doctor_json(tmp_path):
     out = entry("doctor", "--json", cwd=tmp_path)
     report = json.loads(out.stdout)
     assert out.returncode == report["exit_code"] == 0
-    assert report["torch"]["kind"] == "cpu" and report["hardware"]["vendor"] is None
+    assert report["torch"]["kind"] == TORCH_KIND and report["hardware"]["vendor"] is None
     assert report["plan"]["device"] == "cpu" and report["plan"]["backend"] == "gloo"
     assert report["build_manifest"] == {"path": "/app/build-manifest.json", "present": False,
                                         "content": None}

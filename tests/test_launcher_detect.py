@@ -237,7 +237,8 @@ def test_rocm_visibility_variables(monkeypatch, tmp_path, vis, nodes, warn):
 def test_detect_falls_back_to_amd_when_nvml_is_absent(monkeypatch, tmp_path):
     amd_env(monkeypatch, rocm="rocm-smi-showproductname-mi250x.json")
     kfd_tree(tmp_path, {7: (31896, 128, 90010)}, present=[128])
-    hw = detect.detect(env_of(PATH=str(FAKES), TRAIN_HW_ROOT=str(tmp_path)))
+    absent = FakeNvml([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)  # also on an NVIDIA host
+    hw = detect.detect(env_of(PATH=str(FAKES), TRAIN_HW_ROOT=str(tmp_path)), nvml=absent)
     assert hw.vendor == "amd" and len(hw.gpus) == 1
     assert any("libnvidia-ml" in n for n in hw.notes)
 
