@@ -3,21 +3,36 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-PYVER  := $(shell $(PYTHON) -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")')
+# Every supported Python has its own hash-locked file (scripts/lock-dev writes them all;
+# the tests check that they agree).
+SUPPORTED_PYTHONS := 3.11 3.12 3.13
+PYVER  := $(shell $(PYTHON) -c 'import sys; print(f"py{sys.version_info[0]}{sys.version_info[1]}")' 2>/dev/null)
 LOCK   ?= requirements/dev-$(PYVER).lock
 # torch is pinned exactly, apart from the hash-locked set: its wheel differs per
-# vendor index (cpu / cu130 / rocm7.2) and a bare `torch` would pull a CUDA build.
-TORCH_SPEC ?= torch==2.13.0
+# vendor index. TORCH_VARIANT=cpu (the default, about 200 MB) comes from the PyTorch CPU
+# index: on Linux, PyPI's `torch` is the CUDA build, which would pull several GB of
+# NVIDIA wheels (or, with --no-deps, not import at all). A GPU variant (cu130, cu126,
+# rocm7.2) is installed with the dependencies its wheel pins (the vendor libraries).
+TORCH_VERSION   ?= 2.13.0
+TORCH_VARIANT   ?= cpu
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/$(TORCH_VARIANT)
+TORCH_SPEC      ?= torch==$(TORCH_VERSION)+$(TORCH_VARIANT)
+TORCH_DEPS      := $(if $(filter cpu,$(TORCH_VARIANT)),--no-deps,)
 STAMP  := $(VENV)/.installed-$(PYVER)
 
 .PHONY: quickstart test test-slow test-all bench venv clean
 
 venv: $(STAMP)
 
-$(STAMP): $(LOCK) Makefile
+# $(wildcard): a missing lock (an unsupported Python) reaches the recipe's message
+# instead of make's "No rule to make target".
+$(STAMP): $(wildcard $(LOCK)) Makefile
+	@test -n "$(PYVER)" || { echo "make: $(PYTHON) not found: install Python (one of $(SUPPORTED_PYTHONS)) or name it, e.g. make PYTHON=python3.12 $(MAKECMDGOALS)" >&2; exit 2; }
+	@test -f $(LOCK) || { echo "make: $(PYTHON) is Python $(PYVER:py3%=3.%), which has no lock file ($(LOCK)): use one of $(SUPPORTED_PYTHONS), e.g. make PYTHON=python3.12 $(MAKECMDGOALS)" >&2; exit 2; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(LOCK)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_DEPS) \
+		--extra-index-url $(TORCH_INDEX_URL) "$(TORCH_SPEC)"
 	# this project itself, editable: `import train` works from any directory
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@

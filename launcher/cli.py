@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -18,9 +19,11 @@ HELP = """\
 usage: entrypoint.py COMMAND [ARGS ...]
 
 commands:
-  train CONFIG [dotted.key=value ...] [--dry-run]
+  train CONFIG [dotted.key=value ...] [--dry-run] [--verbose]
                       validate, detect GPUs, plan and run training (torchrun when
-                      more than one process); --dry-run prints the plan and exits
+                      more than one process); --dry-run prints the plan and exits;
+                      --verbose lists every variable set for the workers
+  train --help-config every config key with its type, default and meaning
   doctor [--json] [--comm] [CONFIG [dotted.key=value ...]]
                       what was detected and whether training can run here;
                       --comm also runs a small all-reduce across local processes
@@ -42,6 +45,10 @@ checkpointing (rerun the same command to resume).
 """
 
 
+# Third-party packages the commands import; missing ones mean the wrong Python (exit 3).
+DEPENDENCIES = {"yaml", "torch", "numpy", "pynvml", "tensorboard"}
+
+
 def log(message: str) -> None:
     print(f"entrypoint: {message}", file=sys.stderr, flush=True)
 
@@ -53,6 +60,20 @@ class _Parser(argparse.ArgumentParser):
         from train.errors import ConfigError
         raise ConfigError("command line", self.prog.split()[-1], message)
 
+    def parse_args(self, args=None, namespace=None):
+        _reject_dashed_overrides(args or [])
+        return super().parse_args(args, namespace)
+
+
+def _reject_dashed_overrides(args: list[str]) -> None:
+    """``--optim.lr=1e-3``: one line (exit 2) saying overrides have no dashes."""
+    if any(a.startswith("--") for a in args):
+        from train.config.loader import dashed_override
+        for arg in args:
+            problem = dashed_override(arg) if arg.startswith("--") else None
+            if problem is not None:
+                raise problem
+
 
 def _split_flags(args: list[str], flags: set[str]) -> tuple[set[str], list[str]]:
     """Pull known --flags out of the argument list so overrides can sit around them."""
@@ -62,7 +83,9 @@ def _split_flags(args: list[str], flags: set[str]) -> tuple[set[str], list[str]]
 
 def cmd_train(args: list[str]) -> int:
     from launcher import environ, supervise, system
+    from launcher.compat import install_fix
     from launcher.detect import detect, torch_build
+    from train.files import finished_step
     from launcher.plan import plan as make_plan
     from train.config import check_resume_compatible, load_config
     from train import runlock, usercode
@@ -71,6 +94,7 @@ def cmd_train(args: list[str]) -> int:
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--verbose", "-v", action="store_true")
     ns = parser.parse_args(args)
     env = environ.read()
     cfg = load_config(ns.config, ns.overrides)
@@ -83,7 +107,7 @@ def cmd_train(args: list[str]) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     tb = torch_build()
     if not tb.importable:
-        raise CannotRunHere(f"torch is not importable: {tb.error}; rebuild the image")
+        raise CannotRunHere(f"torch is not importable: {tb.error}; {install_fix(APP_ROOT)}")
     p = make_plan(cfg, hw, tb, env, config_path=ns.config, overrides=ns.overrides,
                   python=sys.executable, app_root=APP_ROOT, master_port=system.free_port())
     out = system.check_output_dir(cfg.output.dir, create=not ns.dry_run)
@@ -92,7 +116,8 @@ def cmd_train(args: list[str]) -> int:
     if ns.dry_run:
         print(render_plan(p))
         return 0
-    done = finished_step(cfg)
+    done = finished_step(cfg.run_dir, cfg.train.max_steps) \
+        if cfg.checkpoint.resume_from == "auto" else None  # none/a path: train as asked
     if done is not None:  # a late pod of a finished job, or a rerun: nothing to start
         log(f"nothing to do: run {cfg.run.name} finished at step {done} "
             f"({cfg.run_dir / 'result.json'}); raise train.max_steps to train on")
@@ -101,26 +126,35 @@ def cmd_train(args: list[str]) -> int:
     warnings = [*p.warnings, *([f"{shm.message}; fix: {shm.fix}"] if shm.level == "warn" else [])]
     for line in [*(f"note: {n}" for n in p.notes), *(f"warning: {w}" for w in warnings)]:
         log(line)
-    for name, value in p.env.items():
-        log(f"set {name}={value}")
+    if ns.verbose:
+        for name, value in p.env.items():
+            log(f"set {name}={value}")
+    else:
+        log(summarise_env(p.env))
     lock = runlock.acquire(cfg.run_dir, p.job)  # one writer per run directory
     try:
         log("run " + shlex.join(p.argv))
         if p.rdzv_host:
             system.wait_for_host(p.rdzv_host, env.dns_wait_s, log)
-        return supervise.run(p, env.raw, log, keep_fds=(lock.fd,) if lock.fd else ())
+        return supervise.run(p, env.raw, log, keep_fds=(lock.fd,) if lock.fd else (),
+                             verbose=ns.verbose)
     finally:
         lock.release()
 
 
-def finished_step(cfg) -> int | None:
-    """The step of a finished run (result.json reaching train.max_steps), else None."""
-    import json
-    try:
-        step = json.loads((cfg.run_dir / "result.json").read_text()).get("step")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return step if isinstance(step, int) and step >= cfg.train.max_steps else None
+# What every launch sets (process identity, rendezvous address, Python's own switches):
+# counted in the summary line, listed only with --verbose or --dry-run.
+PLUMBING = re.compile(r"^((LOCAL_|GROUP_|ROLE_)?(RANK|WORLD_SIZE)|MASTER_(ADDR|PORT)|"
+                      r"TORCHELASTIC_.*|PYTHON(PATH|UNBUFFERED|FAULTHANDLER))$")
+
+
+def summarise_env(values: dict[str, str]) -> str:
+    """One line for the variables a launch sets: the tuning ones by value."""
+    shown = [f"{k}={v}" for k, v in values.items() if not PLUMBING.match(k)]
+    rest = len(values) - len(shown)
+    return (f"set {len(values)} worker variables: {', '.join(shown) or 'none for tuning'}"
+            f"{f' and {rest} for process identity' if rest else ''} (--verbose or --dry-run "
+            "lists them all)")
 
 
 def render_plan(p) -> str:
@@ -151,6 +185,7 @@ def split_launch_args(args: list[str]) -> tuple[bool, list[str], list[str]]:
             if script[0] == "-m" and len(script) < 2:
                 break
             if script[0].startswith("-") and script[0] != "-m":
+                _reject_dashed_overrides(script[:1])  # --distributed.nproc_per_node=2
                 raise ConfigError("command line", script[0], "unknown option of launch; see "
                                                              "--help")
             return dry, overrides, script
@@ -178,7 +213,8 @@ def cmd_launch(args: list[str]) -> int:
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # as for train
     tb = torch_build()
     if not tb.importable:
-        raise CannotRunHere(f"torch is not importable: {tb.error}; rebuild the image")
+        from launcher.compat import install_fix
+        raise CannotRunHere(f"torch is not importable: {tb.error}; {install_fix(APP_ROOT)}")
     p = make_plan(cfg, hw, tb, env, config_path="command line", overrides=overrides,
                   python=sys.executable, app_root=APP_ROOT, master_port=system.free_port(),
                   script=script)
@@ -250,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
             (argv[0] == "launch" and argv[1:2] in (["-h"], ["--help"])):
         print(HELP, end="")
         return 0
+    if argv[0] == "train" and "--help-config" in argv[1:]:
+        from train.reference import text  # torch-free
+        print(text(), end="")
+        return 0
     from train.errors import UserError
     try:
         if argv[0] in COMMANDS:
@@ -261,5 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(exc.one_line(), file=sys.stderr, flush=True)
         return exc.exit_code
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in DEPENDENCIES:
+            raise  # one of ours: a bug, keep the traceback
+        from launcher.compat import install_fix
+        print(f"error: {exc.name} is not installed for {sys.executable}; "
+              f"{install_fix(APP_ROOT)}", file=sys.stderr, flush=True)
+        return 3
     except KeyboardInterrupt:
         return 143  # before any worker started: nothing to checkpoint

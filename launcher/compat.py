@@ -59,7 +59,7 @@ def check_build(hw: Hardware, tb: TorchBuild, hsa_override: str | None = None) -
     n = len(hw.gpus)
     if not tb.importable:
         return [Finding("fail", "torch", f"torch is not importable: {tb.error}",
-                        "rebuild the image or reinstall torch", 3)]
+                        install_fix(), 3)]
     if hw.vendor == "nvidia" and tb.kind != "cuda":
         what = "a ROCm build" if tb.kind == "rocm" else "a CPU-only build"
         return [Finding("fail", "torch", f"torch {tb.version} is {what} and cannot use the {n} "
@@ -110,3 +110,32 @@ def _check_rocm(hw: Hardware, tb: TorchBuild, hsa_override: str | None) -> list[
                             "use a ROCm image built for this GPU (HSA_OVERRIDE_GFX_VERSION "
                             "works only for a compatible ISA)", 3)]
     return []
+
+
+def install_fix(app_root: str | None = None, python: str | None = None) -> str:
+    """What to do when this interpreter lacks torch (or another dependency).
+
+    In the image the environment is baked in, so the image is broken. In a checkout the
+    dependencies live in the checkout's ``.venv`` (``make venv``), and the usual mistake
+    is running a command with the system ``python`` instead of that one.
+    """
+    import os
+    import sys
+    python = python or sys.executable
+    root = os.path.abspath(app_root or os.path.dirname(os.path.dirname(__file__)))
+    venv_python = os.path.join(root, ".venv", "bin", "python")
+    in_checkout = os.path.exists(os.path.join(root, "Makefile"))
+    if not in_checkout:
+        return "rebuild the image (its Python environment is incomplete)"
+    inside = os.path.abspath(os.getcwd()) == root
+    venv = ".venv" if inside else os.path.join(root, ".venv")
+    entry = "entrypoint.py" if inside else os.path.join(root, "entrypoint.py")
+    # a venv's python is often a link to the system one: compare environments, not files
+    in_venv = os.path.realpath(sys.prefix) == os.path.realpath(os.path.join(root, ".venv"))
+    if os.path.exists(venv_python) and not in_venv:
+        return (f"{python} is not this checkout's environment: run `{venv}/bin/python "
+                f"{entry} ...`, or `. {venv}/bin/activate` once per shell")
+    if not os.path.exists(venv_python):
+        return f"this checkout has no .venv yet: run `make venv` in {root}, then " \
+               f"`. {venv}/bin/activate`"
+    return "this checkout's .venv is incomplete: run `make venv` again (or `make clean venv`)"

@@ -54,3 +54,4 @@ def torch_build() -> TorchBuild:
         nccl=bool(available and dist.is_nccl_available()),
         gloo=bool(available and dist.is_gloo_available()),
         mpi=bool(available and dist.is_mpi_available()))
+

@@ -17,7 +17,7 @@ from typing import Any
 
 from launcher import conventions, system
 from launcher import detect as detect_mod
-from launcher.compat import check_build
+from launcher.compat import check_build, install_fix
 from launcher.environ import Environ
 from launcher.hardware import Finding, TorchBuild
 from train.errors import UserError
@@ -38,12 +38,13 @@ def gather(env: Environ, config_path: str | None, overrides: list[str], *, app_r
     """Everything doctor reports, as plain data, plus findings and the exit code."""
     from launcher.plan import plan as make_plan
     from train.config import load_config
+    from train.config.loader import config_warnings
     findings: list[Finding] = []
     hw = detect_mod.detect(env, nvml=nvml, load_nvml=load_nvml)
     tb = tb or detect_mod.torch_build()
     if not tb.importable:
         findings.append(Finding("fail", "torch", f"torch is not importable: {tb.error}",
-                                "rebuild the image", 3))
+                                install_fix(), 3))
     findings += [Finding("warn", "gpu", w) for w in hw.warnings]
     findings += check_build(hw, tb, env.visibility.hsa_override_gfx_version)
     report: dict[str, Any] = {"torch": tb.to_dict(), "hardware": hw.to_dict(),
@@ -52,6 +53,7 @@ def gather(env: Environ, config_path: str | None, overrides: list[str], *, app_r
     cfg = None
     try:
         cfg = load_config(config_path, overrides) if config_path else _default_config()
+        findings += [Finding("warn", "config", w) for w in config_warnings(cfg)]
         report["convention"] = conventions.detect(env).NAME
         p = make_plan(cfg, hw, tb, env, config_path=config_path or "<defaults>",
                       overrides=overrides, python=sys.executable, app_root=app_root)
@@ -67,8 +69,9 @@ def gather(env: Environ, config_path: str | None, overrides: list[str], *, app_r
                                     f"rendezvous host {p.rdzv_host} does not resolve yet",
                                     None if addrs else "train waits for it (TRAIN_DNS_WAIT_S)"))
     except UserError as exc:
-        findings.append(Finding("fail", "config" if exc.exit_code == 2 else "plan",
-                                exc.one_line()[len("error: "):], None, exc.exit_code))
+        for each in getattr(exc, "errors", [exc]):  # every problem of a config
+            findings.append(Finding("fail", "config" if each.exit_code == 2 else "plan",
+                                    each.one_line()[len("error: "):], None, each.exit_code))
     if cfg is not None:
         findings.append(system.check_output_dir(cfg.output.dir, create=False))
     findings.append(system.check_shm())

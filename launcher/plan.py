@@ -27,6 +27,7 @@ from launcher.variables import WorkerVariables, direct_worker_identity
 from train.comm_env import worker_defaults
 from train.config import AUTO, Config, batch_split
 from train.config.checks import check_batch_memory
+from train.config.loader import config_warnings, origin_note, source_of
 from train.errors import CannotRunHere, ConfigError
 from train.placement import (backend_problem, check_gpu_only, one_process_problem,
                              resolve_backend, runs_one_process)
@@ -103,9 +104,11 @@ def resolve_nproc(cfg: Config, hw: Hardware, device: str, nodes: Nodes, source: 
             notes.append(f"distributed.nproc_per_node={want} (config) wins over "
                          f"PET_NPROC_PER_NODE={nodes.nproc}")
         if one and want > 1:
+            source = source_of(cfg, "distributed.nproc_per_node", source)
             raise ConfigError(source, "distributed.nproc_per_node", f"got {want}, but "
-                              f"distributed.strategy={strategy} runs one process; use ddp or "
-                              "fsdp, or nproc_per_node=1")
+                              f"distributed.strategy={strategy}"
+                              f"{origin_note(cfg, 'distributed.strategy', source)} runs one "
+                              "process; use ddp or fsdp, or nproc_per_node=1")
         n = want
     elif nodes.nproc is not None:
         n = nodes.nproc
@@ -214,7 +217,9 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
         argv = [python, "-m", "launcher.torchrun", *nodes.args, "--nproc-per-node",
                 str(nproc), "--max-restarts", str(max_restarts), "--log-dir", log_dir,
                 "--tee", "3", "-m", *worker]
-    warnings = list(hw.warnings) + [f"kept {k}" for k in variables.kept]
+    # The config's own warnings (values it adjusted) first: the launcher prints them
+    # once, and the workers it starts leave them to it.
+    warnings = config_warnings(cfg) + list(hw.warnings) + [f"kept {k}" for k in variables.kept]
     if device == "gpu" and backend == "gloo":
         warnings.append("distributed.backend=gloo on GPUs is much slower than nccl")
     return Plan(mode="direct" if direct else "torchrun", argv=tuple(argv), env=variables.values,

@@ -165,13 +165,15 @@ MAX_STORE_RELAUNCHES = 10
 
 
 def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
-        keep_fds: tuple[int, ...] = ()) -> int:
+        keep_fds: tuple[int, ...] = (), verbose: bool = False) -> int:
     """Start the plan's command, forward signals, restart (direct mode) or relaunch (the
     rendezvous store came back), map the result. keep_fds: descriptors the child inherits
-    (the run-directory lock, so that it is held as long as any process of the run lives)."""
+    (the run-directory lock, so that it is held as long as any process of the run lives);
+    verbose: also log the variables set for each start."""
     folder = Path(tempfile.mkdtemp(prefix="train-launcher-"))
     env = {**base_env, **plan.env, STATUS_DIR_VAR: str(folder)}
-    log(f"set {STATUS_DIR_VAR}={folder} (where workers report how they ended)")
+    if verbose:
+        log(f"set {STATUS_DIR_VAR}={folder} (where workers report how they ended)")
     forwarder = Forwarder()
     forwarder.install()
     restarts = relaunches = 0
@@ -180,7 +182,8 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
         while not forwarder.received:
             if plan.mode == "direct":
                 env["TORCHELASTIC_RESTART_COUNT"] = str(restarts)
-                log(f"set TORCHELASTIC_RESTART_COUNT={restarts}")
+                if verbose or restarts:
+                    log(f"set TORCHELASTIC_RESTART_COUNT={restarts}")
             rc = _start_and_wait(plan, env, keep_fds, forwarder, log)
             outcome = classify(rc, read_reports(folder), forwarder.received,
                                plan.nproc_per_node, plan.mode, plan.program)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,15 @@ def tiny_gpt(tmp_path: Path) -> Path:
 @pytest.fixture
 def tiny_mlp(tmp_path: Path) -> Path:
     return write_config(tmp_path / "mlp.yaml", merge(TINY_MLP, {"output": {"dir": str(tmp_path / "runs")}}))
+
+
+def lock_pins(path: Path) -> dict[str, tuple[str, int]]:
+    """name -> (version, number of hashes) for every requirement in a pip-compile lock."""
+    text = path.read_text()
+    pins = {}
+    for m in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)((?:[ \t]*\\\n[ \t]+--hash=sha256:[0-9a-f]{64})*)",
+                         text, re.M):
+        pins[m.group(1).lower()] = (m.group(2), m.group(3).count("--hash="))
+    requirement_lines = [l for l in text.splitlines() if re.match(r"^[A-Za-z0-9]", l)]
+    assert len(requirement_lines) == len(pins), f"{path.name}: unparsed requirement lines"
+    return pins

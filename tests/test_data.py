@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_GPT, TINY_MLP, merge, write_config
+from conftest import ROOT, TINY_GPT, TINY_MLP, merge, worker_env, write_config
 from train.config import load_config
 from train.data import (GlobalOrder, RankBatchSampler, build_data, eval_indices, make_loader,
                         read_text_corpus)
@@ -66,6 +74,104 @@ def test_loader_with_worker_processes_yields_the_sampler_order(tmp_path):
     assert len(got) == len(want) == 6
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def _pdeathsig() -> int:
+    value = ctypes.c_int(0)
+    ctypes.CDLL(None).prctl(2, ctypes.byref(value), 0, 0, 0)  # PR_GET_PDEATHSIG
+    return value.value
+
+
+def _user_init(worker_id: int) -> None:
+    """A user's worker_init_fn: runs after the loader's own setup, in the worker."""
+    os.environ["USER_INIT"] = f"{worker_id}:{signal.getsignal(signal.SIGTERM) is signal.SIG_IGN}"
+
+
+class WhoServes(torch.utils.data.Dataset):
+    """Each sample: the serving process, its stop-signal handling, its seed."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int):
+        time.sleep(0.02)
+        return {"pid": os.getpid(), "pdeathsig": _pdeathsig(), "seed": torch.initial_seed(),
+                "term": signal.getsignal(signal.SIGTERM), "int": signal.getsignal(signal.SIGINT),
+                "user": os.environ.get("USER_INIT")}
+
+
+def test_loader_workers_leave_stop_signals_to_the_main_process():
+    """SIGTERM/SIGINT sent to the whole process group (systemd, scancel, timeout, Ctrl-C,
+    torchrun) reach the loader's workers too: they ignore them, so the main process can
+    checkpoint, and they die with it (parent-death SIGKILL). A user's worker_init_fn and
+    torch's per-worker seeding still apply."""
+    sampler = [[i, i + 1] for i in range(0, 48, 2)]
+    loader = make_loader(WhoServes(), sampler, num_workers=2, pin_memory=False,
+                         persistent_workers=False, prefetch_factor=2, seed=5,
+                         worker_init_fn=_user_init)
+    seen = []
+    for k, batch in enumerate(loader):
+        seen += batch
+        if k == 1:  # as a signal to the group would: the workers get both, mid-iteration
+            for pid in {s["pid"] for s in seen}:
+                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signal.SIGINT)
+    assert len(seen) == 48, "every batch arrived; no worker died"
+    workers = {s["pid"] for s in seen}
+    assert len(workers) == 2 and os.getpid() not in workers
+    assert all(s["term"] is signal.SIG_IGN and s["int"] is signal.SIG_IGN for s in seen)
+    assert all(s["pdeathsig"] == signal.SIGKILL for s in seen)
+    assert {s["user"] for s in seen} == {"0:True", "1:True"}
+    assert len({s["seed"] for s in seen}) == 2, "torch still seeds each worker differently"
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN  # this process unchanged
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, []) & {signal.SIGTERM, signal.SIGINT}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return False
+
+
+STUCK_LOADER = """
+import os, sys, time
+import torch
+from train.data import make_loader
+
+class Stuck(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        print(os.getpid(), flush=True)
+        time.sleep(120)  # a dataset call that never returns (a stuck file system read)
+
+loader = make_loader(Stuck(), [[0], [1], [2], [3]], num_workers=2, pin_memory=False,
+                     persistent_workers=False, prefetch_factor=1, seed=0)
+next(iter(loader))
+"""
+
+
+def test_loader_workers_die_with_a_killed_main_process(tmp_path):
+    """kill -9 of the main process: its loader workers go at once, even in the middle of a
+    dataset call (torch's own check of the parent runs only between samples)."""
+    (tmp_path / "stuck.py").write_text(STUCK_LOADER)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "stuck.py")], cwd=ROOT,
+                            env=worker_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        workers = {int(proc.stdout.readline()) for _ in range(2)}
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    deadline = time.monotonic() + 3
+    left = workers
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = {p for p in workers if _alive(p)}
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "loader workers outlived the main process"
 
 
 def test_eval_subset_is_the_same_for_any_world_size():

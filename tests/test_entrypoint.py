@@ -351,3 +351,38 @@ def test_gpu_check_reports_no_gpu_cleanly_here(tmp_path):
     assert json.loads((tmp_path / "out" / "doctor.json").read_text())["hardware"]["gpus"] == []
     stages = [json.loads(x) for x in (tmp_path / "out" / "stages.jsonl").read_text().splitlines()]
     assert [s["name"] for s in stages] == ["deps", "doctor", "gpu-stages"]
+
+
+# ------------------------------------------------------------- the wrong Python
+
+def test_install_fix_points_a_checkout_at_its_venv(tmp_path, monkeypatch):
+    from launcher.compat import install_fix
+    image = tmp_path / "app"
+    image.mkdir()
+    assert "rebuild the image" in install_fix(str(image))
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "Makefile").write_text("")
+    assert "make venv" in install_fix(str(checkout))  # no .venv yet
+    (checkout / ".venv" / "bin").mkdir(parents=True)
+    (checkout / ".venv" / "bin" / "python").touch()
+    monkeypatch.chdir(checkout)
+    fix = install_fix(str(checkout), python="/usr/bin/python3")
+    assert "/usr/bin/python3 is not this checkout's environment" in fix
+    assert "`.venv/bin/python entrypoint.py ...`" in fix and ". .venv/bin/activate" in fix
+    monkeypatch.chdir(tmp_path)  # elsewhere: absolute paths
+    assert f"`{checkout}/.venv/bin/python {checkout}/entrypoint.py ...`" in install_fix(
+        str(checkout), python="/usr/bin/python3")
+
+
+@pytest.mark.parametrize("missing", ["torch", "yaml"])
+def test_a_python_without_the_dependencies_gets_one_line_and_exit_3(tmp_path, missing):
+    """As with the system python instead of .venv's: no traceback, what to do instead."""
+    code = (f"import sys; sys.modules[{missing!r}] = None; sys.path.insert(0, {str(ROOT)!r}); "
+            "from launcher.cli import main; sys.exit(main(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", code, "train", QUICKSTART], cwd=tmp_path,
+                         env=clean_env(), capture_output=True, text=True, timeout=120)
+    line = one_error_line(out.stderr)
+    assert out.returncode == 3, out.stderr
+    assert missing in line and ".venv" in line, line
+    assert not (tmp_path / "runs").exists()

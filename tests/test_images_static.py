@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import lock_pins
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILES = {"cpu": "Dockerfile.cpu", "cuda": "Dockerfile.cuda", "rocm": "Dockerfile.rocm"}
 DEFAULT_VARIANT = {"cpu": "cpu", "cuda": "cu130", "rocm": "rocm7.2"}
@@ -60,18 +62,6 @@ def arg_default(path: Path, name: str) -> str | None:
         if word == "ARG" and rest.startswith(name + "="):
             return rest.split("=", 1)[1].strip('"')
     return None
-
-
-def lock_pins(path: Path) -> dict[str, tuple[str, int]]:
-    """name -> (version, number of hashes) for every requirement in a pip-compile lock."""
-    text = path.read_text()
-    pins = {}
-    for m in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)((?:[ \t]*\\\n[ \t]+--hash=sha256:[0-9a-f]{64})*)",
-                         text, re.M):
-        pins[m.group(1).lower()] = (m.group(2), m.group(3).count("--hash="))
-    requirement_lines = [l for l in text.splitlines() if re.match(r"^[A-Za-z0-9]", l)]
-    assert len(requirement_lines) == len(pins), f"{path.name}: unparsed requirement lines"
-    return pins
 
 
 # ---------------------------------------------------------------- linters
@@ -152,7 +142,8 @@ def test_same_torch_version_everywhere_and_vendor_variants():
     assert len(versions) == 1, versions
     (version,) = versions
     makefile = (ROOT / "Makefile").read_text()
-    assert f"TORCH_SPEC ?= torch=={version}" in makefile, "Makefile and images pin different torch"
+    assert re.search(rf"^TORCH_VERSION +\?= {re.escape(version)}$", makefile, re.M), \
+        "Makefile and images pin different torch"
     for flavor, name in DOCKERFILES.items():
         assert arg_default(ROOT / name, "TORCH_VARIANT") == DEFAULT_VARIANT[flavor]
 

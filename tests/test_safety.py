@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import (ROOT, TINY_GPT, TINY_MLP, clean_env, losses, merge,
-                      run_train, write_config)
+                      run_train, worker_env, write_config)
 from train.checkpoint import Checkpointer
 from train.files import sha256_file
 
@@ -266,6 +266,105 @@ def test_workers_never_outlive_the_launcher(tmp_path, nproc):
                   f"distributed.nproc_per_node={nproc}", "train.max_steps=2",
                   f"output.dir={tmp_path / 'runs'}", cwd=tmp_path)
     assert rerun.returncode == 0 and "nothing to do" in rerun.stdout + rerun.stderr
+
+
+def group_members(pgid: int) -> set[int]:
+    """Every live process of process group ``pgid`` (from /proc)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state != "Z":
+            found.add(int(stat.parent.name))
+    return found
+
+
+def signal_the_group(proc: subprocess.Popen, sig: int, out: Path, err: Path,
+                     at: str = "step 3/") -> set[int]:
+    """As systemd, SLURM's scancel, `timeout` or a terminal's Ctrl-C do: ``sig`` to every
+    process of the run's group (it was started with start_new_session) once training runs;
+    wait for the end and for every process below it to be gone. Returns those processes."""
+    text = lambda: out.read_text() + err.read_text()  # noqa: E731
+    below: set[int] = set()
+    try:
+        wait_for(lambda: at in text(), 180, "no training")
+        below = descendants(proc.pid)
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=90)
+        wait_for(lambda: not group_members(proc.pid) and not any(alive(p) for p in below), 10,
+                 f"processes left behind: {sorted(group_members(proc.pid))} "
+                 f"{sorted(p for p in below if alive(p))}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in [p for p in below if alive(p)]:
+            os.kill(pid, signal.SIGKILL)
+    return below
+
+
+def assert_one_clean_stop(err: str, sig: int, ranks: int = 1) -> int:
+    """One "received SIG..." line per rank (none from data-loading workers), no worker
+    killed, no traceback; returns the step every rank stopped at."""
+    name = signal.Signals(sig).name
+    assert "killed by signal" not in err and "Traceback" not in err, err[-3000:]
+    assert err.count(f"received {name}") == ranks, err[-3000:]
+    for rank in range(ranks):
+        assert err.count(f"[rank {rank}] WARNING received {name}") == 1, err[-3000:]
+    stops = {int(line.split("stopped at step ")[1].split()[0]) for line in err.splitlines()
+             if "stopped at step " in line}
+    assert len(stops) == 1, err[-3000:]
+    return stops.pop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_whole_process_group_checkpoints_with_loader_workers(tmp_path, sig):
+    """The data-loading workers get the group's signal too: they must not die (the main
+    process would fail without a checkpoint) nor log it again, and must not outlive it."""
+    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path)}, "data": {"num_workers": 2},
+        "train": {"max_steps": 100000}}))
+    out, err = tmp_path / "out.log", tmp_path / "err.log"
+    with out.open("w") as o, err.open("w") as e:
+        proc = subprocess.Popen([sys.executable, "-m", "train", str(config)], cwd=ROOT,
+                                env=worker_env(), stdout=o, stderr=e, start_new_session=True)
+    below = signal_the_group(proc, sig, out, err)
+    assert len(below) >= 2, "the loader's worker processes were running"
+    assert proc.returncode == 143, err.read_text()[-3000:]
+    step = assert_one_clean_stop(err.read_text(), sig)
+    latest = tmp_path / "c" / "checkpoints" / "latest"
+    assert latest.read_text().strip() == f"step-{step}"
+    again = run_train(config, f"train.max_steps={step + 1}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"at step {step}" in again.stderr
+    assert sorted(losses(tmp_path / "c")) == list(range(1, step + 2))
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_sigterm_to_the_launchers_process_group_checkpoints_with_loader_workers(tmp_path,
+                                                                                nproc):
+    """kill -TERM -- -PGID of `entrypoint.py train` with data-loading workers; with two
+    processes torchrun passes it on to each rank's whole group, loader workers included."""
+    out, err = tmp_path / "out.log", tmp_path / "err.log"
+    with out.open("w") as o, err.open("w") as e:
+        launcher = subprocess.Popen(
+            [sys.executable, ENTRY, "train", str(ROOT / "configs" / "quickstart.yaml"), *SMALL,
+             "data.num_workers=2", f"distributed.nproc_per_node={nproc}",
+             "train.max_steps=100000", f"output.dir={tmp_path / 'runs'}"],
+            cwd=tmp_path, env=clean_env(), stdout=o, stderr=e, start_new_session=True)
+    below = signal_the_group(launcher, signal.SIGTERM, out, err)
+    # the worker(s), 2 loader workers each, and torchrun for two
+    assert len(below) >= 3 * nproc + (nproc > 1), sorted(below)
+    text = out.read_text() + err.read_text()
+    assert launcher.returncode == 143, text[-3000:]
+    step = assert_one_clean_stop(text, signal.SIGTERM, ranks=nproc)
+    assert last_line(err.read_text()).startswith("stopped by SIGTERM; rerun")
+    found = Checkpointer(tmp_path / "runs" / "quickstart", rank=0,
+                         keep_last=3).newest_loadable(rank=0)
+    assert found is not None and found[0].name == f"step-{step}"
+    assert (found[0] / f"rank-{nproc - 1}.pt").exists()
 
 
 def is_local_rank_1(pid: int) -> bool:

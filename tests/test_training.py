@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT, TINY_GPT, TINY_MLP, losses, merge, read_metrics, run_train, write_config
 
@@ -48,17 +49,51 @@ def test_loss_falls(runs):
     assert series[STEPS] < 0.8 * series[1]
 
 
-def test_tensorboard_events_hold_the_loss_series(runs):
+def tensorboard_run(path: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    acc = EventAccumulator(str(runs["one_a"] / "tb"))
+    acc = EventAccumulator(str(path), size_guidance={"tensors": 0, "scalars": 0})
     acc.Reload()
-    scalars = {e.step: e.value for e in acc.Scalars("train/loss")}
+    return acc
+
+
+def test_tensorboard_opens_on_train_and_val_loss_in_one_chart(runs):
+    """Both TensorBoard runs (tb/train, tb/val) hold the tag `loss`, so TensorBoard draws
+    them in one chart; it orders tag groups by name, and `loss` sorts before the others."""
+    train, val = (tensorboard_run(runs["one_a"] / "tb" / name) for name in ("train", "val"))
+    scalars = {e.step: e.value for e in train.Scalars("loss")}
     expected = losses(runs["one_a"])
     assert sorted(scalars) == sorted(expected)
     for step, value in expected.items():
         assert math.isclose(scalars[step], value, rel_tol=1e-6)
-    assert "val/loss" in acc.Tags()["scalars"]
-    assert "config/text_summary" in acc.Tags()["tensors"]
+    result = json.loads((runs["one_a"] / "result.json").read_text())
+    val_loss = val.Scalars("loss")
+    assert val_loss[-1].step == STEPS and math.isclose(val_loss[-1].value, result["val/loss"],
+                                                       rel_tol=1e-6)
+    tags = train.Tags()["scalars"] + val.Tags()["scalars"]
+    assert min(tags) == "loss" and all(t == "loss" or "/" in t for t in tags), tags
+    assert "config/text_summary" in train.Tags()["tensors"]
+
+
+def test_tensorboard_hparams_keep_types_and_put_model_first(runs):
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import api_pb2, metadata
+    val = EventAccumulator(str(runs["one_a"] / "tb" / "val"))  # TensorBoard's own reader
+    val.Reload()
+    content = val.PluginTagToContent(metadata.PLUGIN_NAME)
+    experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
+    start = metadata.parse_session_start_info_plugin_data(
+        content[metadata.SESSION_START_INFO_TAG])
+    metric_tags = [m.name.tag for m in experiment.metric_infos]  # the val run's own series
+    assert metric_tags[0] == "loss" and set(metric_tags) == set(
+        tensorboard_run(runs["one_a"] / "tb" / "val").Tags()["scalars"])
+    names = [h.name for h in experiment.hparam_infos]
+    assert names[0].startswith("model.") and names.index("optim.lr") < names.index("seed")
+    config = yaml.safe_load((runs["one_a"] / "config.yaml").read_text())
+    assert start.hparams["deterministic"].WhichOneof("kind") == "bool_value"
+    assert start.hparams["deterministic"].bool_value is config["deterministic"]
+    assert start.hparams["optim.lr"].number_value == config["optim"]["lr"]
+    end = metadata.parse_session_end_info_plugin_data(content[metadata.SESSION_END_INFO_TAG])
+    assert end.status == api_pb2.STATUS_SUCCESS
 
 
 def test_run_directory_layout(runs):
@@ -84,6 +119,24 @@ def test_quickstart_loss_falls(tmp_path):
     series = losses(tmp_path / "quickstart")
     assert abs(series[1] - math.log(256)) < 0.3, "starts near uniform over 256 bytes"
     assert max(series[s] for s in range(51, 61)) < 0.6 * series[1], series
+    recorded = json.loads((ROOT / "bench" / "quickstart.json").read_text())
+    # the step-1 loss the README states (another stdlib moves it by a few hundredths)
+    assert abs(series[1] - recorded["first_loss"]) < 0.1, (series[1], recorded)
+
+
+def test_readme_states_the_recorded_quickstart_measurement():
+    """The quick start's promises are the numbers bench/quickstart.py recorded (and the
+    machine they came from), so README and measurement cannot drift apart."""
+    recorded = json.loads((ROOT / "bench" / "quickstart.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    quick = readme[readme.index("## Quick start"):readme.index("## Commands")]
+    assert f"{recorded['steps']} steps in {recorded['wall_s']:.0f} s" in quick
+    assert f"({recorded['step_time_ms'] / 1000:.2f} s a" in quick
+    assert f"loss {recorded['first_loss']:.2f} at step {recorded['first_step']}" in quick
+    assert f"{recorded['final_loss']:.2f} at step {recorded['steps']}" in quick
+    assert f"validation {recorded['val_loss']}" in quick
+    cpus = recorded["machine"].split()[0]
+    assert f"{cpus}-core" in quick and recorded["machine"].split("Python ")[1][:4] in quick
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -109,7 +162,7 @@ def test_cnn_with_loader_workers_and_accumulation(tmp_path):
     proc = run_train(config)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "micro-batch 4 x 4 accumulation" in proc.stderr
-    assert sorted(losses(tmp_path / "c")) == [2, 4, 6]
+    assert sorted(losses(tmp_path / "c")) == [1, 2, 4, 6]  # step 1, then every 2
 
 
 def test_log_lines_carry_the_rank(tmp_path):

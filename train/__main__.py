@@ -1,4 +1,5 @@
 """``python -m train CONFIG [dotted.key=value ...] [--print-config]``: one worker.
+``python -m train --help-config`` lists every config key.
 
 Runs standalone (one process) or as a torchrun worker. The launcher
 (``entrypoint.py train``) validates everything before starting workers; this entry
@@ -12,6 +13,7 @@ import sys
 
 from train import usercode
 from train.config import check_resume_compatible, load_config, to_yaml
+from train.config.loader import config_warnings, dashed_override
 from train.errors import EXIT_TRAINING_FAILED, UserError
 from train.worker_env import WorkerEnv
 
@@ -23,14 +25,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="override config keys, e.g. optim.lr=3e-4 train.max_steps=100")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (defaults filled in) and exit")
+    parser.add_argument("--help-config", nargs=0, action=_HelpConfig,
+                        help="list every config key with its type, default and meaning")
     return parser.parse_intermixed_args(argv)
+
+
+class _HelpConfig(argparse.Action):
+    """--help-config: like --help, answers at once (no config needed, no torch)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from train.reference import text
+        sys.stdout.write(text())
+        parser.exit(0)
 
 
 def run(argv: list[str]) -> tuple[int, str | None]:
     """(exit code, the one-line error printed, if any). launcher.worker reports both."""
-    args = parse_args(argv)
     try:
+        for arg in argv:  # --optim.lr=1e-3: an override with dashes, one line, exit 2
+            dashed = dashed_override(arg)
+            if dashed is not None:
+                raise dashed
+        args = parse_args(argv)
         cfg = load_config(args.config, args.overrides)
+        env = WorkerEnv.from_environ()
+        if env.status_dir is None and env.rank == 0:  # else the launcher printed them
+            for warning in config_warnings(cfg):
+                print(f"warning: {warning}", file=sys.stderr, flush=True)
         if args.print_config:
             sys.stdout.write(to_yaml(cfg))
             return 0, None

@@ -37,6 +37,32 @@ class ConfigError(UserError):
         super().__init__(f"{source}: {key}: {problem}")
 
 
+class ConfigErrors(ConfigError):
+    """Several problems of one config, found together: each is printed on its own line
+    (``error: <file>: <dotted.key>: ...``), exit 2. ``source``, ``key`` and ``problem``
+    are the first one's; :func:`raise_all` raises a lone problem as itself."""
+
+    def __init__(self, errors: list[ConfigError]):
+        self.errors = list(errors)
+        first = self.errors[0]
+        super().__init__(first.source, first.key, first.problem)
+
+    def one_line(self) -> str:
+        """One line per problem (so not one line, unless there is one problem)."""
+        return "\n".join(e.one_line() for e in self.errors)
+
+    def __str__(self) -> str:
+        return "\n".join(str(e) for e in self.errors)
+
+
+def raise_all(errors: list[ConfigError]) -> None:
+    """Nothing when ``errors`` is empty; the error itself when there is one; else all."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(errors)
+
+
 class CannotRunHere(UserError):
     """Valid input that this machine or image cannot run: exit 3."""
 

@@ -79,3 +79,13 @@ def describe_load_error(exc: BaseException) -> str:
         text = text.split("Please use `torch.serialization", 1)[0]
     text = text.split("Re-running `torch.load`", 1)[0].split("(1) In PyTorch", 1)[0].strip()
     return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+
+
+def finished_step(run_dir: Path, max_steps: int) -> int | None:
+    """The step of a finished run (its result.json reaching ``max_steps``), else None:
+    the one file that says there is nothing left to do, read before anything is built."""
+    try:
+        step = json.loads((Path(run_dir) / "result.json").read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and step >= max_steps else None

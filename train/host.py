@@ -101,6 +101,19 @@ def output_dir_problem(path: str | Path, create: bool) -> str | None:
 PR_SET_PDEATHSIG = 1
 
 
+def process_alive(pid: object) -> bool:
+    """Whether a process with this pid exists (one of another user's counts)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def die_with_parent(signum: int, parent: int | None = None) -> None:
     """Have the kernel send ``signum`` to this process when its parent dies, however it
     dies (kill -9 included), so supervised processes never outlive their supervisor.

@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from train.board import Board
 from train.config import Config, to_yaml
+from train.console import Console, format_duration
 from train.files import json_text, write_atomic
 
 
@@ -35,14 +37,6 @@ def truncate_jsonl(path: Path, keep_through_step: int) -> None:
     write_atomic(path, "".join(k + "\n" for k in kept))
 
 
-def format_eta(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    seconds = int(seconds)
-    h, rem = divmod(seconds, 3600)
-    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
-
-
 class MetricsLogger:
     """Writes every sink; created on rank 0 only."""
 
@@ -52,57 +46,57 @@ class MetricsLogger:
         truncate_jsonl(self.jsonl_path, start_step)
         self.jsonl = self.jsonl_path.open("a", buffering=1)
         style = cfg.logging.progress
-        self.bar = style == "bar" or (style == "auto" and sys.stdout.isatty())
-        self.tb = None
-        if cfg.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1)
-            self.tb.add_text("config", "```\n" + to_yaml(cfg) + "\n```", start_step)
+        self.console = Console(self.max_steps, throughput_unit,
+                               bar=style == "bar" or (style == "auto" and sys.stdout.isatty()))
+        self.run_dir, self.started = run_dir, time.monotonic()
+        self.tb = Board(run_dir / "tb", start_step, to_yaml(cfg)) if cfg.logging.tensorboard \
+            else None
         self.hparams = _flat_hparams(cfg)
 
     def log(self, step: int, values: dict[str, float], *, step_time: float) -> None:
         row = {"step": step, **values, "step_time_s": step_time, "time": time.time()}
         self.jsonl.write(json_text(row) + "\n")
         if self.tb:
-            for key, value in values.items():
-                self.tb.add_scalar(f"train/{key}" if "/" not in key else key, value, step)
-            self.tb.add_scalar("perf/step_time_s", step_time, step)
-        self._console(step, values, step_time)
+            self.tb.log_train(step, {**values, "step_time_s": step_time})
+        self.console.row(step, values, step_time)
 
-    def _console(self, step: int, values: dict[str, float], step_time: float) -> None:
-        eta = format_eta((self.max_steps - step) * step_time)
-        parts = [f"step {step}/{self.max_steps}"]
-        parts += [f"{k} {v:.4g}" for k, v in values.items() if k != "throughput"]
-        if "throughput" in values:
-            parts.append(f"{values['throughput']:.0f} {self.unit}/s")
-        parts += [f"{step_time * 1000:.0f} ms/step", f"eta {eta}"]
-        line = " | ".join(parts)
-        if self.bar:
-            done = int(30 * step / self.max_steps)
-            sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] {line}\x1b[K")
-            if step == self.max_steps:
-                sys.stdout.write("\n")
-        else:
-            sys.stdout.write(line + "\n")
-        sys.stdout.flush()
+    def step(self, step: int) -> None:
+        """Every step: moves the console's bar and feeds its ETA (no device sync)."""
+        self.console.step(step)
 
     def log_eval(self, step: int, values: dict[str, float]) -> None:
         self.jsonl.write(json_text({"step": step, **values}) + "\n")
         if self.tb:
-            for key, value in values.items():
-                self.tb.add_scalar(key, value, step)
-        if self.bar:
-            sys.stdout.write("\n")
-        sys.stdout.write(f"step {step} | " + " | ".join(f"{k} {v:.4g}" for k, v in values.items())
-                         + "\n")
+            self.tb.log_val(step, values)
+        self.console.eval(step, values)
+
+    def summary(self, step: int, final: dict[str, float]) -> None:
+        """The closing lines of a finished run: result, time, where it is, what next."""
+        def shown(path: Path) -> str:
+            try:
+                return str(path.resolve().relative_to(Path.cwd()))
+            except ValueError:
+                return str(path)
+        loss = self.console.values.get("loss")
+        result = [f"step {step}/{self.max_steps}"]
+        result += [f"loss {loss:.4g}"] if loss is not None else []
+        result += [f"{k} {v:.4g}" for k, v in final.items()]
+        run = shown(self.run_dir)
+        lines = [f"done: {' | '.join(result)} | {format_duration(time.monotonic() - self.started)}"
+                 " in this process",
+                 f"  run directory  {run}  (metrics.jsonl, result.json, checkpoints/)",
+                 f"  export         entrypoint.py export {run}",
+                 f"  TensorBoard    tensorboard --logdir {shown(self.run_dir.parent)}"
+                 if self.tb else "  TensorBoard    off (logging.tensorboard=false)"]
+        self.console.end_line()
+        sys.stdout.write("\n".join(lines) + "\n")
         sys.stdout.flush()
 
     def close(self, final: dict[str, float] | None = None) -> None:
         if self.tb:
-            if final:
-                self.tb.add_hparams(self.hparams, {f"hparam/{k}": v for k, v in final.items()},
-                                    run_name=".")
-            self.tb.close()
+            # finished: HParams row (metrics: the final evaluation's, else the train loss)
+            self.tb.close(self.hparams if final is not None else None, metrics=list(final or {}))
+        self.console.close()
         self.jsonl.close()
 
 

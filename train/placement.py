@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from train.config import AUTO, Config
+from train.config.loader import origin_note, source_of
 from train.errors import CannotRunHere, ConfigError
 
 # Strategies that run exactly one process (DataParallel drives every GPU from it).
@@ -46,7 +47,8 @@ def one_process_problem(strategy: str, launched: str) -> str:
 class GpuOnly:
     """A setting that needs a GPU, with what to say when there is none."""
     key: str
-    contradiction: str   # the config itself says device=cpu: bad input (exit 2)
+    contradiction: str   # the config itself says device=cpu: bad input (exit 2);
+                         # {device}: where device=cpu came from, when not the key's source
     unavailable: str     # the machine has no usable GPU: cannot run here (exit 3)
 
 
@@ -55,18 +57,18 @@ def gpu_only_settings(cfg: Config) -> list[GpuOnly]:
     found = []
     if cfg.distributed.backend == "nccl":
         found.append(GpuOnly(
-            "distributed.backend", "nccl needs GPUs but device is cpu; use gloo (or auto)",
+            "distributed.backend", "nccl needs GPUs but device is cpu{device}; use gloo (or auto)",
             "distributed.backend=nccl needs GPUs, and none is usable here; use backend "
             "auto/gloo, or run on a GPU machine"))
     if cfg.distributed.strategy == "dp":
         found.append(GpuOnly(
-            "distributed.strategy", "dp (DataParallel) needs GPUs, but device is cpu; use "
+            "distributed.strategy", "dp (DataParallel) needs GPUs, but device is cpu{device}; use "
                                     "single or ddp",
             "distributed.strategy=dp needs GPUs and none is usable here; use single or ddp on "
             "CPU"))
     if cfg.memory.cpu_offload:
         found.append(GpuOnly(
-            "memory.cpu_offload", "offloads from GPUs, but device is cpu; set it to false",
+            "memory.cpu_offload", "offloads from GPUs, but device is cpu{device}; set it to false",
             "memory.cpu_offload=true needs a GPU (torch cannot offload without an "
             "accelerator); none is usable here"))
     return found
@@ -78,6 +80,8 @@ def check_gpu_only(cfg: Config, gpu: bool, source: str) -> None:
     if gpu:
         return
     for setting in gpu_only_settings(cfg):
-        if cfg.device == "cpu":
-            raise ConfigError(source, setting.key, setting.contradiction)
+        if cfg.device == "cpu":  # each value with where it came from
+            source = source_of(cfg, setting.key, source)
+            raise ConfigError(source, setting.key, setting.contradiction.format(
+                device=origin_note(cfg, "device", source)))
         raise CannotRunHere(setting.unavailable)

@@ -1,7 +1,9 @@
 """The config reference, generated from the dataclasses in :mod:`train.config`.
 
 ``python -m train.reference --schema`` writes the JSON Schema (configs/schema.json, for
-editors), ``--markdown`` the README's config table. Tests keep both in sync.
+editors), ``--markdown`` the README's config table, ``--text`` the list that
+``entrypoint.py train --help-config`` and ``python -m train --help-config`` print.
+Tests keep the first two in sync. Torch-free.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from typing import Any
 
 from train.config import Config
@@ -56,14 +59,16 @@ def json_schema() -> dict:
             "title": "train config", **schema_for(Config)}
 
 
-def _type_text(tp: Any) -> str:
+def _type_text(tp: Any, bar: str = " \\| ") -> str:
+    """The type as the tables show it; ``bar`` separates alternatives (escaped for
+    Markdown by default)."""
     kind, args = types.shape(tp)
     if kind == "choice":
-        return " \\| ".join(str(a) for a in args)
+        return bar.join(str(a) for a in args)
     if kind == "union":
-        return " \\| ".join(_type_text(a) for a in args)
+        return bar.join(_type_text(a, bar) for a in args)
     if kind == "list":
-        return f"list[{_type_text(args[0])}]"
+        return f"list[{_type_text(args[0], bar)}]"
     if kind == "mapping":
         return "mapping"
     return "null" if kind == "null" else args[0].__name__
@@ -75,14 +80,45 @@ def markdown() -> str:
     return "\n".join(["| key | type | default | meaning |", "|---|---|---|---|", *rows]) + "\n"
 
 
+_LIMITS = {"ge": ">=", "gt": ">", "le": "<="}
+TEXT_HEAD = """\
+Config keys: set them in the YAML file (sections as nested mappings) or on the
+command line as dotted.key=value, the value read as YAML (optim.lr=3e-4
+optim.betas=[0.9,0.99] data.path=null). Each key: its type (a | b: one of these),
+its bounds, its default, what it does.
+"""
+
+
+def text(width: int = 88) -> str:
+    """Every key with its type, default and meaning, section by section, for a terminal."""
+    lines = [TEXT_HEAD]
+    section = None
+    for dotted, key in types.leaves(Config):
+        head = dotted.rpartition(".")[0]
+        if head != section:
+            doc = next((k.doc for k in types.keys(Config) if k.name == head), "")
+            lines.append(("" if section is None else "\n") + (f"{head}: {doc}" if head
+                                                                else "top level:"))
+            section = head
+        limits = "".join(f", {_LIMITS[k]} {v}" for k, v in key.bounds.items())
+        lines.append(f"  {dotted}  {_type_text(key.type, ' | ')}{limits}  "
+                     f"(default {json.dumps(key.default)})")
+        lines += textwrap.wrap(key.doc, width, initial_indent=" " * 6,
+                               subsequent_indent=" " * 6)
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--schema", action="store_true", help="print the JSON Schema")
     group.add_argument("--markdown", action="store_true", help="print the config table")
+    group.add_argument("--text", action="store_true", help="print the keys as --help-config")
     args = parser.parse_args(argv)
     if args.schema:
         sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
+    elif args.text:
+        sys.stdout.write(text())
     else:
         sys.stdout.write(markdown())
     return 0

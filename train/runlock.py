@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from train.errors import CannotRunHere
+from train.host import process_alive
 
 LOCK_FILE = ".lock"
 
@@ -94,23 +95,11 @@ def _held_message(run_dir: Path, holder: dict) -> str:
             "run; wait for it to finish, stop it, or choose another run.name")
 
 
-def _alive(pid: object) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _lease(path: Path, run_dir: Path, job: str, holder: dict) -> RunLock:
     """The record alone, for file systems without flock."""
     if holder and holder.get("job") != job:
         here = holder.get("host") == socket.gethostname()
-        if not here or _alive(holder.get("pid")):
+        if not here or process_alive(holder.get("pid")):
             hint = "" if here else (f"; if that run is gone, remove {path}")
             raise CannotRunHere(_held_message(run_dir, holder) + hint)
     path.write_text(json.dumps(_record(job)), encoding="utf-8")

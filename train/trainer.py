@@ -30,7 +30,7 @@ from train.config import AUTO, Config, check_checkpoint_config, to_dict, to_yaml
 from train.data import eval_indices
 from train.divergence import Guard, clear_marker, read_marker, write_marker
 from train.errors import EXIT_OK, EXIT_STOPPED_BY_SIGNAL, ConfigError, Diverged
-from train.files import describe_load_error, write_json_atomic
+from train.files import describe_load_error, finished_step, write_json_atomic
 from train.manifest import update_manifest
 from train.metrics import MetricsLogger
 from train.models import count_parameters
@@ -271,9 +271,12 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
         loss = train_step(c, batches)
         state.advance(cfg.train.global_batch_size)
         step = state.step
-        log_now = step % every_log == 0 or step == cfg.train.max_steps
+        # step 1 too: the starting loss, and the first sign that training runs
+        log_now = step % every_log == 0 or step in (1, cfg.train.max_steps)
         lr = c.scheduler.get_last_lr()[0]  # the rate this step's update uses
         norm, applied = optimizer_step(c, guard, step)
+        if metrics is not None:
+            metrics.step(step)
         if log_now:
             now = time.perf_counter()
             loss_value, step_time = runtime.mean_over_ranks(
@@ -308,7 +311,8 @@ def finish(c: Components, metrics: MetricsLogger | None, step: int) -> None:
     checkpoint was written but whose finish was interrupted)."""
     final = log_eval(c, metrics, step)
     if c.env.is_main:
-        metrics.close({"loss": final.get("val/loss", float("nan"))} if final else None)
+        metrics.close(final)  # finished: the run's HParams row
+        metrics.summary(step, final)
         write_json_atomic(c.run_dir / "result.json", {"step": step, **final})
 
 
@@ -347,6 +351,13 @@ def train(cfg: Config, source: str, env: WorkerEnv | None = None) -> int:
         placed = preflight(cfg, env, source)
         if env.is_main and not env.supervised:  # the launcher holds it otherwise
             lock = runlock.acquire(cfg.run_dir, env.elastic_run_id)
+        done = finished_step(cfg.run_dir, cfg.train.max_steps) \
+            if cfg.checkpoint.resume_from == AUTO else None  # none or a path: train as asked
+        if done is not None and env.world_size == 1:  # (the launcher checks before starting)
+            log.info("nothing to do: run %s finished at step %d (%s); raise train.max_steps "
+                     "to train on", cfg.run.name, done, cfg.run_dir / "result.json")
+            clean = True
+            return EXIT_OK
         c = build(cfg, env, source, placed)
         prepare_run_dir(c)
         refuse_a_diverged_restart(c)

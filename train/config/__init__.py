@@ -6,7 +6,10 @@
 - :mod:`.checks`: cross-key and file checks, batch arithmetic, resume compatibility.
 
 Every problem is a :class:`~train.errors.ConfigError` (exit 2) with one line naming
-the file or "command line", the dotted key, what is wrong and what is allowed.
+the file or "command line" (where the key's value came from), the dotted key, what is
+wrong and what is allowed; a config's problems are reported all at once
+(:class:`~train.errors.ConfigErrors`). Values adjusted with a warning (a warmup longer
+than the run): :func:`~.loader.config_warnings`.
 """
 
 from train.config.checks import (batch_split, check_checkpoint_config,

@@ -1,35 +1,75 @@
 """Checks beyond single values: keys that must agree, files that must exist, how the
 global batch splits over a world size, and whether a run's checkpoints still fit.
 
-Each failure is one :class:`ConfigError` (exit 2) naming the key and where its value
-came from. Torch-free; the token scan imports numpy only when it runs.
+Each failure is a :class:`ConfigError` (exit 2) naming the key and where its value
+came from (and where each other value it quotes came from); :func:`validate` reports
+every failure at once. Torch-free; the token scan imports numpy only when it runs.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from train import datafiles
-from train.config.loader import Sources, to_dict
+from train.config.loader import DEFAULT, Sources, _related, source_of, to_dict
 from train.config.schema import AUTO, Config
 from train.config.strict_yaml import short
-from train.errors import CannotRunHere, ConfigError
+from train.errors import CannotRunHere, ConfigError, raise_all
 
 # Token files up to this size are scanned for ids >= data.vocab_size before training
 # (about a second per GiB); larger ones are checked batch by batch.
 TOKEN_SCAN_LIMIT = 2 << 30
 
 
-def validate(cfg: Config, sources: Sources) -> None:
-    """Checks that span several keys, plus files that must exist."""
+def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = None,
+             bad: set[str] = frozenset()) -> None:
+    """Checks that span several keys, plus files that must exist.
+
+    Each failure names the key and where its value came from; any other value it
+    quotes says where it came from when that differs (``train.max_steps=10 (command
+    line)``, ``model.width=128 (default)``). Failures are added to ``errors`` (raised
+    at the end without it); a check that reads a key in ``bad`` (one that already
+    failed on its own and holds its default instead) is skipped. A warmup longer than
+    the run is shortened to it, with a warning (:func:`~.loader.config_warnings`).
+    """
+    collect = errors is not None
+    errors = [] if errors is None else errors
+    warnings: list[str] = []
+
+    def is_bad(key: str) -> bool:
+        return any(_related(key, b) for b in bad)
+
+    def say(key: str, problem: str, related: tuple[str, ...]) -> ConfigError | None:
+        """The message with each quoted value's origin, or None when it reads a bad key."""
+        mentioned = _REF.findall(problem)
+        if any(is_bad(k) for k in (key, *related, *(name for _, name in mentioned))):
+            return None
+        line_source = sources.of(key)
+
+        def expand(match) -> str:
+            kind, name = match.groups()
+            note = (" (default)" if sources.origin(name) == DEFAULT else "") if name == key \
+                else sources.note(name, line_source)
+            shown = _show(_dig(to_dict(cfg), name))
+            return f"{shown}{note}" if kind == "v" else f"{name}={shown}{note}"
+        return ConfigError(line_source, key, _REF.sub(expand, problem))
 
     def fail(key: str, problem: str, *related: str) -> None:
-        """related: the other keys of a cross-key check; any of them overridden on the
-        command line makes the command line the source."""
-        raise ConfigError(sources.of(key, *related), key, problem)
+        """related: keys the check reads besides those quoted with ref() / val()."""
+        error = say(key, problem, related)
+        if error is not None:
+            errors.append(error)
+
+    def warn(key: str, problem: str, *related: str) -> bool:
+        error = say(key, problem, related)
+        if error is not None:
+            warnings.append(str(error))
+        return error is not None
 
     m, d, t = cfg.model, cfg.data, cfg.train
     _check_custom(cfg, fail)
@@ -39,36 +79,64 @@ def validate(cfg: Config, sources: Sources) -> None:
         fail("output.dir", "is empty; a directory for run directories, e.g. runs")
     if m.kind == "gpt":
         if m.width % m.heads:
-            fail("model.heads", f"{m.heads} does not divide model.width={m.width}", "model.width")
-        if d.kind not in ("text", "tokens", "custom"):
-            fail("data.kind", f"model.kind gpt needs text, tokens or custom data, got {d.kind}",
+            fail("model.heads", f"{val('model.heads')} does not divide {ref('model.width')}",
                  "model.kind")
+        if d.kind not in ("text", "tokens", "custom"):
+            fail("data.kind", f"{ref('model.kind')} needs text, tokens or custom data, got "
+                              f"{val('data.kind')}")
     elif d.kind in ("text", "tokens") and m.kind != "custom":
-        fail("data.kind", f"{d.kind} data needs model.kind gpt or custom, got {m.kind}",
-             "model.kind")
+        fail("data.kind", f"{val('data.kind')} data needs model.kind gpt or custom, got "
+                          f"{ref('model.kind')}")
     if m.kind == "cnn" and d.kind == "synthetic" and len(d.shape) != 3:
-        fail("data.shape", f"cnn needs [channels, height, width], got {d.shape}", "model.kind")
+        fail("data.shape", f"{ref('model.kind')} needs [channels, height, width], got "
+                           f"{val('data.shape')}", "data.kind")
     if not d.shape or any(s < 1 for s in d.shape):
         fail("data.shape", f"got {d.shape}; a list of positive sizes")
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         fail("optim.betas", f"got {cfg.optim.betas}; two numbers in [0, 1)")
     if cfg.schedule.warmup_steps > t.max_steps:
-        fail("schedule.warmup_steps", f"{cfg.schedule.warmup_steps} exceeds "
-                                      f"train.max_steps={t.max_steps}", "train.max_steps")
+        if warn("schedule.warmup_steps", f"{val('schedule.warmup_steps')} exceeds "
+                                         f"{ref('train.max_steps')}; warmup shortened to "
+                                         f"{t.max_steps} steps (the whole run)"):
+            cfg.schedule.warmup_steps = t.max_steps
     if t.micro_batch_size != AUTO and t.global_batch_size % t.micro_batch_size:
-        fail("train.micro_batch_size", f"{t.micro_batch_size} does not divide "
-                                       f"train.global_batch_size={t.global_batch_size}",
-             "train.global_batch_size")
+        fail("train.micro_batch_size", f"{val('train.micro_batch_size')} does not divide "
+                                       f"{ref('train.global_batch_size')}")
     if cfg.memory.activation_checkpointing != "none" and m.kind not in ("gpt", "custom"):
         fail("memory.activation_checkpointing", f"applies to the blocks of gpt or custom "
-                                                f"models; model.kind is {m.kind}", "model.kind")
+                                                f"models, got {ref('model.kind')}")
     if cfg.memory.cpu_offload and cfg.distributed.strategy != "fsdp":
-        fail("memory.cpu_offload", "needs distributed.strategy=fsdp", "distributed.strategy")
-    _check_data_paths(cfg, fail)
+        fail("memory.cpu_offload", f"needs distributed.strategy=fsdp, got "
+                                   f"{ref('distributed.strategy')}")
+    if not (is_bad("data") or is_bad("model.context_length") or is_bad("model.kind")):
+        try:  # the data files: after any other problem of the data keys is fixed
+            _check_data_paths(cfg, fail)
+        except ConfigError as exc:  # from train.datafiles: names the data file itself
+            errors.append(exc)
     resume = cfg.checkpoint.resume_from
     if resume not in (AUTO, "none") and not (Path(resume) / "checksums.json").is_file():
         fail("checkpoint.resume_from", f"{resume}: not a checkpoint directory (no "
                                        f"checksums.json); use auto, none or a step-N directory")
+    cfg._warnings = warnings
+    if not collect:
+        raise_all(errors)
+
+
+# In a check's message: ref(key) quotes "key=value", val(key) the value alone; validate
+# adds where the value came from when that is not the error line's source.
+_REF = re.compile(r"\x00([rv]):([^\x00]+)\x00")
+
+
+def ref(key: str) -> str:
+    return f"\x00r:{key}\x00"
+
+
+def val(key: str) -> str:
+    return f"\x00v:{key}\x00"
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _check_custom(cfg: Config, fail) -> None:
@@ -77,48 +145,49 @@ def _check_custom(cfg: Config, fail) -> None:
     for section in ("model", "data"):
         part = getattr(cfg, section)
         if part.kind == "custom" and not part.factory:
-            fail(f"{section}.factory", f"required for {section}.kind=custom: the import path "
-                                       "of your factory, e.g. mypkg.module:build",
-                 f"{section}.kind")
+            fail(f"{section}.factory", f"required for {ref(section + '.kind')}: the import "
+                                       "path of your factory, e.g. mypkg.module:build")
         if part.kind != "custom" and (part.factory or part.args):
             key = f"{section}.factory" if part.factory else f"{section}.args"
-            fail(key, f"only for {section}.kind=custom (it is {part.kind})", f"{section}.kind")
+            fail(key, f"only for {section}.kind=custom, got {ref(section + '.kind')}")
 
 
 def _check_data_paths(cfg: Config, fail) -> None:
+    """Stops at the first problem: each check needs the ones before it to pass."""
     d = cfg.data
     if d.kind in ("synthetic", "custom"):
         return
     if d.kind in ("tensors", "tokens") and not d.path:
-        fail("data.path", f"required for data.kind={d.kind}")
+        return fail("data.path", f"required for {ref('data.kind')}")
     if d.path is None:
         return  # text: the standard library's source
     path = Path(d.path)
     if d.kind == "text":
         if not path.is_dir():
-            fail("data.path", f"{d.path}: not a directory")
+            return fail("data.path", f"{d.path}: not a directory")
         datafiles.check_text(path, d.text_glob, d.max_bytes, cfg.model.context_length)
         return
     if not path.is_file():
-        fail("data.path", f"{d.path}: no such file")
+        return fail("data.path", f"{d.path}: no such file")
     if d.kind == "tokens":
         size = path.stat().st_size
         if size < 4 or size % 2:
-            fail("data.path", f"{d.path}: not a uint16 token file (odd or tiny size)")
+            return fail("data.path", f"{d.path}: not a uint16 token file (odd or tiny size)")
         if size <= TOKEN_SCAN_LIMIT:  # larger files are checked batch by batch
             import numpy as np
             top = int(np.memmap(path, dtype=np.uint16, mode="r").max())
             if top >= d.vocab_size:
-                fail("data.vocab_size", f"{d.vocab_size} but {d.path} holds token id {top}; "
-                                        f"set data.vocab_size to at least {top + 1}")
+                fail("data.vocab_size", f"{val('data.vocab_size')} but {ref('data.path')} "
+                                        f"holds token id {top}; set data.vocab_size to at "
+                                        f"least {top + 1}")
         return
     if path.suffix not in (".pt", ".npy"):
-        fail("data.path", f"{d.path}: expected a .pt or .npy file")
+        return fail("data.path", f"{d.path}: expected a .pt or .npy file")
     if path.suffix == ".npy":
         if not d.labels_path:
-            fail("data.labels_path", "required when data.path is a .npy file")
+            return fail("data.labels_path", f"required when {ref('data.path')} is a .npy file")
         if not Path(d.labels_path).is_file():
-            fail("data.labels_path", f"{d.labels_path}: no such file")
+            return fail("data.labels_path", f"{d.labels_path}: no such file")
     datafiles.check_tensors(path, d.labels_path)
 
 
@@ -127,17 +196,20 @@ def batch_split(cfg: Config, world_size: int, source: str) -> tuple[int, int]:
 
     global = world_size x micro x accum must hold exactly; anything else is a
     ConfigError naming the world size, so the launcher can check every size in
-    MIN..MAX before starting workers. ``source``: the config file, for the message.
+    MIN..MAX before starting workers. ``source``: the config file, for the message
+    (the command line instead for a value an override set).
     """
     t = cfg.train
     if t.global_batch_size % world_size:
-        raise ConfigError(source, "train.global_batch_size",
+        raise ConfigError(source_of(cfg, "train.global_batch_size", source),
+                          "train.global_batch_size",
                           f"{t.global_batch_size} is not divisible by world size {world_size}; "
                           f"use a multiple of {world_size}")
     per_rank = t.global_batch_size // world_size
     micro = per_rank if t.micro_batch_size == AUTO else t.micro_batch_size
     if per_rank % micro:
-        raise ConfigError(source, "train.micro_batch_size",
+        raise ConfigError(source_of(cfg, "train.micro_batch_size", source),
+                          "train.micro_batch_size",
                           f"{micro} does not divide the per-rank batch {per_rank} "
                           f"(train.global_batch_size={t.global_batch_size} / world size "
                           f"{world_size}); choose a divisor of {per_rank}")
@@ -175,7 +247,8 @@ def check_batch_memory(cfg: Config, world_size: int, source: str,
                   "sample indices" + (f" + a micro-batch of {micro} x {per_sample} B"
                                       if per_sample else "") + f" = {need / 2**30:.1f} GiB")
     if need > ANY_MACHINE_BYTES:
-        raise ConfigError(source, "train.global_batch_size",
+        raise ConfigError(source_of(cfg, "train.global_batch_size", source),
+                          "train.global_batch_size",
                           f"{arithmetic} per rank and step, more than any machine holds; "
                           "use a smaller batch")
     if available is not None and need > available // 2:

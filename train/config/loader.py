@@ -4,7 +4,8 @@ Strict: safe YAML under size, depth and alias limits with duplicate keys refused
 (:mod:`.strict_yaml`), unknown keys rejected with the closest valid key,
 wrong types and out-of-range values rejected, each as one :class:`ConfigError`
 naming the file (or "command line" when an override brought the value) and the
-dotted key: exit code 2. Cross-key and file checks follow in :mod:`.checks`.
+dotted key: exit code 2. Cross-key and file checks follow in :mod:`.checks`; every
+problem of a config is reported at once, one line each (:class:`ConfigErrors`).
 Torch-free, so the launcher validates a config in a fraction of a second before it
 starts any worker.
 """
@@ -21,7 +22,7 @@ import yaml
 from train.config import strict_yaml, types
 from train.config.schema import Config
 from train.config.strict_yaml import clip, short
-from train.errors import ConfigError
+from train.errors import ConfigError, raise_all
 
 CLI = "command line"
 
@@ -37,7 +38,7 @@ def read_yaml(path: str | Path) -> dict:
                                                 f"{strict_yaml.MAX_BYTES >> 20} MiB")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(source, "<file>", "no such file") from None
+        raise ConfigError(source, "<file>", "no such file" + _did_you_mean(path)) from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
         raise ConfigError(source, "<file>", f"cannot read: {exc.__class__.__name__}") from None
     try:
@@ -53,6 +54,9 @@ def read_yaml(path: str | Path) -> dict:
 
 def parse_override(text: str, source: str = CLI) -> tuple[str, Any]:
     """Split ``a.b=value``; the value is read as YAML (so ``[1, 2]``, ``true``, ``null``)."""
+    dashed = dashed_override(text)
+    if dashed is not None:
+        raise dashed
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(source, clip(text), "overrides look like dotted.key=value")
@@ -79,83 +83,252 @@ def set_dotted(tree: dict, key: str, value: Any, source: str = CLI) -> None:
     node[parts[-1]] = value
 
 
+DEFAULT = "default"
+
+
 class Sources:
-    """Where each value came from: the file, or the command line for overridden keys."""
+    """Where each value came from: the command line (a ``key=value`` override), the
+    file, or neither (the schema's default). ``overridden`` and ``in_file`` hold every
+    dotted path each one set (a section given whole sets the paths inside it)."""
 
-    def __init__(self, file: str, overridden: set[str] = frozenset()) -> None:
-        self.file, self.overridden = file, set(overridden)
+    def __init__(self, file: str, overridden: set[str] = frozenset(),
+                 in_file: set[str] = frozenset()) -> None:
+        self.file, self.overridden, self.in_file = file, set(overridden), set(in_file)
 
-    def of(self, *dotted: str) -> str:
-        """The command line when any of these keys was overridden there, else the file."""
-        return CLI if any(k in self.overridden for k in dotted) else self.file
+    def from_cli(self, key: str) -> bool:
+        """The command line set ``key`` (or, for a mapping value, part of it)."""
+        return any(_within(k, key) for k in self.overridden)
+
+    def origin(self, key: str) -> str:
+        """CLI, the file's path, or :data:`DEFAULT`."""
+        if self.from_cli(key):
+            return CLI
+        return self.file if any(_within(k, key) for k in self.in_file) else DEFAULT
+
+    def of(self, key: str) -> str:
+        """The source an error about ``key`` names: the command line when the value came
+        from there, else the file (also for a default: the file did not set it)."""
+        return CLI if self.from_cli(key) else self.file
+
+    def note(self, key: str, line_source: str) -> str:
+        """`` (where key's value came from)`` when that is not ``line_source``, else ``""``."""
+        origin = self.origin(key)
+        return "" if origin == line_source else f" ({origin})"
 
 
-def _unknown_key(source: str, prefix: str, key: str, valid: list[str]) -> ConfigError:
+def _related(a: str, b: str) -> bool:
+    """The same key, or one is a section holding the other."""
+    return _within(a, b) or _within(b, a)
+
+
+def _within(path: str, key: str) -> bool:
+    """``path`` is ``key`` or lies inside it."""
+    return path == key or path.startswith(key + ".")
+
+
+def _paths(tree: Any, prefix: str = "") -> set[str]:
+    """Every dotted path a YAML tree sets (sections and values)."""
+    out: set[str] = set()
+    if isinstance(tree, dict):
+        for name, value in tree.items():
+            dotted = f"{prefix}{name}"
+            out.add(dotted)
+            out |= _paths(value, dotted + ".")
+    return out
+
+
+def source_of(cfg: Any, key: str, fallback: str) -> str:
+    """What an error about ``key`` of a loaded config names (command line or its file);
+    ``fallback`` for a config not made by :func:`load_config`."""
+    sources = getattr(cfg, "_sources", None)
+    return sources.of(key) if sources is not None else fallback
+
+
+def origin_note(cfg: Any, key: str, line_source: str) -> str:
+    """`` (command line)``, `` (FILE)`` or `` (default)`` for a value of ``cfg`` that did
+    not come from ``line_source``; ``""`` otherwise or when unknown."""
+    sources = getattr(cfg, "_sources", None)
+    return sources.note(key, line_source) if sources is not None else ""
+
+
+def config_warnings(cfg: Any) -> list[str]:
+    """The warnings loading ``cfg`` gave (``<file>: <key>: ...``, as errors read): values
+    it adjusted, such as a warmup longer than the run."""
+    return list(getattr(cfg, "_warnings", ()))
+
+
+def top_level_keys() -> set[str]:
+    return {key.name for key in types.keys(Config)}
+
+
+def dashed_override(arg: str) -> ConfigError | None:
+    """``--optim.lr=1e-3`` (or ``--optim.lr``): an override written as an option. The
+    hint that overrides have no dashes, or None when ``arg`` does not look like one."""
+    if not arg.startswith("-"):
+        return None
+    name, sep, value = arg.lstrip("-").partition("=")
+    if not name or name.split(".")[0] not in top_level_keys():
+        return None
+    return ConfigError(CLI, clip(arg), f"overrides are written {clip(name)}="
+                                       f"{clip(value) if sep else 'VALUE'} (without dashes)")
+
+
+def _did_you_mean(path: Path) -> str:
+    """``; did you mean X?`` for a config path that does not exist: near-misses in its
+    own directory, then among the shipped configs (configs/*.yaml of this checkout or
+    image)."""
+    suggestions: list[str] = []
+    try:
+        here = [p.name for p in path.parent.iterdir()
+                if p.suffix in (".yaml", ".yml") and p.is_file()]
+    except OSError:
+        here = []
+    suggestions += [str(path.parent / n) if str(path.parent) != "." else n
+                    for n in _near(path.name, here)]
+    shipped_dir = Path(__file__).resolve().parent.parent.parent / "configs"
+    try:
+        same_dir = path.parent.resolve() == shipped_dir.resolve()
+    except OSError:
+        same_dir = False
+    if not same_dir:
+        shipped = [p.name for p in shipped_dir.glob("*.yaml")]
+        suggestions += [_shown(shipped_dir / n) for n in _near(path.name, shipped)]
+    suggestions = list(dict.fromkeys(suggestions))[:2]
+    return f"; did you mean {' or '.join(suggestions)}?" if suggestions else ""
+
+
+def _near(name: str, candidates: list[str]) -> list[str]:
+    """Up to two of ``candidates`` whose stem is close to ``name``'s (``quickstrat``,
+    ``quickstart`` without .yaml) or starts with it (``gpt`` -> ``gpt-small``)."""
+    stem = name.removesuffix(".yaml").removesuffix(".yml")
+    stems = {c.rsplit(".", 1)[0]: c for c in sorted(candidates)}
+    close = difflib.get_close_matches(stem, list(stems), n=2, cutoff=0.7)
+    close += [s for s in stems if len(stem) >= 3 and s.startswith(stem)]
+    return [stems[s] for s in dict.fromkeys(close)][:2]
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the user can type it here: relative to the working directory when
+    it lies below it, else absolute."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _unknown_key(source: str, prefix: str, key: str, valid: list[str]
+                 ) -> tuple[ConfigError, str | None]:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"did you mean {prefix}{close[0]}?" if close else "valid keys: " + ", ".join(valid)
-    return ConfigError(source, clip(prefix + key), f"unknown key; {hint}")
+    return (ConfigError(source, clip(prefix + key), f"unknown key; {hint}"),
+            prefix + close[0] if close else None)
 
 
-def build(cls: type, data: Any, sources: Sources, prefix: str = "") -> Any:
-    """A section from its mapping, converting and checking every value."""
+def build(cls: type, data: Any, sources: Sources, prefix: str = "",
+          errors: list[ConfigError] | None = None, bad: set[str] | None = None) -> Any:
+    """A section from its mapping, converting and checking every value.
+
+    Every problem is added to ``errors`` (the value keeps its default) and its key to
+    ``bad``, so that the checks across keys can leave alone what they would misjudge;
+    without ``errors``, the problems are raised at the end.
+    """
+    collect = errors is not None
+    errors = [] if errors is None else errors
+    bad = set() if bad is None else bad
+    section = prefix.rstrip(".")
     if not isinstance(data, dict):
-        raise ConfigError(sources.of(prefix.rstrip(".")), prefix.rstrip(".") or "<top>",
-                          f"must be a mapping, got {type(data).__name__}")
+        errors.append(ConfigError(sources.of(section), section or "<top>",
+                                  f"must be a mapping, got {type(data).__name__}"))
+        bad.add(section)
+        data = {}
     fields = {k.name: k for k in types.keys(cls)}
     kwargs = {}
     for name, value in data.items():
         name, dotted = str(name), prefix + str(name)
         key = fields.get(name)
         if key is None:
-            raise _unknown_key(sources.of(dotted), prefix, name, list(fields))
+            error, meant = _unknown_key(sources.of(dotted), prefix, name, list(fields))
+            errors.append(error)
+            bad.update([dotted, *([meant] if meant else [])])
+            continue
         if key.section is not None:
             kwargs[name] = build(key.section, value if value is not None else {}, sources,
-                                 dotted + ".")
+                                 dotted + ".", errors, bad)
             continue
-        got = types.coerce(value, key.type, dotted in sources.overridden)
+        got = types.coerce(value, key.type, sources.from_cli(dotted))
         if got is types.NO:
-            raise ConfigError(sources.of(dotted), dotted,
-                              f"got {short(value)}; expected {types.describe(key.type)}")
+            errors.append(ConfigError(sources.of(dotted), dotted, f"got {short(value)}; "
+                                      f"expected {types.describe(key.type)}"))
+            bad.add(dotted)
+            continue
         problem = types.bounds_problem(got, key.bounds)
         if problem:
-            raise ConfigError(sources.of(dotted), dotted, f"got {short(value)}; {problem}")
+            errors.append(ConfigError(sources.of(dotted), dotted,
+                                      f"got {short(value)}; {problem}"))
+            bad.add(dotted)
+            continue
         kwargs[name] = got
+    if not collect:
+        raise_all(errors)
     return cls(**kwargs)
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
-    """Load, override, validate. Raises ConfigError (exit 2) on anything invalid."""
-    from train.config.checks import validate
-    tree = read_yaml(path)
-    overridden = set()
+def _apply_overrides(tree: dict, overrides: list[str], errors: list[ConfigError],
+                     bad: set[str], in_file: set[str]) -> set[str]:
+    """Set each ``key=value`` in ``tree``; the paths they set (those no longer the file's
+    leave ``in_file``). Problems go to ``errors``."""
+    overridden: set[str] = set()
     for text in overrides:
-        key, value = parse_override(text)
-        set_dotted(tree, key, value)
-        overridden.add(key)
-    sources = Sources(str(path), overridden)
-    cfg = build(Config, tree, sources)
-    if cfg.run.name is None:
-        cfg.run.name = Path(path).stem
-    validate(cfg, sources)
+        try:
+            key, value = parse_override(text)
+            set_dotted(tree, key, value)
+        except ConfigError as exc:
+            errors.append(exc)
+            bad.add(text.lstrip("-").partition("=")[0].strip())
+            continue
+        replaced = {p for p in overridden | in_file if _within(p, key)}
+        overridden -= replaced
+        in_file -= replaced
+        overridden |= {key} | _paths(value, key + ".")
+    return overridden
+
+
+def _finish(tree: dict, sources: Sources, errors: list[ConfigError], bad: set[str],
+            run_name: str | None = None) -> Config:
+    """Build and validate; every problem found at once (one line each), exit 2."""
+    from train.config.checks import validate
+    cfg = build(Config, tree, sources, "", errors, bad)
+    if cfg.run.name is None and run_name is not None:
+        cfg.run.name = run_name
+    cfg._sources = sources
+    validate(cfg, sources, errors, bad)
+    raise_all(errors)
     return cfg
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Load, override, validate. Raises ConfigError (exit 2) on anything invalid: every
+    problem of the config at once (:class:`~train.errors.ConfigErrors`) when there are
+    several. Adjustments made with a warning: :func:`config_warnings`."""
+    tree = read_yaml(path)
+    in_file = _paths(tree)
+    errors: list[ConfigError] = []
+    bad: set[str] = set()
+    overridden = _apply_overrides(tree, list(overrides), errors, bad, in_file)
+    return _finish(tree, Sources(str(path), overridden, in_file), errors, bad,
+                   run_name=Path(path).stem)
 
 
 def load_overrides(overrides: list[str], defaults: dict[str, Any]) -> Config:
     """A config from defaults and ``key=value`` overrides alone, without a file
     (``entrypoint.py launch``: the distributed.* keys of a script's launch)."""
-    from train.config.checks import validate
     tree: dict = {}
     for key, value in defaults.items():
         set_dotted(tree, key, value)
-    overridden = set()
-    for text in overrides:
-        key, value = parse_override(text)
-        set_dotted(tree, key, value)
-        overridden.add(key)
-    sources = Sources(CLI, overridden)
-    cfg = build(Config, tree, sources)
-    validate(cfg, sources)
-    return cfg
+    errors: list[ConfigError] = []
+    bad: set[str] = set()
+    overridden = _apply_overrides(tree, list(overrides), errors, bad, set())
+    return _finish(tree, Sources(CLI, overridden), errors, bad)
 
 
 def to_dict(cfg: Config) -> dict:

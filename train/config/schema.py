@@ -108,7 +108,9 @@ class OptimConfig:
 class ScheduleConfig:
     name: Literal["constant", "cosine", "linear"] = opt("cosine", "Learning-rate decay after "
                                                                    "warmup.")
-    warmup_steps: int = opt(0, "Linear warmup from 0 to optim.lr over this many steps.", ge=0)
+    warmup_steps: int = opt(0, "Linear warmup from 0 to optim.lr over this many steps; more "
+                               "than train.max_steps is shortened to it, with a warning.",
+                            ge=0)
     min_lr_ratio: float = opt(0.1, "Final learning rate as a fraction of optim.lr "
                                    "(cosine, linear).", ge=0.0, le=1.0)
 
