@@ -15,7 +15,7 @@ import socket
 import sys
 from typing import Any
 
-from launcher import conventions, system
+from launcher import conventions, rdma, system
 from launcher import detect as detect_mod
 from launcher.compat import check_build, install_fix
 from launcher.environ import Environ
@@ -76,6 +76,10 @@ def gather(env: Environ, config_path: str | None, overrides: list[str], *, app_r
         findings.append(system.check_output_dir(cfg.output.dir, create=False))
     findings.append(system.check_shm())
     report["network"] = _network(env)
+    report["rdma"] = rdma.detect(env.hw_root, env.raw)
+    multi_node_gpu = bool(report["plan"] and report["plan"]["device"] == "gpu"
+                          and report["plan"]["nnodes"][1] > 1)
+    findings += rdma.findings(report["rdma"], multi_node_gpu)
     manifest = read_build_manifest(env.build_manifest)
     report["build_manifest"] = {"path": env.build_manifest, "present": manifest is not None,
                                 "content": manifest}
@@ -137,6 +141,7 @@ def render(report: dict) -> str:
     ifaces = ", ".join(f"{i['name']}={i['ipv4'] or '-'}" for i in net["interfaces"])
     lines.append(f"network    {net['fqdn']} -> {', '.join(net['fqdn_resolves_to']) or '?'}; "
                  f"{ifaces}")
+    lines.append(f"rdma       {rdma.line(report['rdma'])}")
     bm = report["build_manifest"]
     lines.append(f"image      {bm['path']}: " + (_manifest_line(bm["content"]) if bm["present"]
                                                   else "not present (not running in the image)"))

@@ -243,3 +243,27 @@ def test_build_manifest_script_records_packages_and_args(tmp_path, monkeypatch):
     assert "pyyaml" in m["python_packages"]
     if "torch" in m["python_packages"]:
         assert m["torch"]["version"] == m["python_packages"]["torch"]
+
+
+@pytest.mark.parametrize("flavor", sorted(DOCKERFILES))
+def test_gpu_images_carry_rdma_userspace_for_nccl_and_rccl(flavor):
+    """Without libibverbs multi-node NCCL/RCCL fall back to TCP sockets without a word;
+    doctor names these packages (launcher.rdma) when they are missing."""
+    from launcher import rdma
+    path = ROOT / DOCKERFILES[flavor]
+    expected = "" if flavor == "cpu" else rdma.RDMA_PACKAGES
+    assert arg_default(path, "RDMA_PACKAGES") == expected
+    installs = [r for w, r in instructions(path) if w == "RUN" and "apt-get install" in r]
+    assert any("${RDMA_PACKAGES}" in r for r in installs)
+
+
+def test_image_hygiene():
+    """No floating frontend; the CUDA base's apt source gone before apt-get update (its key
+    rotations break builds); CUDA's JIT cache under /tmp (the root is read-only)."""
+    for name in DOCKERFILES.values():
+        assert not re.search(r"^#\s*syntax=", (ROOT / name).read_text(), re.M), name
+    cuda = ROOT / DOCKERFILES["cuda"]
+    (apt,) = [r for w, r in instructions(cuda) if w == "RUN" and "apt-get update" in r]
+    assert apt.index("/etc/apt/sources.list.d/cuda") < apt.index("apt-get update")
+    env = " ".join(r for w, r in instructions(cuda) if w == "ENV")
+    assert re.search(r"CUDA_CACHE_PATH=/tmp/\S+", env)
