@@ -78,7 +78,16 @@ def check_build(hw: Hardware, tb: TorchBuild, hsa_override: str | None = None) -
 def _check_cuda(hw: Hardware, tb: TorchBuild) -> list[Finding]:
     out: list[Finding] = []
     need, have = _major(tb.cuda), _major(hw.cuda_driver_version)
-    if need and have and have[0] < need[0]:
+    forward = forward_compatibility(hw) if need and have and have[0] < need[0] else None
+    if forward:
+        out.append(Finding(
+            "warn", "driver", f"the NVIDIA driver {hw.driver_version} supports CUDA up to "
+            f"{hw.cuda_driver_version}, older than torch's CUDA {tb.cuda}: runs through CUDA "
+            f"forward compatibility ({forward}; {hw.cuda_compat})", "needs NVIDIA Container "
+            "Toolkit 1.17.5 or newer, whose enable-cuda-compat hook puts the image's "
+            "compatibility libraries first (or LD_LIBRARY_PATH=/usr/local/cuda/compat); if CUDA does not initialise, update the "
+            f"host driver to {DRIVER_FOR_CUDA.get(need[0], 'a newer one')}"))
+    elif need and have and have[0] < need[0]:
         out.append(Finding(
             "fail", "driver", f"the NVIDIA driver {hw.driver_version} supports CUDA up to "
             f"{hw.cuda_driver_version}, older than this image's torch {tb.version} (CUDA "
@@ -97,6 +106,53 @@ def _check_cuda(hw: Hardware, tb: TorchBuild) -> list[Finding]:
                 "cu126 covers sm_50-sm_90)", 3))
             break
     return out
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text))
+
+
+def _clause_admits(clause: str, brand: str, driver: tuple[int, ...]) -> bool:
+    """One NVIDIA_REQUIRE_CUDA clause (comma-separated conditions, all must hold) of the
+    brand/driver kind: ``brand=tesla,driver>=535,driver<536``."""
+    conditions = clause.split(",")
+    if not any(c.startswith("brand=") for c in conditions):
+        return False  # the plain cuda>=X clause: the driver itself must be new enough
+    for cond in conditions:
+        m = re.fullmatch(r"(brand|driver)(>=|<=|=|<|>)(.+)", cond)
+        if not m:
+            return False
+        key, op, value = m.groups()
+        if key == "brand":
+            if op != "=" or value.lower() != brand:
+                return False
+            continue
+        want = _version_tuple(value)
+        have = driver[:len(want)]
+        if not {">=": have >= want, "<=": have <= want, "=": have == want,
+                "<": have < want, ">": have > want}[op]:
+            return False
+    return True
+
+
+def forward_compatibility(hw: Hardware) -> str | None:
+    """Why an image built for a newer CUDA runs on this older driver, or None.
+
+    NVIDIA's CUDA base images ship the newer driver's user-space part
+    (``/usr/local/cuda/compat``) and list, in ``NVIDIA_REQUIRE_CUDA``, the data center
+    brands and driver branches it supports on (space-separated clauses, any may hold;
+    comma-separated conditions, all must). Both must be here, and every GPU must match
+    a clause: https://docs.nvidia.com/deploy/cuda-compatibility/forward-compatibility.html
+    """
+    if not (hw.cuda_compat and hw.cuda_requirement and hw.driver_version and hw.gpus):
+        return None
+    driver = _version_tuple(hw.driver_version)
+    for gpu in hw.gpus:
+        if not gpu.brand or not any(_clause_admits(c, gpu.brand, driver)
+                                    for c in hw.cuda_requirement.split()):
+            return None
+    brands = ", ".join(sorted({g.brand for g in hw.gpus}))
+    return f"{brands} GPU(s), driver branch R{driver[0]} listed by the image's NVIDIA_REQUIRE_CUDA"
 
 
 def _check_rocm(hw: Hardware, tb: TorchBuild, hsa_override: str | None) -> list[Finding]:

@@ -26,7 +26,7 @@ def detect(env: Environ, nvml: Any | None = None, load_nvml: bool = True) -> Har
     nv = nvidia.detect(env.visibility, nvml=nvml, root=env.hw_root, load=load_nvml,
                        path=env.path)
     if nv.vendor:
-        return replace(nv, **host)
+        return replace(nv, **host, cuda_requirement=env.raw.get("NVIDIA_REQUIRE_CUDA") or None)
     am = amd.detect(env.visibility, env.path, root=env.hw_root)
     return replace(am, **host, notes=nv.notes + am.notes, warnings=nv.warnings + am.warnings)
 

@@ -20,6 +20,7 @@ class Gpu:
     physical_index: int | None = None  # NVML index / KFD node id on the host
     mig: bool = False                # a MIG instance (or a GPU with MIG mode on)
     bus_id: str | None = None
+    brand: str | None = None         # NVIDIA product brand as NVIDIA_REQUIRE_CUDA names it
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class Hardware:
     listed: int = 0                  # devices the tool lists before visibility/containers
     driver_version: str | None = None
     cuda_driver_version: str | None = None   # newest CUDA the driver supports, "13.0"
+    cuda_compat: str | None = None   # the image's CUDA forward-compatibility libcuda, if any
+    cuda_requirement: str | None = None  # the image's NVIDIA_REQUIRE_CUDA (from its CUDA base)
     notes: tuple[str, ...] = ()      # informational (why NVML is absent, ...)
     warnings: tuple[str, ...] = ()   # likely problems (conflicting visibility variables, ...)
     cpus: int = 1

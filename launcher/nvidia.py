@@ -35,6 +35,18 @@ class _Physical:
     bus_id: str | None
     mig_enabled: bool = False
     migs: list[tuple[str, int | None]] = field(default_factory=list)  # (MIG uuid, memory)
+    brand: str | None = None
+
+
+# nvmlDeviceGetBrand's values by the names NVIDIA_REQUIRE_CUDA's brand= clauses use
+# (nvml.h's nvmlBrandType_t; libnvidia-container's brand names). Data center GPUs are
+# "tesla" (older) or "nvidia" (an H200 answers 14); GeForce cards never get forward
+# compatibility.
+BRANDS = {0: "unknown", 1: "quadro", 2: "tesla", 3: "nvs", 4: "grid", 5: "geforce",
+          6: "titan", 7: "vapps", 8: "vpc", 9: "vcs", 10: "vws", 11: "cloudgaming",
+          12: "quadrortx", 13: "nvidiartx", 14: "nvidia", 15: "geforcertx", 16: "titanrtx"}
+# Where NVIDIA's CUDA base images put the forward-compatibility driver libraries.
+CUDA_COMPAT_LIBCUDA = "usr/local/cuda/compat/libcuda.so.1"
 
 
 def _s(value: Any) -> str:
@@ -63,12 +75,14 @@ def _physical(nvml: Any, i: int) -> _Physical:
     cc = _try(nvml, "nvmlDeviceGetCudaComputeCapability", handle)
     pci = _try(nvml, "nvmlDeviceGetPciInfo", handle)
     mig_mode = _try(nvml, "nvmlDeviceGetMigMode", handle)
+    brand = _try(nvml, "nvmlDeviceGetBrand", handle)
     gpu = _Physical(index=i, name=_s(nvml.nvmlDeviceGetName(handle)),
                     uuid=_s(nvml.nvmlDeviceGetUUID(handle)),
                     memory=int(mem.total) if mem is not None else None,
                     arch=f"sm_{cc[0]}{cc[1]}" if cc else None,
                     bus_id=_s(pci.busId) if pci is not None else None,
-                    mig_enabled=bool(mig_mode and mig_mode[0]))
+                    mig_enabled=bool(mig_mode and mig_mode[0]),
+                    brand=BRANDS.get(int(brand), "unknown") if brand is not None else None)
     if gpu.mig_enabled:
         for j in range(_try(nvml, "nvmlDeviceGetMaxMigDeviceCount", handle) or 0):
             child = _try(nvml, "nvmlDeviceGetMigDeviceHandleByIndex", handle, j)
@@ -231,10 +245,12 @@ def detect(vis: Visibility, nvml: Any | None = None, root: str = "/",
         chosen = chosen[:1]
     gpus = tuple(Gpu(index=i, name=p.name + (" (MIG)" if mig else ""), uuid=mig or p.uuid,
                      memory_bytes=mem, arch=p.arch, physical_index=p.index, mig=bool(mig),
-                     bus_id=p.bus_id) for i, (p, mig, mem) in enumerate(chosen))
+                     bus_id=p.bus_id, brand=p.brand) for i, (p, mig, mem) in enumerate(chosen))
+    compat = Path(root) / CUDA_COMPAT_LIBCUDA
     return Hardware(vendor="nvidia", source=source, gpus=gpus, listed=len(phys),
                     driver_version=_s(driver) if driver is not None else None,
-                    cuda_driver_version=cuda, notes=tuple(notes), warnings=tuple(warnings))
+                    cuda_driver_version=cuda, notes=tuple(notes), warnings=tuple(warnings),
+                    cuda_compat=str(compat.resolve()) if compat.exists() else None)
 
 
 def _init_problem(nvml: Any, exc: Exception) -> str:

@@ -243,6 +243,11 @@ def test_build_manifest_script_records_packages_and_args(tmp_path, monkeypatch):
     assert "pyyaml" in m["python_packages"]
     if "torch" in m["python_packages"]:
         assert m["torch"]["version"] == m["python_packages"]["torch"]
+    if shutil.which("dpkg-query"):  # every installed distro package, as dpkg lists it
+        listed = subprocess.run(["dpkg-query", "-W", "-f", "${db:Status-Abbrev}${Package}\n"],
+                                capture_output=True, text=True).stdout.splitlines()
+        installed = {line[3:] for line in listed if line.startswith("ii")}
+        assert set(m["system_packages"]) == installed and "dpkg" in installed
 
 
 @pytest.mark.parametrize("flavor", sorted(DOCKERFILES))
@@ -267,3 +272,75 @@ def test_image_hygiene():
     assert apt.index("/etc/apt/sources.list.d/cuda") < apt.index("apt-get update")
     env = " ".join(r for w, r in instructions(cuda) if w == "ENV")
     assert re.search(r"CUDA_CACHE_PATH=/tmp/\S+", env)
+
+
+def test_only_the_cu126_variant_switches_the_toolkits_cuda_check_off():
+    """The 12.6 base's cuda>=12.6 would refuse the R535-R555 drivers cu126 exists for;
+    the 13.0 base's requirement (forward compatibility for data center GPUs) stays."""
+    cuda = ROOT / DOCKERFILES["cuda"]
+    assert arg_default(cuda, "NVIDIA_DISABLE_REQUIRE") == ""
+    assert ("ENV", "NVIDIA_DISABLE_REQUIRE=${NVIDIA_DISABLE_REQUIRE}") in instructions(cuda)
+    workflow = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
+    (job,) = [j for j in workflow["jobs"].values() if "matrix" in j.get("strategy", {})]
+    disabled = {e["variant"]: e.get("disable_require") for e in job["strategy"]["matrix"]["include"]}
+    assert disabled == {"cpu": None, "cu130": None, "cu126": "true", "rocm7.2": None}, disabled
+    build = next(s for s in job["steps"] if s.get("uses", "").startswith("docker/build-push"))
+    assert "NVIDIA_DISABLE_REQUIRE=${{ matrix.disable_require }}" in build["with"]["build-args"]
+
+
+@pytest.mark.parametrize("flavor", sorted(DOCKERFILES))
+def test_pip_constraint_is_set_after_the_install_that_writes_it(flavor):
+    ins = instructions(ROOT / DOCKERFILES[flavor])
+    install = next(i for i, (w, r) in enumerate(ins) if w == "RUN" and "install-python-deps" in r)
+    env = [i for i, (w, r) in enumerate(ins) if w == "ENV" and "PIP_CONSTRAINT=" in r]
+    assert env and env[0] > install, "set before the file exists, pip would fail in the build"
+    assert ins[env[0]][1] == "PIP_CONSTRAINT=/opt/venv/constraints.txt"
+    script = (ROOT / "scripts" / "install-python-deps").read_text()
+    assert 'freeze --exclude pip >"$VENV/constraints.txt"' in script
+
+
+def test_wheel_platforms_cover_every_manylinux_tag_the_glibc_runs():
+    """One missing tag and pip download finds no wheel for a package that ships only it
+    (nvidia-nccl-cu13 2.29.7 has manylinux_2_18 alone)."""
+    def tags(*args):
+        out = subprocess.run([str(ROOT / "scripts/wheel-platforms"), *args],
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert out[::2] == ["--platform"] * (len(out) // 2)
+        return out[1::2]
+    ubuntu = tags("2.39")
+    assert [f"manylinux_2_{n}_x86_64" for n in range(39, 4, -1)] == ubuntu[:35]
+    assert {"manylinux_2_18_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"} <= set(ubuntu)
+    assert "manylinux_2_37_x86_64" not in tags("2.36")
+    assert tags("2.36", "aarch64")[0] == "manylinux_2_36_aarch64"
+    bad = subprocess.run([str(ROOT / "scripts/wheel-platforms"), "2.x"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "2.N" in bad.stderr
+    readme = (ROOT / "README.md").read_text()
+    assert "$(scripts/wheel-platforms 2.39)" in readme and "--platform manylinux_2_28" not in readme
+    assert "scripts/wheel-platforms 2.36" in (ROOT / "scripts/image-test").read_text()
+
+
+def test_release_pipeline_pushes_exactly_what_it_tested_and_never_half_publishes():
+    wf = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
+    image, promote = wf["jobs"]["image"], wf["jobs"]["promote"]
+    builds = [s for s in image["steps"] if s.get("uses", "").startswith("docker/build-push")]
+    assert len(builds) == 1 and builds[0]["with"].get("load") is True, "one build, loaded"
+    assert not builds[0]["with"].get("push"), "the build itself never pushes"
+    names = [s["name"] for s in image["steps"] if "name" in s]
+    tested = names.index("doctor, build manifest, short CPU training inside the image")
+    pushed = next(i for i, s in enumerate(image["steps"]) if "docker push" in s.get("run", ""))
+    assert pushed > tested + 1 and "docker tag \"$TEST_TAG\"" in image["steps"][pushed]["run"]
+    assert "RepoDigests" in image["steps"][pushed]["run"]
+    # release tags: set once every variant passed, from the tested digests
+    assert promote["needs"] == "image" and "refs/tags/v" in promote["if"]
+    run = "\n".join(s.get("run", "") for s in promote["steps"])
+    assert "imagetools create" in run and "build-push" not in str(promote)
+    # least privilege: nothing at the top, package writes only where something is pushed
+    assert wf["permissions"] == {}
+    assert {n: j["permissions"].get("packages") for n, j in wf["jobs"].items()} == \
+        {"image": "write", "promote": "write"}
+    # pull requests that touch the images build them (no push: no login on PRs)
+    on = wf.get("on") or wf.get(True)  # PyYAML reads a bare `on:` key as True
+    assert "Dockerfile.*" in on["pull_request"]["paths"] and "schedule" in on
+    cache = builds[0]["with"]["cache-from"]
+    assert cache.startswith("type=registry") and "type=gha" not in str(image)

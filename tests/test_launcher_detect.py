@@ -335,3 +335,51 @@ def test_nvidia_smi_failing_means_no_nvidia(monkeypatch, tmp_path):
     hw = nvidia.detect(environ.Visibility(), nvml=None, load=False, root=str(tmp_path),
                        path=str(FAKES))
     assert hw.vendor is None and "pynvml" in hw.notes[0]
+
+
+# ------------------------------------------------------- CUDA forward compatibility
+
+# NVIDIA_REQUIRE_CUDA as the nvidia/cuda:13.0.2 base image sets it (read on a real machine).
+REQUIRE_CUDA_13 = (FAKES / "outputs" / "nvidia-require-cuda-13.0.2-base.txt").read_text().strip()
+CU126 = TorchBuild(version="2.13.0+cu126", cuda="12.6", nccl=True,
+                   arch_list=("sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"))
+
+
+def detected(tmp_path, brand: int, driver: str, cuda: int, compat_lib: bool = True,
+             require: str | None = REQUIRE_CUDA_13) -> Hardware:
+    """Detection through the NVML substitute, with the image's compat library or not."""
+    if compat_lib:
+        lib = tmp_path / "usr/local/cuda/compat"
+        lib.mkdir(parents=True)
+        (lib / f"libcuda.so.{driver}").touch()
+        (lib / "libcuda.so.1").symlink_to(f"libcuda.so.{driver}")
+    env = env_of(TRAIN_HW_ROOT=str(tmp_path), **({"NVIDIA_REQUIRE_CUDA": require} if require else {}))
+    return detect.detect(env, nvml=FakeNvml(h100s(2, brand=brand), driver=driver, cuda=cuda))
+
+
+def test_data_center_gpus_on_a_listed_older_branch_run_through_forward_compatibility(tmp_path):
+    hw = detected(tmp_path, pynvml.NVML_BRAND_NVIDIA, "570.124.06", 12080)
+    assert [g.brand for g in hw.gpus] == ["nvidia", "nvidia"] and hw.cuda_compat
+    found = compat.check_build(hw, CUDA13)
+    assert [f.level for f in found] == ["warn"], found
+    assert "forward compatibility" in found[0].message and "R570" in found[0].message
+
+
+@pytest.mark.parametrize("brand, driver, cuda, compat_lib, require, why", [
+    (pynvml.NVML_BRAND_GEFORCE_RTX, "570.124.06", 12080, True, REQUIRE_CUDA_13, "GeForce"),
+    (pynvml.NVML_BRAND_TESLA, "560.35.03", 12060, True, REQUIRE_CUDA_13, "branch not listed"),
+    (pynvml.NVML_BRAND_TESLA, "570.124.06", 12080, False, REQUIRE_CUDA_13, "no compat library"),
+    (pynvml.NVML_BRAND_TESLA, "570.124.06", 12080, True, None, "no NVIDIA_REQUIRE_CUDA"),
+])
+def test_older_driver_without_forward_compatibility_is_exit_3(tmp_path, brand, driver, cuda,
+                                                              compat_lib, require, why):
+    hw = detected(tmp_path, brand, driver, cuda, compat_lib, require)
+    fails = [f for f in compat.check_build(hw, CUDA13) if f.level == "fail"]
+    assert len(fails) == 1 and fails[0].exit_code == 3 and fails[0].topic == "driver", why
+
+
+def test_cu126_on_an_older_12x_driver_runs_by_minor_version_compatibility(tmp_path):
+    """The case the cu126 variant exists for: a GeForce host on R535 (CUDA 12.2)."""
+    hw = detected(tmp_path, pynvml.NVML_BRAND_GEFORCE_RTX, "535.183.01", 12020, compat_lib=False)
+    found = compat.check_build(hw, CU126)
+    assert [f.level for f in found] == ["warn"] and "minor-version" in found[0].message

@@ -60,6 +60,9 @@ class FakeNvml:
             total //= 7
         return SimpleNamespace(total=total, used=0, free=total)
 
+    def nvmlDeviceGetBrand(self, h) -> int:
+        return self._gpu(h).get("brand", pynvml.NVML_BRAND_NVIDIA)  # what an H200 answers
+
     def nvmlDeviceGetCudaComputeCapability(self, h):
         return self._gpu(h).get("cc", (9, 0))
 
