@@ -40,11 +40,14 @@ $(STAMP): $(wildcard $(LOCK)) Makefile
 quickstart: venv
 	$(PY) entrypoint.py train configs/quickstart.yaml
 
-# `make test`: everything but the slow end-to-end tests (about 5 minutes on 2 idle
-# cores); `make test-slow`: those (multi-process resumes, FSDP, compile, torchrun
+# `make test`: everything but the slow end-to-end tests (5.5 minutes on 2 cores); `make test-slow`: those (multi-process resumes, FSDP, compile, torchrun
 # signals, simulated nodes); CI runs both.
+# The fast tier runs on every core (pytest-xdist; TEST_WORKERS=0 runs it in this
+# process); each test file stays on one worker so its module fixtures run once. The
+# slow tier stays serial: its tests start several processes each.
+TEST_WORKERS ?= auto
 test: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: venv
 	$(PY) -m pytest -q -m slow
