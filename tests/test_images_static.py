@@ -9,6 +9,7 @@ images themselves are built and run by `make image-test` (scripts/image-test).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -93,7 +94,8 @@ def test_workflows_match_the_github_schema():
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-@pytest.mark.parametrize("script", ["scripts/image-test", "scripts/install-python-deps"])
+@pytest.mark.parametrize("script", ["scripts/image-test", "scripts/install-python-deps",
+                                    "scripts/lock-torch"])
 def test_shell_scripts_parse(script):
     res = subprocess.run(["bash", "-n", script], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
@@ -109,7 +111,10 @@ def test_dockerfile_layout_contract(flavor):
     # Every FROM is a build arg (or the empty wheelhouse stage), with a pinned default.
     assert ins[0][0] == "ARG" and ins[0][1].startswith("BASE_IMAGE="), "first line: ARG BASE_IMAGE="
     base = arg_default(path, "BASE_IMAGE")
-    assert base and ":" in base and not base.endswith(":latest"), f"unpinned base {base}"
+    # name:tag@digest: the same base bytes every build; the tag says what it is
+    assert base and re.fullmatch(r"[a-z0-9./-]+:[\w.-]+@sha256:[0-9a-f]{64}", base), \
+        f"base not pinned by tag and digest: {base}"
+    assert not base.split("@")[0].endswith(":latest")
     froms = [rest for w, rest in ins if w == "FROM"]
     assert froms == ["scratch AS wheelhouse", "${BASE_IMAGE}"], froms
     # Shared layout.
@@ -218,13 +223,187 @@ def test_image_in_covers_base_in_and_torch_requirements():
     assert {n.replace("_", "-") for n in needed} <= set(pins), needed - set(pins)
 
 
-def test_torch_locks_when_present_pin_the_image_torch():
+PYPI_VARIANT = re.search(r"^PYPI_VARIANT=(\S+)$", (ROOT / "scripts/lock-torch").read_text(),
+                         re.M).group(1)
+
+
+def test_torch_locks_pin_the_image_torch_for_their_variant_and_agree_with_the_runtime_lock():
+    """The torch layer installs from these with --no-deps, the runtime layer then from
+    image-pyXY.lock: a package both name must have one version, and the vendor wheels
+    must be the variant's (CUDA 13.0 wheels for cu130, none for cpu)."""
     version = arg_default(ROOT / "Dockerfile.cpu", "TORCH_VERSION")
-    for path in sorted((ROOT / "requirements").glob("torch-*.lock")):
-        variant = re.match(r"torch-(.+)-py3\d+\.lock$", path.name).group(1)
-        pins = lock_pins(path)
-        assert pins.get("torch", ("", 0))[0] == f"{version}+{variant}", path.name
+    locks = sorted((ROOT / "requirements").glob("torch-*.lock"))
+    # cu130 is on PyPI, so its lock is always resolvable and committed
+    assert f"torch-{PYPI_VARIANT}-py312.lock" in [p.name for p in locks]
+    for path in locks:
+        variant, pyv = re.match(r"torch-(.+)-(py3\d+)\.lock$", path.name).groups()
+        pins, text = lock_pins(path), path.read_text()
+        want = version if variant == PYPI_VARIANT else f"{version}+{variant}"
+        assert pins.get("torch", ("", 0))[0] == want, path.name
         assert all(h >= 1 for _, h in pins.values()), f"{path.name}: unhashed entries"
+        runtime = lock_pins(ROOT / "requirements" / f"image-{pyv}.lock")
+        differ = {k: (v[0], runtime[k][0]) for k, v in pins.items()
+                  if k in runtime and runtime[k][0] != v[0]}
+        assert not differ, f"{path.name} and image-{pyv}.lock disagree: {differ}"
+        vendor = {k: v[0] for k, v in pins.items() if k.startswith(("nvidia-", "cuda-"))}
+        if variant.startswith("cu"):
+            cuda = f"{variant[2:-1]}.{variant[-1]}"          # cu130 -> 13.0
+            runtimes = [v for k, v in vendor.items() if re.fullmatch(r"nvidia-cuda-runtime(-cu\d+)?", k)]
+            assert runtimes and all(v.startswith(cuda + ".") for v in runtimes), (path.name, vendor)
+        else:
+            assert not vendor, f"{path.name}: NVIDIA wheels in a {variant} lock: {vendor}"
+        assert "scripts/lock-torch" in text and "/tmp/" not in text, path.name
+        if variant != PYPI_VARIANT:  # pip reads the index back from the lock
+            assert f"--index-url https://download.pytorch.org/whl/{variant}" in text, path.name
+
+
+def run_install_python_deps(tmp_path, *args, **env):
+    req = tmp_path / "req"
+    req.mkdir(exist_ok=True)
+    full = {"PATH": os.environ["PATH"], "VENV": str(tmp_path / "venv"), "REQ_DIR": str(req),
+            "WHEELHOUSE": str(tmp_path / "no-wheelhouse"), "TORCH_VERSION": "2.13.0",
+            "TORCH_VARIANT": "cu126", **env}
+    return subprocess.run([str(ROOT / "scripts/install-python-deps"), *args], env=full,
+                          capture_output=True, text=True)
+
+
+def test_release_build_refuses_a_variant_without_a_torch_lock(tmp_path):
+    res = run_install_python_deps(tmp_path, "torch", TORCH_LOCK="require")
+    assert res.returncode == 2, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    pyv = "py%d%d" % sys.version_info[:2] if shutil.which("python3") == sys.executable else ""
+    assert "TORCH_LOCK=require and no torch-cu126-py" in line and "scripts/lock-torch cu126" in line
+    assert pyv in line
+    assert not (tmp_path / "venv").exists(), "nothing installed"
+    for args, env in ((["torch"], {"TORCH_LOCK": "always"}), (["all"], {}), ([], {})):
+        res = run_install_python_deps(tmp_path, *args, **env)
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    res = run_install_python_deps(tmp_path, "runtime")
+    assert res.returncode == 2 and "no lock file" in res.stderr
+
+
+@pytest.mark.parametrize("flavor", sorted(DOCKERFILES))
+def test_torch_has_a_layer_of_its_own_below_the_runtime_set(flavor):
+    """A change to the small runtime lock must not re-ship the GBs of torch: the torch
+    layer's inputs (torch locks, the install script) are copied without the runtime lock."""
+    ins = instructions(ROOT / DOCKERFILES[flavor])
+    runs = [i for i, (w, r) in enumerate(ins) if w == "RUN" and "install-python-deps" in r]
+    assert [ins[i][1].split()[-1] for i in runs] == ["torch", "runtime"]
+    copies = {i: r for i, (w, r) in enumerate(ins) if w == "COPY" and "requirements/" in r}
+    before_torch = [r for i, r in copies.items() if i < runs[0]]
+    assert before_torch and not any("image-py" in r for r in before_torch), before_torch
+    assert any("image-py" in r for i, r in copies.items() if runs[0] < i < runs[1])
+
+
+def test_images_workflow_installs_torch_only_from_hash_locks():
+    wf = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
+    steps = wf["jobs"]["image"]["steps"]
+    build = next(s for s in steps if s.get("uses", "").startswith("docker/build-push"))
+    assert "TORCH_LOCK=require" in build["with"]["build-args"]
+    lock = next(s for s in steps if s.get("name", "").startswith("torch lock"))
+    assert steps.index(lock) < steps.index(build)
+    assert "refs/tags/v*" in lock["run"] and "exit 1" in lock["run"], "releases: committed locks only"
+    assert "scripts/lock-torch" in lock["run"]
+    lock_wf = (ROOT / ".github/workflows/lock-torch.yml").read_text()
+    assert "scripts/lock-torch" in lock_wf and "pip-compile" not in lock_wf
+    # the ROCm build needs a larger runner: a repository variable names it, and a disk
+    # check stops a too-small runner with that advice instead of failing mid-build
+    matrix = {e["variant"]: e for e in wf["jobs"]["image"]["strategy"]["matrix"]["include"]}
+    assert "vars.ROCM_RUNNER" in matrix["rocm7.2"]["runner"]
+    disk = next(s for s in steps if s.get("name", "").startswith("Enough disk"))
+    assert "ROCM_RUNNER" in disk["run"] and steps.index(disk) < steps.index(build)
+
+
+def test_actions_are_pinned_by_commit_sha():
+    """A moved or compromised tag cannot change what runs; Dependabot proposes updates."""
+    pins: dict[str, set[str]] = {}
+    for path in WORKFLOWS:
+        for line in path.read_text().splitlines():
+            m = re.search(r"uses:\s*(\S+)(.*)$", line)
+            if not m or m.group(1).startswith("./"):
+                continue
+            action, _, ref = m.group(1).partition("@")
+            assert re.fullmatch(r"[0-9a-f]{40}", ref), f"{path.name}: {line.strip()}"
+            assert re.fullmatch(r"\s*# v\d+\.\d+\.\d+", m.group(2)), f"{path.name}: no version comment: {line.strip()}"
+            pins.setdefault(action, set()).add(ref)
+    assert pins and all(len(shas) == 1 for shas in pins.values()), pins
+    bot = yaml.safe_load((ROOT / ".github/dependabot.yml").read_text())
+    assert any(u["package-ecosystem"] == "github-actions" for u in bot["updates"])
+
+
+def test_every_base_in_the_release_matrix_is_pinned_by_digest():
+    wf = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
+    for entry in wf["jobs"]["image"]["strategy"]["matrix"]["include"]:
+        assert re.search(r"@sha256:[0-9a-f]{64}$", entry["base"]), entry
+    steps = wf["jobs"]["image"]["steps"]
+    base = next(s for s in steps if s.get("id") == "base")
+    assert "::warning::" in base["run"], "a moved tag is reported"
+
+
+@pytest.mark.parametrize("flavor", sorted(DOCKERFILES))
+def test_builds_take_source_date_epoch(flavor):
+    """ARG SOURCE_DATE_EPOCH inside the stage puts it in RUN's environment: pip then
+    compiles hash-based .pyc files, without install-time mtimes in them."""
+    ins = instructions(ROOT / DOCKERFILES[flavor])
+    stage = [i for i, (w, r) in enumerate(ins) if w == "FROM"][-1]
+    arg = ins.index(("ARG", "SOURCE_DATE_EPOCH"))
+    first_run = next(i for i, (w, _) in enumerate(ins) if w == "RUN")
+    assert stage < arg < first_run
+
+
+def test_release_builds_and_the_image_test_set_source_date_epoch_from_the_commit():
+    wf = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
+    steps = wf["jobs"]["image"]["steps"]
+    build = next(s for s in steps if s.get("uses", "").startswith("docker/build-push"))
+    assert build["env"]["SOURCE_DATE_EPOCH"] == "${{ steps.prov.outputs.source_date_epoch }}"
+    prov = next(s for s in steps if s.get("id") == "prov")["run"]
+    assert "git log -1 --format=%ct" in prov and 'date -u -d "@$epoch"' in prov
+    image_test = (ROOT / "scripts/image-test").read_text()
+    assert "SOURCE_DATE_EPOCH=$(git log -1 --format=%ct" in image_test
+    assert "file-manifest compare" in image_test
+
+
+def file_manifest(*args, cwd=None):
+    return subprocess.run([sys.executable, str(ROOT / "scripts/file-manifest"), *args],
+                          capture_output=True, text=True, cwd=cwd)
+
+
+def test_file_manifest_finds_every_difference_and_explains_only_known_ones(tmp_path):
+    def tree(name, **files):
+        root = tmp_path / name
+        for rel, content in files.items():
+            path = root / rel.replace("__", "/")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(content)
+        (root / "link").symlink_to("etc/shadow")
+        return root
+
+    def listing(root):
+        res = file_manifest("list", str(root))
+        assert res.returncode == 0, res.stderr
+        out = tmp_path / f"{root.name}.tsv"
+        out.write_text(res.stdout)
+        return str(out)
+
+    base = {"etc__shadow": "trainer:1:20000", "opt__venv__a.pyc": "hash-based", "app__x.py": "x"}
+    a = listing(tree("a", **base))
+    text = Path(a).read_text()
+    assert re.search(r"^/opt/venv/a\.pyc\tf 0[0-7]{3} 10 [0-9a-f]{64}$", text, re.M), text
+    assert re.search(r"^/link\tl 0777 -> etc/shadow$", text, re.M), text
+    same = file_manifest("compare", a, listing(tree("same", **base)))
+    assert same.returncode == 0 and "0 unexplained" in same.stdout, same.stdout
+    # the password-change day differs across midnight: explained, still passes
+    b = listing(tree("b", **{**base, "etc__shadow": "trainer:1:20001"}))
+    res = file_manifest("compare", a, b)
+    assert res.returncode == 0 and "explained  /etc/shadow" in res.stdout, res.stdout
+    # a changed file, an extra file and a changed mode are not
+    c_root = tree("c", **{**base, "opt__venv__a.pyc": "mtime-based", "opt__venv__new": ""})
+    (c_root / "app" / "x.py").chmod(0o755)
+    res = file_manifest("compare", a, listing(c_root))
+    assert res.returncode == 1, res.stdout
+    differs = [l for l in res.stdout.splitlines() if "DIFFERS" in l]
+    assert [l.split()[1] for l in differs] == ["/app/x.py:", "/opt/venv/a.pyc:", "/opt/venv/new:"], differs
+    assert "3 unexplained" in res.stdout
 
 
 # ---------------------------------------------------------------- build manifest
