@@ -333,8 +333,12 @@ def test_actions_are_pinned_by_commit_sha():
 
 def test_every_base_in_the_release_matrix_is_pinned_by_digest():
     wf = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
+    readme = (ROOT / "README.md").read_text()
     for entry in wf["jobs"]["image"]["strategy"]["matrix"]["include"]:
         assert re.search(r"@sha256:[0-9a-f]{64}$", entry["base"]), entry
+        # the README's build commands use the bases the releases use
+        assert entry["base"] in readme or entry["base"] == arg_default(
+            ROOT / entry["dockerfile"], "BASE_IMAGE"), entry
     steps = wf["jobs"]["image"]["steps"]
     base = next(s for s in steps if s.get("id") == "base")
     assert "::warning::" in base["run"], "a moved tag is reported"
