@@ -11,6 +11,9 @@ arguments and differs in what it says and in one identity detail.
   store cannot be reached at start.
 - A worker failing ends torchrun with a 20-line "Root Cause" table; here one line (the
   launcher names the failing rank, its error and its log).
+- On a stop torchrun also logs "Received 15 death signal, shutting down workers" and a
+  "Sending process N closing signal SIGTERM" per worker: the lines above say that once,
+  so those two messages are dropped (every other torchrun message stays).
 - A node presents itself to the rendezvous as (address, pid, local id). Two pods with
   the same hostname and the same PID tree (a replacement pod, simulated nodes in PID
   namespaces) would be the same participant and hang. The local id is randomised
@@ -22,6 +25,7 @@ this process only; the workers keep the user's ``TORCH_CPP_LOG_LEVEL``.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -61,6 +65,19 @@ def _unique_node_ids() -> None:
         generator._local_id = secrets.randbits(31)
 
 
+# torch's elastic loggers and the messages of theirs this module says in its own words.
+_SAID_HERE = {
+    "torch.distributed.elastic.agent.server.api": "Received %s death signal",
+    "torch.distributed.elastic.multiprocessing.api": "Sending process %s closing signal",
+}
+
+
+def _drop_repeated_stop_messages() -> None:
+    for name, prefix in _SAID_HERE.items():
+        logging.getLogger(name).addFilter(
+            lambda record, prefix=prefix: not str(record.msg).startswith(prefix))
+
+
 def _first_line(exc: BaseException) -> str:
     cause = exc.__cause__ or exc
     text = " ".join(str(cause).split()) or type(cause).__name__
@@ -78,6 +95,7 @@ def main() -> int:
                                                           RendezvousTimeoutError)
     from torch.distributed.run import main as torchrun_main
     _unique_node_ids()
+    _drop_repeated_stop_messages()
     try:
         torchrun_main()
     except SignalException as exc:

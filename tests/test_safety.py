@@ -361,6 +361,8 @@ def test_sigterm_to_the_launchers_process_group_checkpoints_with_loader_workers(
     assert launcher.returncode == 143, text[-3000:]
     step = assert_one_clean_stop(text, signal.SIGTERM, ranks=nproc)
     assert last_line(err.read_text()).startswith("stopped by SIGTERM; rerun")
+    # torchrun's own account of the stop is said once, by launcher.torchrun
+    assert "death signal" not in text and "closing signal" not in text, text[-3000:]
     found = Checkpointer(tmp_path / "runs" / "quickstart", rank=0,
                          keep_last=3).newest_loadable(rank=0)
     assert found is not None and found[0].name == f"step-{step}"
