@@ -10,12 +10,9 @@ exactly the next sample.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
-import signal
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -29,7 +26,7 @@ from train.config import Config, DataConfig
 from train.datafiles import check_labels, load_npy, load_pt, text_files
 from train.errors import ConfigError
 from train.files import sha256_file
-from train.host import die_with_parent, process_alive
+from train.loader import Loader, loader_worker_init
 
 # Hashing a multi-GB token file at every start would cost minutes; above this size the
 # manifest records a hash of the size plus sampled chunks and says so.
@@ -304,68 +301,11 @@ class RankBatchSampler:
                 yield mine[i: i + self.micro]
 
 
-# Data-loading worker processes and stop signals. systemd, SLURM's scancel, `timeout`,
-# a terminal's Ctrl-C and torchrun (which signals each rank's process group) send
-# SIGTERM/SIGINT to every process of the group, the loader's workers included. Left as
-# they are, a worker dies of SIGTERM (torch installs a handler that re-raises it) and
-# the main process raises "DataLoader worker (pid N) is killed by signal" from its
-# SIGCHLD handler in the middle of a step: no checkpoint. Or, on SIGINT, each worker runs
-# the inherited StopFlag handler and logs "received SIGINT" once more. So workers ignore
-# both: the main process alone decides to stop, checkpoints, and then shuts the workers
-# down (torch's done event). They still never outlive it: a parent-death SIGKILL (on
-# kill -9 of the main process torch's own watch on the parent takes up to 5 s, and
-# never ends a worker stuck in a dataset call). The kernel sends it when the *thread*
-# that started the workers ends: the trainer iterates its loader on the main thread.
-# A worker that ignores SIGTERM also ignores torch's terminate() of a worker that did
-# not stop within 5 s at shutdown; such a one then ends with the main process.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-def worker_init(main_pid: int, user_init, worker_id: int) -> None:
-    """Runs first in each loader worker, after torch's seeding, before ``user_init``."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)  # also discards one that arrived since the fork
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # blocked by _signals_held
-    die_with_parent(signal.SIGKILL)
-    if not process_alive(main_pid):  # it died before the line above
-        os.kill(os.getpid(), signal.SIGKILL)
-    if user_init is not None:
-        user_init(worker_id)
-
-
-@contextmanager
-def _signals_held():
-    """Hold SIGTERM/SIGINT while workers start: a forked worker inherits the mask, so one
-    arriving before :func:`worker_init` runs is discarded there instead of killing it.
-    The main process gets its own when the workers have started (it stays pending)."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-
-
-class Loader(DataLoader):
-    """A DataLoader whose worker processes leave stop signals to the main process."""
-
-    def __iter__(self):
-        if self.num_workers == 0:
-            return super().__iter__()
-        with _signals_held():  # workers start here (or on the first iter, if persistent)
-            return super().__iter__()
-
-
-def loader_worker_init(user_init=None):
-    """A DataLoader ``worker_init_fn`` that gives its workers the setup above (for a
-    DataLoader of your own, e.g. in a script under ``entrypoint.py launch``). Create the
-    DataLoader in the process that iterates it; ``user_init(worker_id)`` runs after."""
-    return functools.partial(worker_init, os.getpid(), user_init)
-
-
 def make_loader(dataset: Dataset, batch_sampler, *, num_workers: int, pin_memory: bool,
                 persistent_workers: bool, prefetch_factor: int, seed: int,
                 worker_init_fn=None) -> DataLoader:
-    """``worker_init_fn(worker_id)``: runs in each worker after the signal setup above."""
+    """``worker_init_fn(worker_id)``: runs in each worker after the signal setup of
+    :mod:`train.loader`."""
     extra = {}
     if num_workers > 0:
         extra = {"persistent_workers": persistent_workers, "prefetch_factor": prefetch_factor,
