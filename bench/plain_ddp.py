@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train.config import load_config
+from train.core.config import load_config
 from train.data import build_data
 from train.models import build_model
 from train.optim import build_optimizer

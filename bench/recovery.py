@@ -59,7 +59,7 @@ def single_node(work: Path) -> float:
     try:
         first([node], r"\]:step 30/")
         workers = [p for p in descendants(node.proc.pid)
-                   if b"launcher.worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+                   if b"train.worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
         start = time.monotonic()
         os.kill(max(workers), signal.SIGKILL)
         first([node], r"resumed from (.|\n)*" + STEP)

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import shlex
 import sys
 from pathlib import Path
 
-APP_ROOT = str(Path(__file__).resolve().parent.parent)
+APP_ROOT = str(Path(__file__).resolve().parent.parent)  # the checkout, or /app in the image
 
 HELP = """\
 usage: entrypoint.py COMMAND [ARGS ...]
@@ -57,7 +55,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises a one-line ConfigError (exit 2) instead of printing usage."""
 
     def error(self, message: str):
-        from train.errors import ConfigError
+        from train.core.errors import ConfigError
         raise ConfigError("command line", self.prog.split()[-1], message)
 
     def parse_args(self, args=None, namespace=None):
@@ -68,7 +66,7 @@ class _Parser(argparse.ArgumentParser):
 def _reject_dashed_overrides(args: list[str]) -> None:
     """``--optim.lr=1e-3``: one line (exit 2) saying overrides have no dashes."""
     if any(a.startswith("--") for a in args):
-        from train.config.loader import dashed_override
+        from train.core.config.loader import dashed_override
         for arg in args:
             problem = dashed_override(arg) if arg.startswith("--") else None
             if problem is not None:
@@ -82,100 +80,21 @@ def _split_flags(args: list[str], flags: set[str]) -> tuple[set[str], list[str]]
 
 
 def cmd_train(args: list[str]) -> int:
-    from launcher import environ, supervise, system
-    from launcher.compat import install_fix
-    from launcher.detect import detect, torch_build
-    from train.files import finished_step
-    from launcher.plan import plan as make_plan
-    from train.config import check_resume_compatible, load_config
-    from train import runlock, usercode
-    from train.errors import CannotRunHere
+    from launcher import runner
     parser = _Parser(prog="entrypoint.py train", add_help=True)
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--verbose", "-v", action="store_true")
     ns = parser.parse_args(args)
-    env = environ.read()
-    cfg = load_config(ns.config, ns.overrides)
-    usercode.check(cfg, ns.config, sample=True)  # the user's own model, data, loss
-    check_resume_compatible(cfg, ns.config)
-    hw = detect(env)
-    # This process's own torch use (a store client watching the rendezvous) must not
-    # print C++ stack frames when the store goes away; read once, as torch loads. The
-    # workers get the environment as it was (env.raw).
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    tb = torch_build()
-    if not tb.importable:
-        raise CannotRunHere(f"torch is not importable: {tb.error}; {install_fix(APP_ROOT)}")
-    p = make_plan(cfg, hw, tb, env, config_path=ns.config, overrides=ns.overrides,
-                  python=sys.executable, app_root=APP_ROOT, master_port=system.free_port())
-    out = system.check_output_dir(cfg.output.dir, create=not ns.dry_run)
-    if out.level == "fail":
-        raise CannotRunHere(f"{out.message}; {out.fix}")
-    if ns.dry_run:
-        print(render_plan(p))
-        return 0
-    done = finished_step(cfg.run_dir, cfg.train.max_steps) \
-        if cfg.checkpoint.resume_from == "auto" else None  # none/a path: train as asked
-    if done is not None:  # a late pod of a finished job, or a rerun: nothing to start
-        log(f"nothing to do: run {cfg.run.name} finished at step {done} "
-            f"({cfg.run_dir / 'result.json'}); raise train.max_steps to train on")
-        return 0
-    shm = system.check_shm()
-    warnings = [*p.warnings, *([f"{shm.message}; fix: {shm.fix}"] if shm.level == "warn" else [])]
-    for line in [*(f"note: {n}" for n in p.notes), *(f"warning: {w}" for w in warnings)]:
-        log(line)
-    if ns.verbose:
-        for name, value in p.env.items():
-            log(f"set {name}={value}")
-    else:
-        log(summarise_env(p.env))
-    lock = runlock.acquire(cfg.run_dir, p.job)  # one writer per run directory
-    try:
-        log("run " + shlex.join(p.argv))
-        if p.rdzv_host:
-            system.wait_for_host(p.rdzv_host, env.dns_wait_s, log)
-        return supervise.run(p, env.raw, log, keep_fds=(lock.fd,) if lock.fd else (),
-                             verbose=ns.verbose)
-    finally:
-        lock.release()
-
-
-# What every launch sets (process identity, rendezvous address, Python's own switches):
-# counted in the summary line, listed only with --verbose or --dry-run.
-PLUMBING = re.compile(r"^((LOCAL_|GROUP_|ROLE_)?(RANK|WORLD_SIZE)|MASTER_(ADDR|PORT)|"
-                      r"TORCHELASTIC_.*|PYTHON(PATH|UNBUFFERED|FAULTHANDLER))$")
-
-
-def summarise_env(values: dict[str, str]) -> str:
-    """One line for the variables a launch sets: the tuning ones by value."""
-    shown = [f"{k}={v}" for k, v in values.items() if not PLUMBING.match(k)]
-    rest = len(values) - len(shown)
-    return (f"set {len(values)} worker variables: {', '.join(shown) or 'none for tuning'}"
-            f"{f' and {rest} for process identity' if rest else ''} (--verbose or --dry-run "
-            "lists them all)")
-
-
-def render_plan(p) -> str:
-    """The plan as comments plus a command a shell can run as it is."""
-    lines = ["# launch plan (dry run: nothing was started)",
-             f"# mode={p.mode} device={p.device} backend={p.backend} "
-             f"nproc_per_node={p.nproc_per_node} nnodes={p.nnodes[0]}:{p.nnodes[1]} "
-             f"world_sizes={','.join(map(str, p.world_sizes))} max_restarts={p.max_restarts} "
-             f"convention={p.convention}"]
-    lines += [f"# note: {n}" for n in p.notes] + [f"# warning: {w}" for w in p.warnings]
-    if p.rdzv_host:
-        lines.append(f"# before starting: wait until {p.rdzv_host} resolves")
-    lines += [f"{k}={shlex.quote(v)} \\" for k, v in p.env.items()]
-    lines.append(shlex.join(p.argv))
-    return "\n".join(lines)
+    return runner.run(runner.Request("train", ns.config, tuple(ns.overrides),
+                                     dry_run=ns.dry_run), log, verbose=ns.verbose)
 
 
 def split_launch_args(args: list[str]) -> tuple[bool, list[str], list[str]]:
     """(dry run, config overrides, the script and its arguments): options and overrides
     come before the script; everything after it is the script's."""
-    from train.errors import ConfigError
+    from train.core.errors import ConfigError
     dry, overrides = False, []
     for i, arg in enumerate(args):
         if arg == "--dry-run":
@@ -196,40 +115,10 @@ def split_launch_args(args: list[str]) -> tuple[bool, list[str], list[str]]:
 
 
 def cmd_launch(args: list[str]) -> int:
-    from launcher import environ, supervise, system
-    from launcher.detect import detect, torch_build
-    from launcher.plan import plan as make_plan
-    from train.config.loader import load_overrides
-    from train.errors import CannotRunHere, ConfigError
+    from launcher import runner
     dry, overrides, script = split_launch_args(args)
-    name = script[1] if script[0] == "-m" else Path(script[0]).stem
-    if script[0] != "-m" and not Path(script[0]).is_file():
-        raise ConfigError("command line", script[0], "no such script (a .py file, or -m "
-                                                     "MODULE)")
-    # A script may not resume from where it stopped: no restarts unless asked for.
-    cfg = load_overrides(overrides, {"run.name": name, "distributed.max_restarts": 0})
-    env = environ.read()
-    hw = detect(env)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # as for train
-    tb = torch_build()
-    if not tb.importable:
-        from launcher.compat import install_fix
-        raise CannotRunHere(f"torch is not importable: {tb.error}; {install_fix(APP_ROOT)}")
-    p = make_plan(cfg, hw, tb, env, config_path="command line", overrides=overrides,
-                  python=sys.executable, app_root=APP_ROOT, master_port=system.free_port(),
-                  script=script)
-    out = system.check_output_dir(cfg.output.dir, create=not dry)  # torchrun's logs go there
-    if out.level == "fail":
-        raise CannotRunHere(f"{out.message}; {out.fix}")
-    if dry:
-        print(render_plan(p))
-        return 0
-    for line in [*(f"note: {n}" for n in p.notes), *(f"warning: {w}" for w in p.warnings)]:
-        log(line)
-    log("run " + shlex.join(p.argv))
-    if p.rdzv_host:
-        system.wait_for_host(p.rdzv_host, env.dns_wait_s, log)
-    return supervise.run(p, env.raw, log)
+    return runner.run(runner.Request("launch", overrides=tuple(overrides), script=tuple(script),
+                                     dry_run=dry), log)
 
 
 def cmd_doctor(args: list[str]) -> int:
@@ -241,7 +130,7 @@ def cmd_doctor(args: list[str]) -> int:
     parser.add_argument("--comm-timeout", type=float, default=60.0)
     ns = parser.parse_args(rest)
     return doctor.main(environ.read(), ns.config, ns.overrides, as_json="--json" in flags,
-                       comm="--comm" in flags, comm_timeout_s=ns.comm_timeout, app_root=APP_ROOT)
+                       comm="--comm" in flags, comm_timeout_s=ns.comm_timeout)
 
 
 def cmd_rendezvous(args: list[str]) -> int:
@@ -257,12 +146,18 @@ def cmd_rendezvous(args: list[str]) -> int:
 
 
 def cmd_export(args: list[str]) -> int:
-    from train.export import main as export_main  # in this process: works from any directory
-    return export_main(args)
+    """Export runs inside the training package (it loads checkpoints with torch): this
+    process becomes ``python -m train.export``, from any directory."""
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:  # the one-line answer of main(), not a traceback
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [APP_ROOT, env.get("PYTHONPATH")]))
+    os.execve(sys.executable, [sys.executable, "-m", "train.export", *args], env)
 
 
 def cmd_exec(args: list[str]) -> int:
-    from train.errors import ConfigError
+    from train.core.errors import ConfigError
     try:
         os.execvp(args[0], args)
     except FileNotFoundError:
@@ -287,15 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         print(HELP, end="")
         return 0
     if argv[0] == "train" and "--help-config" in argv[1:]:
-        from train.reference import text  # torch-free
+        from train.core.config.reference import text  # torch-free
         print(text(), end="")
         return 0
-    from train.errors import UserError
+    from train.core.errors import UserError
     try:
         if argv[0] in COMMANDS:
             return COMMANDS[argv[0]](argv[1:])
         if argv[0].startswith("-"):
-            from train.errors import ConfigError
+            from train.core.errors import ConfigError
             raise ConfigError("command line", argv[0], "unknown option; see --help")
         return cmd_exec(argv)
     except UserError as exc:

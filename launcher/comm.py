@@ -6,12 +6,11 @@ all-reduce, done) in a report file as it goes. When the deadline passes, the par
 stops them and names each rank by the stage it was stuck in — the usual NCCL hang
 gives no hint of which rank is missing.
 
-Child: ``python -m launcher.comm --device gpu|cpu --backend nccl|gloo|mpi --timeout S``.
+Each child runs :mod:`train.comm_probe` (it imports torch; this module does not).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -21,67 +20,8 @@ import tempfile
 import time
 from collections.abc import Mapping
 
-from launcher import reports
-from train.worker_env import STATUS_DIR_VAR, WorkerEnv
-
-STAGES = ("start", "init", "allreduce", "done")
-ELEMENTS = {"gpu": 16 * 1024 * 1024, "cpu": 256 * 1024}   # 64 MiB / 1 MiB of float32
-
-
-def _report(folder: str | None, rank: int, stage: str, error: str | None = None,
-            **details: object) -> None:
-    reports.write(folder, reports.Report(rank=rank, kind="comm", stage=stage, error=error,
-                                         details=details))
-
-
-def child(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m launcher.comm")
-    parser.add_argument("--device", choices=("gpu", "cpu"), required=True)
-    parser.add_argument("--backend", choices=("nccl", "gloo", "mpi"), required=True)
-    parser.add_argument("--timeout", type=float, default=60)
-    args = parser.parse_args(argv)
-    ident = WorkerEnv.from_environ()
-    folder, rank = ident.status_dir, ident.rank
-    _report(folder, rank, "start")
-    try:
-        import datetime
-
-        import torch
-        import torch.distributed as dist
-        device = torch.device("cpu")
-        kwargs = {}
-        if args.device == "gpu":
-            device = torch.device("cuda", ident.local_rank)
-            torch.cuda.set_device(device)
-            kwargs["device_id"] = device
-        _report(folder, rank, "init")
-        dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout),
-                                **kwargs)
-        world = dist.get_world_size()
-        x = torch.ones(ELEMENTS[args.device], device=device)
-        _report(folder, rank, "allreduce", world_size=world)
-        dist.all_reduce(x)  # warm-up (connects the ring)
-        x.fill_(1.0)
-        _sync(torch, device)
-        start = time.perf_counter()
-        dist.all_reduce(x)
-        _sync(torch, device)
-        seconds = time.perf_counter() - start
-        ok = bool((x == world).all().item())
-        nbytes = x.numel() * 4
-        busbw = nbytes * 2 * (world - 1) / world / seconds / 1e9 if world > 1 else None
-        _report(folder, rank, "done", ok=ok, world_size=world, seconds=seconds,
-                bytes=nbytes, bus_gb_s=busbw)
-        dist.destroy_process_group()
-        return 0 if ok else 1
-    except Exception as exc:
-        _report(folder, rank, "error", error=f"{type(exc).__name__}: {exc}")
-        return 1
-
-
-def _sync(torch, device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from train.core import reports
+from train.core.identity import STATUS_DIR_VAR
 
 
 def run(device: str, backend: str, nproc: int, timeout_s: float, base_env: Mapping[str, str],
@@ -94,7 +34,7 @@ def run(device: str, backend: str, nproc: int, timeout_s: float, base_env: Mappi
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "launcher.comm", "--device", device, "--backend", backend,
+            [sys.executable, "-m", "train.comm_probe", "--device", device, "--backend", backend,
              "--timeout", str(timeout_s)], env=env, start_new_session=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout_s + 30  # + interpreter and torch start-up
@@ -138,7 +78,3 @@ def summarise(folder: str, nproc: int, timed_out: list[int], outputs: list[str],
             "seconds": max((r.get("seconds") or 0 for r in done), default=None),
             "bus_gb_s": min((r["bus_gb_s"] for r in done if r.get("bus_gb_s")), default=None),
             "problems": problems, "ranks": ranks}
-
-
-if __name__ == "__main__":
-    sys.exit(child(sys.argv[1:]))

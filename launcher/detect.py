@@ -16,7 +16,7 @@ from typing import Any
 from launcher import amd, nvidia
 from launcher.environ import Environ
 from launcher.hardware import Hardware, TorchBuild
-from train.host import available_cpus, available_memory
+from train.core.host import available_cpus, available_memory
 
 
 def detect(env: Environ, nvml: Any | None = None, load_nvml: bool = True) -> Hardware:

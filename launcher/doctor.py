@@ -12,78 +12,42 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 from typing import Any
 
 from launcher import conventions, rdma, system
-from launcher import detect as detect_mod
-from launcher.compat import check_build, install_fix
 from launcher.environ import Environ
 from launcher.hardware import Finding, TorchBuild
-from train.errors import UserError
-from train.host import read_build_manifest
+from train.core.host import read_build_manifest
 
 GIB = 1024 ** 3
 
 
-def _default_config():
-    from train.config import Config
-    cfg = Config()
-    cfg.run.name = "doctor"
-    return cfg
-
-
-def gather(env: Environ, config_path: str | None, overrides: list[str], *, app_root: str,
-           nvml: Any = None, load_nvml: bool = True, tb: TorchBuild | None = None) -> dict:
-    """Everything doctor reports, as plain data, plus findings and the exit code."""
-    from launcher.plan import plan as make_plan
-    from train.config import load_config
-    from train.config.loader import config_warnings
-    findings: list[Finding] = []
-    hw = detect_mod.detect(env, nvml=nvml, load_nvml=load_nvml)
-    tb = tb or detect_mod.torch_build()
-    if not tb.importable:
-        findings.append(Finding("fail", "torch", f"torch is not importable: {tb.error}",
-                                install_fix(), 3))
-    findings += [Finding("warn", "gpu", w) for w in hw.warnings]
-    findings += check_build(hw, tb, env.visibility.hsa_override_gfx_version)
-    report: dict[str, Any] = {"torch": tb.to_dict(), "hardware": hw.to_dict(),
+def gather(env: Environ, config_path: str | None, overrides: list[str]) -> dict:
+    """Everything doctor reports, as plain data, plus findings and the exit code: the
+    launch pipeline's own findings (:func:`launcher.runner.prepare`, as train would
+    meet them), then what only doctor looks at (DNS, network, RDMA, the image)."""
+    from launcher import runner
+    p = runner.prepare(runner.Request("doctor", config_path, tuple(overrides)), env)
+    findings = list(p.findings)
+    report: dict[str, Any] = {"torch": p.torch.to_dict(), "hardware": p.hardware.to_dict(),
                               "visibility": env.visibility.as_dict(),
-                              "convention": None, "plan": None}
-    cfg = None
-    try:
-        cfg = load_config(config_path, overrides) if config_path else _default_config()
-        findings += [Finding("warn", "config", w) for w in config_warnings(cfg)]
-        report["convention"] = conventions.detect(env).NAME
-        p = make_plan(cfg, hw, tb, env, config_path=config_path or "<defaults>",
-                      overrides=overrides, python=sys.executable, app_root=app_root)
-        report["plan"] = p.to_dict()
-        findings.append(Finding("ok", "plan", f"train would run {p.nproc_per_node} process(es) "
-                                f"per node on {p.device} with {p.backend}, nodes "
-                                f"{p.nnodes[0]}:{p.nnodes[1]} ({p.convention})"))
-        if p.rdzv_host:
-            addrs = system.resolve(p.rdzv_host)
-            findings.append(Finding("ok" if addrs else "warn", "rendezvous",
-                                    f"rendezvous host {p.rdzv_host} resolves to "
-                                    f"{', '.join(addrs)}" if addrs else
-                                    f"rendezvous host {p.rdzv_host} does not resolve yet",
-                                    None if addrs else "train waits for it (TRAIN_DNS_WAIT_S)"))
-    except UserError as exc:
-        for each in getattr(exc, "errors", [exc]):  # every problem of a config
-            findings.append(Finding("fail", "config" if each.exit_code == 2 else "plan",
-                                    each.one_line()[len("error: "):], None, each.exit_code))
-    if cfg is not None:
-        findings.append(system.check_output_dir(cfg.output.dir, create=False))
-    findings.append(system.check_shm())
+                              "convention": conventions.detect(env).NAME if p.cfg else None,
+                              "plan": p.plan.to_dict() if p.plan else None}
+    if p.plan and p.plan.rdzv_host:
+        host = p.plan.rdzv_host
+        addrs = system.resolve(host)
+        findings.append(Finding("ok" if addrs else "warn", "rendezvous",
+                                f"rendezvous host {host} resolves to {', '.join(addrs)}"
+                                if addrs else f"rendezvous host {host} does not resolve yet",
+                                None if addrs else "train waits for it (TRAIN_DNS_WAIT_S)"))
     report["network"] = _network(env)
     report["rdma"] = rdma.detect(env.hw_root, env.raw)
-    multi_node_gpu = bool(report["plan"] and report["plan"]["device"] == "gpu"
-                          and report["plan"]["nnodes"][1] > 1)
+    multi_node_gpu = bool(p.plan and p.plan.device == "gpu" and p.plan.nnodes[1] > 1)
     findings += rdma.findings(report["rdma"], multi_node_gpu)
     manifest = read_build_manifest(env.build_manifest)
     report["build_manifest"] = {"path": env.build_manifest, "present": manifest is not None,
                                 "content": manifest}
-    findings += _manifest_findings(manifest, tb)
+    findings += _manifest_findings(manifest, p.torch)
     report["findings"] = [f.to_dict() for f in _dedupe(findings)]
     report["exit_code"] = max((f.exit_code for f in findings if f.level == "fail"), default=0)
     return report
@@ -213,8 +177,8 @@ def add_comm(report: dict, env: Environ, timeout_s: float) -> None:
 
 
 def main(env: Environ, config_path: str | None, overrides: list[str], *, as_json: bool,
-         comm: bool, comm_timeout_s: float, app_root: str) -> int:
-    report = gather(env, config_path, overrides, app_root=app_root)
+         comm: bool, comm_timeout_s: float) -> int:
+    report = gather(env, config_path, overrides)
     if comm:
         add_comm(report, env, comm_timeout_s)
     if as_json:

@@ -5,7 +5,7 @@ manifest are, node-level overrides such as ``TRAIN_SOCKET_IFNAME``). The variabl
 each launch convention (torchrun's ``PET_*``, Kubeflow's, the Indexed Job's) are read
 by that convention's own unit in :mod:`launcher.conventions`, from the same frozen
 mapping, never from ``os.environ``. Malformed values raise
-:class:`~train.errors.ConfigError` naming the variable (exit 2).
+:class:`~train.core.errors.ConfigError` naming the variable (exit 2).
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from train.host import DEFAULT_BUILD_MANIFEST
+from train.core.host import DEFAULT_BUILD_MANIFEST
 
 DEFAULT_DNS_WAIT_S = 300.0
 
 
 def _error(name: str, problem: str) -> Exception:
-    from train.errors import ConfigError  # torch-free, but keep --help import-light
+    from train.core.errors import ConfigError  # torch-free, but keep --help import-light
     return ConfigError("environment", name, problem)
 
 

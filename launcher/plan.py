@@ -15,6 +15,7 @@ restarts it, like torchrun would); anything else runs torchrun (through
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,17 +24,17 @@ from launcher.compat import check_build
 from launcher.conventions import Nodes
 from launcher.environ import Environ
 from launcher.hardware import Hardware, TorchBuild
-from launcher.variables import WorkerVariables, direct_worker_identity
-from train.comm_env import worker_defaults
-from train.config import AUTO, Config, batch_split
-from train.config.checks import check_batch_memory
-from train.config.loader import config_warnings, origin_note, source_of
-from train.errors import CannotRunHere, ConfigError
-from train.placement import (backend_problem, check_gpu_only, one_process_problem,
+from launcher.worker_variables import WorkerVariables, direct_worker_identity
+from train.core.comm_defaults import worker_defaults
+from train.core.config import AUTO, Config, batch_split
+from train.core.config.checks import check_batch_memory
+from train.core.config.loader import config_warnings, origin_note, source_of
+from train.core.errors import CannotRunHere, ConfigError
+from train.core.placement import (backend_problem, check_gpu_only, one_process_problem,
                              resolve_backend, runs_one_process)
 
-WORKER_MODULE = "launcher.worker"
-SCRIPT_MODULE = "launcher.script"
+WORKER_MODULE = "train.worker"
+SCRIPT_MODULE = "train.script"
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,22 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    def render(self) -> str:
+        """What ``--dry-run`` prints: the decisions as comments, then a command a shell can
+        run as it is."""
+        lines = ["# launch plan (dry run: nothing was started)",
+                 f"# mode={self.mode} device={self.device} backend={self.backend} "
+                 f"nproc_per_node={self.nproc_per_node} nnodes={self.nnodes[0]}:"
+                 f"{self.nnodes[1]} world_sizes={','.join(map(str, self.world_sizes))} "
+                 f"max_restarts={self.max_restarts} convention={self.convention}"]
+        lines += [f"# note: {n}" for n in self.notes]
+        lines += [f"# warning: {w}" for w in self.warnings]
+        if self.rdzv_host:
+            lines.append(f"# before starting: wait until {self.rdzv_host} resolves")
+        lines += [f"{k}={shlex.quote(v)} \\" for k, v in self.env.items()]
+        lines.append(shlex.join(self.argv))
+        return "\n".join(lines)
 
 
 def resolve_device(cfg: Config, hw: Hardware, tb: TorchBuild, hsa_override: str | None,
@@ -152,7 +169,7 @@ def worker_variables(cfg: Config, hw: Hardware, device: str, backend: str, nproc
                      master_port: int, max_restarts: int) -> WorkerVariables:
     v = WorkerVariables(environ)
     path = environ.get("PYTHONPATH") or ""
-    if app_root not in path.split(":"):  # workers run `-m launcher.worker` from any cwd
+    if app_root not in path.split(":"):  # workers run `-m train.worker` from any cwd
         v.force("PYTHONPATH", app_root + (":" + path if path else ""))
     v.force("PYTHONUNBUFFERED", "1")
     v.force("PYTHONFAULTHANDLER", "1")  # a crashing worker prints every thread's stack
@@ -177,7 +194,7 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     """Decide everything about the launch; raise ConfigError (2) or CannotRunHere (3).
 
     script: ``launch``'s program instead of the trainer (``[path, args...]`` or
-    ``["-m", module, args...]``); it runs under ``launcher.script``, which reports how
+    ``["-m", module, args...]``); it runs under ``train.script``, which reports how
     it ended as a training worker does, and learns the plan's device and backend from
     TRAIN_DEVICE and TRAIN_BACKEND. The global batch is the trainer's business only.
     """

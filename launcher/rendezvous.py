@@ -66,7 +66,7 @@ def serve(port: int, log: Callable[[str], None], host: str = "0.0.0.0",
         store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=30))
     except Exception as exc:  # port in use, bad address
-        from train.errors import CannotRunHere
+        from train.core.errors import CannotRunHere
         raise CannotRunHere(f"cannot listen on {host}:{port}: {exc}; choose another --port") \
             from None
     log(f"rendezvous store listening on {host}:{store.port}; give worker nodes "

@@ -8,7 +8,7 @@ by SIGTERM, so its own code cannot be passed through. The launcher instead:
   parent-death signal, so it never outlives us (kill -9 of the launcher included);
 - forwards SIGTERM/SIGINT to it at once (torchrun forwards to the workers, which
   checkpoint and exit 143);
-- reads each local worker's report (``launcher.worker``) and decides:
+- reads each local worker's report (``train.worker``) and decides:
   0 done, 143 stopped by a signal, 1 failed (naming the first failing rank).
 
 For one process, ``distributed.max_restarts`` restarts the worker here, as torchrun
@@ -32,15 +32,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher import reports
+from train.core import reports
 from launcher.plan import Plan
 from launcher.rendezvous import RoundWatcher, reachable
-from launcher.reports import Report
+from train.core.reports import Report
 from launcher.torchrun import STORE_LOST
-from train.errors import (EXIT_OK, EXIT_STOPPED_BY_SIGNAL, EXIT_STORE_LOST,
+from train.core.errors import (EXIT_OK, EXIT_STOPPED_BY_SIGNAL, EXIT_STORE_LOST,
                           EXIT_TRAINING_FAILED, FINAL_EXIT_CODES)
-from train.host import die_with_parent
-from train.worker_env import RELAUNCH_VAR, STATUS_DIR_VAR
+from train.core.host import die_with_parent
+from train.core.identity import RELAUNCH_VAR, STATUS_DIR_VAR
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from launcher.hardware import Finding
-from train.host import OUTPUT_DIR_FIX, output_dir_problem
+from train.core.host import OUTPUT_DIR_FIX, output_dir_problem
 
 GIB = 1024 ** 3
 SHM_MIN_BYTES = GIB
@@ -84,7 +84,7 @@ def wait_for_host(host: str, timeout_s: float, log: Callable[[str], None],
                   sleep: Callable[[float], None] = time.sleep,
                   resolver: Callable[[str], list[str]] = resolve) -> list[str]:
     """Wait until ``host`` resolves (pytorch#73682: peers' DNS names appear late)."""
-    from train.errors import CannotRunHere
+    from train.core.errors import CannotRunHere
     deadline = time.monotonic() + timeout_s
     delay, said = 1.0, False
     while True:

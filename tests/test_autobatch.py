@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from train.autobatch import divisors_descending, largest_fitting
-from train.errors import CannotRunHere
+from train.core.errors import CannotRunHere
 
 
 def test_divisors_descending():

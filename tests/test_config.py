@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from conftest import ROOT, TINY_GPT, TINY_MLP, merge, worker_env, write_config
-from train import reference
-from train.config import AUTO, Config, batch_split, load_config, parse_override
-from train.errors import ConfigError
+from train.core.config import reference
+from train.core.config import AUTO, Config, batch_split, load_config, parse_override
+from train.core.errors import ConfigError
 
 # (name, config tree or None for "file missing" / raw text, overrides, expected key, fragment)
 ERROR_CASES = [
@@ -179,7 +179,7 @@ def test_shipped_configs_load():
 def test_schema_file_is_in_sync():
     on_disk = json.loads((ROOT / "configs" / "schema.json").read_text())
     assert on_disk == reference.json_schema(), \
-        "regenerate: python -m train.reference --schema > configs/schema.json"
+        "regenerate: python -m train.core.config.reference --schema > configs/schema.json"
 
 
 def test_schema_accepts_shipped_configs_and_rejects_unknown_keys():
@@ -199,7 +199,7 @@ def test_readme_config_reference_is_generated():
     assert begin in readme and end in readme
     table = readme.split(begin, 1)[1].split(end, 1)[0]
     assert table == reference.markdown(), \
-        "regenerate the README table: python -m train.reference --markdown"
+        "regenerate the README table: python -m train.core.config.reference --markdown"
 
 
 def test_parse_override_reads_yaml_values():

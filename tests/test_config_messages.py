@@ -24,8 +24,8 @@ import yaml
 
 from conftest import (ROOT, TINY_GPT, clean_env, merge, read_metrics, worker_env,
                       write_config)
-from train.config import Config
-from train.config import types
+from train.core.config import Config
+from train.core.config import types
 
 ENTRY = str(ROOT / "entrypoint.py")
 QUICKSTART = "configs/quickstart.yaml"

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY_GPT, TINY_MLP, merge, worker_env, write_config
-from train.config import load_config
+from train.core.config import load_config
 from train.data import (GlobalOrder, RankBatchSampler, build_data, eval_indices, make_loader,
                         read_text_corpus)
-from train.host import cgroup_cpu_quota
+from train.core.host import cgroup_cpu_quota
 
 
 def steps_seen(order: GlobalOrder, world: int, micro: int, g: int, start: int, end: int):

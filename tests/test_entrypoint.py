@@ -57,7 +57,7 @@ def test_help_imports_nothing_heavy(tmp_path):
     assert "train CONFIG" in out.stdout and "rendezvous" in out.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()}
     assert "launcher.cli" in imported
-    assert not {"torch", "yaml", "numpy", "train.config"} & imported
+    assert not {"torch", "yaml", "numpy", "train.core.config"} & imported
 
 
 def test_no_arguments_prints_help(tmp_path):
@@ -74,7 +74,7 @@ def test_dry_run_prints_a_runnable_plan(tmp_path):
     assert "OMP_NUM_THREADS=" in out.stdout and argv[1:3] == ["-m", "launcher.torchrun"]
     assert argv[-4:] == [QUICKSTART, "distributed.nproc_per_node=2", "device=cpu",
                          "distributed.backend=gloo"]
-    assert argv[argv.index("-m", 3) + 1] == "launcher.worker"
+    assert argv[argv.index("-m", 3) + 1] == "train.worker"
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
@@ -197,7 +197,8 @@ def test_doctor_comm_all_reduce_over_two_cpu_processes(tmp_path):
 
 
 def test_comm_summary_names_the_rank_that_did_not_answer(tmp_path):
-    from launcher import comm, reports
+    from launcher import comm
+    from train.core import reports
     reports.write(tmp_path, reports.Report(rank=0, kind="comm", stage="allreduce"))
     reports.write(tmp_path, reports.Report(rank=1, kind="comm", stage="init"))
     result = comm.summarise(str(tmp_path), 3, [0, 1], ["", "", "ImportError: x"], "gpu",

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY_GPT, merge, run_train, worker_env, write_config
-from train.config import ModelConfig
-from train.errors import ConfigError
+from train.core.config import ModelConfig
+from train.core.errors import ConfigError
 from train.export import check_output
 from train.models import build_model
 

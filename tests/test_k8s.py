@@ -17,8 +17,8 @@ from conftest import ROOT
 from launcher import environ
 from launcher.hardware import Gpu, Hardware, TorchBuild
 from launcher.plan import plan
-from train.config import load_config
-from train.errors import FINAL_EXIT_CODES
+from train.core.config import load_config
+from train.core.errors import FINAL_EXIT_CODES
 
 K8S = ROOT / "k8s"
 VERSIONS = [f"1.{minor}" for minor in range(31, 38)]  # the README promises 1.31 to 1.37

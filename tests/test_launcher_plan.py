@@ -14,8 +14,8 @@ import yaml
 from launcher import environ
 from launcher.hardware import Gpu, Hardware, TorchBuild
 from launcher.plan import plan
-from train.config import load_config
-from train.errors import CannotRunHere, ConfigError
+from train.core.config import load_config
+from train.core.errors import CannotRunHere, ConfigError
 
 PY = "/opt/venv/bin/python"
 APP = "/app"
@@ -67,7 +67,7 @@ NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZ
 def torchrun(*rdzv: str, nproc: int, restarts: int = 3) -> list[str]:
     return [PY, "-m", "launcher.torchrun", *rdzv, "--nproc-per-node", str(nproc),
             "--max-restarts", str(restarts), "--log-dir", "/runs/job/logs", "--tee", "3",
-            "-m", "launcher.worker"]
+            "-m", "train.worker"]
 
 
 # ------------------------------------------------------------------------ golden plans
@@ -76,7 +76,7 @@ def test_single_process_on_cpu_runs_the_worker_directly(cfg_file):
     path = cfg_file()
     p = make(path, ["optim.lr=0.01"])
     assert p.mode == "direct" and p.device == "cpu" and p.backend == "gloo"
-    assert list(p.argv) == [PY, "-m", "launcher.worker", path, "optim.lr=0.01", "device=cpu",
+    assert list(p.argv) == [PY, "-m", "train.worker", path, "optim.lr=0.01", "device=cpu",
                             "distributed.backend=gloo"]
     assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "8", "RANK": "0", "LOCAL_RANK": "0",
                      "GROUP_RANK": "0", "ROLE_RANK": "0", "WORLD_SIZE": "1",

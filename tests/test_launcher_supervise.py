@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.reports import Report
+from train.core.reports import Report
 from launcher.supervise import classify
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +70,7 @@ def test_worker_exit_2_or_3_passes_through():
 
 
 def test_older_restart_rounds_are_ignored(tmp_path):
-    from launcher import reports
+    from train.core import reports
     from launcher.supervise import read_reports
     for r in (rep(0, 1, "old", restart=0), rep(1, 0, restart=1)):
         reports.write(tmp_path, r)

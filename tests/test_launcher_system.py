@@ -10,7 +10,7 @@ import pickle
 import pytest
 
 from launcher import rendezvous, system
-from train.errors import CannotRunHere
+from train.core.errors import CannotRunHere
 
 
 def test_dns_wait_retries_then_succeeds():

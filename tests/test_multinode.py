@@ -159,7 +159,7 @@ def test_rendezvous_timings_are_config_keys(tmp_path):
     from launcher import environ
     from launcher.hardware import Hardware, TorchBuild
     from launcher.plan import plan
-    from train.config import load_config
+    from train.core.config import load_config
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"model": {"kind": "mlp"}, "data": {"kind": "synthetic"},
                                     "output": {"dir": str(tmp_path)}}))

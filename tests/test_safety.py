@@ -20,7 +20,7 @@ import torch
 from conftest import (ROOT, TINY_GPT, TINY_MLP, clean_env, losses, merge,
                       run_train, worker_env, write_config)
 from train.checkpoint import Checkpointer
-from train.files import sha256_file
+from train.core.files import sha256_file
 
 ENTRY = str(ROOT / "entrypoint.py")
 # SGD at lr 10 without clipping: the loss explodes and turns NaN within a few steps.
@@ -371,7 +371,7 @@ def test_sigterm_to_the_launchers_process_group_checkpoints_with_loader_workers(
 
 def is_local_rank_1(pid: int) -> bool:
     try:
-        return ("launcher.worker" in Path(f"/proc/{pid}/cmdline").read_text()
+        return ("train.worker" in Path(f"/proc/{pid}/cmdline").read_text()
                 and "\0LOCAL_RANK=1\0" in "\0" + Path(f"/proc/{pid}/environ").read_text())
     except OSError:
         return False
@@ -407,12 +407,12 @@ def test_two_process_node_recovers_from_a_lost_worker_bitwise(tmp_path):
 def test_one_run_directory_one_writer(tmp_path):
     """A second launch of a running run fails at once naming the holder; a dead holder's
     lock is taken over; nodes of one job share it."""
-    from train import runlock
-    from train.errors import CannotRunHere
+    from train.core import runlock
+    from train.core.errors import CannotRunHere
     run = tmp_path / "run"
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from train import runlock; runlock.acquire(Path(sys.argv[1]), 'job-a'); "
+         "from train.core import runlock; runlock.acquire(Path(sys.argv[1]), 'job-a'); "
          "print('held', flush=True); time.sleep(120)", str(run)],
         cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
     try:

@@ -139,7 +139,7 @@ def test_your_script_runs_on_two_processes_and_a_failing_rank_is_named(tmp_path)
     ok = entry("launch", "distributed.nproc_per_node=2", str(SCRIPT), "--steps", "20",
                "--out", str(tmp_path / "m.pt"), cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr[-3000:]
-    assert "-m launcher.torchrun --standalone" in ok.stderr and "launcher.script" in ok.stderr
+    assert "-m launcher.torchrun --standalone" in ok.stderr and "train.script" in ok.stderr
     assert torch.load(tmp_path / "m.pt", weights_only=True)
     (tmp_path / "fail.py").write_text(
         "from train import runtime\nctx = runtime.init()\n"
@@ -155,9 +155,9 @@ def test_launch_plans_like_train_and_refuses_bad_input(tmp_path):
                  cwd=tmp_path)
     assert plan.returncode == 0, plan.stderr
     assert "TRAIN_DEVICE=cpu" in plan.stdout and "TRAIN_BACKEND=gloo" in plan.stdout
-    assert plan.stdout.strip().endswith(f"-m launcher.script {SCRIPT} --x")
+    assert plan.stdout.strip().endswith(f"-m train.script {SCRIPT} --x")
     module = entry("launch", "--dry-run", "-m", "json.tool", "--help", cwd=tmp_path)
-    assert module.stdout.strip().endswith("-m launcher.script -m json.tool --help")
+    assert module.stdout.strip().endswith("-m train.script -m json.tool --help")
     for args, fragment in ((["nope.py"], "nope.py: no such script"),
                            (["distributed.nproc_per_node=0", str(SCRIPT)], "must be >= 1"),
                            (["distributed.backend=nccl", "device=cpu", str(SCRIPT)],

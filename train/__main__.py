@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from train import usercode
-from train.config import check_resume_compatible, load_config, to_yaml
-from train.config.loader import config_warnings, dashed_override
-from train.errors import EXIT_TRAINING_FAILED, UserError
-from train.worker_env import WorkerEnv
+from train.core import usercode
+from train.core.config import check_resume_compatible, load_config, to_yaml
+from train.core.config.loader import config_warnings, dashed_override
+from train.core.errors import EXIT_TRAINING_FAILED, UserError
+from train.core.identity import WorkerIdentity
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -34,13 +34,13 @@ class _HelpConfig(argparse.Action):
     """--help-config: like --help, answers at once (no config needed, no torch)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from train.reference import text
+        from train.core.config.reference import text
         sys.stdout.write(text())
         parser.exit(0)
 
 
 def run(argv: list[str]) -> tuple[int, str | None]:
-    """(exit code, the one-line error printed, if any). launcher.worker reports both."""
+    """(exit code, the one-line error printed, if any). train.worker reports both."""
     try:
         for arg in argv:  # --optim.lr=1e-3: an override with dashes, one line, exit 2
             dashed = dashed_override(arg)
@@ -48,7 +48,7 @@ def run(argv: list[str]) -> tuple[int, str | None]:
                 raise dashed
         args = parse_args(argv)
         cfg = load_config(args.config, args.overrides)
-        env = WorkerEnv.from_environ()
+        env = WorkerIdentity.from_environ()
         if env.status_dir is None and env.rank == 0:  # else the launcher printed them
             for warning in config_warnings(cfg):
                 print(f"warning: {warning}", file=sys.stderr, flush=True)
@@ -67,7 +67,7 @@ def run(argv: list[str]) -> tuple[int, str | None]:
         logging.getLogger("train").exception("training failed")
         record_for_torchrun(exc)
         message = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, always
-        print(f"error: rank {WorkerEnv.from_environ().rank}: {message}", file=sys.stderr)
+        print(f"error: rank {WorkerIdentity.from_environ().rank}: {message}", file=sys.stderr)
         return EXIT_TRAINING_FAILED, f"{type(exc).__name__}: {exc}"
 
 

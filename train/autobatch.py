@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from train.errors import CannotRunHere
+from train.core.errors import CannotRunHere
 
 log = logging.getLogger("train")
 

@@ -17,26 +17,18 @@ import errno
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from train.files import describe_load_error as load_error
-from train.files import fsync_dir, fsync_file, sha256_file, write_atomic
+from train.core.files import describe_load_error as load_error
+from train.core import rundir
+from train.core.files import fsync_dir, fsync_file, sha256_file, write_atomic
+from train.core.rundir import CHECKSUMS, STATE_FILE, none_usable, step_of
 
 log = logging.getLogger("train")
-
-STATE_FILE = "state.pt"
-CHECKSUMS = "checksums.json"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def _step_of(path: Path) -> int:
-    return int(path.name.split("-")[1])
-
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, quota); the previous one is intact."""
@@ -179,21 +171,11 @@ class Checkpointer:
         return target
 
     def latest_name(self) -> str | None:
-        """The step directory `latest` names; None when it is missing or unreadable
-        (garbage in it is ignored with a warning: the newest verified checkpoint wins)."""
-        try:
-            text = (self.dir / "latest").read_bytes()[:256].decode("utf-8", "replace").strip()
-        except OSError:
-            return None
-        if _STEP_DIR.match(text):
-            return text
-        log.warning("%s is unreadable (%r); ignoring it and using the newest checkpoint that "
-                    "verifies", self.dir / "latest", text[:40])
-        return None
+        return rundir.latest_name(self.dir)
 
     def latest_step(self) -> int | None:
         name = self.latest_name()
-        return _step_of(Path(name)) if name else None
+        return step_of(Path(name)) if name else None
 
     def _prune(self) -> None:
         """Keep the newest keep_last checkpoints up to `latest` (always including it).
@@ -203,7 +185,7 @@ class Checkpointer:
         newest = self.latest_step()
         if newest is not None:
             self.set_aside_newer_than(newest)
-        steps = sorted(self._step_dirs(), key=_step_of, reverse=True)
+        steps = sorted(self._step_dirs(), key=step_of, reverse=True)
         for old in steps[self.keep_last:]:
             shutil.rmtree(old, ignore_errors=True)
         for stale in [*self.dir.glob("step-*.partial"), *self.dir.glob("step-*.replaced")]:
@@ -213,7 +195,7 @@ class Checkpointer:
         """Resuming from ``step`` while newer checkpoints exist (an explicit resume_from, or
         newer ones that did not verify): move those to checkpoints.abandoned-<time>/, whole,
         so that nothing is deleted or overwritten and no later resume picks them up."""
-        newer = sorted((p for p in self._step_dirs() if _step_of(p) > step), key=_step_of)
+        newer = sorted((p for p in self._step_dirs() if step_of(p) > step), key=step_of)
         if not newer:
             return None
         target = self._aside("abandoned")
@@ -236,35 +218,16 @@ class Checkpointer:
 
     # --------------------------------------------------------------- loading
     def _step_dirs(self) -> list[Path]:
-        if not self.dir.is_dir():
-            return []
-        return [p for p in self.dir.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+        return rundir.step_dirs(self.dir)
 
     def candidates(self) -> list[Path]:
         """Newest first: the one `latest` names, then every step-N by step."""
-        ordered = sorted(self._step_dirs(), key=_step_of, reverse=True)
-        named = self.latest_name()
-        if named and self.dir / named in ordered:
-            ordered.remove(self.dir / named)
-            ordered.insert(0, self.dir / named)
-        return ordered
-
-    @staticmethod
-    def quick_check(path: Path) -> str | None:
-        """What a look at the files (no hashing) finds wrong, or None."""
-        try:
-            sums = json.loads((path / CHECKSUMS).read_text())
-        except (OSError, ValueError):
-            return "missing or unreadable checksums.json"
-        if not isinstance(sums, dict) or STATE_FILE not in sums:
-            return f"checksums.json does not list {STATE_FILE}"
-        missing = [name for name in sums if not (path / name).is_file()]
-        return f"{', '.join(missing)} missing" if missing else None
+        return rundir.candidates(self.dir)
 
     @staticmethod
     def verify(path: Path) -> str | None:
         """None when every file matches checksums.json, else what is wrong."""
-        problem = Checkpointer.quick_check(path)
+        problem = rundir.quick_check(path)
         if problem:
             return problem
         sums = json.loads((path / CHECKSUMS).read_text())
@@ -280,15 +243,6 @@ class Checkpointer:
         own = path / f"rank-{rank}.pt"
         mine = torch.load(own, map_location="cpu", weights_only=True) if own.exists() else None
         return shared, mine
-
-    def usable_problem(self) -> str | None:
-        """The parent's cheap check before a resume: checkpoints exist, but none of them
-        even has its files. None when there are none, or one looks whole."""
-        found = self.candidates()
-        problems = [(p.name, self.quick_check(p)) for p in found]
-        if not found or any(problem is None for _, problem in problems):
-            return None
-        return none_usable(self.dir, problems)
 
     def newest_loadable(self, rank: int = 0) -> tuple[Path, dict, dict | None] | None:
         """The newest checkpoint that verifies and loads, loaded; a warning for each one
@@ -311,12 +265,3 @@ class Checkpointer:
 
 class CheckpointsUnusable(Exception):
     """Checkpoints exist and none of them can be resumed."""
-
-
-def none_usable(folder: Path, problems: list[tuple[str, str]]) -> str:
-    listed = "; ".join(f"{name}: {problem}" for name, problem in problems[:4])
-    more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
-    return (f"{folder}: {len(problems)} checkpoint(s) and none is usable ({listed}{more}); "
-            "nothing was changed. To start this run over, set checkpoint.resume_from=none "
-            "(they are moved to checkpoints.replaced-<time>/, not deleted); to resume one, "
-            "restore its files")

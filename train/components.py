@@ -20,17 +20,17 @@ from torch import nn
 from train import losses, runtime
 from train.autobatch import largest_fitting, probe_on_gpu
 from train.checkpoint import Checkpointer
-from train.config import AUTO, Config, batch_split
-from train.config.checks import check_batch_memory
-from train.errors import CannotRunHere
-from train.host import OUTPUT_DIR_FIX, available_memory, output_dir_problem
+from train.core.config import AUTO, Config, batch_split
+from train.core.config.checks import check_batch_memory
+from train.core.errors import CannotRunHere
+from train.core.host import OUTPUT_DIR_FIX, available_memory, output_dir_problem
 from train.data import DataBundle, GlobalOrder, RankBatchSampler, build_data, make_loader
 from train.models import build_model
 from train.optim import build_optimizer, build_scheduler
 from train.parallel import apply_activation_checkpointing, check_placement, parallelize
 from train.precision import autocast, grad_scaler
 from train.state import TrainState
-from train.worker_env import WorkerEnv
+from train.core.identity import WorkerIdentity
 
 log = logging.getLogger("train")
 
@@ -40,7 +40,7 @@ class Components:
     """What the loop trains with, built once from config plus the runtime."""
     cfg: Config
     source: str                 # the config file, for messages
-    env: WorkerEnv
+    env: WorkerIdentity
     device: torch.device
     data: DataBundle
     model: nn.Module            # wrapped (DDP / DataParallel / FSDP) or plain
@@ -70,7 +70,7 @@ class Placement:
     accum: int
 
 
-def preflight(cfg: Config, env: WorkerEnv, source: str) -> Placement:
+def preflight(cfg: Config, env: WorkerIdentity, source: str) -> Placement:
     """The launcher's checks again (a bare worker has no launcher), before anything is
     written or any process group joined: exit 2 or 3 with one line, nothing changed."""
     problem = output_dir_problem(cfg.output.dir, create=True)
@@ -84,7 +84,7 @@ def preflight(cfg: Config, env: WorkerEnv, source: str) -> Placement:
     return Placement(device, runtime.resolve_backend(cfg, device), micro, accum)
 
 
-def build(cfg: Config, env: WorkerEnv, source: str, placed: Placement) -> Components:
+def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> Components:
     device, backend, micro, accum = placed.device, placed.backend, placed.micro, placed.accum
     runtime.apply_comm_env(cfg, env, device, backend)
     runtime.init_distributed(env, backend, device, cfg.distributed.timeout_s,
@@ -117,7 +117,7 @@ def build(cfg: Config, env: WorkerEnv, source: str, placed: Placement) -> Compon
                       loss_fn)
 
 
-def auto_micro_batch(cfg: Config, env: WorkerEnv, module: nn.Module, data: DataBundle,
+def auto_micro_batch(cfg: Config, env: WorkerIdentity, module: nn.Module, data: DataBundle,
                      device: torch.device, per_rank: int, loss_fn) -> tuple[int, int]:
     """``train.micro_batch_size: auto`` on GPU: the largest size that fits on every rank."""
     params = sum(p.numel() * p.element_size() for p in module.parameters())

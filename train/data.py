@@ -21,12 +21,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
-from train import usercode
-from train.config import Config, DataConfig
-from train.datafiles import check_labels, load_npy, load_pt, text_files
-from train.errors import ConfigError
-from train.files import sha256_file
-from train.loader import Loader, loader_worker_init
+from train.core import usercode
+from train.core.config import Config, DataConfig
+from train.core.datafiles import check_labels, load_npy, load_pt, text_files
+from train.core.errors import ConfigError
+from train.core.files import sha256_file
+from train.dataloader import Loader, loader_worker_init
 
 # Hashing a multi-GB token file at every start would cost minutes; above this size the
 # manifest records a hash of the size plus sampled chunks and says so.
@@ -215,7 +215,7 @@ class SampleDataset(Dataset):
 
 
 def _custom(cfg: Config, source: str) -> DataBundle:
-    """data.kind custom: the user's factory (train.usercode); a validation set of its
+    """data.kind custom: the user's factory (train.core.usercode); a validation set of its
     own, or the tail data.val_fraction of the training set."""
     d = cfg.data
     train, val = usercode.split_datasets(usercode.call(d.factory, d.args, "data", source),
@@ -305,7 +305,7 @@ def make_loader(dataset: Dataset, batch_sampler, *, num_workers: int, pin_memory
                 persistent_workers: bool, prefetch_factor: int, seed: int,
                 worker_init_fn=None) -> DataLoader:
     """``worker_init_fn(worker_id)``: runs in each worker after the signal setup of
-    :mod:`train.loader`."""
+    :mod:`train.dataloader`."""
     extra = {}
     if num_workers > 0:
         extra = {"persistent_workers": persistent_workers, "prefetch_factor": prefetch_factor,

@@ -9,7 +9,7 @@ gradients non-finite too, and so everyone's after the all-reduce. At logging ste
 the all-reduced loss is checked as well, and before each checkpoint the weights.
 
 ``train.nonfinite: stop`` (default) ends the run at the first such step with exit 4
-(:class:`~train.errors.Diverged`) and one line naming the step, the value, the last
+(:class:`~train.core.errors.Diverged`) and one line naming the step, the value, the last
 good checkpoint and what to try. ``skip_step`` drops that step's update instead, at
 most ``train.max_skipped_steps`` times per run. With fp16, the gradient scaler skips
 overflowing steps by design; only :data:`SCALER_SKIPS_IN_A_ROW` skips in a row (a
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from train.errors import Diverged
-from train.files import write_json_atomic
+from train.core.errors import Diverged
+from train.core.files import write_json_atomic
 
 log = logging.getLogger("train")
 

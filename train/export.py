@@ -16,8 +16,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from train.errors import CannotRunHere, ConfigError, UserError
-from train.files import sha256_file
+from train.core.errors import CannotRunHere, ConfigError, UserError
+from train.core.files import sha256_file
 
 
 def check_output(run_dir: Path, out: Path) -> None:
@@ -103,7 +103,7 @@ def load_model(export_dir: str | Path):
     A custom model's factory must be importable (run from your project directory)."""
     import torch
 
-    from train.config import ModelConfig
+    from train.core.config import ModelConfig
     from train.models import build_model
     export_dir = Path(export_dir)
     meta = json.loads((export_dir / "model.json").read_text())

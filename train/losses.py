@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from train import usercode
+from train.core import usercode
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

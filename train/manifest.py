@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from train import __version__
-from train.config import Config, to_yaml
-from train.files import write_json_atomic
-from train.host import read_build_manifest
+from train.core.config import Config, to_yaml
+from train.core.files import write_json_atomic
+from train.core.host import read_build_manifest
 
 
 def config_hash(cfg: Config) -> str:

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from train.board import Board
-from train.config import Config, to_yaml
+from train.core.config import Config, to_yaml
 from train.console import Console, format_duration
-from train.files import json_text, write_atomic
+from train.core.files import json_text, write_atomic
 
 
 def truncate_jsonl(path: Path, keep_through_step: int) -> None:
@@ -101,7 +101,7 @@ class MetricsLogger:
 
 
 def _flat_hparams(cfg: Config) -> dict[str, Any]:
-    from train.config import to_dict
+    from train.core.config import to_dict
     out: dict[str, Any] = {}
 
     def walk(prefix: str, node: Any) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.config import ModelConfig
+from train.core.config import ModelConfig
 
 
 class MLP(nn.Module):
@@ -125,12 +125,12 @@ class GPT(nn.Module):
 def build_model(cfg: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int,
                 source: str = "config") -> nn.Module:
     """num_classes is the vocabulary size for gpt. custom: the user's factory, called with
-    model.args (train.usercode)."""
+    model.args (train.core.usercode)."""
     if cfg.kind == "custom":
-        from train import usercode
+        from train.core import usercode
         model = usercode.call(cfg.factory, cfg.args, "model", source)
         if not isinstance(model, nn.Module):
-            from train.errors import ConfigError
+            from train.core.errors import ConfigError
             raise ConfigError(source, "model.factory", f"{cfg.factory} returned "
                                                        f"{type(model).__name__}, not a "
                                                        "torch.nn.Module")

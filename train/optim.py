@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from train.config import OptimConfig, ScheduleConfig
+from train.core.config import OptimConfig, ScheduleConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -15,11 +15,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from train.config import Config
-from train.errors import CannotRunHere, ConfigError
-from train.placement import check_gpu_only, one_process_problem, runs_one_process
+from train.core.config import Config
+from train.core.errors import CannotRunHere, ConfigError
+from train.core.placement import check_gpu_only, one_process_problem, runs_one_process
 from train.precision import autocast_dtype
-from train.worker_env import WorkerEnv
+from train.core.identity import WorkerIdentity
 
 log = logging.getLogger("train")
 
@@ -97,7 +97,7 @@ def _fsdp(module: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
     return module
 
 
-def check_placement(cfg: Config, env: WorkerEnv, device: torch.device, source: str) -> None:
+def check_placement(cfg: Config, env: WorkerIdentity, device: torch.device, source: str) -> None:
     """The launcher's rules again, for a worker started without it (exit 2 or 3)."""
     strategy = cfg.distributed.strategy
     if runs_one_process(strategy) and env.distributed:
@@ -105,7 +105,7 @@ def check_placement(cfg: Config, env: WorkerEnv, device: torch.device, source: s
     check_gpu_only(cfg, device.type == "cuda", source)
 
 
-def parallelize(module: nn.Module, cfg: Config, env: WorkerEnv, device: torch.device) -> nn.Module:
+def parallelize(module: nn.Module, cfg: Config, env: WorkerIdentity, device: torch.device) -> nn.Module:
     """Compile and wrap; activation checkpointing is applied before (it changes memory use,
     which the micro-batch probe must see)."""
     strategy = cfg.distributed.strategy

@@ -1,8 +1,8 @@
 """The worker's process set-up: device, determinism, seeds, the process group, the few
 collectives the trainer needs outside the model, logging.
 
-What the process is (rank, world size, ...) comes from :class:`~train.worker_env.WorkerEnv`.
-The placement rules it applies are :mod:`train.placement`'s, shared with the launcher.
+What the process is (rank, world size, ...) comes from :class:`~train.core.identity.WorkerIdentity`.
+The placement rules it applies are :mod:`train.core.placement`'s, shared with the launcher.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from train import comm_env, placement
-from train.config import AUTO, Config
-from train.errors import CannotRunHere
-from train.worker_env import WorkerEnv
+from train.core import comm_defaults, placement
+from train.core.config import AUTO, Config
+from train.core.errors import CannotRunHere
+from train.core.identity import WorkerIdentity
 
 log = logging.getLogger("train")
 
 
-def resolve_device(cfg: Config, env: WorkerEnv) -> torch.device:
+def resolve_device(cfg: Config, env: WorkerIdentity) -> torch.device:
     want_gpu = cfg.device == "gpu" or (cfg.device == AUTO and torch.cuda.is_available())
     if not want_gpu:
         return torch.device("cpu")
@@ -47,13 +47,13 @@ def resolve_backend(cfg: Config, device: torch.device) -> str:
     return backend
 
 
-def apply_comm_env(cfg: Config, env: WorkerEnv, device: torch.device, backend: str) -> None:
+def apply_comm_env(cfg: Config, env: WorkerIdentity, device: torch.device, backend: str) -> None:
     """The communication variables the launcher would have set (a bare torchrun gets them
     too); the environment's values win. Before the process group and the first cuBLAS
     handle exist, which read them."""
     # vendor=None: CUDA_DEVICE_ORDER only matters before CUDA starts, which it already has
     # here; the launcher sets it for workers so that CUDA numbers GPUs as NVML does.
-    added = comm_env.apply_defaults(comm_env.worker_defaults(
+    added = comm_defaults.apply_defaults(comm_defaults.worker_defaults(
         gpu=device.type == "cuda", backend=backend, vendor=None,
         deterministic=cfg.deterministic,
         run_dir=cfg.run_dir, debug=env.debug or cfg.distributed.debug,
@@ -76,7 +76,7 @@ def set_deterministic(enabled: bool) -> None:
     torch.backends.cudnn.benchmark = not enabled
 
 
-def init_distributed(env: WorkerEnv, backend: str, device: torch.device, timeout_s: int,
+def init_distributed(env: WorkerIdentity, backend: str, device: torch.device, timeout_s: int,
                      *, single_process_group: bool = False) -> None:
     """Join the process group (torchrun's env://). single_process_group: a group of one,
     for FSDP on a single process (its CPU offload and mixed precision need a group)."""
@@ -89,11 +89,11 @@ def init_distributed(env: WorkerEnv, backend: str, device: torch.device, timeout
                             **kwargs)
 
 
-def barrier(env: WorkerEnv) -> Callable[[], None]:
+def barrier(env: WorkerIdentity) -> Callable[[], None]:
     return dist.barrier if env.distributed else (lambda: None)
 
 
-def from_main(value, env: WorkerEnv):
+def from_main(value, env: WorkerIdentity):
     """Rank 0's value on every rank (decisions that must not differ between ranks)."""
     if not env.distributed:
         return value
@@ -155,7 +155,7 @@ def init() -> Context:
     The device and backend are the launcher's choice (TRAIN_DEVICE, TRAIN_BACKEND), else
     a GPU when torch sees one; every rank of a multi-process run joins the group.
     """
-    env = WorkerEnv.from_environ()
+    env = WorkerIdentity.from_environ()
     gpu = env.device == "gpu" if env.device else torch.cuda.is_available()
     device = torch.device("cpu")
     if gpu:

@@ -23,21 +23,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train import runlock, runtime, usercode
+from train import runtime
+from train.core import runlock, usercode
 from train.checkpoint import Checkpointer, CheckpointsUnusable
 from train.components import Components, build, preflight, train_loader
-from train.config import AUTO, Config, check_checkpoint_config, to_dict, to_yaml
+from train.core.config import AUTO, Config, check_checkpoint_config, to_dict, to_yaml
 from train.data import eval_indices
 from train.divergence import Guard, clear_marker, read_marker, write_marker
-from train.errors import EXIT_OK, EXIT_STOPPED_BY_SIGNAL, ConfigError, Diverged
-from train.files import describe_load_error, finished_step, write_json_atomic
+from train.core.errors import EXIT_OK, EXIT_STOPPED_BY_SIGNAL, ConfigError, Diverged
+from train.core.files import describe_load_error, finished_step, write_json_atomic
 from train.manifest import update_manifest
 from train.metrics import MetricsLogger
 from train.models import count_parameters
 from train.parallel import full_state, load_full_state
 from train.state import Restored, TrainState, payload, rank_payload, set_rng_state
 from train.stopping import StopFlag, Watchdog
-from train.worker_env import WorkerEnv
+from train.core.identity import WorkerIdentity
 
 log = logging.getLogger("train")
 
@@ -338,9 +339,9 @@ def refuse_a_diverged_restart(c: Components) -> None:
         clear_marker(c.run_dir)
 
 
-def train(cfg: Config, source: str, env: WorkerEnv | None = None) -> int:
+def train(cfg: Config, source: str, env: WorkerIdentity | None = None) -> int:
     """One worker's whole run. ``source``: the config file, named in error messages."""
-    env = env or WorkerEnv.from_environ()
+    env = env or WorkerIdentity.from_environ()
     runtime.configure_logging(env.rank)
     faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) shows every stack
     stop = StopFlag()

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from train.errors import ConfigError
+from train.core.errors import ConfigError
 
 DEFAULT_RDZV_PORT = 29400
 RE_RENDEZVOUS_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

@@ -1,7 +1,7 @@
 """A stand-in training worker for supervisor tests (started directly or by torchrun).
 
 ``fake_worker.py MODE``: ok | fail-rank-1 | sigterm | crash. Reports like
-launcher.worker does; in sigterm mode it marks itself ready in $FAKE_READY_DIR,
+train.worker does; in sigterm mode it marks itself ready in $FAKE_READY_DIR,
 waits for SIGTERM/SIGINT and exits 143 as the real worker does after its checkpoint.
 """
 
@@ -10,11 +10,11 @@ import signal
 import sys
 import time
 
-from launcher.worker import write_status
-from train.worker_env import WorkerEnv
+from train.worker import write_status
+from train.core.identity import WorkerIdentity
 
 mode = sys.argv[1]
-rank = WorkerEnv.from_environ().rank
+rank = WorkerIdentity.from_environ().rank
 if mode == "ok":
     write_status(0, None)
     sys.exit(0)

@@ -19,10 +19,10 @@ from typing import Any
 
 import yaml
 
-from train.config import strict_yaml, types
-from train.config.schema import Config
-from train.config.strict_yaml import clip, short
-from train.errors import ConfigError, raise_all
+from train.core.config import strict_yaml, types
+from train.core.config.schema import Config
+from train.core.config.strict_yaml import clip, short
+from train.core.errors import ConfigError, raise_all
 
 CLI = "command line"
 
@@ -185,7 +185,7 @@ def _did_you_mean(path: Path) -> str:
         here = []
     suggestions += [str(path.parent / n) if str(path.parent) != "." else n
                     for n in _near(path.name, here)]
-    shipped_dir = Path(__file__).resolve().parent.parent.parent / "configs"
+    shipped_dir = Path(__file__).resolve().parents[3] / "configs"
     try:
         same_dir = path.parent.resolve() == shipped_dir.resolve()
     except OSError:
@@ -296,7 +296,7 @@ def _apply_overrides(tree: dict, overrides: list[str], errors: list[ConfigError]
 def _finish(tree: dict, sources: Sources, errors: list[ConfigError], bad: set[str],
             run_name: str | None = None) -> Config:
     """Build and validate; every problem found at once (one line each), exit 2."""
-    from train.config.checks import validate
+    from train.core.config.checks import validate
     cfg = build(Config, tree, sources, "", errors, bad)
     if cfg.run.name is None and run_name is not None:
         cfg.run.name = run_name
@@ -308,7 +308,7 @@ def _finish(tree: dict, sources: Sources, errors: list[ConfigError], bad: set[st
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Load, override, validate. Raises ConfigError (exit 2) on anything invalid: every
-    problem of the config at once (:class:`~train.errors.ConfigErrors`) when there are
+    problem of the config at once (:class:`~train.core.errors.ConfigErrors`) when there are
     several. Adjustments made with a warning: :func:`config_warnings`."""
     tree = read_yaml(path)
     in_file = _paths(tree)

@@ -4,7 +4,7 @@ torchrun (or the launcher, for a single process) gives each worker ``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE`` and
 ``TORCHELASTIC_RESTART_COUNT``; the launcher adds where to report how the worker
 ended. This is the only place a worker reads them; everything else receives a
-:class:`WorkerEnv`. Torch-free: the launcher's own child processes use it too.
+:class:`WorkerIdentity`. Torch-free: the launcher's own child processes use it too.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from train.host import DEFAULT_BUILD_MANIFEST, available_cpus
+from train.core.host import DEFAULT_BUILD_MANIFEST, available_cpus
 
 # Set by the launcher's supervisor: the folder where each worker writes its report.
 STATUS_DIR_VAR = "TRAIN_LAUNCHER_STATUS_DIR"
@@ -22,7 +22,7 @@ RELAUNCH_VAR = "TRAIN_RELAUNCH"
 
 
 @dataclass(frozen=True)
-class WorkerEnv:
+class WorkerIdentity:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
@@ -41,7 +41,7 @@ class WorkerEnv:
     backend: str | None = None           # TRAIN_BACKEND: nccl | gloo | mpi, likewise
 
     @classmethod
-    def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerIdentity":
         env = os.environ if env is None else env
 
         def text(name: str) -> str | None:

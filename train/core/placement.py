@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from train.config import AUTO, Config
-from train.config.loader import origin_note, source_of
-from train.errors import CannotRunHere, ConfigError
+from train.core.config import AUTO, Config
+from train.core.config.loader import origin_note, source_of
+from train.core.errors import CannotRunHere, ConfigError
 
 # Strategies that run exactly one process (DataParallel drives every GPU from it).
 ONE_PROCESS = ("single", "dp")

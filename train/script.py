@@ -1,9 +1,9 @@
-"""The user's own script under the launcher: ``python -m launcher.script SCRIPT [args]`` or
-``python -m launcher.script -m MODULE [args]``.
+"""The user's own script under the launcher: ``python -m train.script SCRIPT [args]`` or
+``python -m train.script -m MODULE [args]``.
 
 torchrun (or the launcher, for one process) starts this in place of the trainer for
 ``entrypoint.py launch``. It runs the script as ``__main__`` (as ``python SCRIPT`` would:
-``sys.argv``, ``sys.path[0]``), and leaves a :class:`~launcher.reports.Report` of how it
+``sys.argv``, ``sys.path[0]``), and leaves a :class:`~train.core.reports.Report` of how it
 ended, so the launcher can name the failing rank in one line and map the exit codes as
 for training. Like a training worker, it stops when its parent (torchrun or the
 launcher) dies.
@@ -17,8 +17,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from launcher.worker import write_status
-from train.host import die_with_parent
+from train.worker import write_status
+from train.core.host import die_with_parent
 
 
 def run(argv: list[str]) -> tuple[int, str | None]:

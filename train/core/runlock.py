@@ -28,8 +28,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.errors import CannotRunHere
-from train.host import process_alive
+from train.core.errors import CannotRunHere
+from train.core.host import process_alive
 
 LOCK_FILE = ".lock"
 

@@ -1,7 +1,7 @@
 """One walker over the schema's dataclasses and the few field types they use.
 
 The loader (checking and converting values), the JSON Schema and the README table
-(:mod:`train.reference`) all read the schema through these functions, so a new field
+(:mod:`train.core.config.reference`) all read the schema through these functions, so a new field
 type is taught here once.
 
 Field types: ``int``, ``float``, ``bool``, ``str``, ``None``, ``Literal[...]``,

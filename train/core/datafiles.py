@@ -1,21 +1,23 @@
 """The files behind each ``data.kind``, read and checked the same way by the launcher
-(before any worker starts) and by the worker (:mod:`train.data`).
+(before any worker starts) and by the worker (:mod:`train.data`). numpy and torch
+are imported only when a file of theirs is checked.
 
 Checks are cheap: headers and sizes, labels (small), never the bulk of a large file
 (``.npy`` features and ``.pt`` tensors are memory-mapped). A problem is one
-:class:`~train.errors.ConfigError` naming the data file and the key that points to it
+:class:`~train.core.errors.ConfigError` naming the data file and the key that points to it
 (exit 2), so a bad file costs a second, not a worker start and a traceback.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from train.core.errors import ConfigError
+from train.core.files import describe_load_error as load_error
 
-from train.errors import ConfigError
-from train.files import describe_load_error as load_error
+if TYPE_CHECKING:
+    import numpy as np
 
 # Not part of a text corpus even when the glob matches: installed packages, caches.
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -48,6 +50,7 @@ def check_text(root: Path, glob: str, max_bytes: int, context_length: int) -> No
 
 def load_npy(path: Path, key: str, *, mmap: bool) -> np.ndarray:
     """A numeric array (no pickled objects); mmap: map instead of reading it."""
+    import numpy as np  # only when a .npy file is checked: the core stays numpy-free
     try:
         array = np.load(path, allow_pickle=False, mmap_mode="r" if mmap else None)
     except (ValueError, OSError, EOFError) as exc:  # corrupt, truncated, or object arrays
@@ -75,6 +78,7 @@ def load_pt(path: Path, *, mmap: bool) -> tuple[Any, Any]:
 
 def check_labels(features_shape: tuple[int, ...], labels: Any, source: str, key: str) -> None:
     """N samples and N non-negative integer class labels."""
+    import numpy as np
     labels = np.asarray(labels)
     n = features_shape[0] if features_shape else 0
     if labels.ndim != 1 or labels.dtype.kind not in "iub" or len(labels) != n:

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 
 from torch.utils.data import DataLoader
 
-from train.host import die_with_parent, process_alive
+from train.core.host import die_with_parent, process_alive
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -2,7 +2,7 @@
 
 torchrun ends with exit 1 and a traceback both when a worker fails and when it is
 stopped by SIGTERM, and a hung process says nothing at all. So each training worker
-(``launcher.worker``) and each ``doctor --comm`` process writes a :class:`Report` into
+(``train.worker``) and each ``doctor --comm`` process writes a :class:`Report` into
 the folder the launcher gives it (``TRAIN_LAUNCHER_STATUS_DIR``): how it ended, or the
 stage it reached. The launcher reads them back to choose the exit code and to name
 the failing or silent rank in one line. Writing a report never raises.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from train.files import write_json_atomic
+from train.core.files import write_json_atomic
 
 
 @dataclass

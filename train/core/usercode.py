@@ -4,7 +4,7 @@
 ``package.module:name`` (or ``package.module.name``). It is imported from the working
 directory (the mounted project, ``/workspace`` in the image; the current directory in a
 checkout) or from an installed package, and called with the config's ``args`` as
-keyword arguments. Every mistake is one :class:`~train.errors.ConfigError` (exit 2)
+keyword arguments. Every mistake is one :class:`~train.core.errors.ConfigError` (exit 2)
 naming the key and the first line of the error, checked by the launcher before any
 worker starts (:func:`check`) and again, the same way, where the worker calls it.
 
@@ -21,10 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from train.errors import ConfigError
+from train.core.errors import ConfigError
 
 # This project's own packages: never counted as the user's code.
-OWN_PACKAGES = (Path(__file__).resolve().parent, Path(__file__).resolve().parent.parent / "launcher")
+_ROOT = Path(__file__).resolve().parents[2]
+OWN_PACKAGES = (_ROOT / "train", _ROOT / "launcher")
 
 
 def project_dir() -> Path:
@@ -140,7 +141,7 @@ def first_sample(dataset: Any, source: str) -> tuple[Any, Any]:
 def imported_files(root: Path | None = None) -> dict[str, str]:
     """The user's Python files imported so far (under the project directory, this
     package excluded), relative path -> SHA-256."""
-    from train.files import sha256_file
+    from train.core.files import sha256_file
     root = (root or Path(os.getcwd())).resolve()
     out = {}
     for module in list(sys.modules.values()):

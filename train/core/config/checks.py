@@ -15,11 +15,11 @@ from typing import Any
 
 import yaml
 
-from train import datafiles
-from train.config.loader import DEFAULT, Sources, _related, source_of, to_dict
-from train.config.schema import AUTO, Config
-from train.config.strict_yaml import short
-from train.errors import CannotRunHere, ConfigError, raise_all
+from train.core import datafiles, rundir
+from train.core.config.loader import DEFAULT, Sources, _related, source_of, to_dict
+from train.core.config.schema import AUTO, Config
+from train.core.config.strict_yaml import short
+from train.core.errors import CannotRunHere, ConfigError, raise_all
 
 # Token files up to this size are scanned for ids >= data.vocab_size before training
 # (about a second per GiB); larger ones are checked batch by batch.
@@ -111,7 +111,7 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
     if not (is_bad("data") or is_bad("model.context_length") or is_bad("model.kind")):
         try:  # the data files: after any other problem of the data keys is fixed
             _check_data_paths(cfg, fail)
-        except ConfigError as exc:  # from train.datafiles: names the data file itself
+        except ConfigError as exc:  # from train.core.datafiles: names the data file itself
             errors.append(exc)
     resume = cfg.checkpoint.resume_from
     if resume not in (AUTO, "none") and not (Path(resume) / "checksums.json").is_file():
@@ -141,7 +141,7 @@ def _show(value: Any) -> str:
 
 def _check_custom(cfg: Config, fail) -> None:
     """The factory keys go with kind custom, both ways (the code itself is checked by
-    train.usercode, which imports it)."""
+    train.core.usercode, which imports it)."""
     for section in ("model", "data"):
         part = getattr(cfg, section)
         if part.kind == "custom" and not part.factory:
@@ -299,8 +299,7 @@ def check_resume_compatible(cfg: Config, source: str) -> None:
     run_dir = cfg.run_dir
     if cfg.checkpoint.resume_from != AUTO:
         return
-    from train.checkpoint import Checkpointer  # torch-free at import
-    problem = Checkpointer(run_dir, rank=0, keep_last=1).usable_problem()
+    problem = rundir.usable_problem(run_dir / "checkpoints")
     if problem:  # checkpoints there, none whole: never start over silently
         raise ConfigError(source, "checkpoint.resume_from", problem)
     if not (run_dir / "checkpoints" / "latest").exists():

@@ -5,17 +5,17 @@
 - :mod:`.loader`: YAML file + ``dotted.key=value`` overrides -> :class:`Config`;
 - :mod:`.checks`: cross-key and file checks, batch arithmetic, resume compatibility.
 
-Every problem is a :class:`~train.errors.ConfigError` (exit 2) with one line naming
+Every problem is a :class:`~train.core.errors.ConfigError` (exit 2) with one line naming
 the file or "command line" (where the key's value came from), the dotted key, what is
 wrong and what is allowed; a config's problems are reported all at once
-(:class:`~train.errors.ConfigErrors`). Values adjusted with a warning (a warmup longer
+(:class:`~train.core.errors.ConfigErrors`). Values adjusted with a warning (a warmup longer
 than the run): :func:`~.loader.config_warnings`.
 """
 
-from train.config.checks import (batch_split, check_checkpoint_config,
+from train.core.config.checks import (batch_split, check_checkpoint_config,
                                  check_resume_compatible)
-from train.config.loader import load_config, parse_override, to_dict, to_yaml
-from train.config.schema import (AUTO, CheckpointConfig, Config, DataConfig,
+from train.core.config.loader import load_config, parse_override, to_dict, to_yaml
+from train.core.config.schema import (AUTO, CheckpointConfig, Config, DataConfig,
                                  DistributedConfig, LoggingConfig, MemoryConfig, ModelConfig,
                                  OptimConfig, OutputConfig, RunConfig, ScheduleConfig,
                                  TrainLoopConfig)

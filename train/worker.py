@@ -1,8 +1,8 @@
 """One training worker: ``python -m train``'s main, plus a report of how it ended.
 
-torchrun (or the launcher, for a single process) starts ``python -m launcher.worker
+torchrun (or the launcher, for a single process) starts ``python -m train.worker
 CONFIG [overrides]``. This runs the worker in-process and leaves a
-:class:`~launcher.reports.Report` (exit code, error, log folder) in the launcher's
+:class:`~train.core.reports.Report` (exit code, error, log folder) in the launcher's
 status folder, so the launcher can map torchrun's result to the user-facing exit
 codes and name the failing rank in one line.
 """
@@ -12,13 +12,13 @@ from __future__ import annotations
 import signal
 import sys
 
-from launcher import reports
-from train.host import die_with_parent
-from train.worker_env import WorkerEnv
+from train.core import reports
+from train.core.host import die_with_parent
+from train.core.identity import WorkerIdentity
 
 
-def write_status(code: int, error: str | None, env: WorkerEnv | None = None) -> None:
-    env = env or WorkerEnv.from_environ()
+def write_status(code: int, error: str | None, env: WorkerIdentity | None = None) -> None:
+    env = env or WorkerIdentity.from_environ()
     reports.write(env.status_dir, reports.Report(
         rank=env.rank, local_rank=env.local_rank, restart=env.restart_count, exit_code=code,
         error=error, log_dir=env.log_dir))

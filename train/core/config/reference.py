@@ -1,6 +1,6 @@
-"""The config reference, generated from the dataclasses in :mod:`train.config`.
+"""The config reference, generated from the dataclasses in :mod:`train.core.config`.
 
-``python -m train.reference --schema`` writes the JSON Schema (configs/schema.json, for
+``python -m train.core.config.reference --schema`` writes the JSON Schema (configs/schema.json, for
 editors), ``--markdown`` the README's config table, ``--text`` the list that
 ``entrypoint.py train --help-config`` and ``python -m train --help-config`` print.
 Tests keep the first two in sync. Torch-free.
@@ -14,8 +14,8 @@ import sys
 import textwrap
 from typing import Any
 
-from train.config import Config
-from train.config import types
+from train.core.config import Config
+from train.core.config import types
 
 
 def _json_type(tp: Any) -> dict:

@@ -1,0 +1,266 @@
+"""One launch pipeline for every command: ``prepare`` (decide) then ``execute`` (run).
+
+``train``, ``launch``, ``doctor`` and ``--dry-run`` all go through :func:`prepare`:
+read the environment -> load and check the config -> detect GPUs -> the torch build
+-> the launch plan -> the output folder -> /dev/shm. Each stage adds
+:class:`~launcher.hardware.Finding` records. ``doctor`` collects every finding and
+reports them; the other commands stop at the first failure, raised as the one-line
+error of its exit code (2 bad input, 3 cannot run here). So the commands cannot drift
+apart: the same environment and config give the same findings and the same plan
+whichever command asks (``tests/test_runner.py``).
+
+:func:`execute` runs a prepared plan: the notes and warnings, the run-directory lock
+(``train``), the wait for the rendezvous host, then :mod:`launcher.supervise`.
+A new launch convention touches :mod:`launcher.conventions` only; a new check is one
+stage here, and every command gets it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from launcher import environ as environ_mod
+from launcher import system
+from launcher.compat import check_build, install_fix
+from launcher.detect import detect, torch_build
+from launcher.environ import Environ
+from launcher.hardware import Finding, Hardware, TorchBuild
+from launcher.plan import Plan
+from launcher.plan import plan as make_plan
+from train.core.errors import CannotRunHere, ConfigError, UserError
+
+APP_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a command asks for, as parsed from its command line."""
+    command: str                     # train | launch | doctor
+    config: str | None = None        # the config file (train; doctor: optional)
+    overrides: tuple[str, ...] = ()  # dotted.key=value
+    script: tuple[str, ...] = ()     # launch: SCRIPT [args] or -m MODULE [args]
+    dry_run: bool = False
+
+    @property
+    def collects(self) -> bool:
+        """doctor reports every finding; the others stop at the first failure."""
+        return self.command == "doctor"
+
+    @property
+    def writes(self) -> bool:
+        """Allowed to create the output folder (nothing is written by doctor or a dry run)."""
+        return self.command != "doctor" and not self.dry_run
+
+
+@dataclass
+class Prepared:
+    """Everything :func:`prepare` decided, with what it found on the way."""
+    request: Request
+    env: Environ
+    cfg: Any = None                  # train.core.config.Config, once it loaded
+    hardware: Hardware = field(default_factory=Hardware)
+    torch: TorchBuild = field(default_factory=TorchBuild)
+    plan: Plan | None = None
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return max((f.exit_code for f in self.findings if f.level == "fail"), default=0)
+
+    def finding(self, topic: str) -> Finding | None:
+        return next((f for f in self.findings if f.topic == topic), None)
+
+
+def prepare(request: Request, env: Environ | None = None, *, hardware: Hardware | None = None,
+            tb: TorchBuild | None = None, master_port: int | None = None) -> Prepared:
+    """Run the stages in order. Raises the first failure's :class:`UserError` unless the
+    request collects (doctor). hardware, tb: what was found, to plan for a made-up
+    machine (tests); detected here when None."""
+    p = Prepared(request, env if env is not None else environ_mod.read())
+    _config(p)
+    _hardware(p, hardware)
+    _torch(p, tb)
+    _plan(p, master_port)
+    _output(p)
+    _shm(p)
+    return p
+
+
+def _fail(p: Prepared, error: UserError, topic: str) -> None:
+    """Record a failure; in a command that stops at the first one, raise it as it is."""
+    if not p.request.collects:
+        raise error
+    for each in getattr(error, "errors", [error]):  # every problem of a config
+        p.findings.append(Finding("fail", "config" if each.exit_code == 2 else topic,
+                                  each.one_line()[len("error: "):], None, each.exit_code))
+
+
+def _add(p: Prepared, findings: list[Finding]) -> None:
+    """Add findings; the first failure among them stops a non-collecting command. (A
+    failing finding is always "cannot run here": bad input raises from the loaders.)"""
+    for f in findings:
+        p.findings.append(f)
+        if f.level == "fail" and not p.request.collects:
+            raise CannotRunHere(f"{f.message}; {f.fix}" if f.fix else f.message)
+
+
+def _config(p: Prepared) -> None:
+    from train.core.config import check_resume_compatible, load_config
+    from train.core.config.loader import config_warnings, load_overrides
+    from train.core import usercode
+    r = p.request
+    try:
+        if r.command == "launch":
+            p.cfg = load_overrides(list(r.overrides), launch_defaults(r.script))
+        elif r.config is None:
+            p.cfg = default_config()
+        else:
+            p.cfg = load_config(r.config, list(r.overrides))
+            usercode.check(p.cfg, r.config, sample=True)  # the user's own model, data, loss
+            check_resume_compatible(p.cfg, r.config)
+    except UserError as exc:
+        p.cfg = None
+        _fail(p, exc, "plan")
+        return
+    _add(p, [Finding("warn", "config", w) for w in config_warnings(p.cfg)])
+
+
+def launch_defaults(script: tuple[str, ...]) -> dict[str, Any]:
+    """``launch``'s config: the script's name as the run name, and no restarts (a script
+    may not resume from where it stopped) unless asked for."""
+    if not script:
+        raise ConfigError("command line", "launch", "no script: launch [key=value ...] "
+                                                    "SCRIPT.py [args] or launch -m MODULE [args]")
+    if script[0] != "-m" and not Path(script[0]).is_file():
+        raise ConfigError("command line", script[0], "no such script (a .py file, or -m "
+                                                     "MODULE)")
+    name = script[1] if script[0] == "-m" else Path(script[0]).stem
+    return {"run.name": name, "distributed.max_restarts": 0}
+
+
+def default_config():
+    """doctor without a config: what ``train`` would plan for the defaults."""
+    from train.core.config import Config
+    cfg = Config()
+    cfg.run.name = "doctor"
+    return cfg
+
+
+def _hardware(p: Prepared, hardware: Hardware | None) -> None:
+    p.hardware = hardware or detect(p.env)
+    _add(p, [Finding("warn", "gpu", w) for w in p.hardware.warnings])
+
+
+def _torch(p: Prepared, tb: TorchBuild | None) -> None:
+    # This process's own torch use (a store client watching the rendezvous) must not
+    # print C++ stack frames when the store goes away; read once, as torch loads. The
+    # workers get the environment as it was (env.raw).
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    p.torch = tb or torch_build()
+    if not p.torch.importable:
+        _add(p, [Finding("fail", "torch", f"torch is not importable: {p.torch.error}",
+                         install_fix(APP_ROOT), 3)])
+    build = check_build(p.hardware, p.torch, p.env.visibility.hsa_override_gfx_version)
+    if p.cfg is not None and p.cfg.device == "cpu":  # the GPUs are not needed: a warning
+        build = [replace(f, level="warn", exit_code=0) if f.level == "fail" else f
+                 for f in build]
+    _add(p, build)
+
+
+def _plan(p: Prepared, master_port: int | None) -> None:
+    if p.cfg is None:
+        return
+    r = p.request
+    source = r.config or ("command line" if r.command == "launch" else "<defaults>")
+    try:
+        p.plan = make_plan(p.cfg, p.hardware, p.torch, p.env, config_path=source,
+                           overrides=list(r.overrides), python=sys.executable,
+                           app_root=APP_ROOT,
+                           master_port=system.free_port() if master_port is None
+                           else master_port,
+                           script=list(r.script) if r.command == "launch" else None)
+    except UserError as exc:
+        _fail(p, exc, "plan")
+        return
+    q = p.plan
+    _add(p, [Finding("ok", "plan", f"{r.command if r.command != 'doctor' else 'train'} would "
+                     f"run {q.nproc_per_node} process(es) per node on {q.device} with "
+                     f"{q.backend}, nodes {q.nnodes[0]}:{q.nnodes[1]} ({q.convention})")])
+
+
+def _output(p: Prepared) -> None:
+    if p.cfg is not None:  # torchrun's logs go there for launch too
+        _add(p, [system.check_output_dir(p.cfg.output.dir, create=p.request.writes)])
+
+
+def _shm(p: Prepared) -> None:
+    _add(p, [system.check_shm()])
+
+
+# ----------------------------------------------------------------------- running
+
+def run(request: Request, log: Callable[[str], None], *, verbose: bool = False) -> int:
+    """prepare, then print the plan (a dry run) or execute it."""
+    prepared = prepare(request)
+    if request.dry_run:
+        print(prepared.plan.render())
+        return 0
+    return execute(prepared, log, verbose=verbose)
+
+
+def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -> int:
+    from launcher import supervise
+    from train.core import runlock
+    from train.core.files import finished_step
+    plan, cfg = p.plan, p.cfg
+    if p.request.command == "train" and cfg.checkpoint.resume_from == "auto":
+        done = finished_step(cfg.run_dir, cfg.train.max_steps)  # none/a path: train as asked
+        if done is not None:  # a late pod of a finished job, or a rerun: nothing to start
+            log(f"nothing to do: run {cfg.run.name} finished at step {done} "
+                f"({cfg.run_dir / 'result.json'}); raise train.max_steps to train on")
+            return 0
+    shm = p.finding("shm")
+    warnings = [*plan.warnings, *([f"{shm.message}; fix: {shm.fix}"]
+                                  if shm and shm.level == "warn" else [])]
+    for line in [*(f"note: {n}" for n in plan.notes), *(f"warning: {w}" for w in warnings)]:
+        log(line)
+    if verbose:
+        for name, value in plan.env.items():
+            log(f"set {name}={value}")
+    else:
+        log(summarise_env(plan.env))
+    # One writer per run directory; a script's launch writes only its logs there.
+    lock = runlock.acquire(cfg.run_dir, plan.job) if plan.program == "train" else None
+    try:
+        log("run " + shlex.join(plan.argv))
+        if plan.rdzv_host:
+            system.wait_for_host(plan.rdzv_host, p.env.dns_wait_s, log)
+        return supervise.run(plan, p.env.raw, log,
+                             keep_fds=(lock.fd,) if lock is not None and lock.fd else (),
+                             verbose=verbose)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+# What every launch sets (process identity, rendezvous address, Python's own switches):
+# counted in the summary line, listed only with --verbose or --dry-run.
+PLUMBING = re.compile(r"^((LOCAL_|GROUP_|ROLE_)?(RANK|WORLD_SIZE)|MASTER_(ADDR|PORT)|"
+                      r"TORCHELASTIC_.*|PYTHON(PATH|UNBUFFERED|FAULTHANDLER))$")
+
+
+def summarise_env(values: dict[str, str]) -> str:
+    """One line for the variables a launch sets: the tuning ones by value."""
+    shown = [f"{k}={v}" for k, v in values.items() if not PLUMBING.match(k)]
+    rest = len(values) - len(shown)
+    return (f"set {len(values)} worker variables: {', '.join(shown) or 'none for tuning'}"
+            f"{f' and {rest} for process identity' if rest else ''} (--verbose or --dry-run "
+            "lists them all)")
+

@@ -1,0 +1,159 @@
+"""The layout's rules, held by tests: who may import what.
+
+- ``launcher/`` (the parent process: detection, planning, supervision) imports from
+  ``train`` only the torch-free core, ``train.core``;
+- ``train.core`` imports nothing else of ``train`` and neither torch nor numpy at
+  module level; importing any core module, and ``entrypoint.py --help``, load neither;
+- ``train/`` never imports ``launcher/``.
+
+The static checks read every import statement, including those inside functions (a
+lazy import is still a dependency); the dynamic ones import for real in a fresh
+interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("torch", "numpy")
+
+
+def modules(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, *, top_level_only: bool = False) -> list[tuple[int, str]]:
+    """(line, module) for every import in ``path``; relative imports resolved.
+    top_level_only: leave out imports inside functions and ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" \
+        else module_name(path)
+    nodes = ast.walk(tree) if not top_level_only else _top_level(tree.body)
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found += [(node.lineno, f"{base}.{alias.name}" if node.module is None or
+                       _is_package(base) else base) for alias in node.names]
+    return found
+
+
+def _is_package(name: str) -> bool:
+    return (ROOT / Path(*name.split(".")) / "__init__.py").is_file()
+
+
+def _top_level(body: list[ast.stmt]):
+    for node in body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, (ast.If, ast.Try)):
+            yield from _top_level(node.body + getattr(node, "orelse", []) +
+                                  [s for h in getattr(node, "handlers", []) for s in h.body])
+
+
+def violations(folder: str, allowed, *, top_level_only: bool = False) -> list[str]:
+    out = []
+    paths = [ROOT / folder] if folder.endswith(".py") else modules(folder)
+    for path in paths:
+        for line, name in imports(path, top_level_only=top_level_only):
+            problem = allowed(name)
+            if problem:
+                out.append(f"{path.relative_to(ROOT)}:{line}: {name}: {problem}")
+    return out
+
+
+def launcher_rule(name: str) -> str | None:
+    if (name == "train" or name.startswith("train.")) and \
+            not (name == "train.core" or name.startswith("train.core.")):
+        return "the launcher imports only train.core from train"
+    return None
+
+
+def core_rule(name: str) -> str | None:
+    if name.split(".")[0] in HEAVY:
+        return "the core is torch- and numpy-free at import (import it inside the function)"
+    if name.startswith("train.") and not name.startswith("train.core") or name == "train":
+        return "the core imports nothing else of train"
+    if name.split(".")[0] == "launcher":
+        return "the core never imports the launcher"
+    return None
+
+
+def train_rule(name: str) -> str | None:
+    return "train never imports the launcher" if name.split(".")[0] == "launcher" else None
+
+
+def test_launcher_imports_only_the_core_of_train():
+    found = violations("launcher", launcher_rule)
+    found += violations("entrypoint.py", launcher_rule)
+    assert not found, "\n".join(found)
+
+
+def test_core_imports_no_torch_numpy_or_rest_of_train():
+    found = violations("train/core", lambda n: core_rule(n) if n.split(".")[0] not in HEAVY
+                       else None)
+    found += violations("train/core", core_rule, top_level_only=True)
+    assert not found, "\n".join(found)
+
+
+def test_train_never_imports_the_launcher():
+    found = violations("train", train_rule)
+    assert not found, "\n".join(found)
+
+
+def test_the_rules_catch_a_violation(tmp_path, monkeypatch):
+    """A deliberate breach of each rule is found (the checks above can fail)."""
+    fake = tmp_path / "launcher" / "bad.py"
+    fake.parent.mkdir()
+    fake.write_text("def f():\n    from train import trainer\n    import train.checkpoint\n")
+    core = tmp_path / "train" / "core" / "bad.py"
+    core.parent.mkdir(parents=True)
+    core.write_text("import numpy as np\nfrom train.models import GPT\n"
+                    "def g():\n    import torch\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert len(violations("launcher", launcher_rule)) == 2
+    core_found = violations("train/core", core_rule, top_level_only=True)
+    assert [v.split(": ")[1] for v in core_found] == ["numpy", "train.models"]
+
+
+def _loaded_after(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys\nprint(' '.join(sorted(m for m in "
+         "sys.modules if m.split('.')[0] in ('torch', 'numpy'))))"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+def test_importing_the_core_and_launcher_loads_neither_torch_nor_numpy():
+    names = [module_name(p) for p in modules("train/core") + modules("launcher")
+             if p.name != "__main__.py"]
+    assert "train.core.config" in names and "launcher.plan" in names
+    code = "import importlib\n" + "".join(f"importlib.import_module({n!r})\n" for n in names)
+    assert _loaded_after(code) == set()
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["train", "--help-config"]])
+def test_help_loads_neither_torch_nor_numpy(args):
+    code = (f"import sys; sys.argv = ['entrypoint.py', *{args!r}]\n"
+            "import contextlib, io\nfrom launcher.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()): main()")
+    assert _loaded_after(code) == set()

@@ -1,0 +1,17 @@
+"""The torch-free core: what the launcher and the workers share.
+
+The launcher (``launcher/``, the parent process) imports nothing from ``train`` but
+this package, and nothing here imports torch or numpy at module level, so the parent
+validates a config, checks the run directory and plans a launch in a fraction of a
+second, and ``entrypoint.py --help`` answers at once. ``tests/test_layout.py`` holds
+both rules.
+
+- :mod:`.errors`: exit codes and the one-line errors behind them;
+- :mod:`.config`: the typed config, its loader and checks, the kind registry;
+- :mod:`.placement`: which backend, how many processes, which settings need a GPU;
+- :mod:`.identity`: a worker's rank, world size and launcher settings, from its
+  environment; :mod:`.comm_defaults`: the communication variables a worker needs;
+- :mod:`.reports`: how a worker tells the launcher it ended;
+- :mod:`.runlock`, :mod:`.files`, :mod:`.host`, :mod:`.datafiles`, :mod:`.usercode`:
+  the run directory's lock, atomic files, the machine, data files, the user's code.
+"""
