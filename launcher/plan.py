@@ -28,7 +28,7 @@ from launcher.worker_variables import WorkerVariables, direct_worker_identity
 from train.core.comm_defaults import worker_defaults
 from train.core.config import AUTO, Config, batch_split
 from train.core.config.checks import check_batch_memory
-from train.core.config.loader import config_warnings, origin_note, source_of
+from train.core.config.origins import config_warnings, origin_note, source_of
 from train.core.errors import CannotRunHere, ConfigError
 from train.core.placement import (backend_problem, check_gpu_only, one_process_problem,
                              resolve_backend, runs_one_process)

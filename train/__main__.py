@@ -13,7 +13,8 @@ import sys
 
 from train.core import usercode
 from train.core.config import check_resume_compatible, load_config, to_yaml
-from train.core.config.loader import config_warnings, dashed_override
+from train.core.config.loader import dashed_override
+from train.core.config.origins import config_warnings
 from train.core.errors import EXIT_TRAINING_FAILED, UserError
 from train.core.identity import WorkerIdentity
 

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, default_collate
 
 from train.core import usercode
 from train.core.config import Config, DataConfig
+from train.core.config.kinds import DATA_KINDS, MODEL_KINDS, load_builder
 from train.core.datafiles import check_labels, load_npy, load_pt, text_files
 from train.core.errors import ConfigError
 from train.core.files import sha256_file
@@ -109,15 +110,16 @@ def _array_bundle(features: torch.Tensor, labels: torch.Tensor, cfg: DataConfig,
                       tuple(features.shape[1:]), max(num_classes, 2), 0, data_hash, description)
 
 
-def _synthetic(cfg: DataConfig, seed: int) -> DataBundle:
+def synthetic(cfg: Config, source: str) -> DataBundle:
     """Gaussian inputs labelled by a fixed random teacher: learnable, exact from the seed."""
-    g = torch.Generator().manual_seed(seed + 0x5EED)
-    x = torch.randn(cfg.num_samples, *cfg.shape, generator=g)
-    teacher = torch.randn(int(np.prod(cfg.shape)), cfg.num_classes, generator=g)
+    d = cfg.data
+    g = torch.Generator().manual_seed(cfg.seed + 0x5EED)
+    x = torch.randn(d.num_samples, *d.shape, generator=g)
+    teacher = torch.randn(int(np.prod(d.shape)), d.num_classes, generator=g)
     y = (x.flatten(1) @ teacher).argmax(dim=1)
     digest = hashlib.sha256(x.numpy().tobytes() + y.numpy().tobytes()).hexdigest()
-    bundle = _array_bundle(x, y, cfg, digest, f"synthetic {cfg.num_samples}x{cfg.shape}")
-    bundle.num_classes = cfg.num_classes
+    bundle = _array_bundle(x, y, d, digest, f"synthetic {d.num_samples}x{d.shape}")
+    bundle.num_classes = d.num_classes
     return bundle
 
 
@@ -134,20 +136,22 @@ def _file_hash(path: Path) -> str:
     return "sampled:" + h.hexdigest()
 
 
-def _tensors(cfg: DataConfig) -> DataBundle:
-    path = Path(cfg.path)
+def tensors(cfg: Config, source: str) -> DataBundle:
+    d = cfg.data
+    path = Path(d.path)
     if path.suffix == ".pt":
         x, y = load_pt(path, mmap=False)
         digest = _file_hash(path)
         where, key = str(path), "data.path"
     else:
         x, y = (torch.from_numpy(np.array(load_npy(Path(f), k, mmap=False)))
-                for f, k in ((path, "data.path"), (cfg.labels_path, "data.labels_path")))
-        digest = hashlib.sha256((_file_hash(path) + _file_hash(Path(cfg.labels_path)))
+                for f, k in ((path, "data.path"), (d.labels_path, "data.labels_path")))
+        digest = hashlib.sha256((_file_hash(path) + _file_hash(Path(d.labels_path)))
                                 .encode()).hexdigest()
-        where, key = str(cfg.labels_path), "data.labels_path"
+        where, key = str(d.labels_path), "data.labels_path"
     check_labels(tuple(x.shape), y.numpy(), where, key)
-    return _array_bundle(x.float(), y.long(), cfg, digest, f"tensors {path.name} {tuple(x.shape)}")
+    return _array_bundle(x.float(), y.long(), d, digest,
+                         f"tensors {path.name} {tuple(x.shape)}")
 
 
 def read_text_corpus(root: Path, glob: str, max_bytes: int) -> bytes:
@@ -182,19 +186,21 @@ def default_text_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
-def _text(cfg: DataConfig, length: int) -> DataBundle:
-    root = Path(cfg.path or default_text_root())
-    corpus = read_text_corpus(root, cfg.text_glob, cfg.max_bytes)
-    tokens = np.frombuffer(corpus, dtype=np.uint8)
-    return _windows(tokens, cfg, length, 256, hashlib.sha256(corpus).hexdigest(),
+def text(cfg: Config, source: str) -> DataBundle:
+    d = cfg.data
+    root = Path(d.path or default_text_root())
+    corpus = read_text_corpus(root, d.text_glob, d.max_bytes)
+    ids = np.frombuffer(corpus, dtype=np.uint8)
+    return _windows(ids, d, cfg.model.context_length, 256, hashlib.sha256(corpus).hexdigest(),
                     f"text {root} ({len(corpus):,} bytes)", str(root))
 
 
-def _tokens(cfg: DataConfig, length: int) -> DataBundle:
-    path = Path(cfg.path)
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    return _windows(tokens, cfg, length, cfg.vocab_size, _file_hash(path),
-                    f"tokens {path.name} ({len(tokens):,} tokens)", str(path))
+def tokens(cfg: Config, source: str) -> DataBundle:
+    d = cfg.data
+    path = Path(d.path)
+    ids = np.memmap(path, dtype=np.uint16, mode="r")
+    return _windows(ids, d, cfg.model.context_length, d.vocab_size, _file_hash(path),
+                    f"tokens {path.name} ({len(ids):,} tokens)", str(path))
 
 
 class SampleDataset(Dataset):
@@ -214,7 +220,7 @@ class SampleDataset(Dataset):
         return default_collate([self.dataset[i] for i in indices])
 
 
-def _custom(cfg: Config, source: str) -> DataBundle:
+def from_factory(cfg: Config, source: str) -> DataBundle:
     """data.kind custom: the user's factory (train.core.usercode); a validation set of its
     own, or the tail data.val_fraction of the training set."""
     d = cfg.data
@@ -224,26 +230,19 @@ def _custom(cfg: Config, source: str) -> DataBundle:
     if val is None:
         n_train, n_val = _split_counts(len(train), d.val_fraction)
         train, val = Subset(train, range(n_train)), Subset(train, range(n_train, n_train + n_val))
-    classes = d.vocab_size if cfg.model.kind == "gpt" else d.num_classes
+    token_model = MODEL_KINDS[cfg.model.kind].tokens
+    classes = d.vocab_size if token_model else d.num_classes
     digest = hashlib.sha256(json.dumps({"factory": d.factory, "args": d.args}, sort_keys=True,
                                        default=str).encode()).hexdigest()
-    tokens = cfg.model.context_length if cfg.model.kind == "gpt" else 0
+    per_sample = cfg.model.context_length if token_model else 0
     return DataBundle(SampleDataset(train), SampleDataset(val), tuple(torch.as_tensor(x).shape),
-                      classes, tokens, f"custom:{digest}",
+                      classes, per_sample, f"custom:{digest}",
                       f"custom {d.factory} ({len(train):,} + {len(val):,} samples)")
 
 
 def build_data(cfg: Config, source: str = "config") -> DataBundle:
-    d = cfg.data
-    if d.kind == "custom":
-        return _custom(cfg, source)
-    if d.kind == "synthetic":
-        return _synthetic(d, cfg.seed)
-    if d.kind == "tensors":
-        return _tensors(d)
-    if d.kind == "text":
-        return _text(d, cfg.model.context_length)
-    return _tokens(d, cfg.model.context_length)
+    """The data of ``data.kind`` (its builder, from train.core.config.kinds)."""
+    return load_builder(DATA_KINDS[cfg.data.kind].builder)(cfg, source)
 
 
 # ------------------------------------------------------------------------- the order

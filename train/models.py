@@ -15,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train.core import usercode
 from train.core.config import ModelConfig
+from train.core.config.kinds import MODEL_KINDS, load_builder
+from train.core.errors import ConfigError
 
 
 class MLP(nn.Module):
@@ -122,24 +125,39 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+# The builders model.kind names (train.core.config.kinds): a config in, a module out.
+
+def mlp(cfg: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int,
+        source: str) -> nn.Module:
+    return MLP(cfg, math.prod(input_shape), num_classes)
+
+
+def cnn(cfg: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int,
+        source: str) -> nn.Module:
+    return ConvNet(cfg, input_shape, num_classes)
+
+
+def gpt(cfg: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int,
+        source: str) -> nn.Module:
+    return GPT(cfg, num_classes)
+
+
+def from_factory(cfg: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int,
+                 source: str) -> nn.Module:
+    """custom: the user's factory, called with model.args (train.core.usercode)."""
+    model = usercode.call(cfg.factory, cfg.args, "model", source)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(source, "model.factory", f"{cfg.factory} returned "
+                                                   f"{type(model).__name__}, not a "
+                                                   "torch.nn.Module")
+    return model
+
+
 def build_model(cfg: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int,
                 source: str = "config") -> nn.Module:
-    """num_classes is the vocabulary size for gpt. custom: the user's factory, called with
-    model.args (train.core.usercode)."""
-    if cfg.kind == "custom":
-        from train.core import usercode
-        model = usercode.call(cfg.factory, cfg.args, "model", source)
-        if not isinstance(model, nn.Module):
-            from train.core.errors import ConfigError
-            raise ConfigError(source, "model.factory", f"{cfg.factory} returned "
-                                                       f"{type(model).__name__}, not a "
-                                                       "torch.nn.Module")
-        return model
-    if cfg.kind == "gpt":
-        return GPT(cfg, num_classes)
-    if cfg.kind == "cnn":
-        return ConvNet(cfg, input_shape, num_classes)
-    return MLP(cfg, math.prod(input_shape), num_classes)
+    """The model of ``cfg.kind``; num_classes is the vocabulary size for token models."""
+    build = load_builder(MODEL_KINDS[cfg.kind].builder)
+    return build(cfg, input_shape=input_shape, num_classes=num_classes, source=source)
 
 
 def count_parameters(model: nn.Module) -> int:

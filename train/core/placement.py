@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from train.core.config import AUTO, Config
-from train.core.config.loader import origin_note, source_of
+from train.core.config.origins import origin_note, source_of
 from train.core.errors import CannotRunHere, ConfigError
 
 # Strategies that run exactly one process (DataParallel drives every GPU from it).

@@ -90,12 +90,13 @@ def call(path: str, args: dict[str, Any], key: str, source: str) -> Any:
 def check(cfg, source: str, *, sample: bool) -> None:
     """The parent's checks: every import path resolves and takes its arguments; with
     ``sample``, the dataset is built and yields an (input, target) pair."""
-    if cfg.model.kind == "custom":
+    from train.core.config.kinds import BUILT_IN_LOSSES, data_kind, model_kind
+    if model_kind(cfg).factory:
         check_args(resolve(cfg.model.factory, "model.factory", source), cfg.model.args,
                    "model.args", source)
-    if cfg.train.loss not in ("cross_entropy", "mse"):
+    if cfg.train.loss not in BUILT_IN_LOSSES:
         resolve(cfg.train.loss, "train.loss", source)
-    if cfg.data.kind == "custom":
+    if data_kind(cfg).factory:
         fn = resolve(cfg.data.factory, "data.factory", source)
         check_args(fn, cfg.data.args, "data.args", source)
         if sample:

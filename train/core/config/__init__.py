@@ -3,22 +3,25 @@
 - :mod:`.schema`: the dataclasses (one per component) with each key's doc and bounds;
 - :mod:`.types`: one walker over the schema's types (loader, JSON Schema, README table);
 - :mod:`.loader`: YAML file + ``dotted.key=value`` overrides -> :class:`Config`;
-- :mod:`.checks`: cross-key and file checks, batch arithmetic, resume compatibility.
+- :mod:`.origins`: where each value came from (file, command line, default);
+- :mod:`.checks`: cross-key and file checks, batch arithmetic, resume compatibility;
+- :mod:`.kinds`: each ``model.kind`` and ``data.kind`` with its builder and its own rules;
+- :mod:`.reference`: the generated key reference (``--help-config``, docs, JSON Schema).
 
 Every problem is a :class:`~train.core.errors.ConfigError` (exit 2) with one line naming
 the file or "command line" (where the key's value came from), the dotted key, what is
 wrong and what is allowed; a config's problems are reported all at once
 (:class:`~train.core.errors.ConfigErrors`). Values adjusted with a warning (a warmup longer
-than the run): :func:`~.loader.config_warnings`.
+than the run): :func:`~.origins.config_warnings`.
 """
 
 from train.core.config.checks import (batch_split, check_checkpoint_config,
                                  check_resume_compatible)
-from train.core.config.loader import load_config, parse_override, to_dict, to_yaml
+from train.core.config.loader import load_config, parse_override, to_yaml
 from train.core.config.schema import (AUTO, CheckpointConfig, Config, DataConfig,
                                  DistributedConfig, LoggingConfig, MemoryConfig, ModelConfig,
                                  OptimConfig, OutputConfig, RunConfig, ScheduleConfig,
-                                 TrainLoopConfig)
+                                 TrainLoopConfig, to_dict)
 
 __all__ = ["AUTO", "CheckpointConfig", "Config", "DataConfig", "DistributedConfig",
            "LoggingConfig", "MemoryConfig", "ModelConfig", "OptimConfig", "OutputConfig",

@@ -3,27 +3,25 @@ global batch splits over a world size, and whether a run's checkpoints still fit
 
 Each failure is a :class:`ConfigError` (exit 2) naming the key and where its value
 came from (and where each other value it quotes came from); :func:`validate` reports
-every failure at once. Torch-free; the token scan imports numpy only when it runs.
+every failure at once; each model and data kind brings its own rules
+(:mod:`.kinds`). Torch-free; the token scan imports numpy only when it runs.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from train.core import datafiles, rundir
-from train.core.config.loader import DEFAULT, Sources, _related, source_of, to_dict
-from train.core.config.schema import AUTO, Config
+from train.core import rundir
+from train.core.config import kinds
+from train.core.config.origins import (DEFAULT, QUOTED, Sources, ref, related, source_of,
+                                       val)
+from train.core.config.schema import AUTO, Config, to_dict
 from train.core.config.strict_yaml import short
 from train.core.errors import CannotRunHere, ConfigError, raise_all
-
-# Token files up to this size are scanned for ids >= data.vocab_size before training
-# (about a second per GiB); larger ones are checked batch by batch.
-TOKEN_SCAN_LIMIT = 2 << 30
 
 
 def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = None,
@@ -42,11 +40,11 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
     warnings: list[str] = []
 
     def is_bad(key: str) -> bool:
-        return any(_related(key, b) for b in bad)
+        return any(related(key, b) for b in bad)
 
     def say(key: str, problem: str, related: tuple[str, ...]) -> ConfigError | None:
         """The message with each quoted value's origin, or None when it reads a bad key."""
-        mentioned = _REF.findall(problem)
+        mentioned = QUOTED.findall(problem)
         if any(is_bad(k) for k in (key, *related, *(name for _, name in mentioned))):
             return None
         line_source = sources.of(key)
@@ -57,7 +55,7 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
                 else sources.note(name, line_source)
             shown = _show(_dig(to_dict(cfg), name))
             return f"{shown}{note}" if kind == "v" else f"{name}={shown}{note}"
-        return ConfigError(line_source, key, _REF.sub(expand, problem))
+        return ConfigError(line_source, key, QUOTED.sub(expand, problem))
 
     def fail(key: str, problem: str, *related: str) -> None:
         """related: keys the check reads besides those quoted with ref() / val()."""
@@ -71,27 +69,14 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
             warnings.append(str(error))
         return error is not None
 
-    m, d, t = cfg.model, cfg.data, cfg.train
-    _check_custom(cfg, fail)
+    t = cfg.train
     if not cfg.run.name or "/" in cfg.run.name or cfg.run.name in (".", ".."):
         fail("run.name", f"got {short(cfg.run.name)}; a non-empty name without '/'")
     if not cfg.output.dir.strip():
         fail("output.dir", "is empty; a directory for run directories, e.g. runs")
-    if m.kind == "gpt":
-        if m.width % m.heads:
-            fail("model.heads", f"{val('model.heads')} does not divide {ref('model.width')}",
-                 "model.kind")
-        if d.kind not in ("text", "tokens", "custom"):
-            fail("data.kind", f"{ref('model.kind')} needs text, tokens or custom data, got "
-                              f"{val('data.kind')}")
-    elif d.kind in ("text", "tokens") and m.kind != "custom":
-        fail("data.kind", f"{val('data.kind')} data needs model.kind gpt or custom, got "
-                          f"{ref('model.kind')}")
-    if m.kind == "cnn" and d.kind == "synthetic" and len(d.shape) != 3:
-        fail("data.shape", f"{ref('model.kind')} needs [channels, height, width], got "
-                           f"{val('data.shape')}", "data.kind")
-    if not d.shape or any(s < 1 for s in d.shape):
-        fail("data.shape", f"got {d.shape}; a list of positive sizes")
+    kinds.check_pairing(cfg, fail)
+    if not cfg.data.shape or any(s < 1 for s in cfg.data.shape):
+        fail("data.shape", f"got {cfg.data.shape}; a list of positive sizes")
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         fail("optim.betas", f"got {cfg.optim.betas}; two numbers in [0, 1)")
     if cfg.schedule.warmup_steps > t.max_steps:
@@ -102,15 +87,16 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
     if t.micro_batch_size != AUTO and t.global_batch_size % t.micro_batch_size:
         fail("train.micro_batch_size", f"{val('train.micro_batch_size')} does not divide "
                                        f"{ref('train.global_batch_size')}")
-    if cfg.memory.activation_checkpointing != "none" and m.kind not in ("gpt", "custom"):
-        fail("memory.activation_checkpointing", f"applies to the blocks of gpt or custom "
-                                                f"models, got {ref('model.kind')}")
+    if cfg.memory.activation_checkpointing != "none" and not kinds.model_kind(cfg).blocks:
+        fail("memory.activation_checkpointing", f"applies to the blocks of "
+                                                f"{_blocked_kinds()} models, got "
+                                                f"{ref('model.kind')}")
     if cfg.memory.cpu_offload and cfg.distributed.strategy != "fsdp":
         fail("memory.cpu_offload", f"needs distributed.strategy=fsdp, got "
                                    f"{ref('distributed.strategy')}")
     if not (is_bad("data") or is_bad("model.context_length") or is_bad("model.kind")):
         try:  # the data files: after any other problem of the data keys is fixed
-            _check_data_paths(cfg, fail)
+            kinds.data_kind(cfg).files(cfg, fail)
         except ConfigError as exc:  # from train.core.datafiles: names the data file itself
             errors.append(exc)
     resume = cfg.checkpoint.resume_from
@@ -122,73 +108,13 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
         raise_all(errors)
 
 
-# In a check's message: ref(key) quotes "key=value", val(key) the value alone; validate
-# adds where the value came from when that is not the error line's source.
-_REF = re.compile(r"\x00([rv]):([^\x00]+)\x00")
-
-
-def ref(key: str) -> str:
-    return f"\x00r:{key}\x00"
-
-
-def val(key: str) -> str:
-    return f"\x00v:{key}\x00"
+def _blocked_kinds() -> str:
+    names = [k.name for k in kinds.MODEL_KINDS.values() if k.blocks]
+    return " or ".join(names)
 
 
 def _show(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
-
-
-def _check_custom(cfg: Config, fail) -> None:
-    """The factory keys go with kind custom, both ways (the code itself is checked by
-    train.core.usercode, which imports it)."""
-    for section in ("model", "data"):
-        part = getattr(cfg, section)
-        if part.kind == "custom" and not part.factory:
-            fail(f"{section}.factory", f"required for {ref(section + '.kind')}: the import "
-                                       "path of your factory, e.g. mypkg.module:build")
-        if part.kind != "custom" and (part.factory or part.args):
-            key = f"{section}.factory" if part.factory else f"{section}.args"
-            fail(key, f"only for {section}.kind=custom, got {ref(section + '.kind')}")
-
-
-def _check_data_paths(cfg: Config, fail) -> None:
-    """Stops at the first problem: each check needs the ones before it to pass."""
-    d = cfg.data
-    if d.kind in ("synthetic", "custom"):
-        return
-    if d.kind in ("tensors", "tokens") and not d.path:
-        return fail("data.path", f"required for {ref('data.kind')}")
-    if d.path is None:
-        return  # text: the standard library's source
-    path = Path(d.path)
-    if d.kind == "text":
-        if not path.is_dir():
-            return fail("data.path", f"{d.path}: not a directory")
-        datafiles.check_text(path, d.text_glob, d.max_bytes, cfg.model.context_length)
-        return
-    if not path.is_file():
-        return fail("data.path", f"{d.path}: no such file")
-    if d.kind == "tokens":
-        size = path.stat().st_size
-        if size < 4 or size % 2:
-            return fail("data.path", f"{d.path}: not a uint16 token file (odd or tiny size)")
-        if size <= TOKEN_SCAN_LIMIT:  # larger files are checked batch by batch
-            import numpy as np
-            top = int(np.memmap(path, dtype=np.uint16, mode="r").max())
-            if top >= d.vocab_size:
-                fail("data.vocab_size", f"{val('data.vocab_size')} but {ref('data.path')} "
-                                        f"holds token id {top}; set data.vocab_size to at "
-                                        f"least {top + 1}")
-        return
-    if path.suffix not in (".pt", ".npy"):
-        return fail("data.path", f"{d.path}: expected a .pt or .npy file")
-    if path.suffix == ".npy":
-        if not d.labels_path:
-            return fail("data.labels_path", f"required when {ref('data.path')} is a .npy file")
-        if not Path(d.labels_path).is_file():
-            return fail("data.labels_path", f"{d.labels_path}: no such file")
-    datafiles.check_tensors(path, d.labels_path)
 
 
 def batch_split(cfg: Config, world_size: int, source: str) -> tuple[int, int]:
@@ -224,15 +150,8 @@ ANY_MACHINE_BYTES = 1 << 40
 
 def sample_bytes(cfg: Config) -> int | None:
     """Bytes of one training sample as the loader hands it over (inputs + target);
-    None when only the data file knows (tensors)."""
-    if cfg.data.kind in ("text", "tokens"):
-        return 2 * cfg.model.context_length * 8          # int64 inputs and next tokens
-    if cfg.data.kind == "synthetic":
-        size = 1
-        for s in cfg.data.shape:
-            size *= s
-        return size * 4 + 8                              # float32 features + int64 label
-    return None
+    None when only the data file knows (tensors, custom)."""
+    return kinds.data_kind(cfg).sample_bytes(cfg)
 
 
 def check_batch_memory(cfg: Config, world_size: int, source: str,

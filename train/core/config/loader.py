@@ -12,7 +12,6 @@ starts any worker.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 from pathlib import Path
 from typing import Any
@@ -20,12 +19,11 @@ from typing import Any
 import yaml
 
 from train.core.config import strict_yaml, types
-from train.core.config.schema import Config
+from train.core.config.checks import validate
+from train.core.config.origins import CLI, Sources, paths_in, within
+from train.core.config.schema import Config, to_dict
 from train.core.config.strict_yaml import clip, short
 from train.core.errors import ConfigError, raise_all
-
-CLI = "command line"
-
 
 def read_yaml(path: str | Path) -> dict:
     """Read a config file under :mod:`.strict_yaml`'s limits; every failure is a ConfigError."""
@@ -81,80 +79,6 @@ def set_dotted(tree: dict, key: str, value: Any, source: str = CLI) -> None:
             raise ConfigError(source, ".".join(parts[: i + 1]), "is a value, not a section")
         node = child
     node[parts[-1]] = value
-
-
-DEFAULT = "default"
-
-
-class Sources:
-    """Where each value came from: the command line (a ``key=value`` override), the
-    file, or neither (the schema's default). ``overridden`` and ``in_file`` hold every
-    dotted path each one set (a section given whole sets the paths inside it)."""
-
-    def __init__(self, file: str, overridden: set[str] = frozenset(),
-                 in_file: set[str] = frozenset()) -> None:
-        self.file, self.overridden, self.in_file = file, set(overridden), set(in_file)
-
-    def from_cli(self, key: str) -> bool:
-        """The command line set ``key`` (or, for a mapping value, part of it)."""
-        return any(_within(k, key) for k in self.overridden)
-
-    def origin(self, key: str) -> str:
-        """CLI, the file's path, or :data:`DEFAULT`."""
-        if self.from_cli(key):
-            return CLI
-        return self.file if any(_within(k, key) for k in self.in_file) else DEFAULT
-
-    def of(self, key: str) -> str:
-        """The source an error about ``key`` names: the command line when the value came
-        from there, else the file (also for a default: the file did not set it)."""
-        return CLI if self.from_cli(key) else self.file
-
-    def note(self, key: str, line_source: str) -> str:
-        """`` (where key's value came from)`` when that is not ``line_source``, else ``""``."""
-        origin = self.origin(key)
-        return "" if origin == line_source else f" ({origin})"
-
-
-def _related(a: str, b: str) -> bool:
-    """The same key, or one is a section holding the other."""
-    return _within(a, b) or _within(b, a)
-
-
-def _within(path: str, key: str) -> bool:
-    """``path`` is ``key`` or lies inside it."""
-    return path == key or path.startswith(key + ".")
-
-
-def _paths(tree: Any, prefix: str = "") -> set[str]:
-    """Every dotted path a YAML tree sets (sections and values)."""
-    out: set[str] = set()
-    if isinstance(tree, dict):
-        for name, value in tree.items():
-            dotted = f"{prefix}{name}"
-            out.add(dotted)
-            out |= _paths(value, dotted + ".")
-    return out
-
-
-def source_of(cfg: Any, key: str, fallback: str) -> str:
-    """What an error about ``key`` of a loaded config names (command line or its file);
-    ``fallback`` for a config not made by :func:`load_config`."""
-    sources = getattr(cfg, "_sources", None)
-    return sources.of(key) if sources is not None else fallback
-
-
-def origin_note(cfg: Any, key: str, line_source: str) -> str:
-    """`` (command line)``, `` (FILE)`` or `` (default)`` for a value of ``cfg`` that did
-    not come from ``line_source``; ``""`` otherwise or when unknown."""
-    sources = getattr(cfg, "_sources", None)
-    return sources.note(key, line_source) if sources is not None else ""
-
-
-def config_warnings(cfg: Any) -> list[str]:
-    """The warnings loading ``cfg`` gave (``<file>: <key>: ...``, as errors read): values
-    it adjusted, such as a warmup longer than the run."""
-    return list(getattr(cfg, "_warnings", ()))
 
 
 def top_level_keys() -> set[str]:
@@ -286,17 +210,16 @@ def _apply_overrides(tree: dict, overrides: list[str], errors: list[ConfigError]
             errors.append(exc)
             bad.add(text.lstrip("-").partition("=")[0].strip())
             continue
-        replaced = {p for p in overridden | in_file if _within(p, key)}
+        replaced = {p for p in overridden | in_file if within(p, key)}
         overridden -= replaced
         in_file -= replaced
-        overridden |= {key} | _paths(value, key + ".")
+        overridden |= {key} | paths_in(value, key + ".")
     return overridden
 
 
 def _finish(tree: dict, sources: Sources, errors: list[ConfigError], bad: set[str],
             run_name: str | None = None) -> Config:
     """Build and validate; every problem found at once (one line each), exit 2."""
-    from train.core.config.checks import validate
     cfg = build(Config, tree, sources, "", errors, bad)
     if cfg.run.name is None and run_name is not None:
         cfg.run.name = run_name
@@ -311,7 +234,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     problem of the config at once (:class:`~train.core.errors.ConfigErrors`) when there are
     several. Adjustments made with a warning: :func:`config_warnings`."""
     tree = read_yaml(path)
-    in_file = _paths(tree)
+    in_file = paths_in(tree)
     errors: list[ConfigError] = []
     bad: set[str] = set()
     overridden = _apply_overrides(tree, list(overrides), errors, bad, in_file)
@@ -329,10 +252,6 @@ def load_overrides(overrides: list[str], defaults: dict[str, Any]) -> Config:
     bad: set[str] = set()
     overridden = _apply_overrides(tree, list(overrides), errors, bad, set())
     return _finish(tree, Sources(CLI, overridden), errors, bad)
-
-
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
 
 
 def to_yaml(cfg: Config) -> str:

@@ -8,9 +8,12 @@ with users (docs/architecture.md, "Contracts"): rename one only on purpose.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from train.core.config.kinds import DATA_KIND_NAMES, MODEL_KIND_NAMES
 
 AUTO = "auto"
 
@@ -37,7 +40,7 @@ class OutputConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    kind: Literal["mlp", "cnn", "gpt", "custom"] = opt(
+    kind: Literal[MODEL_KIND_NAMES] = opt(  # the kinds of .kinds
         "gpt", "Model family: mlp, cnn (3x32x32 images), gpt (decoder-only transformer) or "
                "custom (your own, from model.factory).")
     factory: str | None = opt(None, "custom: import path of a callable returning the "
@@ -59,7 +62,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    kind: Literal["synthetic", "tensors", "text", "tokens", "custom"] = opt(
+    kind: Literal[DATA_KIND_NAMES] = opt(
         "text", "synthetic (learnable, from the seed), tensors (.pt/.npy features + labels), "
                 "text (bytes of text files), tokens (uint16 memmap .bin) or custom (your own, "
                 "from data.factory).")
@@ -225,3 +228,8 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.output.dir) / str(self.run.name)
+
+
+def to_dict(cfg: Config) -> dict:
+    """The config as plain data (what config.yaml and checkpoints record)."""
+    return dataclasses.asdict(cfg)

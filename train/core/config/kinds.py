@@ -1,0 +1,209 @@
+"""Every ``model.kind`` and ``data.kind``: its builder, what it needs, and its own rules.
+
+One entry per kind (torchtitan's ModelSpec is the model for this): the import path of
+its builder, imported only inside a worker since builders need torch; what it pairs
+with; and the checks that need nothing but the config and the data files, which the
+launcher runs before anything starts and the worker runs again. The schema's
+``Literal`` choices are these names, and :func:`~train.core.config.checks.validate`
+collects every kind's problems without knowing any kind by name.
+
+Adding a kind: a builder (``train/models.py`` or ``train/data.py``), an entry here with
+its rules, then regenerate the config reference.
+
+A rule is ``rules(cfg, fail)``; ``fail(key, problem, *related)`` records one problem of
+``key`` (``related``: other keys it reads), and :func:`~.origins.ref` /
+:func:`~.origins.val` quote values with their origin.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from train.core import datafiles
+from train.core.config.origins import ref, val
+
+if TYPE_CHECKING:
+    from train.core.config.schema import Config
+
+Fail = Callable[..., None]
+
+
+def _no_rules(cfg: Config, fail: Fail) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    name: str
+    # "module:function" called as function(model_cfg, input_shape=, num_classes=, source=)
+    builder: str
+    rules: Callable[[Config, Fail], None] = _no_rules
+    data: tuple[str, ...] | None = None  # the data kinds it trains on (None: any)
+    blocks: bool = False                 # has a `blocks` ModuleList: activation checkpointing
+    tokens: bool = False                 # next-token model: data.vocab_size classes, and a
+                                         # sample is model.context_length tokens
+    factory: bool = False                # made by the user's model.factory
+
+
+@dataclass(frozen=True)
+class DataKind:
+    name: str
+    builder: str                         # "module:function" called as function(cfg, source)
+    rules: Callable[[Config, Fail], None] = _no_rules
+    files: Callable[[Config, Fail], None] = _no_rules  # checks of the data files themselves
+    models: tuple[str, ...] | None = None  # the model kinds it feeds (None: any)
+    sample_bytes: Callable[[Config], int | None] = lambda cfg: None  # one loaded sample
+    factory: bool = False                # made by the user's data.factory
+
+
+# ---------------------------------------------------------------------- models
+
+def _gpt_rules(cfg: Config, fail: Fail) -> None:
+    if cfg.model.width % cfg.model.heads:
+        fail("model.heads", f"{val('model.heads')} does not divide {ref('model.width')}",
+             "model.kind")
+
+
+def _cnn_rules(cfg: Config, fail: Fail) -> None:
+    if cfg.data.kind == "synthetic" and len(cfg.data.shape) != 3:
+        fail("data.shape", f"{ref('model.kind')} needs [channels, height, width], got "
+                           f"{val('data.shape')}", "data.kind")
+
+
+MODEL_KINDS: dict[str, ModelKind] = {k.name: k for k in (
+    ModelKind("mlp", "train.models:mlp"),
+    ModelKind("cnn", "train.models:cnn", _cnn_rules),
+    ModelKind("gpt", "train.models:gpt", _gpt_rules, data=("text", "tokens", "custom"),
+              blocks=True, tokens=True),
+    ModelKind("custom", "train.models:from_factory", blocks=True, factory=True),
+)}
+
+
+# ------------------------------------------------------------------------ data
+
+# Token files up to this size are scanned for ids >= data.vocab_size before training
+# (about a second per GiB); larger ones are checked batch by batch.
+TOKEN_SCAN_LIMIT = 2 << 30
+
+
+def _token_sample_bytes(cfg: Config) -> int:
+    return 2 * cfg.model.context_length * 8  # int64 inputs and next tokens
+
+
+def _synthetic_sample_bytes(cfg: Config) -> int:
+    size = 1
+    for s in cfg.data.shape:
+        size *= s
+    return size * 4 + 8  # float32 features + int64 label
+
+
+def _required_path(cfg: Config, fail: Fail) -> bool:
+    if not cfg.data.path:
+        fail("data.path", f"required for {ref('data.kind')}")
+        return False
+    if not Path(cfg.data.path).is_file():
+        fail("data.path", f"{cfg.data.path}: no such file")
+        return False
+    return True
+
+
+def _text_files(cfg: Config, fail: Fail) -> None:
+    d = cfg.data
+    if d.path is None:
+        return  # the standard library's source
+    if not Path(d.path).is_dir():
+        return fail("data.path", f"{d.path}: not a directory")
+    datafiles.check_text(Path(d.path), d.text_glob, d.max_bytes, cfg.model.context_length)
+
+
+def _tokens_files(cfg: Config, fail: Fail) -> None:
+    if not _required_path(cfg, fail):
+        return
+    path, d = Path(cfg.data.path), cfg.data
+    size = path.stat().st_size
+    if size < 4 or size % 2:
+        return fail("data.path", f"{d.path}: not a uint16 token file (odd or tiny size)")
+    if size <= TOKEN_SCAN_LIMIT:  # larger files are checked batch by batch
+        top = datafiles.largest_token(path)
+        if top >= d.vocab_size:
+            fail("data.vocab_size", f"{val('data.vocab_size')} but {ref('data.path')} holds "
+                                    f"token id {top}; set data.vocab_size to at least "
+                                    f"{top + 1}")
+
+
+def _tensors_files(cfg: Config, fail: Fail) -> None:
+    if not _required_path(cfg, fail):
+        return
+    path, d = Path(cfg.data.path), cfg.data
+    if path.suffix not in (".pt", ".npy"):
+        return fail("data.path", f"{d.path}: expected a .pt or .npy file")
+    if path.suffix == ".npy":
+        if not d.labels_path:
+            return fail("data.labels_path", f"required when {ref('data.path')} is a .npy file")
+        if not Path(d.labels_path).is_file():
+            return fail("data.labels_path", f"{d.labels_path}: no such file")
+    datafiles.check_tensors(path, d.labels_path)
+
+
+TOKEN_MODELS = ("gpt", "custom")
+DATA_KINDS: dict[str, DataKind] = {k.name: k for k in (
+    DataKind("synthetic", "train.data:synthetic", sample_bytes=_synthetic_sample_bytes),
+    DataKind("tensors", "train.data:tensors", files=_tensors_files),
+    DataKind("text", "train.data:text", files=_text_files, models=TOKEN_MODELS,
+             sample_bytes=_token_sample_bytes),
+    DataKind("tokens", "train.data:tokens", files=_tokens_files, models=TOKEN_MODELS,
+             sample_bytes=_token_sample_bytes),
+    DataKind("custom", "train.data:from_factory", factory=True),
+)}
+
+# train.loss names that are no import path (their functions: train/losses.py)
+BUILT_IN_LOSSES = ("cross_entropy", "mse")
+
+MODEL_KIND_NAMES = tuple(MODEL_KINDS)
+DATA_KIND_NAMES = tuple(DATA_KINDS)
+
+
+# --------------------------------------------------------------- the collector's part
+
+def model_kind(cfg: Config) -> ModelKind:
+    return MODEL_KINDS[cfg.model.kind]
+
+
+def data_kind(cfg: Config) -> DataKind:
+    return DATA_KINDS[cfg.data.kind]
+
+
+def check_pairing(cfg: Config, fail: Fail) -> None:
+    """The factory keys go with a factory kind, both ways; the model and data kinds must
+    fit each other; each kind's own rules."""
+    for section, kind in (("model", model_kind(cfg)), ("data", data_kind(cfg))):
+        part = getattr(cfg, section)
+        if kind.factory and not part.factory:
+            fail(f"{section}.factory", f"required for {ref(section + '.kind')}: the import "
+                                       "path of your factory, e.g. mypkg.module:build")
+        if not kind.factory and (part.factory or part.args):
+            key = f"{section}.factory" if part.factory else f"{section}.args"
+            fail(key, f"only for {section}.kind=custom, got {ref(section + '.kind')}")
+    model, data = model_kind(cfg), data_kind(cfg)
+    model.rules(cfg, fail)
+    if model.data is not None and data.name not in model.data:
+        fail("data.kind", f"{ref('model.kind')} needs {_either(model.data)} data, got "
+                          f"{val('data.kind')}")
+    elif data.models is not None and model.name not in data.models:
+        fail("data.kind", f"{val('data.kind')} data needs model.kind {_either(data.models)}, "
+                          f"got {ref('model.kind')}")
+    data.rules(cfg, fail)
+
+
+def _either(names: tuple[str, ...]) -> str:
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+
+
+def load_builder(path: str) -> Callable[..., Any]:
+    """The builder a kind names (imports the module: torch, inside a worker)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
