@@ -39,7 +39,8 @@ def gfx_name(target_version: int) -> str | None:
     """KFD's gfx_target_version 90010 -> "gfx90a" (major, minor, stepping in hex)."""
     if target_version <= 0:
         return None
-    major, minor, step = target_version // 10000, (target_version // 100) % 100, target_version % 100
+    major, minor = target_version // 10000, (target_version // 100) % 100
+    step = target_version % 100
     return f"gfx{major}{minor:x}{step:x}"
 
 

@@ -85,7 +85,8 @@ def _check_cuda(hw: Hardware, tb: TorchBuild) -> list[Finding]:
             f"{hw.cuda_driver_version}, older than torch's CUDA {tb.cuda}: runs through CUDA "
             f"forward compatibility ({forward}; {hw.cuda_compat})", "needs NVIDIA Container "
             "Toolkit 1.17.5 or newer, whose enable-cuda-compat hook puts the image's "
-            "compatibility libraries first (or LD_LIBRARY_PATH=/usr/local/cuda/compat); if CUDA does not initialise, update the "
+            "compatibility libraries first (or LD_LIBRARY_PATH=/usr/local/cuda/compat); if "
+            "CUDA does not initialise, update the "
             f"host driver to {DRIVER_FOR_CUDA.get(need[0], 'a newer one')}"))
     elif need and have and have[0] < need[0]:
         out.append(Finding(

@@ -30,8 +30,13 @@ from train.core.config import AUTO, Config, batch_split
 from train.core.config.checks import check_batch_memory
 from train.core.config.origins import config_warnings, origin_note, source_of
 from train.core.errors import CannotRunHere, ConfigError
-from train.core.placement import (backend_problem, check_gpu_only, one_process_problem,
-                             resolve_backend, runs_one_process)
+from train.core.placement import (
+    backend_problem,
+    check_gpu_only,
+    one_process_problem,
+    resolve_backend,
+    runs_one_process,
+)
 
 WORKER_MODULE = "train.worker"
 SCRIPT_MODULE = "train.script"

@@ -17,8 +17,8 @@ https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 from launcher.hardware import Finding
 
@@ -72,7 +72,8 @@ def findings(info: dict, multi_node_gpu: bool) -> list[Finding]:
     if not info["devices"] or info["disabled_by_env"] or not multi_node_gpu:
         return []
     if not info["active"]:
-        return [Finding("warn", "rdma", f"RDMA device(s) {', '.join(d['name'] for d in info['devices'])} "
+        names = ", ".join(d["name"] for d in info["devices"])
+        return [Finding("warn", "rdma", f"RDMA device(s) {names} "
                         "have no ACTIVE port: NCCL will use TCP sockets between nodes",
                         "check the fabric (ibstat on the host)")]
     if not info["device_files"]:

@@ -89,7 +89,7 @@ def read_round(raw: bytes, now: datetime.datetime | None = None) -> Round | None
         state = _AllowList(io.BytesIO(base64.b64decode(raw))).load()
     except Exception:
         return None
-    now = now or datetime.datetime.now(datetime.timezone.utc)
+    now = now or datetime.datetime.now(datetime.UTC)
     members = {node_name(n): r for n, r in getattr(state, "participants", {}).items()}
     silent = {}
     for node, beat in getattr(state, "last_heartbeats", {}).items():

@@ -112,10 +112,10 @@ def _add(p: Prepared, findings: list[Finding]) -> None:
 
 
 def _config(p: Prepared) -> None:
+    from train.core import usercode
     from train.core.config import check_resume_compatible, load_config
     from train.core.config.loader import load_overrides
     from train.core.config.origins import config_warnings
-    from train.core import usercode
     r = p.request
     try:
         if r.command == "launch":

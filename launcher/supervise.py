@@ -32,15 +32,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.core import reports
 from launcher.plan import Plan
 from launcher.rendezvous import RoundWatcher, reachable
-from train.core.reports import Report
 from launcher.torchrun import STORE_LOST
-from train.core.errors import (EXIT_OK, EXIT_STOPPED_BY_SIGNAL, EXIT_STORE_LOST,
-                          EXIT_TRAINING_FAILED, FINAL_EXIT_CODES)
+from train.core import reports
+from train.core.errors import (
+    EXIT_OK,
+    EXIT_STOPPED_BY_SIGNAL,
+    EXIT_STORE_LOST,
+    EXIT_TRAINING_FAILED,
+    FINAL_EXIT_CODES,
+)
 from train.core.host import die_with_parent
 from train.core.identity import RELAUNCH_VAR, STATUS_DIR_VAR
+from train.core.reports import Report
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 

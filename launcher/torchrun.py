@@ -91,8 +91,10 @@ def main() -> int:
     from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import (RendezvousConnectionError,
-                                                          RendezvousTimeoutError)
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
     from torch.distributed.run import main as torchrun_main
     _unique_node_ids()
     _drop_repeated_stop_messages()

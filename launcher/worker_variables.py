@@ -36,8 +36,8 @@ class WorkerVariables:
 
 def direct_worker_identity(master_port: int, max_restarts: int) -> dict[str, str]:
     """What torchrun would give a single worker, so stray variables cannot leak in."""
-    ones = {name: "1" for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
-                                   "ROLE_WORLD_SIZE")}
+    ones = dict.fromkeys(("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
+                          "ROLE_WORLD_SIZE"), "1")
     return {"RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0", **ones,
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
             "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}

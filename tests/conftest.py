@@ -89,7 +89,8 @@ def worker_env(extra: dict | None = None, gpu: bool = False) -> dict:
 def usable_gpus() -> int:
     """GPUs torch can use here, asked in a subprocess (this process never starts CUDA)."""
     try:
-        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+        count = "import torch; print(torch.cuda.device_count())"
+        out = subprocess.run([sys.executable, "-c", count],
                              capture_output=True, text=True, timeout=120, env=clean_env(gpu=True))
         return int(out.stdout.strip() or 0)
     except (subprocess.SubprocessError, ValueError):
@@ -126,21 +127,24 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 @pytest.fixture
 def tiny_gpt(tmp_path: Path) -> Path:
-    return write_config(tmp_path / "tiny.yaml", merge(TINY_GPT, {"output": {"dir": str(tmp_path / "runs")}}))
+    runs = {"output": {"dir": str(tmp_path / "runs")}}
+    return write_config(tmp_path / "tiny.yaml", merge(TINY_GPT, runs))
 
 
 @pytest.fixture
 def tiny_mlp(tmp_path: Path) -> Path:
-    return write_config(tmp_path / "mlp.yaml", merge(TINY_MLP, {"output": {"dir": str(tmp_path / "runs")}}))
+    runs = {"output": {"dir": str(tmp_path / "runs")}}
+    return write_config(tmp_path / "mlp.yaml", merge(TINY_MLP, runs))
 
 
 def lock_pins(path: Path) -> dict[str, tuple[str, int]]:
     """name -> (version, number of hashes) for every requirement in a pip-compile lock."""
     text = path.read_text()
     pins = {}
-    for m in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)((?:[ \t]*\\\n[ \t]+--hash=sha256:[0-9a-f]{64})*)",
+    pin = r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)((?:[ \t]*\\\n[ \t]+--hash=sha256:[0-9a-f]{64})*)"
+    for m in re.finditer(pin,
                          text, re.M):
         pins[m.group(1).lower()] = (m.group(2), m.group(3).count("--hash="))
-    requirement_lines = [l for l in text.splitlines() if re.match(r"^[A-Za-z0-9]", l)]
+    requirement_lines = [ln for ln in text.splitlines() if re.match(r"^[A-Za-z0-9]", ln)]
     assert len(requirement_lines) == len(pins), f"{path.name}: unparsed requirement lines"
     return pins

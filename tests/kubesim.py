@@ -33,7 +33,6 @@ import uuid
 from pathlib import Path
 
 import yaml
-
 from conftest import clean_env
 from multinode import ROOT, Process, pid_namespaces
 

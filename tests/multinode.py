@@ -90,7 +90,7 @@ class Process:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
-    def start(self) -> "Process":
+    def start(self) -> Process:
         self.starts += 1
         prefix = _unshare_prefix(self.hosts) if self.namespace else []
         cpus = self.cpus

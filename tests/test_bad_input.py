@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import ROOT, TINY_GPT, TINY_MLP, clean_env, merge, worker_env, write_config
 
 ENTRY = str(ROOT / "entrypoint.py")

@@ -15,8 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    ROOT,
+    TINY_GPT,
+    losses,
+    merge,
+    read_metrics,
+    run_train,
+    worker_env,
+    write_config,
+)
 
-from conftest import ROOT, TINY_GPT, losses, merge, read_metrics, run_train, worker_env, write_config
 from train.checkpoint import Checkpointer
 
 STEPS = 20

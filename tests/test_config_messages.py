@@ -21,11 +21,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import ROOT, TINY_GPT, clean_env, merge, read_metrics, worker_env, write_config
 
-from conftest import (ROOT, TINY_GPT, clean_env, merge, read_metrics, worker_env,
-                      write_config)
-from train.core.config import Config
-from train.core.config import types
+from train.core.config import Config, types
 
 ENTRY = str(ROOT / "entrypoint.py")
 QUICKSTART = "configs/quickstart.yaml"

@@ -13,12 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import ROOT, TINY_GPT, TINY_MLP, merge, worker_env, write_config
+
 from train.core.config import load_config
-from train.data import (GlobalOrder, RankBatchSampler, build_data, eval_indices, make_loader,
-                        read_text_corpus)
 from train.core.host import cgroup_cpu_quota
+from train.data import (
+    GlobalOrder,
+    RankBatchSampler,
+    build_data,
+    eval_indices,
+    make_loader,
+    read_text_corpus,
+)
 
 
 def steps_seen(order: GlobalOrder, world: int, micro: int, g: int, start: int, end: int):
@@ -72,7 +78,7 @@ def test_loader_with_worker_processes_yields_the_sampler_order(tmp_path):
     got = [x for x, _ in loader]
     want = [data.train.features[torch.tensor(idx)] for idx in sampler]
     assert len(got) == len(want) == 6
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
 
@@ -177,7 +183,7 @@ def test_loader_workers_die_with_a_killed_main_process(tmp_path):
 def test_eval_subset_is_the_same_for_any_world_size():
     for world in (1, 2, 3, 5):
         parts = [eval_indices(100, 3, 8, r, world) for r in range(world)]
-        assert sum(parts, []) == list(range(24))
+        assert [i for part in parts for i in part] == list(range(24))
 
 
 def test_text_corpus_is_sorted_capped_and_skips_site_packages(tmp_path):

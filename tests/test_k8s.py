@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT
+
 from launcher import environ
 from launcher.hardware import Gpu, Hardware, TorchBuild
 from launcher.plan import plan
@@ -62,7 +62,8 @@ def test_variants_are_generated_from_k8s():
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("version", VERSIONS)
 def test_manifests_validate_strictly(variant, version):
-    # in the dev lock; a GPU machine's own Python may lack it, and the other tests here don't need it
+    # in the dev lock; a GPU machine's own Python may lack it, and the other tests here don't
+    # need it
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     for doc in docs(VARIANTS[variant][0]):
         kubernetes_validate.validate(doc, version, strict=True)

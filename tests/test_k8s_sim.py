@@ -17,7 +17,6 @@ import time
 
 import pytest
 import yaml
-
 from conftest import ROOT, read_metrics
 from kubesim import Cluster
 from multinode import Process

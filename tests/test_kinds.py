@@ -9,8 +9,7 @@ import typing
 import pytest
 
 from train import losses
-from train.core.config import Config, types
-from train.core.config import kinds
+from train.core.config import Config, kinds, types
 from train.core.config.checks import validate
 from train.core.config.origins import Sources
 from train.core.config.schema import DataConfig, ModelConfig

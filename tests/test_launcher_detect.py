@@ -61,13 +61,15 @@ def test_real_pynvml_without_library_is_a_note_not_an_error(tmp_path):
 def test_device_nodes_without_nvml_warn_about_the_toolkit(tmp_path):
     (tmp_path / "dev").mkdir()
     (tmp_path / "dev" / "nvidia0").touch()
-    hw = nvidia.detect(environ.Visibility(), nvml=FakeNvml([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND),
+    hw = nvidia.detect(environ.Visibility(),
+                       nvml=FakeNvml([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND),
                        root=str(tmp_path))
     assert "--gpus all" in hw.warnings[0] and "nvidia0" in hw.warnings[0]
 
 
 def test_driver_not_loaded_is_a_note():
-    hw = nvidia.detect(environ.Visibility(), nvml=FakeNvml([], init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED),
+    hw = nvidia.detect(environ.Visibility(),
+                       nvml=FakeNvml([], init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED),
                        root="/nonexistent")
     assert hw.vendor is None and "driver not loaded" in hw.notes[0]
 
@@ -353,7 +355,8 @@ def detected(tmp_path, brand: int, driver: str, cuda: int, compat_lib: bool = Tr
         lib.mkdir(parents=True)
         (lib / f"libcuda.so.{driver}").touch()
         (lib / "libcuda.so.1").symlink_to(f"libcuda.so.{driver}")
-    env = env_of(TRAIN_HW_ROOT=str(tmp_path), **({"NVIDIA_REQUIRE_CUDA": require} if require else {}))
+    extra = {"NVIDIA_REQUIRE_CUDA": require} if require else {}
+    env = env_of(TRAIN_HW_ROOT=str(tmp_path), **extra)
     return detect.detect(env, nvml=FakeNvml(h100s(2, brand=brand), driver=driver, cuda=cuda))
 
 

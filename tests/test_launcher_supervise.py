@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from train.core.reports import Report
 from launcher.supervise import classify
+from train.core.reports import Report
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = str(ROOT / "tests" / "fakes" / "fake_worker.py")
@@ -70,8 +70,8 @@ def test_worker_exit_2_or_3_passes_through():
 
 
 def test_older_restart_rounds_are_ignored(tmp_path):
-    from train.core import reports
     from launcher.supervise import read_reports
+    from train.core import reports
     for r in (rep(0, 1, "old", restart=0), rep(1, 0, restart=1)):
         reports.write(tmp_path, r)
     (tmp_path / "rank-2.json").write_text("{torn")  # a half-written file is skipped
@@ -143,7 +143,7 @@ def test_direct_mode_restarts_then_fails(tmp_path):
 
 def test_direct_mode_success_is_0(tmp_path):
     proc = start("ok", 1, tmp_path, restarts=2)
-    out, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0
     assert "error" not in err and "restart" not in err.replace("RESTART_COUNT", "")
 

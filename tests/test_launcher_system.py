@@ -65,14 +65,13 @@ def test_interfaces_include_loopback():
 
 
 def _state(participants: dict, waiting=(), closed=False) -> bytes:
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (_NodeDesc,
-                                                                         _RendezvousState)
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
     s = _RendezvousState()
     s.round, s.complete, s.closed = 1, True, closed
     for (addr, pid), rank in participants.items():
         node = _NodeDesc(addr, pid, 0)
         s.participants[node] = rank
-        s.last_heartbeats[node] = datetime.datetime.now(datetime.timezone.utc)
+        s.last_heartbeats[node] = datetime.datetime.now(datetime.UTC)
     s.wait_list = {_NodeDesc(a, p, 0) for a, p in waiting}
     return base64.b64encode(pickle.dumps(s))
 

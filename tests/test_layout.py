@@ -90,7 +90,7 @@ def launcher_rule(name: str) -> str | None:
 def core_rule(name: str) -> str | None:
     if name.split(".")[0] in HEAVY:
         return "the core is torch- and numpy-free at import (import it inside the function)"
-    if name.startswith("train.") and not name.startswith("train.core") or name == "train":
+    if (name.startswith("train.") and not name.startswith("train.core")) or name == "train":
         return "the core imports nothing else of train"
     if name.split(".")[0] == "launcher":
         return "the core never imports the launcher"

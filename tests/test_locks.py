@@ -8,7 +8,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from conftest import ROOT, lock_pins
 
 MAKEFILE = (ROOT / "Makefile").read_text()

@@ -16,11 +16,11 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, clean_env
+from multinode import ENTRY, Cluster, Process, pid_namespaces
+
 from launcher.rdzv_state import Round, describe
 from launcher.rendezvous import RoundWatcher
-from multinode import ENTRY, Cluster, Process, pid_namespaces
 
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 # A constant schedule: a reference run stopped at any step saw the same learning rates.
@@ -147,7 +147,7 @@ def test_a_node_logs_each_round_who_left_and_joined_and_long_waits():
 
 
 def test_a_forming_round_says_until_when_and_shows_no_ranks():
-    deadline = datetime.datetime(2026, 1, 1, 12, 0, 3, tzinfo=datetime.timezone.utc)
+    deadline = datetime.datetime(2026, 1, 1, 12, 0, 3, tzinfo=datetime.UTC)
     text = describe(_round(4, False, {"b:2#9": 0, "b:2#7": 0}, deadline=deadline))
     assert text.startswith("round 4 forming: 2 node(s) [b:2#7, b:2#9]; last call until ")
     assert "rank" not in text.split(";")[0]
@@ -156,6 +156,7 @@ def test_a_forming_round_says_until_when_and_shows_no_ranks():
 
 def test_rendezvous_timings_are_config_keys(tmp_path):
     import yaml
+
     from launcher import environ
     from launcher.hardware import Hardware, TorchBuild
     from launcher.plan import plan

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, clean_env
+
 from launcher import rdma
 
 
@@ -29,7 +29,8 @@ def fabric(root: Path, ports: dict[str, tuple[str, str]], device_files: bool = T
 
 
 def test_active_port_device_files_and_library_mean_ib(tmp_path):
-    root = fabric(tmp_path, {"mlx5_0": ("4: ACTIVE", "InfiniBand"), "mlx5_1": ("1: DOWN", "Ethernet")})
+    root = fabric(tmp_path, {"mlx5_0": ("4: ACTIVE", "InfiniBand"),
+                             "mlx5_1": ("1: DOWN", "Ethernet")})
     info = rdma.detect(root, {}, verbs=lambda: True)
     assert info["active"] == ["mlx5_0"] and info["nccl_transport"] == "IB"
     assert info["device_files"] == ["uverbs0", "uverbs1"]
@@ -74,7 +75,7 @@ def test_doctor_reports_the_fabric(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "doctor"], cwd=tmp_path,
                          env=clean_env(TRAIN_HW_ROOT=root), capture_output=True, text=True,
                          timeout=120)
-    line = next(l for l in out.stdout.splitlines() if l.startswith("rdma"))
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("rdma"))
     assert "mlx5_0/1 ACTIVE Ethernet" in line and "uverbs0" in line
     verbs = "found" if rdma.verbs_loadable() else "missing"
     assert f"libibverbs.so.1: {verbs}" in line

@@ -16,9 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    ROOT,
+    TINY_GPT,
+    TINY_MLP,
+    clean_env,
+    losses,
+    merge,
+    run_train,
+    worker_env,
+    write_config,
+)
 
-from conftest import (ROOT, TINY_GPT, TINY_MLP, clean_env, losses, merge,
-                      run_train, worker_env, write_config)
 from train.checkpoint import Checkpointer
 from train.core.files import sha256_file
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from conftest import TINY_GPT, losses, merge, run_train, write_config
 
 STEPS = 8

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT, TINY_GPT, TINY_MLP, losses, merge, read_metrics, run_train, write_config
 
 STEPS = 20

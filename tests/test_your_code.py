@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
-from conftest import ROOT, clean_env, losses, read_metrics
+from conftest import ROOT, clean_env, losses
 
 ENTRY = str(ROOT / "entrypoint.py")
 EXAMPLE = ROOT / "examples" / "custom_model"

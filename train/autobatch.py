@@ -10,7 +10,7 @@ with room left for it.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -9,8 +9,8 @@ loop. Progress lives in :class:`train.state.TrainState`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,13 +24,13 @@ from train.core.config import AUTO, Config, batch_split
 from train.core.config.checks import check_batch_memory
 from train.core.errors import CannotRunHere
 from train.core.host import OUTPUT_DIR_FIX, available_memory, output_dir_problem
+from train.core.identity import WorkerIdentity
 from train.data import DataBundle, GlobalOrder, RankBatchSampler, build_data, make_loader
 from train.models import build_model
 from train.optim import build_optimizer, build_scheduler
 from train.parallel import apply_activation_checkpointing, check_placement, parallelize
 from train.precision import autocast, grad_scaler
 from train.state import TrainState
-from train.core.identity import WorkerIdentity
 
 log = logging.getLogger("train")
 

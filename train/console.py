@@ -54,7 +54,7 @@ class StepRate:
 class _EndBarLine(logging.Filter):
     """Runs before a handler writes a record: ends the bar's line first."""
 
-    def __init__(self, console: "Console"):
+    def __init__(self, console: Console):
         super().__init__()
         self.console = console
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -103,7 +102,7 @@ def _split_counts(n: int, val_fraction: float) -> tuple[int, int]:
 
 def _array_bundle(features: torch.Tensor, labels: torch.Tensor, cfg: DataConfig,
                   data_hash: str, description: str) -> DataBundle:
-    n_train, n_val = _split_counts(len(labels), cfg.val_fraction)
+    n_train, _ = _split_counts(len(labels), cfg.val_fraction)
     num_classes = int(labels.max().item()) + 1 if len(labels) else 0
     return DataBundle(ArrayDataset(features[:n_train], labels[:n_train]),
                       ArrayDataset(features[n_train:], labels[n_train:]),
@@ -173,7 +172,8 @@ def _windows(tokens: np.ndarray, cfg: DataConfig, length: int, vocab: int, data_
     n = (len(tokens) - 1) // length
     if n < 2:
         raise ConfigError(source, "data.path", f"only {len(tokens)} tokens; need at least "
-                                               f"{2 * length + 1} for model.context_length={length}")
+                                               f"{2 * length + 1} for "
+                                               f"model.context_length={length}")
     n_train, n_val = _split_counts(n, cfg.val_fraction)
     return DataBundle(WindowDataset(tokens, length, 0, n_train, vocab, source),
                       WindowDataset(tokens, length, n_train, n_val, vocab, source),

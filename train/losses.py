@@ -10,7 +10,7 @@ Accuracy is reported for cross_entropy only.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from train.board import Board
-from train.core.config import Config, to_yaml
 from train.console import Console, format_duration
+from train.core.config import Config, to_yaml
 from train.core.files import json_text, write_atomic
 
 

@@ -17,9 +17,9 @@ from torch.utils.checkpoint import checkpoint
 
 from train.core.config import Config
 from train.core.errors import CannotRunHere, ConfigError
+from train.core.identity import WorkerIdentity
 from train.core.placement import check_gpu_only, one_process_problem, runs_one_process
 from train.precision import autocast_dtype
-from train.core.identity import WorkerIdentity
 
 log = logging.getLogger("train")
 
@@ -105,7 +105,8 @@ def check_placement(cfg: Config, env: WorkerIdentity, device: torch.device, sour
     check_gpu_only(cfg, device.type == "cuda", source)
 
 
-def parallelize(module: nn.Module, cfg: Config, env: WorkerIdentity, device: torch.device) -> nn.Module:
+def parallelize(module: nn.Module, cfg: Config, env: WorkerIdentity,
+                device: torch.device) -> nn.Module:
     """Compile and wrap; activation checkpointing is applied before (it changes memory use,
     which the micro-batch probe must see)."""
     strategy = cfg.distributed.strategy

@@ -10,8 +10,8 @@ from __future__ import annotations
 import datetime
 import logging
 import random
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch

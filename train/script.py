@@ -17,8 +17,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from train.worker import write_status
 from train.core.host import die_with_parent
+from train.worker import write_status
 
 
 def run(argv: list[str]) -> tuple[int, str | None]:

@@ -24,21 +24,22 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import runtime
-from train.core import runlock, usercode
-from train.checkpoint import Checkpointer, CheckpointsUnusable
+from train.checkpoint import Checkpointer
+from train.checkpoint.policy import Cadence, choose_checkpoint
 from train.components import Components, build, preflight, train_loader
+from train.core import runlock, usercode
 from train.core.config import AUTO, Config, check_checkpoint_config, to_dict, to_yaml
+from train.core.errors import EXIT_OK, EXIT_STOPPED_BY_SIGNAL, Diverged
+from train.core.files import finished_step, write_json_atomic
+from train.core.identity import WorkerIdentity
 from train.data import eval_indices
 from train.divergence import Guard, clear_marker, read_marker, write_marker
-from train.core.errors import EXIT_OK, EXIT_STOPPED_BY_SIGNAL, ConfigError, Diverged
-from train.core.files import describe_load_error, finished_step, write_json_atomic
 from train.manifest import update_manifest
 from train.metrics import MetricsLogger
 from train.models import count_parameters
 from train.parallel import full_state, load_full_state
 from train.state import Restored, TrainState, payload, rank_payload, set_rng_state
 from train.stopping import StopFlag, Watchdog
-from train.core.identity import WorkerIdentity
 
 log = logging.getLogger("train")
 
@@ -64,53 +65,10 @@ def save_checkpoint(c: Components, state: TrainState, guard: Guard, *,
         log.info("checkpoint %s: %s", "writing" if background else "saved", path)
 
 
-def choose_checkpoint(c: Components) -> tuple[Path | None, tuple | None]:
-    """Rank 0 picks the checkpoint (the newest that verifies and loads, with a warning for
-    each one passed over) and every rank loads that one: ranks deciding on their own could
-    resume from different steps after one of them failed to read a file. Returns the path
-    and, on rank 0, what it already loaded."""
-    choice = c.cfg.checkpoint.resume_from
-    if choice == "none" and c.env.continuing:
-        choice = AUTO  # a restart of this attempt continues it instead of starting over
-    if choice == "none":
-        if c.env.is_main:
-            moved = c.checkpointer.set_aside()
-            if moved:
-                log.warning("checkpoint.resume_from=none: earlier checkpoints moved to %s", moved)
-        runtime.barrier(c.env)()
-        return None, None
-    path, loaded, problem = None, None, None
-    if c.env.is_main:
-        path, loaded, problem = _pick(c.checkpointer, choice)
-        if path is not None and path.parent == c.checkpointer.dir:
-            c.checkpointer.set_aside_newer_than(int(path.name.split("-")[1]))
-    path, problem = runtime.from_main((str(path) if path else None, problem), c.env)
-    if problem:
-        raise ConfigError(c.source, "checkpoint.resume_from", problem)
-    return (Path(path) if path else None), loaded
-
-
-def _pick(checkpointer: Checkpointer, choice: str) -> tuple[Path | None, tuple | None, str | None]:
-    """(path, (shared, mine) loaded on rank 0, problem) for resume_from auto or a path."""
-    if choice == AUTO:
-        try:
-            found = checkpointer.newest_loadable(rank=0)
-        except CheckpointsUnusable as exc:  # never a silent start from step 0
-            return None, None, str(exc)
-        return (found[0], found[1:], None) if found else (None, None, None)
-    path = Path(choice)
-    problem = Checkpointer.verify(path)
-    if problem:
-        return None, None, f"{choice}: {problem}"
-    try:
-        return path, Checkpointer.load(path, 0), None
-    except Exception as exc:  # verified bytes torch cannot read back
-        return None, None, f"{choice}: cannot be loaded: {describe_load_error(exc)}"
-
-
 def resume(c: Components) -> TrainState:
     """The progress to start from: a fresh state, or the chosen checkpoint's, loaded."""
-    path, loaded = choose_checkpoint(c)
+    path, loaded = choose_checkpoint(c.checkpointer, c.cfg.checkpoint.resume_from, c.env,
+                                     c.source)
     if path is None:
         return TrainState()
     shared, mine = loaded if loaded is not None else Checkpointer.load(path, c.env.rank)
@@ -262,7 +220,7 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
              metrics: MetricsLogger | None, guard: Guard) -> int:
     cfg, env = c.cfg, c.env
     every_log, every_eval = cfg.logging.every_steps, cfg.train.eval_every_steps
-    every_ckpt = cfg.checkpoint.every_steps
+    cadence = Cadence.from_config(cfg.checkpoint)
     samples_per_step = cfg.train.global_batch_size * max(1, c.data.tokens_per_sample)
     batches = iter(train_loader(c, state))
     last_time, last_step = time.perf_counter(), state.step
@@ -297,9 +255,9 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
         # A signal during the final step changes nothing: the run finishes normally.
         stopping = stop.agreed(step, c.device, env.distributed) and step < cfg.train.max_steps
         last = stopping or step == cfg.train.max_steps
-        if last or (every_ckpt and step % every_ckpt == 0):
-            # The last checkpoint is written in the foreground: exit 0 or 143 means saved.
-            save_checkpoint(c, state, guard, background=cfg.checkpoint.async_save and not last)
+        how = cadence.due(step, last)
+        if how is not None:  # the last one in the foreground: exit 0 or 143 means saved
+            save_checkpoint(c, state, guard, background=how == "background")
         if stopping:
             log.warning("stopped at step %d by a signal; rerun the same command to resume", step)
             return EXIT_STOPPED_BY_SIGNAL

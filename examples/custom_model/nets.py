@@ -7,7 +7,8 @@ class Block(nn.Module):
     def __init__(self, width: int):
         super().__init__()
         self.norm = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(),
+                                 nn.Linear(4 * width, width))
 
     def forward(self, x):
         return x + self.mlp(self.norm(x))

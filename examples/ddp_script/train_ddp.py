@@ -1,6 +1,7 @@
 """A plain DDP training script of your own, run under the launcher:
 
-    python entrypoint.py launch distributed.nproc_per_node=2 examples/ddp_script/train_ddp.py --steps 200
+    python entrypoint.py launch distributed.nproc_per_node=2 \
+        examples/ddp_script/train_ddp.py --steps 200
 
 The launcher detects GPUs, picks the backend, starts one process per GPU (two here),
 handles the cluster conventions, forwards signals and maps exit codes; the script only

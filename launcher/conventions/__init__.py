@@ -22,15 +22,17 @@ from launcher.conventions import indexed_job, kubeflow_v1, single, torchrun_env
 from launcher.conventions.common import DEFAULT_RDZV_PORT, Nodes, Timings
 from launcher.environ import Environ
 
+DEFAULT_TIMINGS = Timings()  # torchrun's rendezvous timeouts as this project sets them
+
 # torchrun's own variables first: an elastic PyTorchJob also sets MASTER_ADDR & co.
 ORDER: tuple[ModuleType, ...] = (torchrun_env, indexed_job, kubeflow_v1)
 
-__all__ = ["DEFAULT_RDZV_PORT", "Nodes", "ORDER", "Timings", "detect", "resolve"]
+__all__ = ["DEFAULT_RDZV_PORT", "ORDER", "Nodes", "Timings", "detect", "resolve"]
 
 
 def detect(env: Environ) -> ModuleType:
     return next((c for c in ORDER if c.detect(env)), single)
 
 
-def resolve(env: Environ, timings: Timings = Timings()) -> Nodes:
+def resolve(env: Environ, timings: Timings = DEFAULT_TIMINGS) -> Nodes:
     return detect(env).nodes(env, timings)

@@ -16,8 +16,14 @@ any of them costs a re-rendezvous, not the job. Variables:
 
 from __future__ import annotations
 
-from launcher.conventions.common import (Nodes, Timings, dynamic_rendezvous, env_error, parse_endpoint,
-                                         parse_nnodes)
+from launcher.conventions.common import (
+    Nodes,
+    Timings,
+    dynamic_rendezvous,
+    env_error,
+    parse_endpoint,
+    parse_nnodes,
+)
 from launcher.environ import Environ, integer
 
 NAME = "indexed-job"

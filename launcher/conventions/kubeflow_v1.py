@@ -9,8 +9,7 @@ the same names mean processes, so the convention does not apply there.
 
 from __future__ import annotations
 
-from launcher.conventions.common import (Nodes, Timings, env_error, parse_port,
-                                         static_rendezvous)
+from launcher.conventions.common import Nodes, Timings, env_error, parse_port, static_rendezvous
 from launcher.environ import Environ
 
 NAME = "kubeflow-v1"

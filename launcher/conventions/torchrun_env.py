@@ -9,9 +9,17 @@ with one, dynamic (c10d unless ``PET_RDZV_BACKEND`` says otherwise).
 
 from __future__ import annotations
 
-from launcher.conventions.common import (Nodes, Timings, dynamic_rendezvous, env_error, parse_endpoint,
-                                         parse_nnodes, parse_port, parse_rdzv_conf,
-                                         static_rendezvous)
+from launcher.conventions.common import (
+    Nodes,
+    Timings,
+    dynamic_rendezvous,
+    env_error,
+    parse_endpoint,
+    parse_nnodes,
+    parse_port,
+    parse_rdzv_conf,
+    static_rendezvous,
+)
 from launcher.environ import Environ
 
 NAME = "torchrun-env"

@@ -10,8 +10,8 @@ import signal
 import sys
 import time
 
-from train.worker import write_status
 from train.core.identity import WorkerIdentity
+from train.worker import write_status
 
 mode = sys.argv[1]
 rank = WorkerIdentity.from_environ().rank

@@ -41,7 +41,7 @@ class WorkerIdentity:
     backend: str | None = None           # TRAIN_BACKEND: nccl | gloo | mpi, likewise
 
     @classmethod
-    def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerIdentity":
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> WorkerIdentity:
         env = os.environ if env is None else env
 
         def text(name: str) -> str | None:

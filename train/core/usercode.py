@@ -18,8 +18,9 @@ import importlib
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from train.core.errors import ConfigError
 

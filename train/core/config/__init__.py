@@ -15,13 +15,24 @@ wrong and what is allowed; a config's problems are reported all at once
 than the run): :func:`~.origins.config_warnings`.
 """
 
-from train.core.config.checks import (batch_split, check_checkpoint_config,
-                                 check_resume_compatible)
+from train.core.config.checks import batch_split, check_checkpoint_config, check_resume_compatible
 from train.core.config.loader import load_config, parse_override, to_yaml
-from train.core.config.schema import (AUTO, CheckpointConfig, Config, DataConfig,
-                                 DistributedConfig, LoggingConfig, MemoryConfig, ModelConfig,
-                                 OptimConfig, OutputConfig, RunConfig, ScheduleConfig,
-                                 TrainLoopConfig, to_dict)
+from train.core.config.schema import (
+                                 AUTO,
+                                 CheckpointConfig,
+                                 Config,
+                                 DataConfig,
+                                 DistributedConfig,
+                                 LoggingConfig,
+                                 MemoryConfig,
+                                 ModelConfig,
+                                 OptimConfig,
+                                 OutputConfig,
+                                 RunConfig,
+                                 ScheduleConfig,
+                                 TrainLoopConfig,
+                                 to_dict,
+)
 
 __all__ = ["AUTO", "CheckpointConfig", "Config", "DataConfig", "DistributedConfig",
            "LoggingConfig", "MemoryConfig", "ModelConfig", "OptimConfig", "OutputConfig",

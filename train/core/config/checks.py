@@ -17,8 +17,7 @@ import yaml
 
 from train.core import rundir
 from train.core.config import kinds
-from train.core.config.origins import (DEFAULT, QUOTED, Sources, ref, related, source_of,
-                                       val)
+from train.core.config.origins import DEFAULT, QUOTED, Sources, ref, related, source_of, val
 from train.core.config.schema import AUTO, Config, to_dict
 from train.core.config.strict_yaml import short
 from train.core.errors import CannotRunHere, ConfigError, raise_all
@@ -79,11 +78,11 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
         fail("data.shape", f"got {cfg.data.shape}; a list of positive sizes")
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         fail("optim.betas", f"got {cfg.optim.betas}; two numbers in [0, 1)")
-    if cfg.schedule.warmup_steps > t.max_steps:
-        if warn("schedule.warmup_steps", f"{val('schedule.warmup_steps')} exceeds "
-                                         f"{ref('train.max_steps')}; warmup shortened to "
-                                         f"{t.max_steps} steps (the whole run)"):
-            cfg.schedule.warmup_steps = t.max_steps
+    if cfg.schedule.warmup_steps > t.max_steps and warn(
+            "schedule.warmup_steps", f"{val('schedule.warmup_steps')} exceeds "
+                                     f"{ref('train.max_steps')}; warmup shortened to "
+                                     f"{t.max_steps} steps (the whole run)"):
+        cfg.schedule.warmup_steps = t.max_steps
     if t.micro_batch_size != AUTO and t.global_batch_size % t.micro_batch_size:
         fail("train.micro_batch_size", f"{val('train.micro_batch_size')} does not divide "
                                        f"{ref('train.global_batch_size')}")

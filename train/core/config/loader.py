@@ -25,6 +25,7 @@ from train.core.config.schema import Config, to_dict
 from train.core.config.strict_yaml import clip, short
 from train.core.errors import ConfigError, raise_all
 
+
 def read_yaml(path: str | Path) -> dict:
     """Read a config file under :mod:`.strict_yaml`'s limits; every failure is a ConfigError."""
     path = Path(path)

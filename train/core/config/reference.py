@@ -14,8 +14,7 @@ import sys
 import textwrap
 from typing import Any
 
-from train.core.config import Config
-from train.core.config import types
+from train.core.config import Config, types
 
 
 def _json_type(tp: Any) -> dict:

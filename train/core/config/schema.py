@@ -30,7 +30,8 @@ def opt(default: Any, doc: str, *, ge: float | None = None, gt: float | None = N
 @dataclass(kw_only=True)
 class RunConfig:
     name: str | None = opt(None, "Run name; the run directory is output.dir/run.name. "
-                                 "Default: the config file's stem, so rerunning a config resumes it.")
+                                 "Default: the config file's stem, so rerunning a config "
+                                 "resumes it.")
 
 
 @dataclass(kw_only=True)

@@ -39,7 +39,7 @@ class _Loader(yaml.SafeLoader):
         super().__init__(stream)
         self._depth = 0
 
-    def compose_node(self, parent, index):  # noqa: D102 - PyYAML hook
+    def compose_node(self, parent, index):
         self._depth += 1
         if self._depth > MAX_DEPTH:
             mark = self.peek_event().start_mark
@@ -50,7 +50,7 @@ class _Loader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
-    def construct_mapping(self, node, deep=False):  # noqa: D102 - PyYAML hook
+    def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":

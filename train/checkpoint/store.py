@@ -20,11 +20,12 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from train.core.files import describe_load_error as load_error
 from train.core import rundir
+from train.core.files import describe_load_error as load_error
 from train.core.files import fsync_dir, fsync_file, sha256_file, write_atomic
 from train.core.rundir import CHECKSUMS, STATE_FILE, none_usable, step_of
 

@@ -1,0 +1,17 @@
+"""Checkpoints of a run: the file protocol (:mod:`.store`) and the decisions around it
+(:mod:`.policy`: when to save, which checkpoint a start resumes).
+
+What a checkpoint holds is :mod:`train.state`'s business; how the launcher reads the
+layout before any worker starts is :mod:`train.core.rundir`'s.
+"""
+
+from train.checkpoint.store import (
+                                    Checkpointer,
+                                    CheckpointsUnusable,
+                                    CheckpointWriteError,
+                                    save_file,
+                                    write_error,
+)
+
+__all__ = ["CheckpointWriteError", "Checkpointer", "CheckpointsUnusable", "save_file",
+           "write_error"]

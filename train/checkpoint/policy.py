@@ -1,0 +1,87 @@
+"""When a run saves, and which checkpoint a start resumes.
+
+Saving: every ``checkpoint.every_steps`` steps, and always at the last step a run
+takes (the final step, or the step every rank agreed to stop at after a signal). The
+last one is written in the foreground, so exit 0 or 143 means it is on disk; the
+others in the background with ``checkpoint.async_save``.
+
+Resuming: rank 0 picks (:func:`choose_checkpoint`) and every rank loads the same one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from train import runtime
+from train.checkpoint.store import Checkpointer, CheckpointsUnusable
+from train.core.config import AUTO, CheckpointConfig
+from train.core.errors import ConfigError
+from train.core.files import describe_load_error
+from train.core.identity import WorkerIdentity
+
+log = logging.getLogger("train")
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When to save: ``due(step, last)`` -> None (no save), "foreground" or "background"."""
+    every_steps: int
+    async_save: bool
+
+    @classmethod
+    def from_config(cls, cfg: CheckpointConfig) -> Cadence:
+        return cls(cfg.every_steps, cfg.async_save)
+
+    def due(self, step: int, last: bool) -> str | None:
+        if last:
+            return "foreground"
+        if self.every_steps and step % self.every_steps == 0:
+            return "background" if self.async_save else "foreground"
+        return None
+
+
+def choose_checkpoint(checkpointer: Checkpointer, choice: str, env: WorkerIdentity,
+                      source: str) -> tuple[Path | None, tuple | None]:
+    """Rank 0 picks the checkpoint (the newest that verifies and loads, with a warning for
+    each one passed over) and every rank loads that one: ranks deciding on their own could
+    resume from different steps after one of them failed to read a file. Returns the path
+    and, on rank 0, what it already loaded."""
+    if choice == "none" and env.continuing:
+        choice = AUTO  # a restart of this attempt continues it instead of starting over
+    if choice == "none":
+        if env.is_main:
+            moved = checkpointer.set_aside()
+            if moved:
+                log.warning("checkpoint.resume_from=none: earlier checkpoints moved to %s", moved)
+        runtime.barrier(env)()
+        return None, None
+    path, loaded, problem = None, None, None
+    if env.is_main:
+        path, loaded, problem = _pick(checkpointer, choice)
+        if path is not None and path.parent == checkpointer.dir:
+            checkpointer.set_aside_newer_than(int(path.name.split("-")[1]))
+    path, problem = runtime.from_main((str(path) if path else None, problem), env)
+    if problem:
+        raise ConfigError(source, "checkpoint.resume_from", problem)
+    return (Path(path) if path else None), loaded
+
+
+def _pick(checkpointer: Checkpointer, choice: str
+          ) -> tuple[Path | None, tuple | None, str | None]:
+    """(path, (shared, mine) loaded on rank 0, problem) for resume_from auto or a path."""
+    if choice == AUTO:
+        try:
+            found = checkpointer.newest_loadable(rank=0)
+        except CheckpointsUnusable as exc:  # never a silent start from step 0
+            return None, None, str(exc)
+        return (found[0], found[1:], None) if found else (None, None, None)
+    path = Path(choice)
+    problem = Checkpointer.verify(path)
+    if problem:
+        return None, None, f"{choice}: {problem}"
+    try:
+        return path, Checkpointer.load(path, 0), None
+    except Exception as exc:  # verified bytes torch cannot read back
+        return None, None, f"{choice}: cannot be loaded: {describe_load_error(exc)}"
