@@ -20,7 +20,7 @@ TORCH_SPEC      ?= torch==$(TORCH_VERSION)+$(TORCH_VARIANT)
 TORCH_DEPS      := $(if $(filter cpu,$(TORCH_VARIANT)),--no-deps,)
 STAMP  := $(VENV)/.installed-$(PYVER)
 
-.PHONY: quickstart test test-slow test-all bench venv clean
+.PHONY: quickstart test test-slow test-all lint bench venv clean
 
 venv: $(STAMP)
 
@@ -54,6 +54,13 @@ test-slow: venv
 
 test-all: venv
 	$(PY) -m pytest -q
+
+# ruff (settings in pyproject.toml: scripts/ without a .py suffix included) and shellcheck,
+# both pinned in the dev locks; every shell script of the repository.
+SHELL_SCRIPTS := .ci/run $(shell grep -lsE '^\#!(/usr/bin/env |/bin/)(ba)?sh$$' scripts/* tests/fakes/*)
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/shellcheck $(SHELL_SCRIPTS)
 
 bench: venv
 	$(PY) bench/ddp_overhead.py

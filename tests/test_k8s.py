@@ -21,7 +21,7 @@ from train.core.config import load_config
 from train.core.errors import FINAL_EXIT_CODES
 
 K8S = ROOT / "k8s"
-VERSIONS = [f"1.{minor}" for minor in range(31, 38)]  # the README promises 1.31 to 1.37
+VERSIONS = [f"1.{minor}" for minor in range(31, 38)]  # docs/kubernetes.md promises 1.31 to 1.37
 VARIANTS = {"nvidia": (K8S, "cu130", "nvidia.com/gpu"), "amd": (K8S / "amd", "rocm7.2",
                                                                "amd.com/gpu"),
             "cpu": (K8S / "cpu", "cpu", None)}

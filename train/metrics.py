@@ -13,12 +13,15 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from train.board import Board
 from train.console import Console, format_duration
 from train.core.config import Config, to_yaml
 from train.core.files import json_text, write_atomic
+
+if TYPE_CHECKING:
+    import torch
 
 
 def truncate_jsonl(path: Path, keep_through_step: int) -> None:
@@ -114,3 +117,14 @@ def _flat_hparams(cfg: Config) -> dict[str, Any]:
 
     walk("", to_dict(cfg))
     return out
+
+
+def gpu_memory_stats(device: torch.device) -> dict[str, float]:
+    """Peak memory of this logging interval (rank 0's GPU), then reset for the next one."""
+    import torch
+    if device.type != "cuda":
+        return {}
+    stats = {"gpu/peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+             "gpu/reserved_gb": torch.cuda.memory_reserved(device) / 2**30}
+    torch.cuda.reset_peak_memory_stats(device)
+    return stats

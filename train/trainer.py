@@ -35,7 +35,7 @@ from train.core.identity import WorkerIdentity
 from train.data import eval_indices
 from train.divergence import Guard, clear_marker, read_marker, write_marker
 from train.manifest import update_manifest
-from train.metrics import MetricsLogger
+from train.metrics import MetricsLogger, gpu_memory_stats
 from train.models import count_parameters
 from train.parallel import full_state, load_full_state
 from train.state import Restored, TrainState, payload, rank_payload, set_rng_state
@@ -132,16 +132,6 @@ def optimizer_step(c: Components, guard: Guard, step: int) -> tuple[float, bool]
     c.scheduler.step()  # skipped or not, the schedule follows the step count
     c.optimizer.zero_grad(set_to_none=True)
     return norm, applied
-
-
-def gpu_memory_stats(device: torch.device) -> dict[str, float]:
-    """Peak memory of this logging interval (rank 0's GPU), then reset for the next one."""
-    if device.type != "cuda":
-        return {}
-    stats = {"gpu/peak_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
-             "gpu/reserved_gb": torch.cuda.memory_reserved(device) / 2**30}
-    torch.cuda.reset_peak_memory_stats(device)
-    return stats
 
 
 @torch.no_grad()

@@ -16,14 +16,8 @@ any of them costs a re-rendezvous, not the job. Variables:
 
 from __future__ import annotations
 
-from launcher.conventions.common import (
-    Nodes,
-    Timings,
-    dynamic_rendezvous,
-    env_error,
-    parse_endpoint,
-    parse_nnodes,
-)
+from launcher.conventions import common
+from launcher.conventions.common import Nodes, Timings
 from launcher.environ import Environ, integer
 
 NAME = "indexed-job"
@@ -37,18 +31,19 @@ def detect(env: Environ) -> bool:
 def nodes(env: Environ, timings: Timings) -> Nodes:
     nnodes, run_id = env.get("TRAIN_NNODES"), env.get("TRAIN_RDZV_ID")
     if not nnodes:
-        raise env_error("TRAIN_NNODES", "required with TRAIN_RDZV_ENDPOINT: N or MIN:MAX nodes")
+        raise common.env_error("TRAIN_NNODES",
+                               "required with TRAIN_RDZV_ENDPOINT: N or MIN:MAX nodes")
     if not run_id:
-        raise env_error("TRAIN_RDZV_ID", "required with TRAIN_RDZV_ENDPOINT: a value unique to "
-                                         "the job (the pod label batch.kubernetes.io/"
-                                         "controller-uid); a reused id makes the store refuse "
-                                         "new nodes")
-    lo, hi = parse_nnodes(nnodes, "TRAIN_NNODES")
-    host, port = parse_endpoint(env.get("TRAIN_RDZV_ENDPOINT"), "TRAIN_RDZV_ENDPOINT")
+        raise common.env_error("TRAIN_RDZV_ID",
+                               "required with TRAIN_RDZV_ENDPOINT: a value unique to the job "
+                               "(the pod label batch.kubernetes.io/controller-uid); a reused "
+                               "id makes the store refuse new nodes")
+    lo, hi = common.parse_nnodes(nnodes, "TRAIN_NNODES")
+    host, port = common.parse_endpoint(env.get("TRAIN_RDZV_ENDPOINT"), "TRAIN_RDZV_ENDPOINT")
     # The store outlives the agents: a restart is a new round even at one node.
-    args, out_env = dynamic_rendezvous(lo, hi, endpoint=(host, port), run_id=run_id,
-                                       own_conf={"is_host": "false"}, re_rendezvous=True,
-                                       timings=timings)
+    args, out_env = common.dynamic_rendezvous(lo, hi, endpoint=(host, port), run_id=run_id,
+                                              own_conf={"is_host": "false"},
+                                              re_rendezvous=True, timings=timings)
     local = env.get("TRAIN_LOCAL_ADDR")
     if local:
         args += ["--local-addr", local]

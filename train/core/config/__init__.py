@@ -1,7 +1,7 @@
 """Typed training configuration, strictly validated, torch-free.
 
 - :mod:`.schema`: the dataclasses (one per component) with each key's doc and bounds;
-- :mod:`.types`: one walker over the schema's types (loader, JSON Schema, README table);
+- :mod:`.types`: one walker over the schema's types (loader, JSON Schema, docs/config.md);
 - :mod:`.loader`: YAML file + ``dotted.key=value`` overrides -> :class:`Config`;
 - :mod:`.origins`: where each value came from (file, command line, default);
 - :mod:`.checks`: cross-key and file checks, batch arithmetic, resume compatibility;

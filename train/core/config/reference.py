@@ -1,7 +1,7 @@
 """The config reference, generated from the dataclasses in :mod:`train.core.config`.
 
 ``python -m train.core.config.reference --schema`` writes the JSON Schema (configs/schema.json, for
-editors), ``--markdown`` the README's config table, ``--text`` the list that
+editors), ``--markdown`` the config reference (docs/config.md), ``--text`` the list that
 ``entrypoint.py train --help-config`` and ``python -m train --help-config`` print.
 Tests keep the first two in sync. Torch-free.
 """

@@ -1,7 +1,7 @@
 """The configuration schema: one keyword-only dataclass per component, nothing else.
 
 Each field carries its one-line doc and numeric bounds (:func:`opt`); the loader
-validates against them, and the README's config table and ``configs/schema.json`` are
+validates against them, and the config reference (docs/config.md) and ``configs/schema.json`` are
 generated from them (``python -m train.core.config.reference``). The key names are a contract
 with users (docs/architecture.md, "Contracts"): rename one only on purpose.
 """

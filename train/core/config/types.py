@@ -1,6 +1,6 @@
 """One walker over the schema's dataclasses and the few field types they use.
 
-The loader (checking and converting values), the JSON Schema and the README table
+The loader (checking and converting values), the JSON Schema and docs/config.md
 (:mod:`train.core.config.reference`) all read the schema through these functions, so a new field
 type is taught here once.
 

@@ -1,0 +1,154 @@
+"""The project tooling behind scripts/ (tools/): stage recording with real time limits,
+the GPU check's notes and its stages on the CPU, the image test's checks, lock reading.
+
+The image test's engine runs are exercised by `make image-test` itself; here are the
+decisions it makes from what the engine returns.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, clean_env
+
+from tools import gpu_check, image_test, locks, stages
+
+# ------------------------------------------------------------------ stages
+
+def test_a_stage_past_its_limit_is_stopped_with_its_whole_process_group(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    t0 = time.monotonic()
+    rc, out = stages.run_limited(
+        ["bash", "-c", f"sleep 300 & echo $! > {pidfile}; echo started; wait"], 2)
+    assert rc == stages.TIMED_OUT and "started" in out and "limit" in out
+    assert time.monotonic() - t0 < 60
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)  # reaped by init once killed
+    assert not Path(f"/proc/{child}").exists() or \
+        Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
+
+
+def test_each_result_is_on_disk_as_soon_as_it_is_recorded(tmp_path):
+    rec = stages.Recorder(tmp_path / "out", "check")
+    rec.record(stages.Result("one", 0, 1.5, True, "fine"))
+    assert "one      ok" in (tmp_path / "out/summary.txt").read_text()
+    rec.record(stages.Result("two", 3, 0.2, False, "broken"))
+    rows = [json.loads(x) for x in (tmp_path / "out/stages.jsonl").read_text().splitlines()]
+    assert [r["name"] for r in rows] == ["one", "two"] and rec.failed
+    assert "two      FAIL  rc=3" in rec.summary()
+
+
+# ------------------------------------------------------------------ gpu check
+
+def test_gpu_check_notes_read_real_outputs(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(r) for r in (
+        {"step": 1, "loss": 5.25, "throughput": 100.0},
+        {"step": 60, "loss": 2.5, "throughput": 4321.0, "gpu/peak_allocated_gb": 0.5})))
+    assert gpu_check.loss_note(metrics, "tokens") == \
+        "60 steps: loss 5.250 -> 2.500, 4,321 tokens/s, peak 0.50 GiB"
+    assert gpu_check.loss_note(tmp_path / "none.jsonl") == "no metrics written"
+    doctor = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "doctor", "--json"],
+                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                            timeout=120)
+    gpus, note = gpu_check.doctor_summary(doctor.stdout)
+    assert gpus == 0 and note.startswith("no GPU: ")
+    assert gpu_check.doctor_summary("Traceback ...")[0] is None
+    assert gpu_check.pytest_note("...\n3 passed, 2 skipped in 4.20s\n") == \
+        "3 passed, 2 skipped in 4.20s"
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_its_stop_stage_on_the_cpu(tmp_path):
+    """GPU_CHECK_FORCE_CPU runs the GPU stages' own code on this machine: a SIGTERM mid-run
+    must end in 143 with a checkpoint, recorded as ok."""
+    out = subprocess.run([str(ROOT / "scripts/gpu-check")], cwd=tmp_path, timeout=300,
+                         env=clean_env(PYTHON=sys.executable, OUT=str(tmp_path / "out"),
+                                       GPU_CHECK_FORCE_CPU="1", GPU_CHECK_ONLY="stop"),
+                         capture_output=True, text=True)
+    rows = [json.loads(x) for x in (tmp_path / "out/stages.jsonl").read_text().splitlines()]
+    assert [r["name"] for r in rows] == ["deps", "doctor", "stop"], out.stdout + out.stderr
+    stop = rows[-1]
+    assert stop["ok"] and stop["rc"] == 143 and "checkpoint step-" in stop["note"], stop
+    assert out.returncode == 0
+
+
+# ------------------------------------------------------------------ image test
+
+def test_image_checks_refuse_what_a_broken_image_shows(tmp_path):
+    labels = {"org.opencontainers.image.revision": "abc", "train.torch": "2.13.0+cpu",
+              "org.opencontainers.image.base.name": "debian:12"}
+    assert image_test.check_labels(labels).startswith("labels ok")
+    with pytest.raises(image_test.Failed, match="revision"):
+        image_test.check_labels({**labels, "org.opencontainers.image.revision": ""})
+    manifest = {"flavor": "cpu", "torch": {"version": "2.13.0+cpu"}, "base_image": "debian",
+                "python_packages": {"torch": "2.13.0+cpu"}, "system_packages": {"tini": "1"}}
+    assert "1 packages" in image_test.check_build_manifest(manifest, "2.13.0")
+    with pytest.raises(image_test.Failed, match="torch"):
+        image_test.check_build_manifest(manifest, "2.14.0")
+    with pytest.raises(image_test.Failed, match="flavor"):
+        image_test.check_build_manifest(manifest, "2.13.0", "rocm")
+    other = {**manifest, "python_packages": {"torch": "2.13.0+cpu", "six": "1.0"}}
+    assert image_test.compare_build_manifests(manifest, manifest).startswith("identical")
+    with pytest.raises(image_test.Failed, match="six"):
+        image_test.compare_build_manifests(manifest, other)
+    line = image_test.layers_line(("a", ["1", "2", "3"]), ("b", ["1", "x", "3"]))
+    assert line.startswith("layers: 2 of 3 identical") and "[1] differ" in line
+
+
+def test_run_directories_are_checked_as_the_host_sees_them(tmp_path, tiny_gpt):
+    run = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "train",
+                          str(tiny_gpt), "train.max_steps=2", "checkpoint.every_steps=2",
+                          "run.name=quick"], cwd=tmp_path, env=clean_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    runs = tiny_gpt.parent / "runs"
+    with pytest.raises(image_test.Failed, match="image build manifest"):
+        image_test.check_run_dirs(runs, (("quick", 1),))  # not built in an image
+    manifest = json.loads((runs / "quick/manifest.json").read_text())
+    manifest["image_build_manifest"] = {"flavor": "cpu", "python_packages": {"torch": "x"}}
+    (runs / "quick/manifest.json").write_text(json.dumps(manifest))
+    assert image_test.check_run_dirs(runs, (("quick", 1),))[0].startswith("quick: world 1")
+    with pytest.raises(image_test.Failed, match="world size"):
+        image_test.check_run_dirs(runs, (("quick", 2),))
+
+
+def test_shm_warning_is_recognised_in_doctors_words(tmp_path):
+    """doctor's own words for a small /dev/shm (a 64 MB tmpfs stands in: a folder's file
+    system is what check_shm measures), then for a large one."""
+    from launcher.system import check_shm
+    finding = check_shm(str(tmp_path / "absent"))
+    assert image_test.shm_warned(f"WARN       {finding.message}")
+    assert not image_test.shm_warned("ok         /dev/shm is 8.00 GiB")
+
+
+def test_engine_flags_follow_the_engine(monkeypatch):
+    podman = image_test.Engine.from_environ({"OCI_ENGINE": "podman",
+                                             "OCI_BUILD_FLAGS": "--isolation=chroot"})
+    assert podman.build_flags[0] == "--isolation=chroot" and "--format=docker" in \
+        podman.build_flags and any(f.startswith("--timestamp=") for f in podman.build_flags)
+    assert podman.tmp_flags == []
+    docker = image_test.Engine.from_environ({"OCI_ENGINE": "docker"})
+    assert docker.tmp_flags == ["--tmpfs", "/tmp:exec"] and docker.build_flags == []
+
+
+# ------------------------------------------------------------------ locks
+
+def test_pytest_requirements_come_hash_locked_from_the_dev_lock(tmp_path):
+    text = locks.pytest_requirements(ROOT / "requirements/image-py311.lock",
+                                     ROOT / "requirements/dev-py311.lock")
+    names = [line.split("==")[0] for line in text.splitlines() if "==" in line]
+    assert "pytest" in names and "--hash=sha256:" in text
+    runtime = locks.entries((ROOT / "requirements/image-py311.lock").read_text())
+    assert not set(names) & set(runtime), "what the image has is not installed twice"
+    lacking = tmp_path / "dev.lock"
+    lacking.write_text("")
+    with pytest.raises(ValueError, match="pytest"):
+        locks.pytest_requirements(ROOT / "requirements/image-py311.lock", lacking)

@@ -1,0 +1,478 @@
+"""The image test: build the real images and run them (``make image-test``, ``.ci/run``).
+
+1. fill a wheelhouse (``build/wheelhouse-pyXY``, cached by lock hash) with ``pip
+   download``: the hash-locked runtime set, pytest's few wheels, the CPU torch wheel;
+   first, every ``requirements/torch-*.lock`` must resolve for its image's platform
+   (``scripts/check-torch-resolution locks``: index metadata, no download);
+2. build Dockerfile.cpu from it (no package index inside the build);
+3. run it as its non-root user with a host run directory: doctor, a short quickstart
+   training, a 2-process gloo run, a fast subset of the suite; check the run
+   directories on the host;
+4. run it as an arbitrary UID in group 0 (OpenShift-style), then with a read-only root,
+   writable /tmp and /workspace and the default 64 MB /dev/shm: doctor must warn about
+   shm, training must still work, torch.compile must work (g++ kept);
+5. build Dockerfile.cuda and Dockerfile.rocm on the CPU base with the CPU torch wheel
+   (TORCH_VARIANT=cpu): every line but the vendor base and wheel;
+6. rebuild the CPU image without cache and compare the builds: package sets, then every
+   file's path, mode and content (``scripts/file-manifest``).
+
+``scripts/image-test`` finds the engine and runs this module. Settings (environment):
+``OCI_ENGINE`` (docker | podman), ``OCI_BUILD_FLAGS``, ``OCI_RUN_FLAGS``,
+``OCI_BASE_IMAGE`` (substitute every FROM), ``IMAGE_PYTHON`` (the base's python, 3.11),
+``TORCH_WHEEL_INDEX`` (index of the CPU torch wheel; default: pip's configuration),
+``TORCH_LOCK`` (auto | none), ``IMAGE_TEST_SKIP`` (space-separated: locks vendor
+rebuild compile pytest), ``IMAGE_TAG``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tools.locks import pytest_requirements
+
+ROOT = Path(__file__).resolve().parent.parent
+STARTED = time.monotonic()
+
+
+class Failed(Exception):
+    """One line saying what failed; the test stops there."""
+
+
+def log(message: str) -> None:
+    print(f"\n== [{time.monotonic() - STARTED:4.0f}s] {message}", file=sys.stderr, flush=True)
+
+
+def sh(*argv: str, capture: bool = False, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    out = subprocess.run(list(argv), text=True, capture_output=capture, **kw)
+    if check and out.returncode:
+        raise Failed(f"{shlex.join(argv[:4])}... exited {out.returncode}"
+                     + (f": {out.stderr.strip()[-500:]}" if capture else ""))
+    return out
+
+
+@dataclass
+class Engine:
+    """docker or podman, with the flags this machine needs."""
+    name: str
+    build_flags: list[str] = field(default_factory=list)
+    run_flags: list[str] = field(default_factory=list)
+    tmp_flags: list[str] = field(default_factory=list)   # a writable /tmp on --read-only
+
+    @classmethod
+    def from_environ(cls, env: dict[str, str]) -> Engine:
+        name = env.get("OCI_ENGINE") or "docker"
+        engine = cls(name, shlex.split(env.get("OCI_BUILD_FLAGS", "")),
+                     shlex.split(env.get("OCI_RUN_FLAGS", "")))
+        if name == "podman":
+            engine.build_flags.append("--format=docker")  # keeps SHELL (pipefail) as docker
+            engine.build_flags.append(f"--timestamp={source_date_epoch()}")  # layer file times
+        else:  # podman --read-only mounts a tmpfs on /tmp by itself
+            engine.tmp_flags = ["--tmpfs", "/tmp:exec"]
+        return engine
+
+    def build(self, file: str, tag: str, *args: str, context: str) -> None:
+        t0 = time.monotonic()
+        old = self.image_id(tag)
+        logfile = ROOT / "build" / f"image-test-{re.sub(r'[:/]', '_', tag)}.log"
+        with logfile.open("w") as f:
+            rc = subprocess.run([self.name, "build", *self.build_flags,
+                                 f"--build-context=wheelhouse={context}", *args, "-f", file,
+                                 "-t", tag, "."], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "DOCKER_BUILDKIT": "1"}).returncode
+        if rc:
+            print("\n".join(logfile.read_text().splitlines()[-40:]), file=sys.stderr)
+            raise Failed(f"build of {file} failed")
+        log(f"built {tag} from {file} in {time.monotonic() - t0:.0f} s ({self.size(tag)})")
+        # The image this tag named before, now untagged: remove it (its layers stay cached
+        # where the new one shares them) so repeated runs don't fill the disk.
+        if old and old != self.image_id(tag):
+            sh(self.name, "rmi", old, check=False, capture=True)
+
+    def inspect(self, tag: str, fmt: str) -> str:
+        return sh(self.name, "image", "inspect", "--format", fmt, tag, capture=True).stdout
+
+    def image_id(self, tag: str) -> str | None:
+        out = sh(self.name, "image", "inspect", "--format", "{{.Id}}", tag, capture=True,
+                 check=False)
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    def size(self, tag: str) -> str:
+        return f"{int(self.inspect(tag, '{{.Size}}')) / 1e9:.2f} GB"
+
+    def run(self, *args: str, capture: bool = False, check: bool = True
+            ) -> subprocess.CompletedProcess:
+        return sh(self.name, "run", "--rm", *self.run_flags, *args, capture=capture,
+                  check=check)
+
+
+def source_date_epoch() -> str:
+    """The commit's time: podman stamps every layer file and the image with it."""
+    out = subprocess.run(["git", "log", "-1", "--format=%ct"], cwd=ROOT, capture_output=True,
+                         text=True)
+    return out.stdout.strip() or "0"
+
+
+def dockerfile_arg(name: str, file: str = "Dockerfile.cpu") -> str:
+    m = re.search(rf"^ARG {name}=(\S+)", (ROOT / file).read_text(), re.M)
+    if not m:
+        raise Failed(f"{file} has no ARG {name}")
+    return m.group(1)
+
+
+# ------------------------------------------------------------------ pure checks
+
+def check_labels(labels: dict) -> str:
+    for key in ("org.opencontainers.image.revision", "org.opencontainers.image.base.name",
+                "train.torch"):
+        if not labels.get(key):
+            raise Failed(f"label {key} missing or empty: {labels}")
+    return f"labels ok: {labels['train.torch']} {labels['org.opencontainers.image.base.name']}"
+
+
+def check_build_manifest(m: dict, torch_version: str, flavor: str = "cpu") -> str:
+    problems = []
+    if m.get("flavor") != flavor:
+        problems.append(f"flavor {m.get('flavor')}")
+    if flavor == "cpu" and (m.get("torch", {}).get("version") != torch_version + "+cpu" or
+                            m.get("python_packages", {}).get("torch") != torch_version + "+cpu"):
+        problems.append(f"torch {m.get('torch')}")
+    if not m.get("base_image"):
+        problems.append("base image not recorded")
+    if flavor == "cpu" and "tini" not in m.get("system_packages", {}):
+        problems.append("tini not among the system packages")
+    if problems:
+        raise Failed("build manifest: " + "; ".join(problems))
+    return f"build manifest ok: {len(m['python_packages'])} packages, base {m['base_image']}"
+
+
+def check_run_dirs(runs: Path, expected: tuple[tuple[str, int], ...]) -> list[str]:
+    """Each (run name, world size) left its files on the host, readable."""
+    lines = []
+    for name, world in expected:
+        d = runs / name
+        for f in ("config.yaml", "manifest.json", "metrics.jsonl", "checkpoints/latest", "tb"):
+            if not (d / f).exists():
+                raise Failed(f"{d / f} missing")
+        latest = (d / "checkpoints/latest").read_text().strip()
+        if not (d / "checkpoints" / latest).is_dir():
+            raise Failed(f"{d}: latest names {latest}, not a directory")
+        m = json.loads((d / "manifest.json").read_text())
+        if m["starts"][-1]["world_size"] != world:
+            raise Failed(f"{d}: world size {m['starts']}, expected {world}")
+        bm = m.get("image_build_manifest") or {}
+        if bm.get("flavor") != "cpu" or not bm.get("python_packages"):
+            raise Failed(f"{d}/manifest.json lacks the image build manifest")
+        rows = [ln for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        if not rows:
+            raise Failed(f"{d}/metrics.jsonl is empty")
+        lines.append(f"{name}: world {world}, {len(rows)} metric rows, latest {latest}, "
+                     f"code {m.get('code_version')}")
+    return lines
+
+
+def compare_build_manifests(a: dict, b: dict) -> str:
+    for key in ("python_packages", "system_packages", "torch", "base_image"):
+        if a[key] != b[key]:
+            diff = {k: (a[key].get(k), b[key].get(k)) for k in set(a[key]) | set(b[key])
+                    if a[key].get(k) != b[key].get(k)} if isinstance(a[key], dict) \
+                else (a[key], b[key])
+            raise Failed(f"two builds differ in {key}: {diff}")
+    return (f"identical: {len(a['python_packages'])} Python packages, "
+            f"{len(a['system_packages'])} distro packages")
+
+
+def layers_line(first: tuple[str, list[str]], second: tuple[str, list[str]]) -> str:
+    """How far two builds' layers (file metadata included) and image IDs agree."""
+    (id_a, a), (id_b, b) = first, second
+    differ = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
+    image = "the same" if id_a == id_b else "different"
+    return (f"layers: {len(a) - len(differ)} of {len(a)} identical to the byte, numbers "
+            f"{differ} differ (file metadata: a layer reused from the cache keeps the times "
+            f"of the build that made it); image IDs: {image} (an ID also covers the config: "
+            "podman 4.3 writes intermediate image IDs into its history)")
+
+
+def shm_warned(doctor_output: str) -> bool:
+    """doctor mentions /dev/shm and warns that 64 MB is too small."""
+    lines = [ln for ln in doctor_output.splitlines() if "shm" in ln.lower()]
+    return any(re.search(r"warn|below|small|bus error", ln, re.I) for ln in lines)
+
+
+def wheelhouse_stamp(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+# ------------------------------------------------------------------ the run
+
+@dataclass
+class ImageTest:
+    engine: Engine
+    env: dict[str, str]
+    tag: str = "trainimg"
+    image_python: str = "3.11"
+    skip: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.pyv = "py" + self.image_python.replace(".", "")
+        self.torch_version = dockerfile_arg("TORCH_VERSION")
+        self.base = self.env.get("OCI_BASE_IMAGE") or dockerfile_arg("BASE_IMAGE")
+        self.base_args = [f"--build-arg=BASE_IMAGE={self.env['OCI_BASE_IMAGE']}"] \
+            if self.env.get("OCI_BASE_IMAGE") else []
+        self.wheels = ROOT / "build" / f"wheelhouse-{self.pyv}"
+        self.image_wheels = ROOT / "build" / f"wheelhouse-{self.pyv}-image"
+        self.pytest_req = ROOT / "build" / f"image-test-pytest-{self.pyv}.txt"
+        self.img = f"{self.tag}:cpu"
+
+    def provenance(self) -> list[str]:
+        describe = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                                  capture_output=True, text=True).stdout.strip() or "unknown"
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.strip()
+        version = re.search(r'^version = "(.*)"', (ROOT / "pyproject.toml").read_text(),
+                            re.M).group(1)
+        return [f"--build-arg=VCS_REF={rev}", f"--build-arg=CODE_VERSION={version}+git.{describe}",
+                f"--build-arg=TORCH_LOCK={self.env.get('TORCH_LOCK', 'auto')}"]
+
+    def build(self, file: str, tag: str, *args: str) -> None:
+        self.engine.build(file, tag, *self.provenance(), *args, context=str(self.image_wheels))
+
+    # -------------------------------------------------------------- wheelhouse
+    def fill_wheelhouse(self) -> None:
+        lock = ROOT / "requirements" / f"image-{self.pyv}.lock"
+        if not lock.is_file():
+            raise Failed(f"no runtime lock for python {self.image_python}: {lock}")
+        (ROOT / "build").mkdir(exist_ok=True)
+        self.pytest_req.write_text(pytest_requirements(
+            lock, ROOT / "requirements" / f"dev-{self.pyv}.lock"))
+        index = self.env.get("TORCH_WHEEL_INDEX", "")
+        stamp = wheelhouse_stamp(lock.read_text(), self.pytest_req.read_text(),
+                                 f"torch=={self.torch_version}+cpu {index}")
+        stamp_file = self.wheels / ".stamp"
+        if not stamp_file.is_file() or stamp_file.read_text().strip() != stamp:
+            log(f"filling {self.wheels} (pip download; cached until the locks change)")
+            shutil.rmtree(self.wheels, ignore_errors=True)
+            self.wheels.mkdir(parents=True)
+            # wheels for the image's python and glibc (Debian 12: 2.36), not the host's
+            platforms = sh(str(ROOT / "scripts/wheel-platforms"), "2.36",
+                           capture=True).stdout.split()
+            download = [sys.executable, "-m", "pip", "download", "--quiet",
+                        "--disable-pip-version-check", "--no-deps", "--only-binary=:all:",
+                        "--python-version", self.image_python, "--dest", str(self.wheels),
+                        *platforms]
+            sh(*download, "--require-hashes", "-r", str(lock))
+            sh(*download, "--require-hashes", "-r", str(self.pytest_req))
+            sh(*download, *(["--index-url", index] if index else []),
+               f"torch=={self.torch_version}+cpu")
+            stamp_file.write_text(stamp + "\n")
+        # the images' wheelhouse must not carry pytest (packaging stays: tensorboard's too)
+        shutil.rmtree(self.image_wheels, ignore_errors=True)
+        self.image_wheels.mkdir()
+        for wheel in self.wheels.glob("*.whl"):
+            if not wheel.name.startswith(("pytest-", "iniconfig-", "pluggy-", "pygments-")):
+                try:
+                    os.link(wheel, self.image_wheels / wheel.name)
+                except OSError:  # another file system
+                    shutil.copy2(wheel, self.image_wheels / wheel.name)
+
+    # -------------------------------------------------------------- the CPU image
+    def plumbing(self) -> None:
+        e, img = self.engine, self.img
+        log("image plumbing: user, layout, labels, build manifest")
+        e.run("--entrypoint", "bash", img, "-c", PLUMBING)
+        log("PIP_CONSTRAINT: a derived image's pip cannot replace torch")
+        e.run("--entrypoint", "bash", img, "-c", PIP_CONSTRAINT)
+        print(check_labels(json.loads(e.inspect(img, "{{json .Config.Labels}}"))))
+        entry = json.loads(e.inspect(img, "{{json .Config.Entrypoint}}"))
+        if entry != ["tini", "--", "python3", "/app/entrypoint.py"]:
+            raise Failed(f"unexpected ENTRYPOINT {entry}")
+        manifest = self.manifest_of(img, ROOT / "build/image-test-manifest-1.json")
+        print(check_build_manifest(manifest, self.torch_version))
+
+    def manifest_of(self, tag: str, keep: Path) -> dict:
+        text = self.engine.run("--entrypoint", "cat", tag, "/app/build-manifest.json",
+                               capture=True).stdout
+        keep.write_text(text)
+        return json.loads(text)
+
+    def runs(self, runs: Path) -> None:
+        e, img = self.engine, self.img
+        ws = ["-v", f"{runs}:/workspace/runs", "--shm-size=1g"]
+        log("entrypoint passes other commands through (bash)")
+        out = e.run(img, "bash", "-c", "echo passthrough-ok; id -u", capture=True).stdout
+        if "passthrough-ok" not in out:
+            raise Failed(f"bash through the entrypoint: {out}")
+        log("doctor (default user, --shm-size=1g)")
+        e.run(*ws, img, "doctor")
+        json.loads(e.run(*ws, img, "doctor", "--json", capture=True).stdout)
+        for name, title, extra in TRAININGS:
+            log(f"train: {title}")
+            e.run(*ws, img, "train", "configs/quickstart.yaml", *extra, f"run.name={name}")
+        log("run directories on the host")
+        print("\n".join(check_run_dirs(runs, (("quick", 1), ("ddp2", 2)))))
+        if "pytest" not in self.skip:
+            log("fast test subset inside the image (pytest from the wheelhouse, into /tmp)")
+            e.run("--shm-size=1g", "-v", f"{ROOT / 'tests'}:/app/tests:ro",
+                  "-v", f"{self.wheels}:/wheelhouse:ro",
+                  "-v", f"{self.pytest_req}:/tmp/pytest-req.txt:ro", img, "bash", "-c", PYTEST)
+        log("arbitrary UID in group 0 (OpenShift-style), image's own /workspace volume")
+        e.run("--user", "54321:0", "--shm-size=1g", img, "bash", "-c", ANY_UID_WRITES)
+        e.run("--user", "54321:0", "--shm-size=1g", img, "train", "configs/quickstart.yaml",
+              *SHORT, "run.name=anyuid")
+        log("read-only root filesystem, default 64 MB /dev/shm")
+        ro = ["--read-only", *e.tmp_flags, "-v", f"{runs}:/workspace/runs"]
+        doctor = e.run(*ro, img, "doctor", capture=True, check=False)
+        print(doctor.stdout + doctor.stderr)
+        if not shm_warned(doctor.stdout + doctor.stderr):
+            raise Failed("doctor did not warn about a 64 MB /dev/shm")
+        print(f"doctor exit code with 64 MB /dev/shm: {doctor.returncode}")
+        e.run(*ro, img, "train", "configs/quickstart.yaml", "data.num_workers=0", *SHORT,
+              "run.name=readonly")
+        if not (runs / "readonly/checkpoints/latest").is_file():
+            raise Failed("read-only run left no checkpoint on the host")
+
+    def compile(self) -> None:
+        log("torch.compile (inductor, g++) as an arbitrary UID on a read-only root filesystem")
+        self.engine.run("--read-only", *self.engine.tmp_flags, "--user", "54321:0",
+                        "--entrypoint", "python3", self.img, "-c", COMPILE)
+
+    def vendors(self) -> None:
+        for flavor in ("cuda", "rocm"):
+            tag = f"{self.tag}:{flavor}-on-cpu"
+            log(f"building Dockerfile.{flavor} with BASE_IMAGE={self.base} and the CPU wheel")
+            self.build(f"Dockerfile.{flavor}", tag, f"--build-arg=BASE_IMAGE={self.base}",
+                       "--build-arg=TORCH_VARIANT=cpu")
+            manifest = self.manifest_of(tag, ROOT / f"build/image-test-manifest-{flavor}.json")
+            print(check_build_manifest(manifest, self.torch_version, flavor))
+            self.engine.run("--entrypoint", "bash", tag, "-c", VENDOR_RDMA)  # RDMA for NCCL
+            self.engine.run("--shm-size=1g", tag, "train", "configs/quickstart.yaml",
+                            "device=cpu", "train.max_steps=2", "schedule.warmup_steps=2",
+                            "train.eval_every_steps=2", "checkpoint.every_steps=2",
+                            f"run.name={flavor}")
+
+    def rebuild(self) -> None:
+        log("rebuilding Dockerfile.cpu without cache; comparing package sets, then every file")
+        again = f"{self.tag}:cpu-rebuild"
+        self.build("Dockerfile.cpu", again, *self.base_args, "--no-cache")
+        first = json.loads((ROOT / "build/image-test-manifest-1.json").read_text())
+        print(compare_build_manifests(first, self.manifest_of(
+            again, ROOT / "build/image-test-manifest-2.json")))
+        for n, tag in ((1, self.img), (2, again)):
+            listing = self.engine.run(
+                "--user", "0", "-v", f"{ROOT / 'scripts/file-manifest'}:/tmp/file-manifest:ro",
+                "--entrypoint", "python3", tag, "/tmp/file-manifest", "list", "/",
+                capture=True).stdout
+            (ROOT / f"build/image-test-files-{n}.tsv").write_text(listing)
+        if sh(sys.executable, str(ROOT / "scripts/file-manifest"), "compare",
+              str(ROOT / "build/image-test-files-1.tsv"),
+              str(ROOT / "build/image-test-files-2.tsv"), check=False).returncode:
+            raise Failed("two builds of the CPU image differ (above; "
+                         "build/image-test-files-*.tsv)")
+        print(layers_line(*(self.layers(t) for t in (self.img, again))))
+        sh(self.engine.name, "rmi", again, capture=True)
+
+    def layers(self, tag: str) -> tuple[str, list[str]]:
+        return self.engine.inspect(tag, "{{.Id}}").strip(), \
+            json.loads(self.engine.inspect(tag, "{{json .RootFS.Layers}}"))
+
+    # -------------------------------------------------------------- all of it
+    def main(self) -> None:
+        log(f"engine: {self.engine.name}")
+        self.fill_wheelhouse()
+        if "locks" not in self.skip:
+            log("torch locks resolve for their images' Python and glibc (index metadata only)")
+            sh(sys.executable, str(ROOT / "scripts/check-torch-resolution"), "locks")
+        log(f"building Dockerfile.cpu (base: {self.base})")
+        self.build("Dockerfile.cpu", self.img, *self.base_args)
+        self.plumbing()
+        runs = Path(tempfile.mkdtemp(prefix="image-test-runs.", dir=ROOT / "build"))
+        runs.chmod(0o777)  # the container user (UID 1000, group 0) writes here on any host
+        try:
+            self.runs(runs)
+        finally:
+            self.remove_runs(runs)
+        if "compile" not in self.skip:
+            self.compile()
+        if "vendor" not in self.skip:
+            self.vendors()
+        if "rebuild" not in self.skip:
+            self.rebuild()
+        log(f"image test passed; {self.img} is {self.engine.size(self.img)}")
+
+    def remove_runs(self, runs: Path) -> None:
+        """Files written by the container's UID: removed from inside when the host can't."""
+        shutil.rmtree(runs, ignore_errors=True)
+        if runs.exists():
+            self.engine.run("--user", "0", "-v", f"{runs}:/r", "--entrypoint", "sh", self.img,
+                            "-c", "rm -rf /r/*", check=False)
+            shutil.rmtree(runs, ignore_errors=True)
+
+
+SHORT = ("train.max_steps=4", "schedule.warmup_steps=2", "train.eval_every_steps=4",
+         "checkpoint.every_steps=4")
+TRAININGS = (
+    ("quick", "quickstart, short, 1 process",
+     ("train.max_steps=20", "schedule.warmup_steps=2", "train.eval_every_steps=10",
+      "checkpoint.every_steps=10", "logging.every_steps=5")),
+    ("ddp2", "2 processes (gloo)",
+     ("distributed.nproc_per_node=2", "train.max_steps=10", "schedule.warmup_steps=2",
+      "train.eval_every_steps=5", "checkpoint.every_steps=5", "logging.every_steps=5")),
+)
+# Shell run inside the image.
+PLUMBING = """set -e
+test "$(id -u)" != 0 || { echo "runs as root"; exit 1; }
+test "$(pwd)" = /workspace
+command -v tini; command -v g++; test "$(command -v python3)" = /opt/venv/bin/python3
+test -w /workspace && test -w "$HOME" && ! test -w /app && ! test -w /opt/venv
+python3 -c "import torch, train, launcher; print('torch', torch.__version__)"
+python3 -m json.tool /app/build-manifest.json >/dev/null"""
+PIP_CONSTRAINT = """set -e
+want="torch==$(python3 -c 'import torch; print(torch.__version__)')"
+grep -qx "$want" "$PIP_CONSTRAINT" || { echo "$PIP_CONSTRAINT lacks $want"; exit 1; }
+if out=$(pip install --no-index --dry-run "torch==2.0.0" 2>&1); then echo "$out"; exit 1; fi
+echo "$out" | grep -q "(constraint) $want" || { echo "$out"; exit 1; }
+echo "PIP_CONSTRAINT holds $want"
+"""
+PYTEST = """set -e
+PIP_CONSTRAINT= pip install --quiet --no-index --find-links /wheelhouse --require-hashes \
+  --no-deps --target /tmp/pytest -r /tmp/pytest-req.txt
+cd /app && PYTHONPATH=/tmp/pytest:/app python3 -m pytest -q -p no:cacheprovider \
+  -m "not slow and not gpu" tests/test_config.py tests/test_data.py -k "not readme"
+"""
+ANY_UID_WRITES = ('set -e; touch "$HOME/.probe" /workspace/.probe /tmp/.probe; '
+                  'echo "uid $(id -u) can write HOME, /workspace, /tmp"')
+COMPILE = """import time, torch
+t = time.time()
+f = torch.compile(lambda x: torch.nn.functional.gelu(x @ x.T).sum())
+print(f"torch.compile ok: {float(f(torch.randn(8, 8))):.3f} in {time.time() - t:.1f} s")"""
+VENDOR_RDMA = """set -e; test "$(id -u)" != 0
+python3 -c 'import sys; sys.path.insert(0, "/app"); from launcher import rdma; \
+assert rdma.verbs_loadable(), "no libibverbs.so.1"; print("libibverbs.so.1 loads")'
+"""
+
+
+def main() -> int:
+    env = dict(os.environ)
+    test = ImageTest(Engine.from_environ(env), env, tag=env.get("IMAGE_TAG", "trainimg"),
+                     image_python=env.get("IMAGE_PYTHON", "3.11"),
+                     skip=set(env.get("IMAGE_TEST_SKIP", "").split()))
+    try:
+        test.main()
+    except (Failed, subprocess.CalledProcessError) as exc:
+        print(f"\nimage-test: FAIL: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
