@@ -393,7 +393,8 @@ def test_release_builds_and_the_image_test_set_source_date_epoch_from_the_commit
     prov = next(s for s in steps if s.get("id") == "prov")["run"]
     assert "git log -1 --format=%ct" in prov and 'date -u -d "@$epoch"' in prov
     image_test = (ROOT / "tools/image_test.py").read_text()
-    assert '["git", "log", "-1", "--format=%ct"]' in image_test and "--timestamp=" in image_test
+    engine = (ROOT / "tools/oci.py").read_text()
+    assert '["git", "log", "-1", "--format=%ct"]' in engine and "--timestamp=" in engine
     assert '"scripts/file-manifest"), "compare"' in image_test
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, clean_env
 
-from tools import gpu_check, image_test, locks, stages
+from tools import gpu_check, image_checks, image_test, locks, stages
 
 # ------------------------------------------------------------------ stages
 
@@ -85,21 +85,21 @@ def test_gpu_check_runs_its_stop_stage_on_the_cpu(tmp_path):
 def test_image_checks_refuse_what_a_broken_image_shows(tmp_path):
     labels = {"org.opencontainers.image.revision": "abc", "train.torch": "2.13.0+cpu",
               "org.opencontainers.image.base.name": "debian:12"}
-    assert image_test.check_labels(labels).startswith("labels ok")
-    with pytest.raises(image_test.Failed, match="revision"):
-        image_test.check_labels({**labels, "org.opencontainers.image.revision": ""})
+    assert image_checks.check_labels(labels).startswith("labels ok")
+    with pytest.raises(image_checks.Failed, match="revision"):
+        image_checks.check_labels({**labels, "org.opencontainers.image.revision": ""})
     manifest = {"flavor": "cpu", "torch": {"version": "2.13.0+cpu"}, "base_image": "debian",
                 "python_packages": {"torch": "2.13.0+cpu"}, "system_packages": {"tini": "1"}}
-    assert "1 packages" in image_test.check_build_manifest(manifest, "2.13.0")
-    with pytest.raises(image_test.Failed, match="torch"):
-        image_test.check_build_manifest(manifest, "2.14.0")
-    with pytest.raises(image_test.Failed, match="flavor"):
-        image_test.check_build_manifest(manifest, "2.13.0", "rocm")
+    assert "1 packages" in image_checks.check_build_manifest(manifest, "2.13.0")
+    with pytest.raises(image_checks.Failed, match="torch"):
+        image_checks.check_build_manifest(manifest, "2.14.0")
+    with pytest.raises(image_checks.Failed, match="flavor"):
+        image_checks.check_build_manifest(manifest, "2.13.0", "rocm")
     other = {**manifest, "python_packages": {"torch": "2.13.0+cpu", "six": "1.0"}}
-    assert image_test.compare_build_manifests(manifest, manifest).startswith("identical")
-    with pytest.raises(image_test.Failed, match="six"):
-        image_test.compare_build_manifests(manifest, other)
-    line = image_test.layers_line(("a", ["1", "2", "3"]), ("b", ["1", "x", "3"]))
+    assert image_checks.compare_build_manifests(manifest, manifest).startswith("identical")
+    with pytest.raises(image_checks.Failed, match="six"):
+        image_checks.compare_build_manifests(manifest, other)
+    line = image_checks.layers_line(("a", ["1", "2", "3"]), ("b", ["1", "x", "3"]))
     assert line.startswith("layers: 2 of 3 identical") and "[1] differ" in line
 
 
@@ -110,14 +110,14 @@ def test_run_directories_are_checked_as_the_host_sees_them(tmp_path, tiny_gpt):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     runs = tiny_gpt.parent / "runs"
-    with pytest.raises(image_test.Failed, match="image build manifest"):
-        image_test.check_run_dirs(runs, (("quick", 1),))  # not built in an image
+    with pytest.raises(image_checks.Failed, match="image build manifest"):
+        image_checks.check_run_dirs(runs, (("quick", 1),))  # not built in an image
     manifest = json.loads((runs / "quick/manifest.json").read_text())
     manifest["image_build_manifest"] = {"flavor": "cpu", "python_packages": {"torch": "x"}}
     (runs / "quick/manifest.json").write_text(json.dumps(manifest))
-    assert image_test.check_run_dirs(runs, (("quick", 1),))[0].startswith("quick: world 1")
-    with pytest.raises(image_test.Failed, match="world size"):
-        image_test.check_run_dirs(runs, (("quick", 2),))
+    assert image_checks.check_run_dirs(runs, (("quick", 1),))[0].startswith("quick: world 1")
+    with pytest.raises(image_checks.Failed, match="world size"):
+        image_checks.check_run_dirs(runs, (("quick", 2),))
 
 
 def test_shm_warning_is_recognised_in_doctors_words(tmp_path):
@@ -125,8 +125,8 @@ def test_shm_warning_is_recognised_in_doctors_words(tmp_path):
     system is what check_shm measures), then for a large one."""
     from launcher.system import check_shm
     finding = check_shm(str(tmp_path / "absent"))
-    assert image_test.shm_warned(f"WARN       {finding.message}")
-    assert not image_test.shm_warned("ok         /dev/shm is 8.00 GiB")
+    assert image_checks.shm_warned(f"WARN       {finding.message}")
+    assert not image_checks.shm_warned("ok         /dev/shm is 8.00 GiB")
 
 
 def test_engine_flags_follow_the_engine(monkeypatch):

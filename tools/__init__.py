@@ -2,7 +2,8 @@
 
 - :mod:`.stages`: run named stages with time limits, record each as it ends;
 - :mod:`.gpu_check`: ``scripts/gpu-check``, the check on a real GPU machine;
-- :mod:`.image_test`: ``scripts/image-test``, builds the images and runs them;
+- :mod:`.image_test`: ``scripts/image-test``, builds the images and runs them (the engine
+  in :mod:`.oci`, what it concludes in :mod:`.image_checks`);
 - :mod:`.locks`: reading the hash-locked requirement files.
 
 Everything here uses the standard library only: ``gpu_check`` runs with whatever Python

@@ -26,101 +26,27 @@ rebuild compile pytest), ``IMAGE_TAG``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tools.image_checks import (
+    check_build_manifest,
+    check_labels,
+    check_run_dirs,
+    compare_build_manifests,
+    layers_line,
+    shm_warned,
+    wheelhouse_stamp,
+)
 from tools.locks import pytest_requirements
-
-ROOT = Path(__file__).resolve().parent.parent
-STARTED = time.monotonic()
-
-
-class Failed(Exception):
-    """One line saying what failed; the test stops there."""
-
-
-def log(message: str) -> None:
-    print(f"\n== [{time.monotonic() - STARTED:4.0f}s] {message}", file=sys.stderr, flush=True)
-
-
-def sh(*argv: str, capture: bool = False, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    out = subprocess.run(list(argv), text=True, capture_output=capture, **kw)
-    if check and out.returncode:
-        raise Failed(f"{shlex.join(argv[:4])}... exited {out.returncode}"
-                     + (f": {out.stderr.strip()[-500:]}" if capture else ""))
-    return out
-
-
-@dataclass
-class Engine:
-    """docker or podman, with the flags this machine needs."""
-    name: str
-    build_flags: list[str] = field(default_factory=list)
-    run_flags: list[str] = field(default_factory=list)
-    tmp_flags: list[str] = field(default_factory=list)   # a writable /tmp on --read-only
-
-    @classmethod
-    def from_environ(cls, env: dict[str, str]) -> Engine:
-        name = env.get("OCI_ENGINE") or "docker"
-        engine = cls(name, shlex.split(env.get("OCI_BUILD_FLAGS", "")),
-                     shlex.split(env.get("OCI_RUN_FLAGS", "")))
-        if name == "podman":
-            engine.build_flags.append("--format=docker")  # keeps SHELL (pipefail) as docker
-            engine.build_flags.append(f"--timestamp={source_date_epoch()}")  # layer file times
-        else:  # podman --read-only mounts a tmpfs on /tmp by itself
-            engine.tmp_flags = ["--tmpfs", "/tmp:exec"]
-        return engine
-
-    def build(self, file: str, tag: str, *args: str, context: str) -> None:
-        t0 = time.monotonic()
-        old = self.image_id(tag)
-        logfile = ROOT / "build" / f"image-test-{re.sub(r'[:/]', '_', tag)}.log"
-        with logfile.open("w") as f:
-            rc = subprocess.run([self.name, "build", *self.build_flags,
-                                 f"--build-context=wheelhouse={context}", *args, "-f", file,
-                                 "-t", tag, "."], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "DOCKER_BUILDKIT": "1"}).returncode
-        if rc:
-            print("\n".join(logfile.read_text().splitlines()[-40:]), file=sys.stderr)
-            raise Failed(f"build of {file} failed")
-        log(f"built {tag} from {file} in {time.monotonic() - t0:.0f} s ({self.size(tag)})")
-        # The image this tag named before, now untagged: remove it (its layers stay cached
-        # where the new one shares them) so repeated runs don't fill the disk.
-        if old and old != self.image_id(tag):
-            sh(self.name, "rmi", old, check=False, capture=True)
-
-    def inspect(self, tag: str, fmt: str) -> str:
-        return sh(self.name, "image", "inspect", "--format", fmt, tag, capture=True).stdout
-
-    def image_id(self, tag: str) -> str | None:
-        out = sh(self.name, "image", "inspect", "--format", "{{.Id}}", tag, capture=True,
-                 check=False)
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    def size(self, tag: str) -> str:
-        return f"{int(self.inspect(tag, '{{.Size}}')) / 1e9:.2f} GB"
-
-    def run(self, *args: str, capture: bool = False, check: bool = True
-            ) -> subprocess.CompletedProcess:
-        return sh(self.name, "run", "--rm", *self.run_flags, *args, capture=capture,
-                  check=check)
-
-
-def source_date_epoch() -> str:
-    """The commit's time: podman stamps every layer file and the image with it."""
-    out = subprocess.run(["git", "log", "-1", "--format=%ct"], cwd=ROOT, capture_output=True,
-                         text=True)
-    return out.stdout.strip() or "0"
+from tools.oci import ROOT, Engine, Failed, log, sh
 
 
 def dockerfile_arg(name: str, file: str = "Dockerfile.cpu") -> str:
@@ -128,89 +54,6 @@ def dockerfile_arg(name: str, file: str = "Dockerfile.cpu") -> str:
     if not m:
         raise Failed(f"{file} has no ARG {name}")
     return m.group(1)
-
-
-# ------------------------------------------------------------------ pure checks
-
-def check_labels(labels: dict) -> str:
-    for key in ("org.opencontainers.image.revision", "org.opencontainers.image.base.name",
-                "train.torch"):
-        if not labels.get(key):
-            raise Failed(f"label {key} missing or empty: {labels}")
-    return f"labels ok: {labels['train.torch']} {labels['org.opencontainers.image.base.name']}"
-
-
-def check_build_manifest(m: dict, torch_version: str, flavor: str = "cpu") -> str:
-    problems = []
-    if m.get("flavor") != flavor:
-        problems.append(f"flavor {m.get('flavor')}")
-    if flavor == "cpu" and (m.get("torch", {}).get("version") != torch_version + "+cpu" or
-                            m.get("python_packages", {}).get("torch") != torch_version + "+cpu"):
-        problems.append(f"torch {m.get('torch')}")
-    if not m.get("base_image"):
-        problems.append("base image not recorded")
-    if flavor == "cpu" and "tini" not in m.get("system_packages", {}):
-        problems.append("tini not among the system packages")
-    if problems:
-        raise Failed("build manifest: " + "; ".join(problems))
-    return f"build manifest ok: {len(m['python_packages'])} packages, base {m['base_image']}"
-
-
-def check_run_dirs(runs: Path, expected: tuple[tuple[str, int], ...]) -> list[str]:
-    """Each (run name, world size) left its files on the host, readable."""
-    lines = []
-    for name, world in expected:
-        d = runs / name
-        for f in ("config.yaml", "manifest.json", "metrics.jsonl", "checkpoints/latest", "tb"):
-            if not (d / f).exists():
-                raise Failed(f"{d / f} missing")
-        latest = (d / "checkpoints/latest").read_text().strip()
-        if not (d / "checkpoints" / latest).is_dir():
-            raise Failed(f"{d}: latest names {latest}, not a directory")
-        m = json.loads((d / "manifest.json").read_text())
-        if m["starts"][-1]["world_size"] != world:
-            raise Failed(f"{d}: world size {m['starts']}, expected {world}")
-        bm = m.get("image_build_manifest") or {}
-        if bm.get("flavor") != "cpu" or not bm.get("python_packages"):
-            raise Failed(f"{d}/manifest.json lacks the image build manifest")
-        rows = [ln for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-        if not rows:
-            raise Failed(f"{d}/metrics.jsonl is empty")
-        lines.append(f"{name}: world {world}, {len(rows)} metric rows, latest {latest}, "
-                     f"code {m.get('code_version')}")
-    return lines
-
-
-def compare_build_manifests(a: dict, b: dict) -> str:
-    for key in ("python_packages", "system_packages", "torch", "base_image"):
-        if a[key] != b[key]:
-            diff = {k: (a[key].get(k), b[key].get(k)) for k in set(a[key]) | set(b[key])
-                    if a[key].get(k) != b[key].get(k)} if isinstance(a[key], dict) \
-                else (a[key], b[key])
-            raise Failed(f"two builds differ in {key}: {diff}")
-    return (f"identical: {len(a['python_packages'])} Python packages, "
-            f"{len(a['system_packages'])} distro packages")
-
-
-def layers_line(first: tuple[str, list[str]], second: tuple[str, list[str]]) -> str:
-    """How far two builds' layers (file metadata included) and image IDs agree."""
-    (id_a, a), (id_b, b) = first, second
-    differ = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
-    image = "the same" if id_a == id_b else "different"
-    return (f"layers: {len(a) - len(differ)} of {len(a)} identical to the byte, numbers "
-            f"{differ} differ (file metadata: a layer reused from the cache keeps the times "
-            f"of the build that made it); image IDs: {image} (an ID also covers the config: "
-            "podman 4.3 writes intermediate image IDs into its history)")
-
-
-def shm_warned(doctor_output: str) -> bool:
-    """doctor mentions /dev/shm and warns that 64 MB is too small."""
-    lines = [ln for ln in doctor_output.splitlines() if "shm" in ln.lower()]
-    return any(re.search(r"warn|below|small|bus error", ln, re.I) for ln in lines)
-
-
-def wheelhouse_stamp(*parts: str) -> str:
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
 # ------------------------------------------------------------------ the run

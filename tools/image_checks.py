@@ -1,0 +1,93 @@
+"""What the image test concludes from what an image shows: labels, build manifests,
+run directories on the host, two builds compared. Pure functions of the engine's
+answers, so each is unit-tested (tests/test_tools.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from tools.oci import Failed
+
+
+def check_labels(labels: dict) -> str:
+    for key in ("org.opencontainers.image.revision", "org.opencontainers.image.base.name",
+                "train.torch"):
+        if not labels.get(key):
+            raise Failed(f"label {key} missing or empty: {labels}")
+    return f"labels ok: {labels['train.torch']} {labels['org.opencontainers.image.base.name']}"
+
+
+def check_build_manifest(m: dict, torch_version: str, flavor: str = "cpu") -> str:
+    problems = []
+    if m.get("flavor") != flavor:
+        problems.append(f"flavor {m.get('flavor')}")
+    if flavor == "cpu" and (m.get("torch", {}).get("version") != torch_version + "+cpu" or
+                            m.get("python_packages", {}).get("torch") != torch_version + "+cpu"):
+        problems.append(f"torch {m.get('torch')}")
+    if not m.get("base_image"):
+        problems.append("base image not recorded")
+    if flavor == "cpu" and "tini" not in m.get("system_packages", {}):
+        problems.append("tini not among the system packages")
+    if problems:
+        raise Failed("build manifest: " + "; ".join(problems))
+    return f"build manifest ok: {len(m['python_packages'])} packages, base {m['base_image']}"
+
+
+def check_run_dirs(runs: Path, expected: tuple[tuple[str, int], ...]) -> list[str]:
+    """Each (run name, world size) left its files on the host, readable."""
+    lines = []
+    for name, world in expected:
+        d = runs / name
+        for f in ("config.yaml", "manifest.json", "metrics.jsonl", "checkpoints/latest", "tb"):
+            if not (d / f).exists():
+                raise Failed(f"{d / f} missing")
+        latest = (d / "checkpoints/latest").read_text().strip()
+        if not (d / "checkpoints" / latest).is_dir():
+            raise Failed(f"{d}: latest names {latest}, not a directory")
+        m = json.loads((d / "manifest.json").read_text())
+        if m["starts"][-1]["world_size"] != world:
+            raise Failed(f"{d}: world size {m['starts']}, expected {world}")
+        bm = m.get("image_build_manifest") or {}
+        if bm.get("flavor") != "cpu" or not bm.get("python_packages"):
+            raise Failed(f"{d}/manifest.json lacks the image build manifest")
+        rows = [ln for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        if not rows:
+            raise Failed(f"{d}/metrics.jsonl is empty")
+        lines.append(f"{name}: world {world}, {len(rows)} metric rows, latest {latest}, "
+                     f"code {m.get('code_version')}")
+    return lines
+
+
+def compare_build_manifests(a: dict, b: dict) -> str:
+    for key in ("python_packages", "system_packages", "torch", "base_image"):
+        if a[key] != b[key]:
+            diff = {k: (a[key].get(k), b[key].get(k)) for k in set(a[key]) | set(b[key])
+                    if a[key].get(k) != b[key].get(k)} if isinstance(a[key], dict) \
+                else (a[key], b[key])
+            raise Failed(f"two builds differ in {key}: {diff}")
+    return (f"identical: {len(a['python_packages'])} Python packages, "
+            f"{len(a['system_packages'])} distro packages")
+
+
+def layers_line(first: tuple[str, list[str]], second: tuple[str, list[str]]) -> str:
+    """How far two builds' layers (file metadata included) and image IDs agree."""
+    (id_a, a), (id_b, b) = first, second
+    differ = [i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y]
+    image = "the same" if id_a == id_b else "different"
+    return (f"layers: {len(a) - len(differ)} of {len(a)} identical to the byte, numbers "
+            f"{differ} differ (file metadata: a layer reused from the cache keeps the times "
+            f"of the build that made it); image IDs: {image} (an ID also covers the config: "
+            "podman 4.3 writes intermediate image IDs into its history)")
+
+
+def shm_warned(doctor_output: str) -> bool:
+    """doctor mentions /dev/shm and warns that 64 MB is too small."""
+    lines = [ln for ln in doctor_output.splitlines() if "shm" in ln.lower()]
+    return any(re.search(r"warn|below|small|bus error", ln, re.I) for ln in lines)
+
+
+def wheelhouse_stamp(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
