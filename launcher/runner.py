@@ -34,6 +34,7 @@ from launcher.environ import Environ
 from launcher.hardware import Finding, Hardware, TorchBuild
 from launcher.plan import Plan
 from launcher.plan import plan as make_plan
+from train.core import rundir
 from train.core.errors import CannotRunHere, ConfigError, UserError
 
 APP_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -197,8 +198,14 @@ def _plan(p: Prepared, master_port: int | None) -> None:
 
 
 def _output(p: Prepared) -> None:
-    if p.cfg is not None:  # torchrun's logs go there for launch too
-        _add(p, [system.check_output_dir(p.cfg.output.dir, create=p.request.writes)])
+    if p.cfg is None:
+        return
+    # torchrun's logs go there for launch too
+    _add(p, [system.check_output_dir(p.cfg.output.dir, create=p.request.writes)])
+    try:
+        rundir.check_no_links(p.cfg.run_dir)
+    except UserError as exc:
+        _fail(p, exc, "output")
 
 
 def _shm(p: Prepared) -> None:
@@ -219,6 +226,7 @@ def run(request: Request, log: Callable[[str], None], *, verbose: bool = False) 
 def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -> int:
     from launcher import supervise
     from train.core import runlock
+    from train.core.config import to_yaml
     from train.core.files import finished_step
     plan, cfg = p.plan, p.cfg
     if p.request.command == "train" and cfg.checkpoint.resume_from == "auto":
@@ -245,7 +253,8 @@ def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -
             system.wait_for_host(plan.rdzv_host, p.env.dns_wait_s, log)
         return supervise.run(plan, p.env.raw, log,
                              keep_fds=(lock.fd,) if lock is not None and lock.fd else (),
-                             verbose=verbose)
+                             verbose=verbose,
+                             config_text=to_yaml(cfg) if plan.program == "train" else None)
     finally:
         if lock is not None:
             lock.release()

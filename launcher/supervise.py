@@ -43,8 +43,9 @@ from train.core.errors import (
     EXIT_TRAINING_FAILED,
     FINAL_EXIT_CODES,
 )
+from train.core.files import write_atomic
 from train.core.host import die_with_parent
-from train.core.identity import RELAUNCH_VAR, STATUS_DIR_VAR
+from train.core.identity import CONFIG_SNAPSHOT_VAR, RELAUNCH_VAR, STATUS_DIR_VAR
 from train.core.reports import Report
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
@@ -170,13 +171,18 @@ MAX_STORE_RELAUNCHES = 10
 
 
 def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
-        keep_fds: tuple[int, ...] = (), verbose: bool = False) -> int:
+        keep_fds: tuple[int, ...] = (), verbose: bool = False,
+        config_text: str | None = None) -> int:
     """Start the plan's command, forward signals, restart (direct mode) or relaunch (the
     rendezvous store came back), map the result. keep_fds: descriptors the child inherits
     (the run-directory lock, so that it is held as long as any process of the run lives);
-    verbose: also log the variables set for each start."""
+    verbose: also log the variables set for each start; config_text: the validated
+    config, which every worker start of this launch reads instead of the file."""
     folder = Path(tempfile.mkdtemp(prefix="train-launcher-"))
     env = {**base_env, **plan.env, STATUS_DIR_VAR: str(folder)}
+    if config_text is not None:
+        write_atomic(folder / "config.yaml", config_text)
+        env[CONFIG_SNAPSHOT_VAR] = str(folder / "config.yaml")
     if verbose:
         log(f"set {STATUS_DIR_VAR}={folder} (where workers report how they ended)")
     forwarder = Forwarder()

@@ -192,7 +192,7 @@ def test_schema_accepts_shipped_configs_and_rejects_unknown_keys():
         jsonschema.validate({"optim": {"lr": 0}}, schema)
 
 
-def test_config_reference_page_is_generated():
+def test_docs_config_reference_is_generated():
     readme = (ROOT / "docs/config.md").read_text()
     begin, end = "<!-- config-reference:begin -->\n", "<!-- config-reference:end -->"
     assert begin in readme and end in readme

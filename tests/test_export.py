@@ -63,3 +63,49 @@ def test_export_may_replace_an_earlier_export(tmp_path):
         target.mkdir()
         (target / "model.json").write_text("{}")
         check_output(run_dir, target)  # no error
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exported")
+    config = write_config(root / "x.yaml", merge(TINY_GPT, {"output": {"dir": str(root)},
+                                                            "train": {"max_steps": 2}}))
+    assert run_train(config).returncode == 0
+    return root / "x"
+
+
+def export_to(run_dir, out):
+    return subprocess.run([sys.executable, "entrypoint.py", "export", str(run_dir), "--out",
+                           str(out)], cwd=ROOT, env=worker_env(), capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_export_never_deletes_a_users_file_beside_a_model_json(trained, tmp_path):
+    """A folder holding a model.json and anything else is not the export's to replace:
+    exit 2, one line, every file as it was."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "model.json").write_text('{"mine": true}')
+    (out / "notes.txt").write_text("keep me")
+    proc = export_to(trained, out)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: command line: --out: {out} holds files an export did not write (notes.txt); "
+        "export replaces only its own files: choose another --out"]
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert (out / "model.json").read_text() == '{"mine": true}'
+
+
+def test_an_earlier_export_is_replaced_file_by_file(trained, tmp_path):
+    out = tmp_path / "shipped"
+    assert export_to(trained, out).returncode == 0
+    first = json.loads((out / "model.json").read_text())
+    assert first["files"] == ["model.pt", "model.json"]
+    inode = out.stat().st_ino
+    (out / ".model.pt.tmp").write_bytes(b"left by an interrupted export")
+    again = export_to(trained, out)
+    assert again.returncode == 0, again.stderr
+    assert out.stat().st_ino == inode, "the folder itself was never removed"
+    assert sorted(p.name for p in out.iterdir()) == ["model.json", "model.pt"]
+    assert json.loads((out / "model.json").read_text())["model_pt_sha256"] == \
+        first["model_pt_sha256"]

@@ -470,6 +470,6 @@ def test_a_full_disk_is_said_in_words(tmp_path):
         torch.save({"w": torch.zeros(100_000)}, "/dev/full")
     (tmp_path / "checkpoints" / "step-5.partial").mkdir(parents=True)
     message = str(write_error(real.value, tmp_path / "checkpoints" / "step-5.partial" / "state.pt"))
-    assert message.startswith("cannot write checkpoint file step-5.partial/state.pt: ")
+    assert message.startswith("cannot write checkpoint step-5.partial/state.pt: ")
     assert f"is the disk holding {tmp_path / 'checkpoints'} full" in message
     assert message.endswith("the previous checkpoint is intact")

@@ -48,8 +48,10 @@ def run(argv: list[str]) -> tuple[int, str | None]:
             if dashed is not None:
                 raise dashed
         args = parse_args(argv)
-        cfg = load_config(args.config, args.overrides)
         env = WorkerIdentity.from_environ()
+        # Under the launcher: the config it validated, however often torchrun restarts us
+        cfg = load_config(env.config_snapshot or args.config, args.overrides,
+                          source=args.config)
         if env.status_dir is None and env.rank == 0:  # else the launcher printed them
             for warning in config_warnings(cfg):
                 print(f"warning: {warning}", file=sys.stderr, flush=True)

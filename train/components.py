@@ -20,6 +20,7 @@ from torch import nn
 from train import losses, runtime
 from train.autobatch import largest_fitting, probe_on_gpu
 from train.checkpoint import Checkpointer
+from train.core import rundir
 from train.core.config import AUTO, Config, batch_split
 from train.core.config.checks import check_batch_memory
 from train.core.errors import CannotRunHere
@@ -76,6 +77,7 @@ def preflight(cfg: Config, env: WorkerIdentity, source: str) -> Placement:
     problem = output_dir_problem(cfg.output.dir, create=True)
     if problem:
         raise CannotRunHere(f"{problem}; {OUTPUT_DIR_FIX}")
+    rundir.check_no_links(cfg.run_dir)
     micro, accum = batch_split(cfg, env.world_size, source)
     check_batch_memory(cfg, env.world_size, source,
                        (available_memory() or 0) // env.local_world_size or None)
@@ -111,6 +113,7 @@ def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> C
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
     checkpointer = Checkpointer(cfg.run_dir, rank=env.rank, keep_last=cfg.checkpoint.keep_last,
                                 world_size=env.world_size, barrier=runtime.barrier(env),
+                                gather=runtime.gather(env),
                                 async_timeout_s=cfg.distributed.timeout_s)
     return Components(cfg, source, env, device, data, model, module, optimizer, scheduler,
                       grad_scaler(device.type, cfg.precision), micro, accum, checkpointer,

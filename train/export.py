@@ -3,8 +3,10 @@
 Writes the newest valid checkpoint's (or step-N's) model as plain files usable without this trainer:
 ``model.pt`` (a flat state dict of tensors, loadable with ``torch.load(...,
 weights_only=True)``) and ``model.json`` (model config, input shape, number of classes
-or vocabulary, source checkpoint and step, SHA-256 of model.pt). Default output:
-``RUN_DIR/export/``, written to a temporary name and renamed.
+or vocabulary, source checkpoint and step, SHA-256 of model.pt, the files it wrote).
+Default output: ``RUN_DIR/export/``. Each file is written to a temporary name and
+renamed; an existing ``--out`` is replaced only when it is an earlier export holding
+nothing else, and no folder is ever removed.
 """
 
 from __future__ import annotations
@@ -12,17 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
 from train.core.errors import CannotRunHere, ConfigError, UserError
-from train.core.files import sha256_file
+from train.core.files import create_new, sha256_file
+
+# What an export writes; model.json lists them, and a later export replaces only these.
+EXPORT_FILES = ("model.pt", "model.json")
 
 
 def check_output(run_dir: Path, out: Path) -> None:
-    """The output is replaced, so it must be an earlier export or not exist, and must not
-    hold or sit inside the run's own files (except RUN_DIR/export itself)."""
+    """The output must be new, or an earlier export holding nothing but the files it
+    wrote (its model.json lists them), and must not hold or sit inside the run's own
+    files (except RUN_DIR/export itself). Nothing is ever removed but those files."""
     run, target = run_dir.resolve(), out.resolve()
     if target == run or target in run.parents:
         raise ConfigError("command line", "--out", f"{out} contains the run directory; "
@@ -30,9 +35,38 @@ def check_output(run_dir: Path, out: Path) -> None:
     if run in target.parents and target.relative_to(run).parts[0] != "export":
         raise ConfigError("command line", "--out", f"{out} is inside the run's own files; "
                                                    f"use {run_dir / 'export'} or a path outside")
-    if target.exists() and not (target.is_dir() and (target / "model.json").is_file()):
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ConfigError("command line", "--out", f"{out} exists and is not a directory; "
+                                                   "choose a new or an earlier export directory")
+    if not out.exists():
+        return
+    if not (out / "model.json").is_file():
         raise ConfigError("command line", "--out", f"{out} exists and is not an earlier export "
                                                    f"(no model.json); it would be replaced")
+    listed = listed_files(out / "model.json")
+    ours = {*listed, *(temporary_name(f) for f in listed)}  # an interrupted export's too
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    if foreign:
+        raise ConfigError("command line", "--out",
+                          f"{out} holds files an export did not write "
+                          f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
+                          "export replaces only its own files: choose another --out")
+
+
+def temporary_name(name: str) -> str:
+    return f".{name}.tmp"
+
+
+def listed_files(meta_path: Path) -> list[str]:
+    """The files an earlier export wrote (exports before the list existed wrote these)."""
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        files = meta.get("files") if isinstance(meta, dict) else None
+    except (OSError, ValueError):
+        files = None
+    listed = files if isinstance(files, list) and all(isinstance(f, str) for f in files) \
+        else EXPORT_FILES
+    return [f for f in listed if f in EXPORT_FILES]
 
 
 def load_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, dict]:
@@ -75,11 +109,11 @@ def export(run_dir: Path, out: Path, step: int | None = None) -> Path:
                                                      f"({', '.join(bad[:3])}); export an "
                                                      "earlier checkpoint with --step N")
     check_output(run_dir, out)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save({k: v.contiguous() for k, v in saved.model.items()}, tmp / "model.pt")
-    digest = sha256_file(tmp / "model.pt")
+    out.mkdir(parents=True, exist_ok=True)
+    # Each file is written beside its final name and renamed over it, model.json last:
+    # its hash of model.pt tells a torn pair apart. Nothing else in `out` is touched.
+    write_replacing(out / "model.pt", lambda f: torch.save(
+        {k: v.contiguous() for k, v in saved.model.items()}, f))
     model = saved.config["model"]
     load = ("torch.load('model.pt', weights_only=True) -> state dict of "
             + (f"{model['factory']}(**model['args']) (your factory)"
@@ -87,11 +121,20 @@ def export(run_dir: Path, out: Path, step: int | None = None) -> Path:
                "train.models.build_model(ModelConfig(**model), input_shape=tuple(io["
                "'input_shape']), num_classes=io['num_classes'])"))
     meta = {"model": model, "io": saved.model_io, "checkpoint": str(path), "step": saved.step,
-            "model_pt_sha256": digest, "load": load}
-    (tmp / "model.json").write_text(json.dumps(meta, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+            "model_pt_sha256": sha256_file(out / "model.pt"), "load": load,
+            "files": list(EXPORT_FILES)}
+    text = (json.dumps(meta, indent=2) + "\n").encode()
+    write_replacing(out / "model.json", lambda f: f.write(text))
     return out
+
+
+def write_replacing(path: Path, write) -> None:
+    tmp = path.with_name(temporary_name(path.name))
+    with create_new(tmp) as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def load_model(export_dir: str | Path):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from train.board import Board
 from train.console import Console, format_duration
 from train.core.config import Config, to_yaml
-from train.core.files import json_text, write_atomic
+from train.core.files import json_text, open_append, write_atomic
 
 if TYPE_CHECKING:
     import torch
@@ -47,7 +47,7 @@ class MetricsLogger:
         self.cfg, self.max_steps, self.unit = cfg, cfg.train.max_steps, throughput_unit
         self.jsonl_path = run_dir / "metrics.jsonl"
         truncate_jsonl(self.jsonl_path, start_step)
-        self.jsonl = self.jsonl_path.open("a", buffering=1)
+        self.jsonl = open_append(self.jsonl_path)
         style = cfg.logging.progress
         self.console = Console(self.max_steps, throughput_unit,
                                bar=style == "bar" or (style == "auto" and sys.stdout.isatty()))

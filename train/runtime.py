@@ -93,6 +93,17 @@ def barrier(env: WorkerIdentity) -> Callable[[], None]:
     return dist.barrier if env.distributed else (lambda: None)
 
 
+def gather(env: WorkerIdentity) -> Callable[[object], list]:
+    """Every rank's value of a small object, on every rank (alone: its own)."""
+    def everyone(value: object) -> list:
+        if not env.distributed:
+            return [value]
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+    return everyone
+
+
 def from_main(value, env: WorkerIdentity):
     """Rank 0's value on every rank (decisions that must not differ between ranks)."""
     if not env.distributed:

@@ -30,7 +30,7 @@ from train.components import Components, build, preflight, train_loader
 from train.core import runlock, usercode
 from train.core.config import AUTO, Config, check_checkpoint_config, to_dict, to_yaml
 from train.core.errors import EXIT_OK, EXIT_STOPPED_BY_SIGNAL, Diverged
-from train.core.files import finished_step, write_json_atomic
+from train.core.files import finished_step, write_atomic, write_json_atomic
 from train.core.identity import WorkerIdentity
 from train.data import eval_indices
 from train.divergence import Guard, clear_marker, read_marker, write_marker
@@ -182,7 +182,7 @@ def start_logging(c: Components, state: TrainState) -> MetricsLogger | None:
     Rank 0 writes the run's files and gets the metrics logger; other ranks get None."""
     if not c.env.is_main:
         return None
-    (c.run_dir / "config.yaml").write_text(to_yaml(c.cfg))
+    write_atomic(c.run_dir / "config.yaml", to_yaml(c.cfg))
     update_manifest(c.run_dir, c.cfg, data_hash=c.data.data_hash,
                     data_description=c.data.description, world_size=c.env.world_size,
                     start_step=state.step, restart_count=c.env.restart_count,

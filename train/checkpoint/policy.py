@@ -59,6 +59,7 @@ def choose_checkpoint(checkpointer: Checkpointer, choice: str, env: WorkerIdenti
         return None, None
     path, loaded, problem = None, None, None
     if env.is_main:
+        checkpointer.remove_leftovers()
         path, loaded, problem = _pick(checkpointer, choice)
         if path is not None and path.parent == checkpointer.dir:
             checkpointer.set_aside_newer_than(int(path.name.split("-")[1]))

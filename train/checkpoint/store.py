@@ -13,6 +13,7 @@ state holds is :mod:`train.state`'s business.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -25,44 +26,62 @@ from pathlib import Path
 from typing import Any
 
 from train.core import rundir
+from train.core.errors import CannotRunHere
+from train.core.files import create_new, fsync_dir, sha256_file, write_atomic
 from train.core.files import describe_load_error as load_error
-from train.core.files import fsync_dir, fsync_file, sha256_file, write_atomic
 from train.core.rundir import CHECKSUMS, STATE_FILE, none_usable, step_of
 
 log = logging.getLogger("train")
 
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (disk full, quota); the previous one is intact."""
+class CheckpointWriteError(CannotRunHere):
+    """A checkpoint could not be written (disk full, quota, a read-only file system): exit
+    3, since a restart cannot free a disk. The partial checkpoint is removed and the
+    previous one is intact; a restart of the same attempt ends at once (train.worker)."""
 
 
 def save_file(obj: Any, path: Path) -> None:
     import torch
-    try:
-        torch.save(obj, path)
-        fsync_file(path)
-    except (OSError, RuntimeError) as exc:
-        raise write_error(exc, path) from exc
+    with create_new(path) as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
-def write_error(exc: BaseException, path: Path) -> CheckpointWriteError:
+def write_error(exc: BaseException, path: Path, needed: int | None = None,
+                folder: Path | None = None) -> CheckpointWriteError:
     """Say what went wrong in words: torch reports a full disk as "[enforce fail at
-    inline_container.cc] unexpected pos" or "file write failed"."""
-    folder = path.parent.parent  # checkpoints/
+    inline_container.cc] unexpected pos" or "file write failed". needed: about how many
+    bytes a checkpoint takes (the previous one's size), when known; folder: the
+    checkpoints folder (default: the one above ``path``'s step folder)."""
+    folder = folder or path.parent.parent  # checkpoints/
+    label = path.relative_to(folder) if folder in path.parents else path.name
     try:
         free = shutil.disk_usage(folder).free
     except OSError:
         free = None
-    left = f" ({free / 2**20:.0f} MiB free)" if free is not None else ""
+    sizes = [f"{_mib(free)} free"] if free is not None else []
+    if needed:
+        sizes.append(f"a checkpoint takes about {_mib(needed)}")
+    left = f" ({', '.join(sizes)})" if sizes else ""
     short_write = any(s in str(exc) for s in ("unexpected pos", "file write failed"))
-    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or \
-            (free is not None and free < 64 << 20):
-        what = f"no space left on {folder}{left}"
+    code = getattr(exc, "errno", None)
+    if code == errno.EROFS:
+        what = f"{folder} is on a read-only file system now"
+    elif code in (errno.EACCES, errno.EPERM):
+        what = f"{folder} is no longer writable ({os.strerror(code)})"
+    elif code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or \
+            (code is None and free is not None and free < 64 << 20):
+        what = f"no space left on {folder}{left}: free some, or lower checkpoint.keep_last"
     elif short_write:  # torch's words for a write the file system cut short
         what = f"the write was cut short: is the disk holding {folder} full{left}?"
     else:
         what = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-    return CheckpointWriteError(f"cannot write checkpoint file {path.parent.name}/{path.name}: "
-                                f"{what}; the previous checkpoint is intact")
+    return CheckpointWriteError(f"cannot write checkpoint {label}: {what}; the previous "
+                                "checkpoint is intact")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 10 << 20 else f"{n / 2**20:.0f} MiB"
 
 
 def snapshot(state: Any) -> Any:
@@ -77,9 +96,11 @@ class Checkpointer:
     """Writes and finds checkpoints of one run; ``barrier`` syncs ranks (no-op alone)."""
 
     def __init__(self, run_dir: Path, *, rank: int, keep_last: int, world_size: int = 1,
-                 barrier: Callable[[], None] = lambda: None, async_timeout_s: float = 600):
+                 barrier: Callable[[], None] = lambda: None,
+                 gather: Callable[[object], list] = lambda value: [value],
+                 async_timeout_s: float = 600):
         self.dir = run_dir / "checkpoints"
-        self.rank, self.keep_last, self.barrier = rank, keep_last, barrier
+        self.rank, self.keep_last, self.barrier, self.gather = rank, keep_last, barrier, gather
         self.world_size, self.async_timeout_s = world_size, async_timeout_s
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
@@ -90,31 +111,79 @@ class Checkpointer:
         """Collective: every rank calls it. Rank 0 writes shared_state; each rank its own.
 
         background=True returns once the state is copied; files are written, sealed and
-        `latest` updated by a thread (the next save or :meth:`wait` joins it).
+        `latest` updated by a thread (the next save or :meth:`wait` joins it). A write
+        that fails on any rank fails on every rank alike, with that rank's words
+        (:class:`CheckpointWriteError`): no rank is left waiting for another.
         """
-        self.wait()
         partial = self.dir / f"step-{step}.partial"
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        self.barrier()
         final = self.dir / f"step-{step}"
+        mine = partial / f"rank-{self.rank}.pt"
+        main = self.rank == 0
+
+        def write() -> None:
+            save_file(rank_state, mine)
+            if main:
+                save_file(shared_state, partial / STATE_FILE)
+
+        def seal() -> None:
+            self._seal(partial, final)
+            self._prune()
+
+        self._together(partial, partial, self.wait, wrap=False)  # a background save failed
+        self._together(partial, partial, (lambda: self._fresh(partial)) if main else None)
         if background:
-            args = (partial, final, snapshot(shared_state) if self.rank == 0 else None,
+            args = (partial, final, snapshot(shared_state) if main else None,
                     snapshot(rank_state))
             self._writer = threading.Thread(target=self._write_in_background, args=args,
                                             name=f"checkpoint-step-{step}")
             self._writer.start()
             return final
-        save_file(rank_state, partial / f"rank-{self.rank}.pt")
-        if self.rank == 0:
-            save_file(shared_state, partial / STATE_FILE)
-        self.barrier()
-        if self.rank == 0:
-            self._seal(partial, final)
-            self._prune()
-        self.barrier()
+        self._together(partial, partial / STATE_FILE if main else mine, write)
+        self._together(partial, partial / CHECKSUMS, seal if main else None)
         return final
+
+    @staticmethod
+    def _fresh(partial: Path) -> None:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+
+    def _together(self, partial: Path, path: Path, action: Callable[[], object] | None,
+                  wrap: bool = True) -> None:
+        """Run this rank's part (if any), then agree with every rank: the first failure
+        to write anywhere is raised everywhere. Collective. wrap: count any OSError of
+        the action as a failure to write ``path``."""
+        error = None
+        try:
+            if action is not None:
+                with self._writing(partial, path) if wrap else contextlib.nullcontext():
+                    action()
+        except CheckpointWriteError as exc:
+            error = str(exc)
+        failed = [e for e in self.gather(error) if e]
+        if failed:
+            raise CheckpointWriteError(failed[0])
+
+    @contextlib.contextmanager
+    def _writing(self, partial: Path, path: Path):
+        """A failed write is one CheckpointWriteError; the partial checkpoint goes with it
+        (left behind, it would keep a full disk full)."""
+        try:
+            yield
+        except (OSError, RuntimeError) as exc:
+            if isinstance(exc, CheckpointWriteError):
+                raise
+            needed = self._latest_size()
+            shutil.rmtree(partial, ignore_errors=True)
+            raise write_error(exc, path, needed, self.dir) from exc
+
+    def _latest_size(self) -> int | None:
+        name = self.latest_name()
+        if not name:
+            return None
+        try:
+            return sum(f.stat().st_size for f in (self.dir / name).iterdir() if f.is_file())
+        except OSError:
+            return None
 
     def wait(self) -> None:
         """Join a background save; its failure is raised here, in the training thread."""
@@ -123,15 +192,19 @@ class Checkpointer:
             self._writer = None
         if self._writer_error is not None:
             error, self._writer_error = self._writer_error, None
+            if isinstance(error, CheckpointWriteError):
+                raise error
             raise RuntimeError(f"background checkpoint failed: {error}") from error
 
     def _write_in_background(self, partial: Path, final: Path, shared: Any, mine: Any) -> None:
         try:
-            save_file(mine, partial / f"rank-{self.rank}.pt")
-            (partial / f"rank-{self.rank}.done").touch()
+            with self._writing(partial, partial / f"rank-{self.rank}.pt"):
+                save_file(mine, partial / f"rank-{self.rank}.pt")
+                create_new(partial / f"rank-{self.rank}.done").close()
             if self.rank != 0:
                 return
-            save_file(shared, partial / STATE_FILE)
+            with self._writing(partial, partial / STATE_FILE):
+                save_file(shared, partial / STATE_FILE)
             # Ranks have no collective here (the training thread owns the process group):
             # rank 0 seals once every rank's marker is on the shared run directory.
             markers = [partial / f"rank-{r}.done" for r in range(self.world_size)]
@@ -139,10 +212,13 @@ class Checkpointer:
             while not all(m.exists() for m in markers):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks did not finish writing {partial} in time")
+                if not partial.is_dir():  # another rank's write failed and removed it
+                    raise RuntimeError(f"{partial} was removed by a rank whose write failed")
                 time.sleep(0.05)
             for m in markers:
                 m.unlink()
-            self._seal(partial, final)
+            with self._writing(partial, partial / CHECKSUMS):
+                self._seal(partial, final)
             self._prune()
         except BaseException as exc:  # surfaced by wait()
             self._writer_error = exc
@@ -189,8 +265,20 @@ class Checkpointer:
         steps = sorted(self._step_dirs(), key=step_of, reverse=True)
         for old in steps[self.keep_last:]:
             shutil.rmtree(old, ignore_errors=True)
-        for stale in [*self.dir.glob("step-*.partial"), *self.dir.glob("step-*.replaced")]:
+        self.remove_leftovers()
+
+    def remove_leftovers(self) -> None:
+        """Partial checkpoints of a write that died (kill -9, a full disk) and copies
+        replaced by a re-save: never loadable, and they hold disk space. Only while no
+        save is in flight (after one, or before the first: one writer per run)."""
+        for stale in self.dir.glob("step-*.partial"):
             shutil.rmtree(stale, ignore_errors=True)
+        for old in self.dir.glob("step-*.replaced"):
+            final = old.with_name(old.name.removesuffix(".replaced"))
+            if final.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:  # killed between the renames of _seal: the old copy is the checkpoint
+                os.replace(old, final)
 
     def set_aside_newer_than(self, step: int) -> Path | None:
         """Resuming from ``step`` while newer checkpoints exist (an explicit resume_from, or

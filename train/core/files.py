@@ -4,16 +4,24 @@ A reader (another rank, the launcher, a rerun after kill -9) must see either the
 file or the new one, never a torn one: write to a temporary name in the same folder,
 flush and fsync it, then rename it over the target (``os.replace`` is atomic on POSIX
 file systems). Torch-free, so the launcher can use it too.
+
+No write follows a symbolic link: a link planted at a file's name in the run directory
+(``config.yaml -> ~/.bashrc``) would otherwise have the run overwrite whatever it points
+at. The temporary file is created new (``O_EXCL | O_NOFOLLOW``, after removing any
+leftover of that name), and the rename replaces a link at the target name instead of
+writing through it; files opened in place (appended to, locked) refuse a link
+(:class:`LinkRefused`). Directories may be links (checkpoints on another disk).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, TextIO
 
 
 def fsync_file(path: Path) -> None:
@@ -38,12 +46,42 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+class LinkRefused(OSError):
+    """A symbolic link stands where a file of the run is opened in place."""
+
+
+def refusing_links(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` with O_NOFOLLOW: a link at ``path`` is :class:`LinkRefused`, naming it."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise LinkRefused(errno.ELOOP, f"{path} is a symbolic link; the run writes no "
+                                           "file through a link: remove it") from None
+        raise
+
+
+def create_new(path: Path) -> BinaryIO:
+    """A new file at ``path`` for writing, whatever stood there before (a leftover, or a
+    link, is removed first; the file it pointed at is untouched)."""
+    path = Path(path)
+    if path.is_symlink() or path.exists():
+        path.unlink()
+    return os.fdopen(refusing_links(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb")
+
+
+def open_append(path: Path) -> TextIO:
+    """``path`` opened to append lines (created when missing); a link is refused."""
+    fd = refusing_links(Path(path), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
+
+
 def write_atomic(path: Path, data: str | bytes, *, durable: bool = True) -> None:
-    """Replace ``path`` with ``data`` in one step. durable=False skips the fsync (status
-    files that only need to be whole, not to survive a power cut)."""
+    """Replace ``path`` with ``data`` in one step, never writing through a link.
+    durable=False skips the fsync (status files that only need to be whole)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
+    with create_new(tmp) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
         f.flush()
         if durable:

@@ -19,6 +19,10 @@ from train.core.host import DEFAULT_BUILD_MANIFEST, available_cpus
 STATUS_DIR_VAR = "TRAIN_LAUNCHER_STATUS_DIR"
 # Set by the supervisor when it starts torchrun again for the same run (store came back).
 RELAUNCH_VAR = "TRAIN_RELAUNCH"
+# Set by the supervisor: the config as the launch validated it. Every start of a worker
+# in this launch (torchrun's restarts too) reads it instead of the config file, which may
+# have been edited or removed since.
+CONFIG_SNAPSHOT_VAR = "TRAIN_CONFIG_SNAPSHOT"
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class WorkerIdentity:
     socket_ifname: str | None = None     # TRAIN_SOCKET_IFNAME: this node's interface
     device: str | None = None            # TRAIN_DEVICE: gpu | cpu, as the launcher planned
     backend: str | None = None           # TRAIN_BACKEND: nccl | gloo | mpi, likewise
+    config_snapshot: str | None = None   # TRAIN_CONFIG_SNAPSHOT: the launch's config
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> WorkerIdentity:
@@ -63,7 +68,8 @@ class WorkerIdentity:
                    code_version=text("TRAIN_CODE_VERSION"),
                    debug=(text("TRAIN_DEBUG") or "0").lower() in ("1", "true", "yes", "on"),
                    socket_ifname=text("TRAIN_SOCKET_IFNAME"),
-                   device=text("TRAIN_DEVICE"), backend=text("TRAIN_BACKEND"))
+                   device=text("TRAIN_DEVICE"), backend=text("TRAIN_BACKEND"),
+                   config_snapshot=text(CONFIG_SNAPSHOT_VAR))
 
     @property
     def distributed(self) -> bool:

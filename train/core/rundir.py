@@ -1,7 +1,8 @@
 """The run directory's checkpoint layout, read the same way by the launcher and the workers.
 
 ``checkpoints/step-N/`` folders, each complete once its ``checksums.json`` lists every
-file, and ``checkpoints/latest`` naming the newest. Here is only what reading needs
+file, and ``checkpoints/latest`` naming the newest, beside the run's other files (:data:`RUN_FILES`,
+none of which may be a symbolic link). Here is only what reading needs
 and costs no hashing: which step folders exist, which one ``latest`` names, and
 whether a folder has its files. The launcher asks :func:`usable_problem` before it
 starts any worker (checkpoints there, none whole: exit 2, never a silent start over);
@@ -20,6 +21,27 @@ log = logging.getLogger("train")
 STATE_FILE = "state.pt"
 CHECKSUMS = "checksums.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+# Files a run writes at fixed names in its directory (checkpoints/ holds fresh step-N
+# folders): none may be a symbolic link, or the run would write where it points.
+RUN_FILES = ("config.yaml", "manifest.json", "metrics.jsonl", "result.json", "diverged.json",
+             ".lock", "checkpoints/latest")
+
+
+def linked_files(run_dir: Path) -> list[str]:
+    """The fixed-name files of ``run_dir`` that are symbolic links."""
+    return [name for name in RUN_FILES if (Path(run_dir) / name).is_symlink()]
+
+
+def check_no_links(run_dir: Path) -> None:
+    """ConfigError (exit 2) naming the first fixed-name file that is a link."""
+    from train.core.errors import ConfigError
+    linked = linked_files(run_dir)
+    if linked:
+        raise ConfigError(str(run_dir), linked[0], "is a symbolic link; the run writes no "
+                                                   "file through a link (it would overwrite "
+                                                   "what the link points at): remove it")
 
 
 def step_of(path: Path) -> int:

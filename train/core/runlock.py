@@ -28,7 +28,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.core.errors import CannotRunHere
+from train.core.errors import CannotRunHere, ConfigError
+from train.core.files import LinkRefused, refusing_links, write_atomic
 from train.core.host import process_alive
 
 LOCK_FILE = ".lock"
@@ -58,7 +59,10 @@ def acquire(run_dir: Path, job: str | None = None) -> RunLock:
     job = job or f"launch-{uuid.uuid4().hex[:12]}"
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o664)
+    try:
+        fd = refusing_links(path, os.O_RDWR | os.O_CREAT, 0o664)
+    except LinkRefused as exc:
+        raise ConfigError(str(run_dir), LOCK_FILE, exc.strerror) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -102,5 +106,5 @@ def _lease(path: Path, run_dir: Path, job: str, holder: dict) -> RunLock:
         if not here or process_alive(holder.get("pid")):
             hint = "" if here else (f"; if that run is gone, remove {path}")
             raise CannotRunHere(_held_message(run_dir, holder) + hint)
-    path.write_text(json.dumps(_record(job)), encoding="utf-8")
+    write_atomic(path, json.dumps(_record(job)))
     return RunLock(path, None, job, lease=True)

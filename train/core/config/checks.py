@@ -17,7 +17,16 @@ import yaml
 
 from train.core import rundir
 from train.core.config import kinds
-from train.core.config.origins import DEFAULT, QUOTED, Sources, ref, related, source_of, val
+from train.core.config.origins import (
+    DEFAULT,
+    QUOTED,
+    Sources,
+    origin_note,
+    ref,
+    related,
+    source_of,
+    val,
+)
 from train.core.config.schema import AUTO, Config, to_dict
 from train.core.config.strict_yaml import short
 from train.core.errors import CannotRunHere, ConfigError, raise_all
@@ -205,14 +214,22 @@ def check_checkpoint_config(cfg: Config, saved: dict, where: Path | str, source:
                           f"checkpoint.resume_from=none to start this run over")
 
 
+# Keys a rerun may change without a word: what the launcher decides for the worker
+# (auto becomes cpu/gpu, nccl/gloo) and where the run directory is named from.
+UNCOMPARED_KEYS = ("device", "distributed.backend", "output.dir", "run.name")
+
+
 def check_resume_compatible(cfg: Config, source: str) -> None:
     """A config that would resume a run whose checkpoints it cannot load is bad input.
 
     Before any worker starts: checkpoints present but none with its files is refused
     (exit 2, never a silent start from step 0); then the config is compared with the run
-    directory's config.yaml (written
-    once a start has loaded its checkpoint, so it matches the checkpoints' shapes).
-    The worker checks the checkpoint's own copy again when it loads it.
+    directory's config.yaml (written once a start has loaded its checkpoint, so it
+    matches the checkpoints' shapes): a change of a :data:`RESUME_KEYS` key is exit 2,
+    any other change a warning naming each key (:func:`~.origins.config_warnings`), so a
+    rerun with an edited config never changes the run silently. A damaged config.yaml
+    is a warning too (this start rewrites it). The worker checks the checkpoint's own
+    copy again when it loads it.
     """
     run_dir = cfg.run_dir
     if cfg.checkpoint.resume_from != AUTO:
@@ -222,8 +239,53 @@ def check_resume_compatible(cfg: Config, source: str) -> None:
         raise ConfigError(source, "checkpoint.resume_from", problem)
     if not (run_dir / "checkpoints" / "latest").exists():
         return
-    try:
-        saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return  # nothing to compare with; the worker checks the checkpoint itself
+    saved, damage = recorded_config(run_dir)
+    if damage:
+        _warn(cfg, f"{run_dir / 'config.yaml'}: {damage}; this start rewrites it (the "
+                   "checkpoint's own copy of the config is checked instead)")
+    if saved is None:
+        return
     check_checkpoint_config(cfg, saved, run_dir, source)
+    changed = changed_keys(saved, to_dict(cfg))
+    if changed:
+        shown = "; ".join(f"{k} {_show(_dig(saved, k))} -> {_show(_dig(to_dict(cfg), k))}"
+                          f"{origin_note(cfg, k, source)}" for k in changed[:5])
+        more = f"; and {len(changed) - 5} more" if len(changed) > 5 else ""
+        _warn(cfg, f"{source}: resuming {run_dir} with a config that differs from the one it "
+                   f"ran with ({run_dir / 'config.yaml'}): {shown}{more}")
+
+
+def recorded_config(run_dir: Path) -> tuple[dict | None, str | None]:
+    """The run's config.yaml as a mapping, or (None, what is wrong with it)."""
+    path = run_dir / "config.yaml"
+    try:
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, None
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text (damaged)"
+    except (OSError, yaml.YAMLError) as exc:
+        return None, f"unreadable ({type(exc).__name__})"
+    if not isinstance(saved, dict):
+        return None, "not a mapping of keys (damaged)"
+    return saved, None
+
+
+def changed_keys(saved: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose value differs (keys only one side has are left out: another
+    version of this project wrote the other)."""
+    out = []
+    for key, value in new.items():
+        dotted = f"{prefix}{key}"
+        if dotted in UNCOMPARED_KEYS or key not in saved:
+            continue
+        if isinstance(value, dict) and isinstance(saved[key], dict) and \
+                dotted not in ("model.args", "data.args"):
+            out += changed_keys(saved[key], value, dotted + ".")
+        elif saved[key] != value:
+            out.append(dotted)
+    return out
+
+
+def _warn(cfg: Config, message: str) -> None:
+    cfg._warnings = [*getattr(cfg, "_warnings", []), message]

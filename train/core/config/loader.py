@@ -230,17 +230,22 @@ def _finish(tree: dict, sources: Sources, errors: list[ConfigError], bad: set[st
     return cfg
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path, overrides: list[str] = (), *,
+                source: str | None = None) -> Config:
     """Load, override, validate. Raises ConfigError (exit 2) on anything invalid: every
     problem of the config at once (:class:`~train.core.errors.ConfigErrors`) when there are
-    several. Adjustments made with a warning: :func:`config_warnings`."""
+    several. Adjustments made with a warning: :func:`config_warnings`.
+
+    source: the file messages name and run.name defaults to, when ``path`` is a copy
+    of it (a worker reads the config its launch validated, not the file again)."""
     tree = read_yaml(path)
     in_file = paths_in(tree)
     errors: list[ConfigError] = []
     bad: set[str] = set()
     overridden = _apply_overrides(tree, list(overrides), errors, bad, in_file)
-    return _finish(tree, Sources(str(path), overridden, in_file), errors, bad,
-                   run_name=Path(path).stem)
+    named = source or str(path)
+    return _finish(tree, Sources(named, overridden, in_file), errors, bad,
+                   run_name=Path(named).stem)
 
 
 def load_overrides(overrides: list[str], defaults: dict[str, Any]) -> Config:

@@ -1,0 +1,204 @@
+"""Nothing lost: what a run writes, and what it reads again.
+
+- no file of the run directory is written through a symbolic link (per file the run
+  writes: the launcher refuses before starting, the write helpers refuse or replace);
+- restarts within one launch train the config the launch validated, however the file
+  changes; a rerun with an edited config says which keys changed;
+- a damaged ``RUN_DIR/config.yaml`` is one warning, not a traceback;
+- a full disk or a checkpoint folder turned read-only mid-run: one line, the partial
+  checkpoint removed, no futile restart (exit 3).
+
+Real processes and real files; the disk is a real tmpfs mounted in a mount namespace of
+the test's own (skipped where the machine gives no rights for one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY_GPT, clean_env, merge, write_config
+
+from train.core import files, rundir
+from train.core.errors import ConfigError
+
+ENTRY = str(ROOT / "entrypoint.py")
+VICTIM_TEXT = "a file outside the run directory\n"
+
+
+def entry(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, ENTRY, *args], cwd=cwd, env=clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def tiny(tmp_path: Path, **train) -> Path:
+    return write_config(tmp_path / "run.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path / "runs")}, "train": train,
+        "checkpoint": {"every_steps": 2}}))
+
+
+# ------------------------------------------------------------------ links
+
+@pytest.mark.parametrize("name", rundir.RUN_FILES)
+def test_no_run_file_is_written_through_a_link(tmp_path, name):
+    """A link planted at any file name the run writes: exit 2 naming it, before anything
+    is written; the file it points at is untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text(VICTIM_TEXT)
+    run_dir = tmp_path / "runs" / "run"
+    (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+    (run_dir / name).symlink_to(victim)
+    out = entry("train", str(tiny(tmp_path, max_steps=2)), cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"error: {run_dir}: {name}: is a symbolic link; the run writes no file through a "
+        "link (it would overwrite what the link points at): remove it")
+    assert victim.read_text() == VICTIM_TEXT
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted({name.split("/")[0]})
+
+
+def test_the_write_helpers_never_write_through_a_link(tmp_path):
+    """The same at the moment of writing (a link made after the launcher looked)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text(VICTIM_TEXT)
+    target = tmp_path / "config.yaml"
+    target.symlink_to(victim)
+    (tmp_path / "config.yaml.tmp").symlink_to(victim)  # its temporary name too
+    files.write_atomic(target, "new: 1\n")
+    assert not target.is_symlink() and target.read_text() == "new: 1\n"
+    (tmp_path / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(files.LinkRefused, match=r"metrics\.jsonl is a symbolic link"):
+        files.open_append(tmp_path / "metrics.jsonl")
+    (tmp_path / "state.pt").symlink_to(victim)
+    with files.create_new(tmp_path / "state.pt") as f:
+        f.write(b"tensor bytes")
+    assert victim.read_text() == VICTIM_TEXT
+    from train.core import runlock
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".lock").symlink_to(victim)
+    with pytest.raises(ConfigError, match=r"\.lock: .* is a symbolic link"):
+        runlock.acquire(tmp_path / "run")
+    assert victim.read_text() == VICTIM_TEXT
+
+
+# ------------------------------------------------------------------ the config read again
+
+def worker_pids(launcher_pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()
+            if "train.worker" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+
+
+@pytest.mark.slow
+def test_a_restart_trains_the_config_its_launch_validated(tmp_path):
+    """The config file edited mid-run, then the worker killed: the launcher's restart
+    trains the run that started (its max_steps, its evaluation); a later rerun of the
+    edited file resumes and names each changed key."""
+    config = tiny(tmp_path, max_steps=30, eval_every_steps=10)
+    log = (tmp_path / "out.log").open("w")
+    launcher = subprocess.Popen([sys.executable, ENTRY, "train", str(config),
+                                 "distributed.max_restarts=1", "logging.every_steps=1"],
+                                cwd=tmp_path, env=clean_env(), stdout=log,
+                                stderr=subprocess.STDOUT)
+    text = lambda: (tmp_path / "out.log").read_text()  # noqa: E731
+    try:
+        deadline = time.monotonic() + 180
+        while "checkpoint saved" not in text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        edited = json.loads(json.dumps(merge(TINY_GPT, {
+            "output": {"dir": str(tmp_path / "runs")}, "checkpoint": {"every_steps": 2},
+            "train": {"max_steps": 40, "eval_every_steps": 3}})))
+        write_config(config, edited)
+        for pid in worker_pids(launcher.pid):
+            os.kill(pid, signal.SIGKILL)
+        assert launcher.wait(timeout=240) == 0, text()[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert "restart 1 of 1" in text()
+    run_dir = tmp_path / "runs" / "run"
+    assert json.loads((run_dir / "result.json").read_text())["step"] == 30
+    evals = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text()
+                                    .splitlines()) if "val/loss" in r]
+    assert evals == [10, 20, 30]
+    rerun = entry("train", str(config), cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    (warning,) = [ln for ln in rerun.stderr.splitlines() if "resuming" in ln]
+    assert f"warning: {config}: resuming {run_dir} with a config that differs from the one " \
+           f"it ran with ({run_dir / 'config.yaml'}): " in warning
+    assert "train.max_steps 30 -> 40" in warning and "train.eval_every_steps 10 -> 3" in warning
+
+
+def test_a_damaged_run_config_is_one_warning_not_a_traceback(tmp_path):
+    config = tiny(tmp_path, max_steps=2)
+    assert entry("train", str(config), cwd=tmp_path).returncode == 0
+    recorded = tmp_path / "runs" / "run" / "config.yaml"
+    recorded.write_bytes(recorded.read_bytes()[:40] + b"\xff\xfe" + recorded.read_bytes()[40:])
+    again = entry("train", str(config), "train.max_steps=4", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Traceback" not in again.stderr
+    warnings = [ln for ln in again.stderr.splitlines() if "config.yaml: not UTF-8" in ln]
+    assert len(warnings) == 1 and "this start rewrites it" in warnings[0]
+    recorded.read_text(encoding="utf-8")  # rewritten whole
+
+
+# ------------------------------------------------------------------ the disk
+
+def in_mount_namespace(script: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``script`` (bash) in a mount namespace of its own: mounts made there vanish with it."""
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True)
+    if probe.returncode:
+        pytest.skip("no rights for a mount namespace (unshare --mount): "
+                    f"{probe.stderr.decode().strip()}")
+    return subprocess.run(["unshare", "--mount", "bash", "-c", script], env=clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_one_line_and_no_futile_restart(tmp_path):
+    """2 processes under torchrun (which restarts workers whatever their exit code): the
+    checkpoint cannot be written on a 128 KiB disk; one line names the free space, the
+    partial checkpoint is gone, the restarts end at once, exit 3."""
+    config = tiny(tmp_path, max_steps=4)
+    checkpoints = tmp_path / "runs" / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    out = in_mount_namespace(
+        f"mount -t tmpfs -o size=128k tmpfs {checkpoints} || exit 99\n"
+        f"cd {tmp_path}; {sys.executable} {ENTRY} train {config} distributed.nproc_per_node=2 "
+        f"distributed.max_restarts=2; rc=$?\n"
+        f"echo LEFT: $(ls -A {checkpoints}); exit $rc")
+    assert out.returncode == 3, out.stdout[-2000:] + out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot write checkpoint step-2.partial/") and \
+        f"no space left on {checkpoints}" in last and "MiB free" in last, last
+    assert "LEFT:" in out.stdout.splitlines(), out.stdout  # nothing left on the full disk
+    assert "Traceback" not in out.stderr
+    assert out.stderr.count("not restarting: rank") >= 1, out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_folder_turned_read_only_is_one_line(tmp_path):
+    config = tiny(tmp_path, max_steps=200)
+    checkpoints = tmp_path / "runs" / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    log = tmp_path / "out.log"
+    out = in_mount_namespace(
+        f"mount -t tmpfs -o size=64m tmpfs {checkpoints} || exit 99\n"
+        f"cd {tmp_path}; {sys.executable} {ENTRY} train {config} logging.every_steps=1 "
+        f">{log} 2>&1 & pid=$!\n"
+        f"until grep -q 'checkpoint saved' {log}; do sleep 0.2; kill -0 $pid || exit 98; done\n"
+        f"until mount -o remount,ro {checkpoints}; do sleep 0.05; done\n"  # not mid-write
+        f"wait $pid; rc=$?; echo PARTIALS: $(ls -d {checkpoints}/*.partial 2>/dev/null); "
+        f"exit $rc", timeout=400)
+    text = log.read_text()
+    assert out.returncode == 3, out.stdout + text[-3000:]
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("error: cannot write checkpoint step-") and \
+        "read-only file system" in last, last
+    assert "Traceback" not in text and "PARTIALS:" in out.stdout.splitlines(), out.stdout
