@@ -48,7 +48,8 @@ DEPENDENCIES = {"yaml", "torch", "numpy", "pynvml", "tensorboard"}
 
 
 def log(message: str) -> None:
-    print(f"entrypoint: {message}", file=sys.stderr, flush=True)
+    from train.core.errors import printable  # what users set is echoed escaped
+    print(f"entrypoint: {printable(message)}", file=sys.stderr, flush=True)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -142,6 +143,9 @@ def cmd_rendezvous(args: list[str]) -> int:
     ns = parser.parse_args(args)
     if not 0 <= ns.port < 65536:
         parser.error(f"--port {ns.port}: expected 0..65535")
+    problem = rendezvous.listen_problem(ns.host)
+    if problem:
+        parser.error(f"--host {ns.host}: {problem}")
     return rendezvous.serve(ns.port, log, host=ns.host)
 
 

@@ -54,6 +54,24 @@ def watch(store, seen: dict[str, str | None], log: Callable[[str], None]) -> Non
         seen[key] = summary
 
 
+def listen_problem(host: str) -> str | None:
+    """Why this machine cannot listen on ``host``, or None (checked before torch's store,
+    which would retry a bad address for a minute)."""
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return "not an address or a name that resolves; use an address of this machine " \
+               "(the pod IP) or 0.0.0.0"
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind(address)
+            return None
+        except OSError:
+            continue
+    return "not an address of this machine; use one of its own (the pod IP) or 0.0.0.0"
+
+
 def serve(port: int, log: Callable[[str], None], host: str = "0.0.0.0",
           poll_s: float = 2.0, stop: threading.Event | None = None,
           install_signals: bool = True) -> int:

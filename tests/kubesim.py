@@ -143,9 +143,11 @@ class Cluster:
         spec = template["spec"]
         container = spec["containers"][0]
         mounts = self._mounts(pod, spec, container)
-        args = [self._rewrite(a, mounts) for a in container["args"]] + extra_args
-        process = Process(pod, [sys.executable, ENTRY, *args],
-                          self._env(pod, container, mounts, extra_env), self.work,
+        env = self._env(pod, container, mounts, extra_env)
+        # the kubelet expands $(NAME) in args from the container's environment
+        args = [re.sub(r"\$\(([A-Za-z_]\w*)\)", lambda m: env.get(m[1], m[0]),
+                       self._rewrite(a, mounts)) for a in container["args"]] + extra_args
+        process = Process(pod, [sys.executable, ENTRY, *args], env, self.work,
                           namespace=self.namespaces, hosts=self.hosts)
         self.pods.append(process)
         return process.start()

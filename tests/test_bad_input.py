@@ -84,6 +84,10 @@ CASES = [
      "data.path", "not a readable numeric .npy"),
     ("pt without a tensor dict", TINY_MLP, None, ["data.kind=tensors", "data.path=@list.pt"],
      {}, 2, "data.path", "must hold a dict with tensors"),
+    ("a terminal escape in an unknown key", None, "optim:\n  \"lr\\e[2J\": 1\n", [], {}, 2,
+     "optim.lr\\x1b[2J", "unknown key"),
+    ("a newline and an escape in run.name", TINY_GPT, None, ["run.name=a\nentrypoint: ok\x1b[1m"],
+     {}, 2, "run.name", "without '/' or control characters"),
     ("a global batch this machine cannot hold", TINY_GPT, None,
      ["train.global_batch_size=17179869184", "train.micro_batch_size=1"], {}, 3, None,
      "of memory available here"),
@@ -112,6 +116,7 @@ def test_bad_input_is_one_line_from_the_parent(tmp_path, name, tree, text, overr
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == code, proc.stderr[-2000:]
     assert len(lines) == 1 and len(lines[0]) < 600, proc.stderr[-2000:]
+    assert lines[0].isprintable(), "what users wrote is echoed escaped"
     assert "Traceback" not in proc.stderr and "entrypoint: run" not in proc.stderr
     if key is not None:
         assert f": {key}: " in lines[0], lines[0]

@@ -49,8 +49,9 @@ def test_apply_k8s_takes_only_the_nvidia_manifests():
     assert not (K8S / "kustomization.yaml").exists()  # it would break kubectl apply -f k8s/
     assert sorted(p.name for p in K8S.iterdir() if p.is_dir()) == ["amd", "cpu"]
     assert {d["kind"] for d in docs(K8S)} == {"ConfigMap", "Deployment", "Job",
-                                              "PersistentVolumeClaim", "PodDisruptionBudget",
-                                              "Service", "ServiceAccount"}
+                                              "NetworkPolicy", "PersistentVolumeClaim",
+                                              "PodDisruptionBudget", "Service",
+                                              "ServiceAccount"}
 
 
 def test_variants_are_generated_from_k8s():
@@ -181,3 +182,38 @@ def test_the_rendezvous_is_drained_last_and_tensorboard_reads_the_runs():
 def test_amd_pods_may_open_the_gpu_devices():
     _, spec, _ = worker(K8S / "amd")
     assert spec["securityContext"]["supplementalGroups"]  # video and render
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_only_the_jobs_workers_reach_the_store_and_each_other(variant):
+    """Every pod is under an ingress policy: the store admits the workers on its port,
+    workers admit workers, TensorBoard admits no one (and listens on loopback)."""
+    folder = VARIANTS[variant][0]
+    policies = [d for d in docs(folder) if d["kind"] == "NetworkPolicy"]
+    worker_labels = worker(folder)[0]["spec"]["template"]["metadata"]["labels"]
+    for obj, spec in pod_specs(folder):
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        (policy,) = [p for p in policies if selects(p["spec"]["podSelector"], labels)]
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        rules = policy["spec"].get("ingress", [])
+        component = labels["app.kubernetes.io/component"]
+        args = spec["containers"][0]["args"]
+        if component == "tensorboard":
+            assert rules == [] and args[args.index("--host") + 1] == "127.0.0.1"
+            continue
+        (rule,) = rules
+        assert [selects(f["podSelector"], worker_labels) for f in rule["from"]] == [True]
+        assert not any(selects(f["podSelector"], labels) for f in rule["from"]) or \
+            component == "worker", "the store admits no one but the workers"
+        if component == "rendezvous":
+            service = one(folder, "Service", "train-rendezvous")["spec"]["ports"][0]["port"]
+            assert rule["ports"] == [{"port": service, "protocol": "TCP"}]
+            assert args[args.index("--host") + 1] == "$(POD_IP)"
+            env = {e["name"]: e for e in spec["containers"][0]["env"]}
+            assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        else:
+            assert "ports" not in rule  # collectives use ports chosen at run time

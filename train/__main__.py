@@ -15,7 +15,7 @@ from train.core import usercode
 from train.core.config import check_resume_compatible, load_config, to_yaml
 from train.core.config.loader import dashed_override
 from train.core.config.origins import config_warnings
-from train.core.errors import EXIT_TRAINING_FAILED, UserError
+from train.core.errors import EXIT_TRAINING_FAILED, UserError, printable
 from train.core.identity import WorkerIdentity
 
 
@@ -54,7 +54,7 @@ def run(argv: list[str]) -> tuple[int, str | None]:
                           source=args.config)
         if env.status_dir is None and env.rank == 0:  # else the launcher printed them
             for warning in config_warnings(cfg):
-                print(f"warning: {warning}", file=sys.stderr, flush=True)
+                print(f"warning: {printable(warning)}", file=sys.stderr, flush=True)
         if args.print_config:
             sys.stdout.write(to_yaml(cfg))
             return 0, None
@@ -70,7 +70,8 @@ def run(argv: list[str]) -> tuple[int, str | None]:
         logging.getLogger("train").exception("training failed")
         record_for_torchrun(exc)
         message = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, always
-        print(f"error: rank {WorkerIdentity.from_environ().rank}: {message}", file=sys.stderr)
+        print(f"error: rank {WorkerIdentity.from_environ().rank}: {printable(message)}",
+              file=sys.stderr)
         return EXIT_TRAINING_FAILED, f"{type(exc).__name__}: {exc}"
 
 

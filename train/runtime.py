@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from train.core import comm_defaults, placement
 from train.core.config import AUTO, Config
-from train.core.errors import CannotRunHere
+from train.core.errors import CannotRunHere, printable
 from train.core.identity import WorkerIdentity
 
 log = logging.getLogger("train")
@@ -134,11 +134,21 @@ def shutdown_distributed(clean: bool) -> None:
         dist.destroy_process_group()
 
 
+class EscapingFormatter(logging.Formatter):
+    """Messages with control characters escaped (a path or name from the config cannot
+    act on the terminal or forge a line); tracebacks keep their lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = printable(record.message)
+        return super().formatMessage(record)
+
+
 def configure_logging(rank: int) -> None:
     """Every log line carries its rank, so interleaved logs of many ranks stay readable."""
-    logging.basicConfig(level=logging.INFO, force=True,
-                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.INFO, force=True)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(EscapingFormatter(
+            f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S"))
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,22 @@ EXIT_STOPPED_BY_SIGNAL = 143
 FINAL_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_DIVERGED)
 
 
+def printable(text: str) -> str:
+    """``text`` safe to print to a terminal: control and format characters (ESC, CR,
+    bidirectional overrides; from a config key or value, an environment variable) are
+    shown escaped (``\\x1b``) instead of acting on the terminal or forging a log line."""
+    return "".join(c if c.isprintable() or c == " " else
+                   (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+                   for c in text)
+
+
 class UserError(Exception):
     """An error the user can fix; carries its exit code and a one-line message."""
 
     exit_code = EXIT_BAD_INPUT
 
     def one_line(self) -> str:
-        return "error: " + " ".join(str(self).split())
+        return "error: " + printable(" ".join(str(self).split()))
 
 
 class ConfigError(UserError):

@@ -78,8 +78,10 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
         return error is not None
 
     t = cfg.train
-    if not cfg.run.name or "/" in cfg.run.name or cfg.run.name in (".", ".."):
-        fail("run.name", f"got {short(cfg.run.name)}; a non-empty name without '/'")
+    name = cfg.run.name
+    if not name or "/" in name or name in (".", "..") or not name.isprintable():
+        fail("run.name", f"got {short(name)}; a non-empty name without '/' or control "
+                         "characters")
     if not cfg.output.dir.strip():
         fail("output.dir", "is empty; a directory for run directories, e.g. runs")
     kinds.check_pairing(cfg, fail)

@@ -99,7 +99,13 @@ def load(text: str) -> Any:
     if size > MAX_BYTES:
         raise StrictYamlError("<file>", f"{size / 2**20:.1f} MiB; a config is at most "
                                         f"{MAX_BYTES >> 20} MiB")
-    loader = _Loader(text)
+    try:
+        loader = _Loader(text)
+    except yaml.reader.ReaderError as exc:  # a control character: YAML refuses to read on
+        line = text.count("\n", 0, exc.position) + 1
+        raise StrictYamlError(f"line {line}", f"invalid YAML: a control character (#x"
+                                             f"{exc.character:02x}); YAML holds printable "
+                                             "text only") from None
     try:
         data = loader.get_single_data()
     except yaml.MarkedYAMLError as exc:
