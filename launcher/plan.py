@@ -39,6 +39,7 @@ from train.core.placement import (
 )
 
 WORKER_MODULE = "train.worker"
+SHUTDOWN_TIMEOUT_VAR = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's --shutdown-timeout
 SCRIPT_MODULE = "train.script"
 
 
@@ -187,6 +188,9 @@ def worker_variables(cfg: Config, hw: Hardware, device: str, backend: str, nproc
         socket_ifname=environ.socket_ifname or cfg.distributed.socket_ifname))
     if not direct:  # the convention's torchrun settings
         v.defaults(nodes.env)
+        # torchrun SIGKILLs its workers this long after forwarding SIGTERM: the stop
+        # checkpoint gets the platform's grace, less a margin for torchrun to exit.
+        v.default(SHUTDOWN_TIMEOUT_VAR, str(cfg.distributed.grace_period_s - 5))
     if direct:
         for name, value in direct_worker_identity(master_port, max_restarts).items():
             v.force(name, value)

@@ -245,8 +245,9 @@ def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -
             log(f"set {name}={value}")
     else:
         log(summarise_env(plan.env))
-    # One writer per run directory; a script's launch writes only its logs there.
-    lock = runlock.acquire(cfg.run_dir, plan.job) if plan.program == "train" else None
+    # One job per run directory; a script's launch writes only its logs there.
+    lock = runlock.acquire(cfg.run_dir, plan.job, runlock.LeaseTimes.of(cfg), log=log) \
+        if plan.program == "train" else None
     try:
         log("run " + shlex.join(plan.argv))
         if plan.rdzv_host:
@@ -254,7 +255,8 @@ def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -
         return supervise.run(plan, p.env.raw, log,
                              keep_fds=(lock.fd,) if lock is not None and lock.fd else (),
                              verbose=verbose,
-                             config_text=to_yaml(cfg) if plan.program == "train" else None)
+                             config_text=to_yaml(cfg) if plan.program == "train" else None,
+                             abort=(lambda: lock.lost) if lock is not None else None)
     finally:
         if lock is not None:
             lock.release()

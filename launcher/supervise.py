@@ -38,6 +38,7 @@ from launcher.torchrun import STORE_LOST
 from train.core import reports
 from train.core.errors import (
     EXIT_OK,
+    EXIT_RUN_DIR_BUSY,
     EXIT_STOPPED_BY_SIGNAL,
     EXIT_STORE_LOST,
     EXIT_TRAINING_FAILED,
@@ -172,12 +173,15 @@ MAX_STORE_RELAUNCHES = 10
 
 def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
         keep_fds: tuple[int, ...] = (), verbose: bool = False,
-        config_text: str | None = None) -> int:
+        config_text: str | None = None,
+        abort: Callable[[], str | None] | None = None) -> int:
     """Start the plan's command, forward signals, restart (direct mode) or relaunch (the
     rendezvous store came back), map the result. keep_fds: descriptors the child inherits
     (the run-directory lock, so that it is held as long as any process of the run lives);
     verbose: also log the variables set for each start; config_text: the validated
-    config, which every worker start of this launch reads instead of the file."""
+    config, which every worker start of this launch reads instead of the file; abort:
+    a reason to stop at once, when there is one (the run directory's lease was lost):
+    every process of the child is killed, nothing more is written, exit 6."""
     folder = Path(tempfile.mkdtemp(prefix="train-launcher-"))
     env = {**base_env, **plan.env, STATUS_DIR_VAR: str(folder)}
     if config_text is not None:
@@ -195,7 +199,10 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
                 env["TORCHELASTIC_RESTART_COUNT"] = str(restarts)
                 if verbose or restarts:
                     log(f"set TORCHELASTIC_RESTART_COUNT={restarts}")
-            rc = _start_and_wait(plan, env, keep_fds, forwarder, log)
+            rc, aborted = _start_and_wait(plan, env, keep_fds, forwarder, log, abort)
+            if aborted:
+                outcome = Outcome(EXIT_RUN_DIR_BUSY, f"error: {aborted}")
+                break
             outcome = classify(rc, read_reports(folder), forwarder.received,
                                plan.nproc_per_node, plan.mode, plan.program)
             if forwarder.received:
@@ -214,8 +221,9 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
                                   f"({plan.convention}) a lost node cannot rejoin: every node "
                                   "stops; restart the job's pods and they resume from the "
                                   "last checkpoint")
+            repeated = any(r.details.get("repeated") for r in read_reports(folder))
             if plan.mode == "direct" and outcome.code == EXIT_TRAINING_FAILED \
-                    and restarts < plan.max_restarts:
+                    and restarts < plan.max_restarts and not repeated:
                 restarts += 1
                 log(f"worker failed; restart {restarts} of {plan.max_restarts}")
                 continue
@@ -229,7 +237,9 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
 
 
 def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
-                    forwarder: Forwarder, log: Callable[[str], None]) -> int:
+                    forwarder: Forwarder, log: Callable[[str], None],
+                    abort: Callable[[], str | None] | None) -> tuple[int, str | None]:
+    """(the child's exit status, the abort reason when it was killed for one)."""
     watcher = None
     if plan.store and plan.job:  # a node's one-line view of each rendezvous round
         watcher = RoundWatcher(plan.store, plan.job, plan.nnodes, plan.join_timeout_s, log)
@@ -238,12 +248,48 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
         proc = subprocess.Popen(list(plan.argv), env=env, start_new_session=True,
                                 pass_fds=keep_fds, preexec_fn=_child_setup(os.getpid()))
         forwarder.attach(proc)
-        rc = proc.wait()
+        reason = None
+        while True:
+            try:
+                rc = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                reason = abort() if abort is not None else None
+                if reason:  # no checkpoint, no more writes: every process at once
+                    kill_tree(proc.pid)
+                    rc = proc.wait()
+                    break
         forwarder.proc = None
-        return rc
+        return rc, reason
     finally:
         if watcher is not None:
             watcher.stop.set()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (torchrun's workers are in sessions of
+    their own, and a SIGTERM would make them write a checkpoint)."""
+    for victim in [pid, *descendants(pid)]:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _store_returns(plan: Plan, forwarder: Forwarder, log: Callable[[str], None],

@@ -47,11 +47,10 @@ def pod_specs(folder: Path) -> list[tuple[dict, dict]]:
 
 def test_apply_k8s_takes_only_the_nvidia_manifests():
     assert not (K8S / "kustomization.yaml").exists()  # it would break kubectl apply -f k8s/
-    assert sorted(p.name for p in K8S.iterdir() if p.is_dir()) == ["amd", "cpu"]
+    assert sorted(p.name for p in K8S.iterdir() if p.is_dir()) == ["amd", "cpu", "tools"]
     assert {d["kind"] for d in docs(K8S)} == {"ConfigMap", "Deployment", "Job",
                                               "NetworkPolicy", "PersistentVolumeClaim",
-                                              "PodDisruptionBudget", "Service",
-                                              "ServiceAccount"}
+                                              "Service", "ServiceAccount"}
 
 
 def test_variants_are_generated_from_k8s():
@@ -66,7 +65,7 @@ def test_manifests_validate_strictly(variant, version):
     # in the dev lock; a GPU machine's own Python may lack it, and the other tests here don't
     # need it
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
-    for doc in docs(VARIANTS[variant][0]):
+    for doc in docs(VARIANTS[variant][0]) + (docs(K8S / "tools") if variant == "nvidia" else []):
         kubernetes_validate.validate(doc, version, strict=True)
 
 
@@ -159,16 +158,35 @@ def test_the_job_fails_at_once_on_final_exit_codes_and_ignores_disruptions(varia
     ignore = [r for r in rules if r["action"] == "Ignore"]
     assert ignore[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
     assert s["backoffLimitPerIndex"] >= 1
-    # SIGTERM -> every rank agrees within ~0.5 s -> one checkpoint; torchrun itself gives
-    # the workers 30 s before SIGKILL.
+    # SIGTERM -> every rank agrees within ~0.5 s -> one checkpoint, which torchrun lets
+    # the workers write for the grace the config names (the manifests' own period).
     assert spec["terminationGracePeriodSeconds"] >= 60
+    config = yaml.safe_load(one(VARIANTS[variant][0], "ConfigMap", "train-config")["data"][
+        "config.yaml"])
+    grace = (config.get("distributed") or {}).get("grace_period_s", 120)
+    assert grace == spec["terminationGracePeriodSeconds"], "torchrun's wait = the pod's grace"
 
 
-def test_the_rendezvous_is_drained_last_and_tensorboard_reads_the_runs():
-    pdb = one(K8S, "PodDisruptionBudget", "train-rendezvous")
+def test_a_drain_can_take_the_store_and_its_replacement_comes_before_the_workers_give_up():
+    """No disruption budget blocks evicting the single store (a drain of its node waits
+    forever on minAvailable 1); on a lost node the store is replaced long before the
+    workers stop waiting for it (distributed.rdzv_store_wait_s)."""
+    from train.core.config import Config
     store = one(K8S, "Deployment", "train-rendezvous")
-    assert pdb["spec"]["minAvailable"] == 1
-    assert pdb["spec"]["selector"]["matchLabels"] == store["spec"]["selector"]["matchLabels"]
+    labels = store["spec"]["template"]["metadata"]["labels"]
+    for pdb in (d for d in docs(K8S) if d["kind"] == "PodDisruptionBudget"):
+        selected = all(labels.get(k) == v for k, v in pdb["spec"]["selector"]["matchLabels"]
+                       .items())
+        assert not selected or pdb["spec"].get("minAvailable", 0) < store["spec"]["replicas"]
+    tolerations = {t["key"]: t["tolerationSeconds"]
+                   for t in store["spec"]["template"]["spec"]["tolerations"]}
+    node_monitor_grace, start = 40, 60  # Kubernetes' NotReady detection; schedule + start
+    for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"):
+        assert node_monitor_grace + tolerations[key] + start < \
+            Config().distributed.rdzv_store_wait_s
+
+
+def test_tensorboard_reads_the_runs():
     tb = one(K8S, "Deployment", "train-tensorboard")["spec"]["template"]["spec"]
     args = tb["containers"][0]["args"]
     logdir = args[args.index("--logdir") + 1]
@@ -217,3 +235,36 @@ def test_only_the_jobs_workers_reach_the_store_and_each_other(variant):
             assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         else:
             assert "ports" not in rule  # collectives use ports chosen at run time
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_job_fails_at_once_only_on_codes_a_retry_cannot_change(variant):
+    """podFailurePolicy against the exit codes of train/core/errors.py: FailJob on exactly
+    the final codes; every retryable code is retried (counted by backoffLimitPerIndex)."""
+    from train.core import errors
+    job = worker(VARIANTS[variant][0])[0]
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    fail = [r for r in rules if r["action"] == "FailJob"]
+    assert [r["onExitCodes"]["values"] for r in fail] == [list(errors.FINAL_EXIT_CODES)]
+    retried = {errors.EXIT_TRAINING_FAILED, errors.EXIT_STORE_LOST, errors.EXIT_RUN_DIR_BUSY}
+    assert not retried & set(errors.FINAL_EXIT_CODES)
+    assert job["spec"]["backoffLimitPerIndex"] >= 1
+    assert any(r["action"] == "Ignore" and r["onPodConditions"][0]["type"] == "DisruptionTarget"
+               for r in rules)
+
+
+def test_the_volume_permissions_job_fixes_what_fsgroup_does_not_on_nfs():
+    """The one-off Job makes the runs volume writable for group 0 (the pods' group) on
+    volumes whose driver ignores fsGroup; the message of an unwritable output.dir names it."""
+    from train.core.host import OUTPUT_DIR_FIX
+    job = one(K8S / "tools", "Job", "train-volume-permissions")
+    spec = job["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    claim = next(v for v in spec["volumes"] if "persistentVolumeClaim" in v)
+    assert claim["persistentVolumeClaim"]["claimName"] == one(
+        K8S, "PersistentVolumeClaim", "train-runs")["metadata"]["name"]
+    assert "chgrp 0 /workspace/runs" in c["command"][-1] and "g+rwxs" in c["command"][-1]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    _, worker_spec, _ = worker(K8S)
+    assert worker_spec["securityContext"]["runAsGroup"] == 0
+    assert "k8s/tools/volume-permissions.yaml" in OUTPUT_DIR_FIX and "fsGroup" in OUTPUT_DIR_FIX

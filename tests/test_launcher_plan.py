@@ -64,6 +64,10 @@ NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZ
             "NCCL_DEBUG": "WARN"}
 
 
+# torchrun's SIGTERM-to-SIGKILL wait: distributed.grace_period_s (120) - 5
+SHUTDOWN = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "115"}
+
+
 def torchrun(*rdzv: str, nproc: int, restarts: int = 3) -> list[str]:
     return [PY, "-m", "launcher.torchrun", *rdzv, "--nproc-per-node", str(nproc),
             "--max-restarts", str(restarts), "--log-dir", "/runs/job/logs", "--tee", "3",
@@ -92,7 +96,8 @@ def test_two_cpu_processes_use_standalone_torchrun(cfg_file):
     assert list(p.argv) == torchrun("--standalone", "--nnodes", "1", nproc=2) + [
         path, "distributed.nproc_per_node=2", "device=cpu", "distributed.backend=gloo"]
     # Restarts after a lost worker need the unshared rendezvous store (a new round).
-    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "4", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "4", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                     **SHUTDOWN}
 
 
 def test_single_node_gpus_one_process_each_with_nccl(cfg_file):
@@ -103,7 +108,7 @@ def test_single_node_gpus_one_process_each_with_nccl(cfg_file):
         path, "deterministic=true", "device=gpu", "distributed.backend=nccl"]
     assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "8", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                      "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **NCCL_ENV,
-                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **SHUTDOWN}
 
 
 def test_rocm_gpus_use_nccl_which_is_rccl(cfg_file):
@@ -172,7 +177,8 @@ def test_indexed_job_with_standalone_store(cfg_file):
         "--local-addr", "10.0.0.7", nproc=2) + [
         path, "distributed.nproc_per_node=2", "device=cpu", "distributed.backend=gloo"]
     assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "4", "NCCL_SOCKET_IFNAME": "eth0",
-                     "GLOO_SOCKET_IFNAME": "eth0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+                     "GLOO_SOCKET_IFNAME": "eth0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                     **SHUTDOWN}
     assert p.world_sizes == (4, 6, 8) and p.rdzv_host == "train-rdzv"
 
 
@@ -310,3 +316,13 @@ def test_batch_error_over_a_node_range_names_the_node_count(cfg_file):
     assert err.value.one_line().endswith(
         "48 is not divisible by world size 10; use a multiple of 10 (at 5 of 2:5 nodes x 2 "
         "process(es); every world size in the range must divide it)")
+
+
+def test_torchrun_gives_the_stop_checkpoint_the_platforms_grace(cfg_file):
+    p = make(cfg_file(), ["distributed.nproc_per_node=2", "distributed.grace_period_s=45"])
+    assert p.env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "40"
+    mine = make(cfg_file(), ["distributed.nproc_per_node=2"],
+                env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "200"})
+    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in mine.env  # the user's own value stays
+    assert "kept TORCH_ELASTIC_SHUTDOWN_TIMEOUT=200 (set by you; the launcher would set " \
+           "115)" in mine.warnings

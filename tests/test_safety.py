@@ -413,37 +413,8 @@ def test_two_process_node_recovers_from_a_lost_worker_bitwise(tmp_path):
     assert losses(tmp_path / "run" / "quickstart") == losses(tmp_path / "ref" / "quickstart")
 
 
-def test_one_run_directory_one_writer(tmp_path):
-    """A second launch of a running run fails at once naming the holder; a dead holder's
-    lock is taken over; nodes of one job share it."""
-    from train.core import runlock
-    from train.core.errors import CannotRunHere
-    run = tmp_path / "run"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from train.core import runlock; runlock.acquire(Path(sys.argv[1]), 'job-a'); "
-         "print('held', flush=True); time.sleep(120)", str(run)],
-        cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(CannotRunHere) as err:
-            runlock.acquire(run, None)
-        assert f"in use by pid {holder.pid}" in str(err.value)
-        same_job = runlock.acquire(run, "job-a")  # another node of the same job
-        assert same_job.fd is None
-        holder.kill()
-        holder.wait()
-        taken = runlock.acquire(run, None)  # the kernel released the dead holder's lock
-        assert taken.fd is not None
-        assert json.loads((run / ".lock").read_text())["pid"] == os.getpid()
-        taken.release()
-    finally:
-        if holder.poll() is None:
-            holder.kill()
-
-
 @pytest.mark.slow
-def test_a_second_launch_of_a_running_run_exits_3(tmp_path):
+def test_a_second_launch_of_a_running_run_waits_then_exits_6(tmp_path):
     args = [str(ROOT / "configs" / "quickstart.yaml"), *SMALL, "train.max_steps=100000",
             f"output.dir={tmp_path / 'runs'}"]
     log = (tmp_path / "out.log").open("w")
@@ -451,9 +422,10 @@ def test_a_second_launch_of_a_running_run_exits_3(tmp_path):
                              env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: "step 2/" in (tmp_path / "out.log").read_text(), 180, "no training")
-        second = entry("train", *args, "seed=2", cwd=tmp_path)
-        assert second.returncode == 3
-        assert "is in use by pid" in last_line(second.stderr)
+        second = entry("train", *args, "seed=2", "run.lock_wait_s=2", cwd=tmp_path)
+        assert second.returncode == 6
+        assert "is in use by job launch-" in last_line(second.stderr)
+        assert "still after 2 s (run.lock_wait_s)" in last_line(second.stderr)
         first.send_signal(signal.SIGTERM)
         assert first.wait(timeout=60) == 143
     finally:

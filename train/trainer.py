@@ -299,7 +299,8 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None) -> int:
     try:
         placed = preflight(cfg, env, source)
         if env.is_main and not env.supervised:  # the launcher holds it otherwise
-            lock = runlock.acquire(cfg.run_dir, env.elastic_run_id)
+            lock = runlock.acquire(cfg.run_dir, env.elastic_run_id,
+                                   runlock.LeaseTimes.of(cfg), log=log.warning)
         done = finished_step(cfg.run_dir, cfg.train.max_steps) \
             if cfg.checkpoint.resume_from == AUTO else None  # none or a path: train as asked
         if done is not None and env.world_size == 1:  # (the launcher checks before starting)

@@ -9,20 +9,63 @@ codes and name the failing rank in one line.
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
+from pathlib import Path
 
-from train.core import reports
-from train.core.errors import FINAL_EXIT_CODES
+from train.core import reports, rundir
+from train.core.errors import EXIT_TRAINING_FAILED, FINAL_EXIT_CODES
 from train.core.host import die_with_parent
 from train.core.identity import WorkerIdentity
 
 
-def write_status(code: int, error: str | None, env: WorkerIdentity | None = None) -> None:
+def write_status(code: int, error: str | None, env: WorkerIdentity | None = None,
+                 repeated: bool = False) -> None:
     env = env or WorkerIdentity.from_environ()
-    reports.write(env.status_dir, reports.Report(
+    report = reports.Report(
         rank=env.rank, local_rank=env.local_rank, restart=env.restart_count, exit_code=code,
-        error=error, log_dir=env.log_dir))
+        error=error, log_dir=env.log_dir, checkpoint=newest_checkpoint(env),
+        details={"repeated": True} if repeated else {})
+    reports.write(env.status_dir, report)
+    if code == EXIT_TRAINING_FAILED and not repeated:
+        reports.record_failure(env.status_dir, report)
+
+
+def newest_checkpoint(env: WorkerIdentity) -> str | None:
+    """The run's newest checkpoint, from the config the launch validated (supervised)."""
+    if not env.config_snapshot:
+        return None
+    try:
+        import yaml
+        tree = yaml.safe_load(Path(env.config_snapshot).read_text(encoding="utf-8"))
+        run_dir = Path(tree["output"]["dir"]) / tree["run"]["name"]
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError):
+        return None
+    return rundir.latest_name(run_dir / "checkpoints")
+
+
+def repeated_failure(env: WorkerIdentity) -> dict | None:
+    """The failure of the last attempt when the attempt before it failed the same way
+    (the same error, from the same newest checkpoint): a restart cannot fix it."""
+    if env.restart_count < 2 or not env.status_dir:
+        return None
+    seen = reports.failures(env.status_dir)
+    last = [f for f in seen if f.get("restart") == env.restart_count - 1]
+    before = [f for f in seen if f.get("restart") == env.restart_count - 2]
+    for f in last:
+        if any(_same(f, g) for g in before):
+            return f
+    return None
+
+
+def _same(a: dict, b: dict) -> bool:
+    """The same failure: the error alike but for numbers that change between attempts
+    (ports, addresses, timings), from the same checkpoint."""
+    def shape(error: object) -> str:
+        return re.sub(r"0x[0-9a-fA-F]+|\d+", "N", str(error))
+    return shape(a.get("error")) == shape(b.get("error")) and \
+        a.get("checkpoint") == b.get("checkpoint")
 
 
 def final_failure(env: WorkerIdentity) -> reports.Report | None:
@@ -47,6 +90,14 @@ def main(argv: list[str]) -> int:
               f"{earlier.exit_code}, which a restart cannot change", file=sys.stderr)
         write_status(earlier.exit_code, earlier.error, env)
         return earlier.exit_code
+    again = repeated_failure(env)
+    if again is not None:
+        where = again.get("checkpoint") or "the start (no checkpoint yet)"
+        error = (f"{again.get('error')} (the same failure in two attempts in a row, from "
+                 f"{where}: a restart cannot fix it, not restarted again)")
+        print(f"rank {env.rank}: not restarting: {error}", file=sys.stderr)
+        write_status(EXIT_TRAINING_FAILED, error, env, repeated=True)
+        return EXIT_TRAINING_FAILED
     try:
         from train.__main__ import run
         code, error = run(argv)

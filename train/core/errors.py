@@ -12,6 +12,7 @@ EXIT_BAD_INPUT = 2
 EXIT_CANNOT_RUN_HERE = 3
 EXIT_DIVERGED = 4
 EXIT_STORE_LOST = 5
+EXIT_RUN_DIR_BUSY = 6
 EXIT_STOPPED_BY_SIGNAL = 143
 # Exit codes a retry cannot change: launchers and Kubernetes should not restart on them.
 FINAL_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_DIVERGED)
@@ -76,6 +77,13 @@ class CannotRunHere(UserError):
     """Valid input that this machine or image cannot run: exit 3."""
 
     exit_code = EXIT_CANNOT_RUN_HERE
+
+
+class RunDirBusy(UserError):
+    """Another job's live lease on the run directory, still after waiting: exit 6. A retry
+    can succeed (the other job ends, or its lease expires)."""
+
+    exit_code = EXIT_RUN_DIR_BUSY
 
 
 class Diverged(UserError):

@@ -20,6 +20,8 @@ import hashlib
 import json
 import math
 import os
+import socket
+import threading
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
@@ -76,11 +78,15 @@ def open_append(path: Path) -> TextIO:
     return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
 
 
-def write_atomic(path: Path, data: str | bytes, *, durable: bool = True) -> None:
+def write_atomic(path: Path, data: str | bytes, *, durable: bool = True,
+                 shared: bool = False) -> None:
     """Replace ``path`` with ``data`` in one step, never writing through a link.
-    durable=False skips the fsync (status files that only need to be whole)."""
+    durable=False skips the fsync (status files that only need to be whole); shared: other
+    processes (other hosts) may write the same file at the same time, so the temporary
+    name is this process's and thread's own."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    own = f".{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}" if shared else ""
+    tmp = path.with_name(f"{path.name}{own}.tmp")
     with create_new(tmp) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
         f.flush()

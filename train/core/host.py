@@ -74,7 +74,9 @@ def available_memory(root: str | Path = "/") -> int | None:
 
 
 OUTPUT_DIR_FIX = ("mount a writable volume there (docker run -v $PWD/runs:/workspace/runs), "
-                  "check its owner against the container user, or set output.dir")
+                  "check its owner against the container user, or set output.dir; on "
+                  "Kubernetes with an NFS or other RWX volume, fsGroup is not applied: make "
+                  "it writable for group 0 once (k8s/tools/volume-permissions.yaml)")
 
 
 def output_dir_problem(path: str | Path, create: bool) -> str | None:

@@ -32,11 +32,48 @@ class Report:
     log_dir: str | None = None          # where the rank's full log is
     stage: str | None = None            # comm: start | init | allreduce | done | error
     details: dict[str, Any] = field(default_factory=dict)
+    checkpoint: str | None = None       # the run's newest checkpoint when it ended
     pid: int = field(default_factory=os.getpid)
     time: float = field(default_factory=time.time)
 
     def path_in(self, folder: str | Path) -> Path:
-        return Path(folder) / f"{self.kind}-{self.rank}.json"
+        """One file per local process: a rendezvous round after a membership change
+        renumbers the ranks (without a restart count), and every local worker of the
+        new round replaces the file of its local rank, so no report of an earlier
+        round survives as if it were this one's."""
+        slot = self.local_rank if self.kind == "rank" else self.rank
+        return Path(folder) / f"{self.kind}-{slot}.json"
+
+
+FAILURES = "failures.jsonl"
+
+
+def record_failure(folder: str | Path | None, report: Report) -> None:
+    """Keep every failure of the launch (the reports are replaced each round): how a
+    restart tells a failure that repeats from one a restart fixed."""
+    if not folder:
+        return
+    line = json.dumps({"restart": report.restart, "rank": report.rank,
+                       "error": report.error, "checkpoint": report.checkpoint})
+    try:
+        with open(Path(folder) / FAILURES, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    except OSError:
+        pass
+
+
+def failures(folder: str | Path) -> list[dict]:
+    try:
+        lines = (Path(folder) / FAILURES).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def write(folder: str | Path | None, report: Report) -> None:

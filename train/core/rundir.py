@@ -26,7 +26,7 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 # Files a run writes at fixed names in its directory (checkpoints/ holds fresh step-N
 # folders): none may be a symbolic link, or the run would write where it points.
 RUN_FILES = ("config.yaml", "manifest.json", "metrics.jsonl", "result.json", "diverged.json",
-             ".lock", "checkpoints/latest")
+             ".lock", ".flock", "checkpoints/latest")
 
 
 def linked_files(run_dir: Path) -> list[str]:

@@ -1,19 +1,32 @@
-"""One run directory, one writer: a lock taken before training writes to it.
+"""One run directory, one job: a lease taken before training writes to it.
 
-Two launches of the same run (the same ``output.dir/run.name``) would interleave their
-checkpoints, metrics and config; the second one must fail at once, naming the holder.
-The lock is ``RUN_DIR/.lock``, held with ``flock`` by the process that runs the job
-(the launcher, or a worker started without it) and inherited by its direct child. The
-kernel releases it when the last holder dies, however it dies, so a stale lock is
-simply taken over. The file holds a JSON record of the holder (job, host, pid, start)
-for the message.
+Two jobs writing the same run (the same ``output.dir/run.name``) would interleave their
+checkpoints, metrics and config. On Kubernetes and SLURM the run directory lives on
+shared storage (an RWX volume, NFS, Lustre), where a lock held by a process is
+invisible to other hosts and a dead host's lock is never released. So the lock is a
+**lease**, ``RUN_DIR/.lock``, a small JSON record (job, host, pid, when it was taken
+and last renewed, a renewal count) that:
 
-A multi-node job shares its run directory legitimately: a node whose job id (the
-rendezvous id) matches the holder's record goes ahead without holding the lock.
+- every process of the job that holds it renews every ``run.lock_renew_s`` seconds,
+  replacing the file by rename (never truncating it in place: a reader sees the old
+  record or the new one, never an empty one);
+- is **shared by the members of one job** (the same rendezvous id): they never refuse
+  each other, however many start at the same instant;
+- makes a launch of another job **wait** (up to ``run.lock_wait_s``, saying who holds it)
+  while it is live: a re-created Job whose old pod is still writing its SIGTERM
+  checkpoint simply waits for it; after the wait, :class:`~train.core.errors.RunDirBusy`
+  (exit 6, which a platform may retry);
+- counts as **expired** once ``run.lock_expiry_s`` passed without a renewal (read from the
+  record's time, and from watching its renewal count not move): then another host takes
+  it over, saying whose lease and how old. A holder on this host that no longer exists
+  is taken over at once.
 
-Where the file system refuses ``flock``, the record serves as a lease: a holder on this
-host counts while its process lives; one on another host counts until its file is
-removed, which the message says.
+On this host the holder also keeps ``RUN_DIR/.flock`` locked with ``flock``, inherited by
+its child processes, so that while any process of a run lives (a worker still writing its
+checkpoint after its launcher died) no other launch here takes the run over. Where the file
+system refuses ``flock`` the lease alone decides. Times across hosts assume clocks within a
+few seconds of each other (NTP); the renewal count covers a larger skew at the cost of a
+wait of ``run.lock_expiry_s``.
 """
 
 from __future__ import annotations
@@ -23,88 +36,219 @@ import fcntl
 import json
 import os
 import socket
+import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.core.errors import CannotRunHere, ConfigError
+from train.core.errors import ConfigError, RunDirBusy
 from train.core.files import LinkRefused, refusing_links, write_atomic
 from train.core.host import process_alive
 
 LOCK_FILE = ".lock"
+FLOCK_FILE = ".flock"
+
+
+@dataclass(frozen=True)
+class LeaseTimes:
+    """The run.lock_* keys, in seconds."""
+    renew_s: float = 10
+    expiry_s: float = 60
+    wait_s: float = 300
+
+    @classmethod
+    def of(cls, cfg) -> LeaseTimes:
+        return cls(cfg.run.lock_renew_s, cfg.run.lock_expiry_s, cfg.run.lock_wait_s)
 
 
 @dataclass
 class RunLock:
-    """The lock, while held (``fd`` open); ``fd`` is None when another node of the same
-    job holds it, or when the file system only allowed a lease."""
+    """The lease of one job, while held: renewed by a thread until :meth:`release`."""
     path: Path
-    fd: int | None
     job: str
-    lease: bool = False
+    times: LeaseTimes
+    fd: int | None = None                # the flock, inherited by this process's children
+    lost: str | None = None              # set when another job took the lease over
+    on_lost: Callable[[str], None] | None = None
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def start_renewing(self) -> None:
+        self._thread = threading.Thread(target=self._renew, name="run-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.times.renew_s):
+            holder = read(self.path)
+            if holder.get("job") not in (None, self.job):
+                self.lost = (f"the run directory {self.path.parent} was taken over by job "
+                             f"{holder.get('job')} ({_who(holder)}): this job's renewals "
+                             f"were not seen for {self.times.expiry_s:.0f} s (cut off from "
+                             "the shared storage?); stopped without writing more")
+                if self.on_lost:
+                    self.on_lost(self.lost)
+                return
+            try:
+                write(self.path, self.job, holder)
+            except OSError:
+                continue  # the storage is away: the next renewal tries again
+            if self.fd is None:  # the member that held it here has left: hold it now
+                self.fd = _flock(self.path.parent)
 
     def release(self) -> None:
+        """Mark the lease released (not removed: other members of the job, still running,
+        renew it again within run.lock_renew_s) and drop the flock."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        holder = read(self.path)
+        if self.lost is None and holder.get("job") == self.job:
+            try:
+                write(self.path, self.job, holder, released=True)
+            except OSError:
+                pass  # the lease expires by itself
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        if self.lease and _read(self.path).get("pid") == os.getpid():
-            self.path.unlink(missing_ok=True)
-            self.lease = False
 
 
-def acquire(run_dir: Path, job: str | None = None) -> RunLock:
-    """Lock ``run_dir`` for ``job`` (None: this launch alone); CannotRunHere (exit 3)
-    naming the holder when another job has it."""
+def acquire(run_dir: Path, job: str | None = None, times: LeaseTimes = LeaseTimes(),
+            log: Callable[[str], None] | None = None,
+            on_lost: Callable[[str], None] | None = None) -> RunLock:
+    """The lease of ``run_dir`` for ``job`` (None: this launch alone), waiting for another
+    job's live lease up to ``times.wait_s``; RunDirBusy (exit 6) when it stays held."""
     job = job or f"launch-{uuid.uuid4().hex[:12]}"
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
+    fd = _flock(run_dir)
+    watch = _Watch()
+    deadline = time.monotonic() + times.wait_s
+    said = -1.0
+    starting = time.monotonic() + 5  # a launch here between its flock and its lease
+    while True:
+        holder = read(path)
+        if not holder and fd is None and time.monotonic() < starting:
+            time.sleep(0.02)  # it writes its lease in a moment: a member, or another job
+            fd = _flock(run_dir)
+            continue
+        verdict = _verdict(holder, job, times, watch, local_busy=fd is None)
+        if verdict in ("free", "member", "expired", "dead"):
+            if verdict in ("expired", "dead") and log:
+                log(f"taking over the run directory {run_dir} from job {holder.get('job')} "
+                    f"({_who(holder)}; {_age(holder)})")
+            write(path, job, holder if verdict == "member" else {})
+            time.sleep(0.05)  # two launches that wrote at once: the last rename won
+            if read(path).get("job") == job:
+                fd = fd if fd is not None else _flock(run_dir)
+                lock = RunLock(path, job, times, fd=fd, on_lost=on_lost)
+                lock.start_renewing()
+                return lock
+            continue
+        now = time.monotonic()
+        if now >= deadline:
+            if fd is not None:
+                os.close(fd)
+            raise RunDirBusy(f"run directory {run_dir} is in use by job {holder.get('job')} "
+                             f"({_who(holder)}; {_age(holder)}), still after "
+                             f"{times.wait_s:.0f} s (run.lock_wait_s): two jobs must not write "
+                             "the same run; wait for it to finish, stop it, or choose another "
+                             "run.name")
+        if log and now - said >= 15:
+            log(f"waiting up to {deadline - now:.0f} s for the run directory {run_dir}: in use "
+                f"by job {holder.get('job')} ({_who(holder)}; {_age(holder)})")
+            said = now
+        time.sleep(min(1.0, times.renew_s / 2))
+        if fd is None:
+            fd = _flock(run_dir)
+
+
+class _Watch:
+    """When this process last saw another job's lease change (its renewal count)."""
+
+    def __init__(self) -> None:
+        self.seen: tuple | None = None
+        self.since = time.monotonic()
+
+    def unchanged_for(self, holder: dict) -> float:
+        key = (holder.get("job"), holder.get("nonce"), holder.get("renewals"))
+        if key != self.seen:
+            self.seen, self.since = key, time.monotonic()
+        return time.monotonic() - self.since
+
+
+def _verdict(holder: dict, job: str, times: LeaseTimes, watch: _Watch, local_busy: bool) -> str:
+    """free | member | expired | dead | live, for a lease record as read."""
+    if not holder:
+        return "live" if local_busy else "free"
+    if holder.get("job") == job:
+        return "member"
+    if local_busy:  # a process of another run on this host still holds .flock
+        return "live"
+    if holder.get("released"):  # free, unless members still running renew it again
+        here = holder.get("host") == socket.gethostname()
+        return "free" if here or _since_renewed(holder) > 2 * times.renew_s else "live"
+    if holder.get("host") == socket.gethostname():
+        return "live" if process_alive(holder.get("pid")) else "dead"
+    if _since_renewed(holder) > times.expiry_s or watch.unchanged_for(holder) > times.expiry_s:
+        return "expired"
+    return "live"
+
+
+def _since_renewed(holder: dict) -> float:
+    renewed = holder.get("renewed")
+    return time.time() - renewed if isinstance(renewed, (int, float)) else float("inf")
+
+
+def _flock(run_dir: Path) -> int | None:
+    """An exclusive flock on RUN_DIR/.flock, or None while another process holds it. On
+    file systems without flock, a descriptor without the lock (the lease decides)."""
     try:
-        fd = refusing_links(path, os.O_RDWR | os.O_CREAT, 0o664)
+        fd = refusing_links(run_dir / FLOCK_FILE, os.O_RDWR | os.O_CREAT, 0o664)
     except LinkRefused as exc:
-        raise ConfigError(str(run_dir), LOCK_FILE, exc.strerror) from None
+        raise ConfigError(str(run_dir), FLOCK_FILE, exc.strerror) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        holder = _read(path)
-        os.close(fd)
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            if holder.get("job") == job:
-                return RunLock(path, None, job)  # another node of this job holds it
-            raise CannotRunHere(_held_message(run_dir, holder)) from None
-        return _lease(path, run_dir, job, holder)  # no flock on this file system
-    os.ftruncate(fd, 0)
-    os.write(fd, json.dumps(_record(job)).encode())
-    os.fsync(fd)
-    return RunLock(path, fd, job)
+            os.close(fd)
+            return None
+    return fd
 
 
-def _record(job: str) -> dict:
-    return {"job": job, "host": socket.gethostname(), "pid": os.getpid(),
-            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
-def _read(path: Path) -> dict:
+def read(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+        fd = refusing_links(path, os.O_RDONLY)
+    except LinkRefused as exc:
+        raise ConfigError(str(path.parent), path.name, exc.strerror) from None
+    except OSError:
+        return {}
+    try:
+        with os.fdopen(fd, "rb") as f:
+            data = json.loads(f.read(65536).decode("utf-8", errors="replace"))
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def _held_message(run_dir: Path, holder: dict) -> str:
-    who = (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')} since "
-           f"{holder.get('started', '?')}") if holder else "another process"
-    return (f"run directory {run_dir} is in use by {who}: two runs must not write the same "
-            "run; wait for it to finish, stop it, or choose another run.name")
+def write(path: Path, job: str, previous: dict, released: bool = False) -> None:
+    """The lease for ``job``: renewed (count + 1) when ``previous`` is this job's record."""
+    ours = previous.get("job") == job
+    record = {"job": job, "host": socket.gethostname(), "pid": os.getpid(),
+              "started": previous.get("started") if ours else time.time(),
+              "renewed": time.time(), "renewals": (previous.get("renewals", 0) + 1) if ours
+              else 0, "nonce": previous.get("nonce") if ours else uuid.uuid4().hex,
+              **({"released": True} if released else {})}
+    write_atomic(path, json.dumps(record), durable=False, shared=True)
 
 
-def _lease(path: Path, run_dir: Path, job: str, holder: dict) -> RunLock:
-    """The record alone, for file systems without flock."""
-    if holder and holder.get("job") != job:
-        here = holder.get("host") == socket.gethostname()
-        if not here or process_alive(holder.get("pid")):
-            hint = "" if here else (f"; if that run is gone, remove {path}")
-            raise CannotRunHere(_held_message(run_dir, holder) + hint)
-    write_atomic(path, json.dumps(_record(job)))
-    return RunLock(path, None, job, lease=True)
+def _who(holder: dict) -> str:
+    return f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
+
+
+def _age(holder: dict) -> str:
+    renewed = holder.get("renewed")
+    if not isinstance(renewed, (int, float)):
+        return "never renewed"
+    return f"renewed {max(0.0, time.time() - renewed):.0f} s ago"

@@ -82,6 +82,10 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
     if not name or "/" in name or name in (".", "..") or not name.isprintable():
         fail("run.name", f"got {short(name)}; a non-empty name without '/' or control "
                          "characters")
+    if cfg.run.lock_expiry_s < 2 * cfg.run.lock_renew_s:
+        fail("run.lock_expiry_s", f"{val('run.lock_expiry_s')} is less than twice "
+                                  f"{ref('run.lock_renew_s')}: one late renewal would expire "
+                                  "the lease")
     if not cfg.output.dir.strip():
         fail("output.dir", "is empty; a directory for run directories, e.g. runs")
     kinds.check_pairing(cfg, fail)
