@@ -7,10 +7,14 @@ to its own CPU):
 - single node, 2 processes: kill -9 one worker -> torchrun restarts both -> next step;
 - two nodes (``TRAIN_NNODES=1:2``, the standalone store): kill one node -> the
   survivor's next step;
-- a replacement node started -> the next step at world size 2.
+- a replacement node started -> the next step at world size 2;
+- two nodes on hosts of their own (tests/netns.py, where this machine allows network
+  namespaces): one host vanishes (its link down: no connection is closed) -> the
+  survivor notices it, and -> trains again (its next step).
 
 Each is the median of ``--runs`` runs, printed in seconds and as a ratio to the
-single-node restart. Every wait is bounded; nothing is left running.
+single-node restart. Every wait is bounded; nothing is left running, and every process
+is gone before its files are removed.
 
     python bench/recovery.py [--runs 3]
 """
@@ -30,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+import netns  # noqa: E402
 from conftest import clean_env  # noqa: E402
 from multinode import ENTRY, Cluster, Process, descendants  # noqa: E402
 
@@ -88,26 +93,71 @@ def two_nodes(work: Path) -> tuple[float, float]:
         cluster.close()
 
 
+def host_vanished(work: Path) -> tuple[float, float]:
+    """(seconds to notice, seconds to the survivor's next step) after a host vanished."""
+    net = netns.Network(work)
+    procs: list[Process] = []
+    try:
+        store_host, hosts = net.host("store"), [net.host("node0"), net.host("node1")]
+        store = store_host.process("store", [sys.executable, ENTRY, "rendezvous", "--port",
+                                             "29400", "--host", store_host.addr],
+                                   clean_env(), work).start()
+        procs.append(store)
+        store.wait_for(r"listening on", 90)
+        for i, h in enumerate(hosts):
+            env = clean_env(JOB_COMPLETION_INDEX=str(i), TRAIN_NNODES="1:2",
+                            TRAIN_RDZV_ID="job-1", TRAIN_RDZV_ENDPOINT="store:29400",
+                            TRAIN_LOCAL_ADDR=h.addr, TRAIN_SOCKET_IFNAME="eth0")
+            procs.append(h.process("train", [sys.executable, ENTRY, "train", *SMALL,
+                                             f"output.dir={work / 'runs'}"], env, work).start())
+        main = procs[1]
+        first([main], r"world size 2(.|\n)*\]:step 30/")
+        start = time.monotonic()
+        net.cut(hosts[1])
+        first([main], r"left the job")
+        noticed = time.monotonic() - start
+        first([main], r"resumed from .*now 1\)(.|\n)*" + STEP)
+        return noticed, time.monotonic() - start
+    finally:
+        for p in procs:
+            if p.running:
+                p.kill()
+        net.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args(argv)
-    single, shrink, join = [], [], []
+    vanish_why = netns.available()
+    single, shrink, join, noticed, vanished = [], [], [], [], []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
             work = Path(tmp)
-            (work / "a").mkdir()
-            (work / "b").mkdir()
+            for sub in "abc":
+                (work / sub).mkdir()
             single.append(single_node(work / "a"))
             s, j = two_nodes(work / "b")
             shrink.append(s)
             join.append(j)
+            if vanish_why is None:
+                n, v = host_vanished(work / "c")
+                noticed.append(n)
+                vanished.append(v)
         print(f"run {i + 1}: single node {single[-1]:.1f} s, node lost {shrink[-1]:.1f} s, "
-              f"node joined {join[-1]:.1f} s", flush=True)
+              f"node joined {join[-1]:.1f} s" + (f", host vanished: noticed {noticed[-1]:.1f} "
+                                                 f"s, next step {vanished[-1]:.1f} s"
+                                                 if vanished else ""), flush=True)
     base = statistics.median(single)
     print(f"median of {args.runs}: single-node restart {base:.1f} s (1.00)")
-    for name, values in (("2 nodes, one killed -> survivor's next step", shrink),
-                         ("replacement started -> next step at world size 2", join)):
+    rows = [("2 nodes, one killed -> survivor's next step", shrink),
+            ("replacement started -> next step at world size 2", join)]
+    if vanished:
+        rows += [("2 nodes, one host vanished -> noticed", noticed),
+                 ("2 nodes, one host vanished -> survivor's next step", vanished)]
+    else:
+        print(f"host vanished: not measured ({vanish_why})")
+    for name, values in rows:
         m = statistics.median(values)
         print(f"median of {args.runs}: {name}: {m:.1f} s ({m / base:.2f} x the single-node "
               "restart)")

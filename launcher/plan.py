@@ -59,6 +59,8 @@ class Plan:
     store: str | None = None         # host:port of a rendezvous store to wait for when lost
     store_wait_s: int = 0
     join_timeout_s: int = 0          # how long the rendezvous waits for the minimum of nodes
+    lost_after_s: float = 0          # a node silent this long has vanished
+    heartbeat: tuple[str, int, int] | None = None  # static: (rank-0 address, port, rank)
     static_nodes: bool = False       # several nodes, static rendezvous: none can be replaced
     program: str = "train"           # train (the trainer) | script (entrypoint.py launch)
     rdzv_host: str | None = None
@@ -253,6 +255,9 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
                 nnodes=(nodes.min, nodes.max), world_sizes=sizes, max_restarts=max_restarts,
                 convention=nodes.convention, job=nodes.job, store=nodes.store,
                 store_wait_s=d.rdzv_store_wait_s, join_timeout_s=d.rdzv_join_timeout_s,
+                # torch's agents drop a member after keep-alive x attempts; one more beat
+                lost_after_s=d.rdzv_keep_alive_s * (d.rdzv_keep_alive_attempts + 1),
+                heartbeat=nodes.heartbeat if nodes.static else None,
                 static_nodes=nodes.static and nodes.max > 1,
                 program="train" if script is None else "script",
                 rdzv_host=nodes.host,

@@ -111,15 +111,25 @@ def reachable(endpoint: str, timeout_s: float = 1.0) -> bool:
 class RoundWatcher(threading.Thread):
     """A node's view of its job's rendezvous: polls the store (as a client) while
     torchrun runs and logs each round, who joined or left, and waits that drag on.
-    Quiet when the store is unreachable: the supervisor reports that."""
+    Quiet when the store is unreachable: the supervisor reports that.
+
+    It also notices a node that *vanished* (power loss, a partition: no connection was
+    closed, so the workers wait in a collective until its timeout): a member of the
+    running round silent for ``lost_after_s``, or dropped from it by the agents' own
+    clean-up, is passed to ``on_lost`` once, which stops this node's workers so that
+    torchrun meets again without it."""
 
     def __init__(self, endpoint: str, run_id: str, nnodes: tuple[int, int],
                  join_timeout_s: int, log: Callable[[str], None], poll_s: float = 0.5,
-                 still_every_s: float = 15.0) -> None:
+                 still_every_s: float = 15.0, lost_after_s: float = 10.0,
+                 on_lost: Callable[[list[str], str], None] | None = None) -> None:
         super().__init__(name="rendezvous-watch", daemon=True)
         self.endpoint, self.key = endpoint, PREFIX + run_id
         self.nnodes, self.join_timeout_s, self.log = nnodes, join_timeout_s, log
         self.poll_s, self.still_every_s = poll_s, still_every_s
+        self.lost_after_s, self.on_lost = lost_after_s, on_lost
+        self.lost_reported = -1            # the round whose lost members were passed on
+        self.unreachable_since: float | None = None
         self.stop = threading.Event()
         self.last: Round | None = None
         self.members: set[str] = set()     # of the last complete round
@@ -134,13 +144,21 @@ class RoundWatcher(threading.Thread):
             # every call to a store that went away.
             if not reachable(self.endpoint):
                 store = None  # gone or restarting: the supervisor reports that
+                if self.unreachable_since is None:
+                    self.unreachable_since = time.monotonic()
                 continue
+            self.unreachable_since = None
             try:
                 store = store or self._connect()
                 if store.check([self.key]):
                     self.observe(read_round(store.get(self.key)))
             except Exception:
                 store = None
+
+    def unreachable_for(self) -> float:
+        """Seconds the store has not answered a connection (0 while it answers)."""
+        since = self.unreachable_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def _connect(self):
         import torch.distributed as dist
@@ -156,6 +174,8 @@ class RoundWatcher(threading.Thread):
         if self.last is None or r.key() != self.last.key():
             self.log(f"rendezvous {describe(r)}{self._change(r)}")
             self.said_still = now
+        if r.complete and r.number == self.members_round:
+            self._lost(r)
         if r.complete and r.number != self.members_round:
             self.members, self.members_round = set(r.members), r.number
         if r.complete:
@@ -169,6 +189,19 @@ class RoundWatcher(threading.Thread):
                      f"after distributed.rdzv_join_timeout_s={self.join_timeout_s})")
             self.said_still = now
         self.last = r
+
+    def _lost(self, r: Round) -> None:
+        """Members of the running round that vanished: gone from it without a new round
+        (torch's agents drop a member whose keep-alive expired), or silent too long."""
+        if self.on_lost is None or self.lost_reported == r.number:
+            return
+        gone = sorted(self.members - set(r.members))
+        silent = sorted(n for n, age in r.silent.items() if age >= self.lost_after_s)
+        if gone or silent:
+            self.lost_reported = r.number
+            why = (f"no heartbeat for {max(r.silent[n] for n in silent):.0f} s" if silent
+                   else "its keep-alive expired")
+            self.on_lost(gone + silent, why)
 
     def _change(self, r: Round) -> str:
         """Who joined and who left since the previous complete round."""

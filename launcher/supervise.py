@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.plan import Plan
+from launcher.heartbeat import PeerHeartbeat
+from launcher.plan import SCRIPT_MODULE, WORKER_MODULE, Plan
 from launcher.rendezvous import RoundWatcher, reachable
 from launcher.torchrun import STORE_LOST
 from train.core import reports
@@ -199,9 +201,9 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
                 env["TORCHELASTIC_RESTART_COUNT"] = str(restarts)
                 if verbose or restarts:
                     log(f"set TORCHELASTIC_RESTART_COUNT={restarts}")
-            rc, aborted = _start_and_wait(plan, env, keep_fds, forwarder, log, abort)
-            if aborted:
-                outcome = Outcome(EXIT_RUN_DIR_BUSY, f"error: {aborted}")
+            rc, ended = _start_and_wait(plan, env, keep_fds, forwarder, log, abort)
+            if ended is not None:  # the lease was lost, or a static job's node vanished
+                outcome = ended
                 break
             outcome = classify(rc, read_reports(folder), forwarder.received,
                                plan.nproc_per_node, plan.mode, plan.program)
@@ -238,16 +240,30 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
 
 def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                     forwarder: Forwarder, log: Callable[[str], None],
-                    abort: Callable[[], str | None] | None) -> tuple[int, str | None]:
-    """(the child's exit status, the abort reason when it was killed for one)."""
+                    abort: Callable[[], str | None] | None) -> tuple[int, Outcome | None]:
+    """(the child's exit status, the outcome when the launcher ended it: its lease was
+    lost, or a static job's node vanished)."""
     watcher = None
-    if plan.store and plan.job:  # a node's one-line view of each rendezvous round
-        watcher = RoundWatcher(plan.store, plan.job, plan.nnodes, plan.join_timeout_s, log)
-        watcher.start()
     try:
         proc = subprocess.Popen(list(plan.argv), env=env, start_new_session=True,
                                 pass_fds=keep_fds, preexec_fn=_child_setup(os.getpid()))
         forwarder.attach(proc)
+        if plan.store and plan.job:  # a node's one-line view of each rendezvous round
+            watcher = RoundWatcher(plan.store, plan.job, plan.nnodes, plan.join_timeout_s,
+                                   log, lost_after_s=plan.lost_after_s,
+                                   on_lost=lambda nodes, why: stop_workers(
+                                       proc.pid, f"node(s) {', '.join(nodes)} left the job "
+                                       f"({why}: its host is down or cut off)",
+                                       "so that the job meets again without it", log))
+            watcher.start()
+        elif plan.heartbeat:  # static: the nodes' launchers watch each other
+            master, port, rank = plan.heartbeat
+            watcher = PeerHeartbeat(master, port, rank, plan.nnodes[1], socket.gethostname(),
+                                    plan.lost_after_s,
+                                    on_lost=lambda what: stop_workers(
+                                        proc.pid, what, "(a static job cannot replace a "
+                                        "node: it ends)", log))
+            watcher.start()
         reason = None
         while True:
             try:
@@ -259,11 +275,59 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                     kill_tree(proc.pid)
                     rc = proc.wait()
                     break
+                if isinstance(watcher, RoundWatcher) and \
+                        watcher.unreachable_for() > plan.lost_after_s and \
+                        not workers_alive(proc.pid):
+                    # torchrun meets again at a store that vanished: its calls would each
+                    # wait a minute and more. The store is lost: wait for it as such.
+                    log(f"the rendezvous store {plan.store} has not answered for "
+                        f"{watcher.unreachable_for():.0f} s and torchrun needs it to meet again")
+                    kill_tree(proc.pid)
+                    proc.wait()
+                    rc = STORE_LOST
+                    break
         forwarder.proc = None
-        return rc, reason
+        if reason:
+            return rc, Outcome(EXIT_RUN_DIR_BUSY, f"error: {reason}")
+        lost = getattr(watcher, "lost", None) if isinstance(watcher, PeerHeartbeat) else None
+        if lost and rc != 0:  # a static job's node vanished: every node stops, naming it
+            return rc, Outcome(EXIT_TRAINING_FAILED, f"error: training failed: {lost}. A "
+                               f"static rendezvous ({plan.convention}) cannot replace a node: "
+                               "every node stops; restart the job's pods and they resume "
+                               "from the last checkpoint")
+        return rc, None
     finally:
         if watcher is not None:
             watcher.stop.set()
+
+
+def stop_workers(torchrun_pid: int, what: str, then: str,
+                 log: Callable[[str], None]) -> None:
+    """Peers vanished: this node's workers wait for them in a collective until its
+    timeout. Stop them at once (they resume from the last checkpoint): an elastic job's
+    torchrun then meets the nodes that are left (a restart, as when a worker dies), a
+    static job's ends. ``what``: which node, and how it was noticed."""
+    log(f"{what}; stopping this node's workers {then}")
+    for victim in descendants(torchrun_pid):
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+WORKER_MODULES = (WORKER_MODULE, SCRIPT_MODULE)
+
+
+def workers_alive(torchrun_pid: int) -> bool:
+    """Does torchrun have training workers running (not: meeting, or restarting)?"""
+    for pid in descendants(torchrun_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(m.encode() in argv for m in WORKER_MODULES):
+            return True
+    return False
 
 
 def kill_tree(pid: int) -> None:

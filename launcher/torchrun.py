@@ -14,6 +14,9 @@ arguments and differs in what it says and in one identity detail.
 - On a stop torchrun also logs "Received 15 death signal, shutting down workers" and a
   "Sending process N closing signal SIGTERM" per worker: the lines above say that once,
   so those two messages are dropped (every other torchrun message stays).
+- An agent that ends with an error makes torch close the job's rendezvous for every
+  node, for good; here only a finished job's agents close it (a node that gave up, or
+  was cut off from the store, must not stop the others or its replacement).
 - A node presents itself to the rendezvous as (address, pid, local id). Two pods with
   the same hostname and the same PID tree (a replacement pod, simulated nodes in PID
   namespaces) would be the same participant and hang. The local id is randomised
@@ -65,6 +68,37 @@ def _unique_node_ids() -> None:
         generator._local_id = secrets.randbits(31)
 
 
+def _keep_the_rendezvous_open_on_failure() -> None:
+    """torch closes the job's rendezvous (for every node, for good: RendezvousClosedError)
+    whenever an agent ends with an error: a node cut off from the store for a minute, or
+    one that used up its restarts, would then stop the whole job from ever meeting again,
+    and its replacement pod (the same Job, the same run id) from joining. Here only the
+    agent of a job that finished closes it; a failing one leaves it to the others."""
+    from torch.distributed.elastic.agent.server import api as agent_api
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+    agent, handler = agent_api.SimpleElasticAgent, rdzv.DynamicRendezvousHandler
+    if not hasattr(agent, "run") or not hasattr(handler, "shutdown"):
+        return  # another torch: its own behaviour
+    failed = []
+    run, shutdown = agent.run, handler.shutdown
+
+    def run_noting_failure(self, *args, **kwargs):
+        try:
+            result = run(self, *args, **kwargs)
+        except BaseException:
+            failed.append(True)
+            raise
+        if result.is_failed():
+            failed.append(True)
+        return result
+
+    def shutdown_unless_failed(self) -> bool:
+        return True if failed else shutdown(self)
+
+    agent.run = run_noting_failure
+    handler.shutdown = shutdown_unless_failed
+
+
 # torch's elastic loggers and the messages of theirs this module says in its own words.
 _SAID_HERE = {
     "torch.distributed.elastic.agent.server.api": "Received %s death signal",
@@ -97,6 +131,7 @@ def main() -> int:
     )
     from torch.distributed.run import main as torchrun_main
     _unique_node_ids()
+    _keep_the_rendezvous_open_on_failure()
     _drop_repeated_stop_messages()
     try:
         torchrun_main()

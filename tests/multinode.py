@@ -44,9 +44,10 @@ def pid_namespaces() -> bool:
 
 
 def _unshare_prefix(hosts: Path | None = None) -> list[str]:
-    """unshare for a PID namespace; with ``hosts``, also a mount namespace in which that
-    file is /etc/hosts (so a pod's Service names resolve as the manifests write them)."""
-    flags = ["--pid", "--fork", "--kill-child"] + (["--mount"] if hosts else [])
+    """unshare for a PID namespace with its own /proc (the launcher finds its processes
+    there, numbered as it sees them); with ``hosts``, that file is /etc/hosts in its mount
+    namespace (so a pod's Service names resolve as the manifests write them)."""
+    flags = ["--pid", "--fork", "--kill-child", "--mount-proc"]
     plain = ["unshare", *flags]
     if subprocess.run([*plain, "true"], capture_output=True, timeout=10).returncode != 0:
         plain = ["unshare", "--user", "--map-root-user", *flags]
@@ -60,6 +61,14 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, or a pid no longer there, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def descendants(pid: int) -> set[int]:
@@ -83,16 +92,19 @@ class Process:
 
     def __init__(self, name: str, argv: list[str], env: dict, cwd: Path,
                  cpus: set[int] | None = None, namespace: bool = False,
-                 hosts: Path | None = None) -> None:
+                 hosts: Path | None = None, wrap: list[str] | None = None) -> None:
+        """wrap: a command prefix that starts a PID namespace of its own (a host of
+        tests/netns.py); instead of ``namespace``."""
         self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
-        self.cpus, self.namespace, self.hosts = cpus, namespace, hosts
+        self.cpus, self.hosts, self.wrap = cpus, hosts, wrap
+        self.namespace = namespace or wrap is not None
         self.log = cwd / f"{name}.log"
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
     def start(self) -> Process:
         self.starts += 1
-        prefix = _unshare_prefix(self.hosts) if self.namespace else []
+        prefix = self.wrap or (_unshare_prefix(self.hosts) if self.namespace else [])
         cpus = self.cpus
 
         def setup() -> None:  # in the child, before exec
@@ -153,16 +165,20 @@ class Process:
         os.kill(target, signum)
 
     def kill(self) -> None:
-        """Everything of this node dies at once (SIGKILL), as when its machine dies."""
+        """Everything of this node dies at once (SIGKILL), as when its machine dies; returns
+        once every one of its processes is gone (nothing writes to its files after)."""
         if self.proc is None:
             return
-        tree = descendants(self.proc.pid) if not self.namespace else set()
-        for pid in [self.proc.pid, *tree]:
+        tree = descendants(self.proc.pid)
+        for pid in [self.proc.pid, *([] if self.namespace else tree)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     @property
     def running(self) -> bool:

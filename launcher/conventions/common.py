@@ -66,6 +66,9 @@ class Nodes:
     job: str | None = None           # what every node of this job shares (None: one launch)
     store: str | None = None         # host:port of the rendezvous store (dynamic, multi-node)
     static: bool = False             # static rendezvous: fixed nodes, none can be replaced
+    # static, several nodes: where the nodes' launchers meet to watch each other
+    # (launcher/heartbeat.py): the rank-0 node's address, a port, this node's rank
+    heartbeat: tuple[str, int, int] | None = None
     notes: tuple[str, ...] = ()
 
 
@@ -125,6 +128,19 @@ def parse_rdzv_conf(value: str, var: str) -> dict[str, str]:
 
 def conf_arg(conf: Mapping[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in conf.items())
+
+
+# The nodes of a static job watch each other at the rank-0 node's MASTER_PORT + this
+# (torchrun's own store is at MASTER_PORT; nothing else of the job uses the next one).
+HEARTBEAT_PORT_OFFSET = 1
+
+
+def heartbeat_of(addr: str | None, port: int | None, rank: int | None, nnodes: int
+                 ) -> tuple[str, int, int] | None:
+    """Where a static job's nodes watch each other, when there are several."""
+    if nnodes < 2 or not addr or port is None or rank is None:
+        return None
+    return addr, port + HEARTBEAT_PORT_OFFSET, rank
 
 
 def static_rendezvous(lo: int, hi: int, *, rank: int | None, addr: str | None,

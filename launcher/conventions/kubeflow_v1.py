@@ -9,7 +9,14 @@ the same names mean processes, so the convention does not apply there.
 
 from __future__ import annotations
 
-from launcher.conventions.common import Nodes, Timings, env_error, parse_port, static_rendezvous
+from launcher.conventions.common import (
+    Nodes,
+    Timings,
+    env_error,
+    heartbeat_of,
+    parse_port,
+    static_rendezvous,
+)
 from launcher.environ import Environ
 
 NAME = "kubeflow-v1"
@@ -37,5 +44,5 @@ def nodes(env: Environ, timings: Timings) -> Nodes:
                                        timings=timings)),
                  host=addr if index != 0 else None, job=f"kubeflow:{addr}:{port}",
                  max_restarts=0,  # a restart cannot bring back a lost pod: exit, restart pods
-                 static=True,
+                 static=True, heartbeat=heartbeat_of(addr, port, index, pods),
                  notes=(note,))

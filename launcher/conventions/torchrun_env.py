@@ -14,6 +14,7 @@ from launcher.conventions.common import (
     Timings,
     dynamic_rendezvous,
     env_error,
+    heartbeat_of,
     parse_endpoint,
     parse_nnodes,
     parse_port,
@@ -72,9 +73,14 @@ def nodes(env: Environ, timings: Timings) -> Nodes:
     if backend != "static" and env.get("PET_RDZV_ENDPOINT") and hi > 1:
         where = parse_endpoint(env.get("PET_RDZV_ENDPOINT"), "PET_RDZV_ENDPOINT")
         store = f"{where[0]}:{where[1]}"
+    heartbeat = None
+    if backend == "static" and env.get("PET_MASTER_PORT"):
+        heartbeat = heartbeat_of(env.get("PET_MASTER_ADDR"),
+                                 parse_port(env.get("PET_MASTER_PORT"), "PET_MASTER_PORT"),
+                                 _int(env, "NODE_RANK"), hi)
     return Nodes(NAME, lo, hi, tuple(args), out_env, host, max_restarts=restarts,
                  nproc=_nproc(env), job=job, store=store, static=backend == "static",
-                 notes=notes)
+                 heartbeat=heartbeat, notes=notes)
 
 
 def _static(env: Environ, lo: int, hi: int, timings: Timings
