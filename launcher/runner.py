@@ -91,6 +91,7 @@ def prepare(request: Request, env: Environ | None = None, *, hardware: Hardware 
     _plan(p, master_port)
     _output(p)
     _shm(p)
+    _peers_reach_us(p)
     return p
 
 
@@ -208,6 +209,23 @@ def _output(p: Prepared) -> None:
         _fail(p, exc, "output")
 
 
+def _peers_reach_us(p: Prepared) -> None:
+    """Several nodes: gloo (and NCCL's bootstrap) give peers the address this host's name
+    resolves to, unless an interface is named; a loopback address there means connection
+    failures across hosts, long after the rendezvous."""
+    if p.plan is None or p.plan.nnodes[1] < 2:
+        return
+    named = p.env.socket_ifname or p.cfg.distributed.socket_ifname or \
+        p.env.get("GLOO_SOCKET_IFNAME") or p.env.get("NCCL_SOCKET_IFNAME")
+    loopback = system.loopback_name()
+    if loopback and not named:
+        _add(p, [Finding("warn", "network",
+                         f"this host's name {loopback[0]} resolves to {loopback[1]}, a "
+                         "loopback address: the other nodes would be told to connect there",
+                         "name the interface they reach (TRAIN_SOCKET_IFNAME=eth0 or "
+                         "distributed.socket_ifname), or fix the name in /etc/hosts")])
+
+
 def _shm(p: Prepared) -> None:
     _add(p, [system.check_shm()])
 
@@ -235,9 +253,10 @@ def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -
             log(f"nothing to do: run {cfg.run.name} finished at step {done} "
                 f"({cfg.run_dir / 'result.json'}); raise train.max_steps to train on")
             return 0
-    shm = p.finding("shm")
-    warnings = [*plan.warnings, *([f"{shm.message}; fix: {shm.fix}"]
-                                  if shm and shm.level == "warn" else [])]
+    # the plan's own warnings, and those of the machine checks (shm, the host's name)
+    machine = [f"{f.message}; fix: {f.fix}" for f in p.findings
+               if f.level == "warn" and f.topic in ("shm", "network")]
+    warnings = [*plan.warnings, *machine]
     for line in [*(f"note: {n}" for n in plan.notes), *(f"warning: {w}" for w in warnings)]:
         log(line)
     if verbose:

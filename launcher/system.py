@@ -105,6 +105,17 @@ def wait_for_host(host: str, timeout_s: float, log: Callable[[str], None],
         delay = min(delay * 1.5, 5.0)
 
 
+def loopback_name() -> tuple[str, str] | None:
+    """(hostname, address) when this host's name resolves to a loopback address."""
+    import ipaddress
+    name = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(name)
+    except OSError:
+        return None
+    return (name, addr) if ipaddress.ip_address(addr).is_loopback else None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

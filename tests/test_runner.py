@@ -137,3 +137,22 @@ def test_a_bad_config_is_every_commands_exit_2(tmp_path):
     assert [f.message for f in doctor.findings if f.level == "fail"] == \
         [line.removeprefix("error: ") for line in train.one_line().splitlines()]
     assert doctor.plan is None and doctor.exit_code == 2
+
+
+def test_a_host_name_on_loopback_is_said_before_a_multi_node_launch(config, monkeypatch):
+    """gloo tells its peers the address this host's name resolves to: 127.0.1.1 there
+    means connection failures across hosts, so a multi-node plan warns, naming the fix;
+    a named interface, or a single node, needs no warning."""
+    from launcher import system
+    monkeypatch.setattr(system, "loopback_name", lambda: ("box", "127.0.1.1"))
+    multi = prepared(runner.Request("train", config), "indexed-job")
+    (warn,) = [f for f in multi.findings if f.topic == "network"]
+    assert warn.level == "warn" and "box resolves to 127.0.1.1" in warn.message
+    assert "TRAIN_SOCKET_IFNAME" in warn.fix
+    single = prepared(runner.Request("train", config), "single-cpu")
+    assert not [f for f in single.findings if f.topic == "network"]
+    env, hw, tb, _ = ENVIRONMENTS["indexed-job"]
+    named = runner.prepare(runner.Request("doctor", config),
+                           environ.read({"PATH": "/usr/bin", **env, "TRAIN_SOCKET_IFNAME": "eth0"}),
+                           hardware=hw, tb=tb, master_port=29511)
+    assert not [f for f in named.findings if f.topic == "network"]
