@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.heartbeat import PeerHeartbeat
-from launcher.plan import SCRIPT_MODULE, WORKER_MODULE, Plan
+from launcher.plan import Plan
+from launcher.processes import kill_tree, stop_workers, workers_alive
 from launcher.rendezvous import RoundWatcher, reachable
 from launcher.torchrun import STORE_LOST
 from train.core import reports
@@ -299,61 +300,6 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
     finally:
         if watcher is not None:
             watcher.stop.set()
-
-
-def stop_workers(torchrun_pid: int, what: str, then: str,
-                 log: Callable[[str], None]) -> None:
-    """Peers vanished: this node's workers wait for them in a collective until its
-    timeout. Stop them at once (they resume from the last checkpoint): an elastic job's
-    torchrun then meets the nodes that are left (a restart, as when a worker dies), a
-    static job's ends. ``what``: which node, and how it was noticed."""
-    log(f"{what}; stopping this node's workers {then}")
-    for victim in descendants(torchrun_pid):
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-WORKER_MODULES = (WORKER_MODULE, SCRIPT_MODULE)
-
-
-def workers_alive(torchrun_pid: int) -> bool:
-    """Does torchrun have training workers running (not: meeting, or restarting)?"""
-    for pid in descendants(torchrun_pid):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(m.encode() in argv for m in WORKER_MODULES):
-            return True
-    return False
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process below it (torchrun's workers are in sessions of
-    their own, and a SIGTERM would make them write a checkpoint)."""
-    for victim in [pid, *descendants(pid)]:
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _store_returns(plan: Plan, forwarder: Forwarder, log: Callable[[str], None],

@@ -16,18 +16,25 @@ manifests' own pods (tests/test_k8s_sim.py):
   with an /etc/hosts in which every Service name is 127.0.0.1, so the manifests' host
   names are used unchanged; service ports are moved to free local ports (the same
   number rewritten in the args and env that name it), so runs cannot collide;
-- killing a pod kills everything in it (its PID namespace), as on a node.
+- killing a pod kills everything in it (its PID namespace), as on a node;
+- terminating a pod (:meth:`Cluster.terminate`) sends SIGTERM, then SIGKILL at the end
+  of the manifest's ``terminationGracePeriodSeconds``, as the kubelet does;
+- how the Job controller would take a pod's end (:meth:`Cluster.judge`): the manifest's
+  ``podFailurePolicy`` (FailJob, Ignore for a disruption) and ``backoffLimitPerIndex``.
 
 What it does not play: scheduling, resources, probes, security contexts (the static
 tests check those against the image's contract), restarts (a test restarts an index
-itself, as the Job controller would).
+itself, as the Job controller would), and a network per pod (every pod is on
+127.0.0.1: tests/netns.py plays hosts that vanish).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -156,12 +163,43 @@ class Cluster:
         deployment = self.get("Deployment", name)
         return self._start(f"{name}-{len(self.pods)}", deployment["spec"]["template"], {}, [])
 
-    def start_index(self, job: str, index: int, extra_args: list[str] | None = None) -> Process:
+    def start_index(self, job: str, index: int, extra_args: list[str] | None = None,
+                    env: dict[str, str] | None = None) -> Process:
         """The pod for one completion index, as the Job controller creates it."""
         spec = self.get("Job", job)["spec"]
         return self._start(f"{job}-{index}-{len(self.pods)}", spec["template"],
-                           {"JOB_COMPLETION_INDEX": str(index)},
+                           {"JOB_COMPLETION_INDEX": str(index), **(env or {})},
                            self.extra_args + list(extra_args or []))
+
+    def recreate_job(self) -> None:
+        """``kubectl delete job`` + ``apply`` again: the same manifest, a new uid."""
+        self.job_uid = str(uuid.uuid4())
+
+    def terminate(self, pod: Process, template: dict | None = None) -> int:
+        """The kubelet's stop: SIGTERM, then SIGKILL when the grace period ends; the exit
+        code (137 for a kill, as the container runtime reports it)."""
+        spec = (template or self.get("Job", "train-workers")["spec"]["template"])["spec"]
+        grace = spec.get("terminationGracePeriodSeconds", 30)
+        pod.signal(signal.SIGTERM)
+        try:
+            return pod.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pod.kill()
+            return 137
+
+    def judge(self, job: str, exit_code: int, disrupted: bool = False) -> str:
+        """What the Job controller does with a pod that ended so: "Succeeded", "FailJob",
+        "Ignore" (not counted) or "Count" (counts against backoffLimitPerIndex)."""
+        if exit_code == 0:
+            return "Succeeded"
+        for rule in self.get("Job", job)["spec"].get("podFailurePolicy", {}).get("rules", []):
+            codes = rule.get("onExitCodes")
+            if codes and (exit_code in codes["values"]) == (codes["operator"] == "In"):
+                return rule["action"]
+            conditions = rule.get("onPodConditions", [])
+            if disrupted and any(c["type"] == "DisruptionTarget" for c in conditions):
+                return rule["action"]
+        return "Count"
 
     def close(self) -> None:
         for pod in self.pods:

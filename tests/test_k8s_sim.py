@@ -98,6 +98,7 @@ def test_the_job_through_pod_loss_scale_up_store_loss_and_a_drain(sim, tmp_path)
     for p in pods:
         p.signal(signal.SIGTERM)
     assert [p.wait(120) for p in pods] == [143, 143, 143]
+    assert sim.judge(JOB, 143, disrupted=True) == "Ignore"  # a drain is no failure
     text = "".join(p.text() for p in pods)
     assert "frame #" not in text and "SignalException" not in text  # one line each
     assert "stopped by a signal to a worker" not in text  # the store loss said as such
@@ -141,9 +142,57 @@ def test_a_broken_config_fails_every_pod_with_an_exit_code_that_fails_the_job(si
     store.wait_for(r"listening on", 60)
     pods = [sim.start_index(JOB, i) for i in (0, 1)]
     codes = [p.wait(120) for p in pods]
-    job = sim.get("Job", JOB)["spec"]["podFailurePolicy"]["rules"]
-    fail_job = next(r for r in job if r["action"] == "FailJob")["onExitCodes"]["values"]
-    assert codes == [2, 2] and 2 in fail_job
+    assert codes == [2, 2] and [sim.judge(JOB, c) for c in codes] == ["FailJob", "FailJob"]
     for p in pods:
         last = p.text().strip().splitlines()[-1]
         assert last.endswith("model.widht: unknown key; did you mean model.width?"), last
+
+
+# The old pod's stop checkpoint takes 15 s more to write (a slow shared volume).
+SLOW_STOP = """
+import importlib.abc, importlib.util, sys, time
+
+class SlowSave(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "train.checkpoint.store":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            real = module.save_file
+            def slow(obj, path):
+                real(obj, path)
+                if path.name == "state.pt":
+                    time.sleep(15)
+            module.save_file = slow
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, SlowSave())
+"""
+
+
+@pytest.mark.slow
+def test_a_recreated_job_waits_for_its_predecessors_last_checkpoint(sim, tmp_path):
+    """`kubectl delete job` + `apply` while the old pod still writes its SIGTERM
+    checkpoint: the new Job's pod (a new uid, so another job) waits for the old lease,
+    then resumes from that checkpoint. Never exit 3, which would fail the new Job."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_STOP)
+    store = sim.start_deployment("train-rendezvous")
+    store.wait_for(r"listening on", 60)
+    old = sim.start_index(JOB, 0, [*SHORT, "train.max_steps=100000",
+                                   "checkpoint.every_steps=0"],
+                          env={"PYTHONPATH": str(tmp_path / "site")})
+    first([old], r"\]:step 10/")
+    old.signal(signal.SIGTERM)
+    first([old], r"received SIGTERM: stopping with a checkpoint")  # it writes it now
+    sim.recreate_job()
+    new = sim.start_index(JOB, 0, [*SHORT, "train.max_steps=40"])
+    assert old.wait(120) == 143 and sim.judge(JOB, 143, disrupted=True) == "Ignore"
+    code = new.wait(300)
+    assert code == 0 and sim.judge(JOB, code) == "Succeeded", new.text()[-3000:]
+    assert "waiting up to" in new.text() and "for the run directory" in new.text()
+    assert "resumed from" in new.text()

@@ -1,5 +1,6 @@
-"""Checkpoints of a run: the file protocol (:mod:`.store`) and the decisions around it
-(:mod:`.policy`: when to save, which checkpoint a start resumes).
+"""Checkpoints of a run: the file protocol (:mod:`.store`), what each rank writes
+(:mod:`.serializer`) and the decisions around it (:mod:`.policy`: when to save, which
+checkpoint a start resumes).
 
 What a checkpoint holds is :mod:`train.state`'s business; how the launcher reads the
 layout before any worker starts is :mod:`train.core.rundir`'s.

@@ -14,7 +14,6 @@ state holds is :mod:`train.state`'s business.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -25,72 +24,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from train.checkpoint.serializer import (
+    CheckpointWriteError,
+    save_file,
+    snapshot,
+    write_error,
+)
 from train.core import rundir
-from train.core.errors import CannotRunHere
 from train.core.files import create_new, fsync_dir, sha256_file, write_atomic
 from train.core.files import describe_load_error as load_error
 from train.core.rundir import CHECKSUMS, STATE_FILE, none_usable, step_of
 
 log = logging.getLogger("train")
-
-class CheckpointWriteError(CannotRunHere):
-    """A checkpoint could not be written (disk full, quota, a read-only file system): exit
-    3, since a restart cannot free a disk. The partial checkpoint is removed and the
-    previous one is intact; a restart of the same attempt ends at once (train.worker)."""
-
-
-def save_file(obj: Any, path: Path) -> None:
-    import torch
-    with create_new(path) as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_error(exc: BaseException, path: Path, needed: int | None = None,
-                folder: Path | None = None) -> CheckpointWriteError:
-    """Say what went wrong in words: torch reports a full disk as "[enforce fail at
-    inline_container.cc] unexpected pos" or "file write failed". needed: about how many
-    bytes a checkpoint takes (the previous one's size), when known; folder: the
-    checkpoints folder (default: the one above ``path``'s step folder)."""
-    folder = folder or path.parent.parent  # checkpoints/
-    label = path.relative_to(folder) if folder in path.parents else path.name
-    try:
-        free = shutil.disk_usage(folder).free
-    except OSError:
-        free = None
-    sizes = [f"{_mib(free)} free"] if free is not None else []
-    if needed:
-        sizes.append(f"a checkpoint takes about {_mib(needed)}")
-    left = f" ({', '.join(sizes)})" if sizes else ""
-    short_write = any(s in str(exc) for s in ("unexpected pos", "file write failed"))
-    code = getattr(exc, "errno", None)
-    if code == errno.EROFS:
-        what = f"{folder} is on a read-only file system now"
-    elif code in (errno.EACCES, errno.EPERM):
-        what = f"{folder} is no longer writable ({os.strerror(code)})"
-    elif code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or \
-            (code is None and free is not None and free < 64 << 20):
-        what = f"no space left on {folder}{left}: free some, or lower checkpoint.keep_last"
-    elif short_write:  # torch's words for a write the file system cut short
-        what = f"the write was cut short: is the disk holding {folder} full{left}?"
-    else:
-        what = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-    return CheckpointWriteError(f"cannot write checkpoint {label}: {what}; the previous "
-                                "checkpoint is intact")
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n < 10 << 20 else f"{n / 2**20:.0f} MiB"
-
-
-def snapshot(state: Any) -> Any:
-    """A CPU copy that training can no longer mutate (for writing in the background)."""
-    import torch
-    from torch.utils._pytree import tree_map
-    return tree_map(lambda t: t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor)
-                    else t, state)
-
 
 class Checkpointer:
     """Writes and finds checkpoints of one run; ``barrier`` syncs ranks (no-op alone)."""

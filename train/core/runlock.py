@@ -42,6 +42,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from train.core.errors import ConfigError, RunDirBusy
 from train.core.files import LinkRefused, refusing_links, write_atomic
@@ -51,8 +52,7 @@ LOCK_FILE = ".lock"
 FLOCK_FILE = ".flock"
 
 
-@dataclass(frozen=True)
-class LeaseTimes:
+class LeaseTimes(NamedTuple):
     """The run.lock_* keys, in seconds."""
     renew_s: float = 10
     expiry_s: float = 60
@@ -61,6 +61,9 @@ class LeaseTimes:
     @classmethod
     def of(cls, cfg) -> LeaseTimes:
         return cls(cfg.run.lock_renew_s, cfg.run.lock_expiry_s, cfg.run.lock_wait_s)
+
+
+DEFAULT_TIMES = LeaseTimes()
 
 
 @dataclass
@@ -114,7 +117,7 @@ class RunLock:
             self.fd = None
 
 
-def acquire(run_dir: Path, job: str | None = None, times: LeaseTimes = LeaseTimes(),
+def acquire(run_dir: Path, job: str | None = None, times: LeaseTimes = DEFAULT_TIMES,
             log: Callable[[str], None] | None = None,
             on_lost: Callable[[str], None] | None = None) -> RunLock:
     """The lease of ``run_dir`` for ``job`` (None: this launch alone), waiting for another

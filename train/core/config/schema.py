@@ -32,14 +32,12 @@ class RunConfig:
     name: str | None = opt(None, "Run name; the run directory is output.dir/run.name. "
                                  "Default: the config file's stem, so rerunning a config "
                                  "resumes it.")
-    lock_renew_s: float = opt(10.0, "How often the job renews its lease on the run directory "
-                                    "(RUN_DIR/.lock, on shared storage too).", gt=0.0)
-    lock_expiry_s: float = opt(60.0, "A lease not renewed for this long is expired: another "
-                                     "job may take the run directory over. At least twice "
-                                     "run.lock_renew_s.", gt=0.0)
-    lock_wait_s: float = opt(300.0, "How long a launch waits for another job's live lease "
-                                    "(a predecessor still writing its last checkpoint) "
-                                    "before exit 6.", ge=0.0)
+    lock_renew_s: float = opt(10.0, "Seconds between renewals of the job's lease on the run "
+                                    "directory (RUN_DIR/.lock).", gt=0.0)
+    lock_expiry_s: float = opt(60.0, "Seconds without a renewal after which another job may "
+                                     "take the lease (>= 2 x run.lock_renew_s).", gt=0.0)
+    lock_wait_s: float = opt(300.0, "Seconds a launch waits for another job's live lease "
+                                    "(a predecessor's last checkpoint), then exit 6.", ge=0.0)
 
 
 @dataclass(kw_only=True)
@@ -178,16 +176,14 @@ class DistributedConfig:
     rdzv_store_wait_s: int = opt(300, "Multi-node elastic: how long a node waits for a lost "
                                       "rendezvous store to come back (and then re-joins) "
                                       "before it exits 5.", ge=0)
-    grace_period_s: int = opt(120, "What the platform gives between SIGTERM and SIGKILL "
-                                   "(Kubernetes terminationGracePeriodSeconds, SLURM KillWait "
-                                   "or the --signal lead time): torchrun gives the workers this "
-                                   "minus 5 s to write their stop checkpoint (its own default: "
-                                   "30 s).", ge=6)
     socket_ifname: str | None = opt(None, "Network interface for NCCL and gloo (sets "
                                           "NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); the "
                                           "TRAIN_SOCKET_IFNAME variable of a node wins.")
     debug: bool = opt(False, "Verbose communication logs: NCCL_DEBUG=INFO, "
                              "TORCH_DISTRIBUTED_DEBUG=DETAIL (also TRAIN_DEBUG=1).")
+    grace_period_s: int = opt(120, "Seconds from SIGTERM to SIGKILL on this platform (k8s "
+                                   "terminationGracePeriodSeconds, SLURM KillWait): torchrun "
+                                   "gives the stop checkpoint this minus 5 s (not 30 s).", ge=6)
 
 
 @dataclass(kw_only=True)
