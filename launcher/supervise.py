@@ -41,6 +41,7 @@ from launcher.torchrun import STORE_LOST
 from train.core import reports
 from train.core.errors import (
     EXIT_OK,
+    EXIT_PEER_STOPPED,
     EXIT_RUN_DIR_BUSY,
     EXIT_STOPPED_BY_SIGNAL,
     EXIT_STORE_LOST,
@@ -53,6 +54,8 @@ from train.core.identity import CONFIG_SNAPSHOT_VAR, RELAUNCH_VAR, STATUS_DIR_VA
 from train.core.reports import Report
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
+# Workers that stopped with their checkpoint: told to, or with another node that was.
+STOPPED = (EXIT_STOPPED_BY_SIGNAL, EXIT_PEER_STOPPED)
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ def classify(rc: int, found: list[Report], signals: list[int], expected: int,
              mode: str, program: str = "train") -> Outcome:
     """Map the child's exit status and the workers' reports to the user's exit code.
     program: "train" (workers checkpoint on a signal) or "script" (``launch``)."""
-    failed = [r for r in found if r.exit_code not in (EXIT_OK, EXIT_STOPPED_BY_SIGNAL)]
+    failed = [r for r in found if r.exit_code not in (EXIT_OK, *STOPPED)]
     # The first to fail is the root cause; the others usually fail because it vanished.
     failed.sort(key=lambda r: (r.time, r.rank))
     if failed:
@@ -129,7 +132,7 @@ def classify(rc: int, found: list[Report], signals: list[int], expected: int,
         failed_text = "training failed" if program == "train" else "the script failed"
         return Outcome(code, f"error: {failed_text}: rank {r.rank}: {what}{more}; "
                              f"details in {where}")
-    stopped = [r for r in found if r.exit_code == EXIT_STOPPED_BY_SIGNAL]
+    stopped = [r for r in found if r.exit_code in STOPPED]
     if mode == "torchrun" and rc == STORE_LOST and not signals:
         return Outcome(EXIT_STORE_LOST, "error: torchrun lost its rendezvous store and stopped "
                                         f"the workers ({len(stopped)} of {expected} confirmed "
@@ -137,7 +140,10 @@ def classify(rc: int, found: list[Report], signals: list[int], expected: int,
     if signals or stopped:
         if rc == 0 and not stopped and len(found) >= expected:
             return Outcome(EXIT_OK)  # the signal came as the last step finished
-        name = signal.Signals(signals[0]).name if signals else "a signal to a worker"
+        name = signal.Signals(signals[0]).name if signals else (
+            "another node's stop (its workers got a signal)"
+            if all(r.exit_code == EXIT_PEER_STOPPED for r in stopped) else
+            "a signal to a worker")
         if program == "script":
             return Outcome(EXIT_STOPPED_BY_SIGNAL, f"stopped by {name} (forwarded to the "
                                                    "script's processes)")

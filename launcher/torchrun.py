@@ -14,6 +14,8 @@ arguments and differs in what it says and in one identity detail.
 - On a stop torchrun also logs "Received 15 death signal, shutting down workers" and a
   "Sending process N closing signal SIGTERM" per worker: the lines above say that once,
   so those two messages are dropped (every other torchrun message stays).
+- A node leaving on purpose makes the others' workers stop with it (one checkpoint);
+  their restart to go on without it costs no ``--max-restarts`` here.
 - An agent that ends with an error makes torch close the job's rendezvous for every
   node, for good; here only a finished job's agents close it (a node that gave up, or
   was cut off from the store, must not stop the others or its replacement).
@@ -33,6 +35,8 @@ import os
 import secrets
 import signal
 import sys
+
+from train.core.errors import EXIT_PEER_STOPPED
 
 # Exit status meaning "the rendezvous store is unreachable" (EX_TEMPFAIL).
 STORE_LOST = 75
@@ -99,6 +103,31 @@ def _keep_the_rendezvous_open_on_failure() -> None:
     handler.shutdown = shutdown_unless_failed
 
 
+def _a_node_leaving_is_no_failure() -> None:
+    """A node that leaves on purpose (scale-down, a one-node drain) makes every rank stop
+    with a checkpoint; the ranks of the other nodes exit EXIT_PEER_STOPPED. torchrun
+    counts any worker exit as a failure and spends one of ``--max-restarts`` on it; here
+    such a restart is given back, so a planned departure costs no restart."""
+    from torch.distributed.elastic.agent.server import local_elastic_agent as local
+    agent = local.LocalElasticAgent
+    if not hasattr(agent, "_monitor_workers"):
+        return
+    monitor = agent._monitor_workers
+
+    def monitor_refunding(self, worker_group):
+        # Read right before the agent decides to restart (and spends one restart on it)
+        result = monitor(self, worker_group)
+        failures = getattr(result, "failures", None) or {}
+        if failures and hasattr(self, "_remaining_restarts") and \
+                all(f.exitcode == EXIT_PEER_STOPPED for f in failures.values()):
+            self._remaining_restarts += 1
+            print("torchrun: another node left the job; meeting the others again (no restart "
+                  "counted)", file=sys.stderr, flush=True)
+        return result
+
+    agent._monitor_workers = monitor_refunding
+
+
 # torch's elastic loggers and the messages of theirs this module says in its own words.
 _SAID_HERE = {
     "torch.distributed.elastic.agent.server.api": "Received %s death signal",
@@ -132,6 +161,7 @@ def main() -> int:
     from torch.distributed.run import main as torchrun_main
     _unique_node_ids()
     _keep_the_rendezvous_open_on_failure()
+    _a_node_leaving_is_no_failure()
     _drop_repeated_stop_messages()
     try:
         torchrun_main()

@@ -46,6 +46,14 @@ def test_sigterm_with_every_checkpoint_confirmed_is_143():
     assert out.code == 143 and "SIGTERM" in out.message and "confirmed" not in out.message
 
 
+def test_a_static_job_ending_with_another_nodes_stop_is_143_and_says_why():
+    """Workers that stopped because another node's were told to (exit 144, between worker
+    and launcher only) are stopped, not failed: the user sees 143."""
+    out = classify(1, [rep(0, 144), rep(1, 144)], [], 2, "torchrun")
+    assert out.code == 143
+    assert out.message.startswith("stopped by another node's stop (its workers got a signal)")
+
+
 def test_sigterm_without_reports_is_still_143_but_says_so():
     out = classify(1, [], [signal.SIGTERM], 2, "torchrun")
     assert out.code == 143 and "0 of 2" in out.message

@@ -175,3 +175,21 @@ def test_rendezvous_timings_are_config_keys(tmp_path):
                     "keep_alive_max_attempt=3")
     assert p.store == "s:1" and p.job == "u" and p.join_timeout_s == 60
     assert json.loads(json.dumps(p.to_dict()))["store_wait_s"] == 300
+
+
+@pytest.mark.slow
+def test_a_node_leaving_on_purpose_costs_the_others_no_restart(cluster):
+    """Scale-down or a one-node drain: SIGTERM to one node. It checkpoints and exits 143
+    with every rank; the other node trains on at the smaller world size. With
+    distributed.max_restarts=0 it could not if the departure counted as its failure."""
+    cluster.start_store()
+    nodes = [cluster.node(i, [*SMALL, "distributed.max_restarts=0"]).start() for i in range(2)]
+    main = first(nodes, r"world size 2(.|\n)*\]:step 25/")
+    leaving = nodes[1] if main is nodes[0] else nodes[0]
+    leaving.signal(signal.SIGTERM)
+    assert leaving.wait(120) == 143, leaving.text()[-3000:]
+    main.wait_for(r"another node left the job; meeting the others again \(no restart "
+                  r"counted\)", 120)
+    main.wait_for(r"resumed from .*now 1\)(.|\n)*\]:step \d+/", 180)
+    assert main.running
+    assert stop_all([main]) == [143]

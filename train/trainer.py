@@ -29,7 +29,7 @@ from train.checkpoint.policy import Cadence, choose_checkpoint
 from train.components import Components, build, preflight, train_loader
 from train.core import runlock, usercode
 from train.core.config import AUTO, Config, check_checkpoint_config, to_dict, to_yaml
-from train.core.errors import EXIT_OK, EXIT_STOPPED_BY_SIGNAL, Diverged
+from train.core.errors import EXIT_OK, EXIT_PEER_STOPPED, EXIT_STOPPED_BY_SIGNAL, Diverged
 from train.core.files import finished_step, write_atomic, write_json_atomic
 from train.core.identity import WorkerIdentity
 from train.data import eval_indices
@@ -249,6 +249,9 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
         if how is not None:  # the last one in the foreground: exit 0 or 143 means saved
             save_checkpoint(c, state, guard, background=how == "background")
         if stopping:
+            if not stop.requested:  # another node leaves; this one goes on without it
+                log.info("stopped at step %d: another node's workers were told to stop", step)
+                return EXIT_PEER_STOPPED
             log.warning("stopped at step %d by a signal; rerun the same command to resume", step)
             return EXIT_STOPPED_BY_SIGNAL
     finish(c, metrics, state.step)

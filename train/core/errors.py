@@ -14,6 +14,10 @@ EXIT_DIVERGED = 4
 EXIT_STORE_LOST = 5
 EXIT_RUN_DIR_BUSY = 6
 EXIT_STOPPED_BY_SIGNAL = 143
+# Between a worker and its launcher only: this rank stopped (with the checkpoint) because
+# the workers of another node were told to stop. torchrun restarts it without counting
+# a failure, to train on without that node; the launcher says 143 if the job ends here.
+EXIT_PEER_STOPPED = 144
 # Exit codes a retry cannot change: launchers and Kubernetes should not restart on them.
 FINAL_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_DIVERGED)
 
