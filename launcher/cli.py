@@ -130,6 +130,8 @@ def cmd_doctor(args: list[str]) -> int:
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--comm-timeout", type=float, default=60.0)
     ns = parser.parse_args(rest)
+    if not 0 < ns.comm_timeout <= 3600:  # also refuses nan
+        parser.error(f"--comm-timeout {ns.comm_timeout}: expected seconds in (0, 3600]")
     return doctor.main(environ.read(), ns.config, ns.overrides, as_json="--json" in flags,
                        comm="--comm" in flags, comm_timeout_s=ns.comm_timeout)
 

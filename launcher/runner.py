@@ -121,7 +121,7 @@ def _config(p: Prepared) -> None:
     r = p.request
     try:
         if r.command == "launch":
-            p.cfg = load_overrides(list(r.overrides), launch_defaults(r.script))
+            p.cfg = load_overrides(list(r.overrides), launch_defaults(r.script, r.overrides))
         elif r.config is None:
             p.cfg = default_config()
         else:
@@ -135,13 +135,38 @@ def _config(p: Prepared) -> None:
     _add(p, [Finding("warn", "config", w) for w in config_warnings(p.cfg)])
 
 
-def launch_defaults(script: tuple[str, ...]) -> dict[str, Any]:
+# The keys a script's launch takes: where and how it runs, not what the trainer does.
+LAUNCH_KEYS = ("distributed.", "device", "output.dir", "run.name")
+
+
+def launch_defaults(script: tuple[str, ...], overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """``launch``'s config: the script's name as the run name, and no restarts (a script
-    may not resume from where it stopped) unless asked for."""
+    may not resume from where it stopped) unless asked for. The script must exist and the
+    overrides be keys a launch uses (``optim.lr=1`` would be ignored: the trainer's)."""
     if not script:
         raise ConfigError("command line", "launch", "no script: launch [key=value ...] "
                                                     "SCRIPT.py [args] or launch -m MODULE [args]")
-    if script[0] != "-m" and not Path(script[0]).is_file():
+    for text in overrides:
+        key = text.partition("=")[0].strip()
+        if not key.startswith(LAUNCH_KEYS):
+            raise ConfigError("command line", key, "not a key of launch: it takes "
+                                                   "distributed.*, device, output.dir and "
+                                                   "run.name (the rest is the trainer's; give "
+                                                   "your script its own arguments)")
+    if script[0] == "-m":
+        import importlib.util
+        sys.path.insert(0, os.getcwd())  # where `python -m` in the workers looks first
+        try:
+            found = importlib.util.find_spec(script[1])
+        except (ImportError, ValueError):
+            found = None
+        finally:
+            sys.path.remove(os.getcwd())
+        if found is None:
+            raise ConfigError("command line", f"-m {script[1]}", "no such module (from the "
+                                                                  "working directory or the "
+                                                                  "installed packages)")
+    elif not Path(script[0]).is_file():
         raise ConfigError("command line", script[0], "no such script (a .py file, or -m "
                                                      "MODULE)")
     name = script[1] if script[0] == "-m" else Path(script[0]).stem

@@ -4,6 +4,7 @@ The bare worker (``python -m train``) gives the same answers: it shares the chec
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,8 @@ CASES = [
      "optim.lr\\x1b[2J", "unknown key"),
     ("a newline and an escape in run.name", TINY_GPT, None, ["run.name=a\nentrypoint: ok\x1b[1m"],
      {}, 2, "run.name", "without '/' or control characters"),
+    ("a seed numpy cannot take", TINY_GPT, None, ["seed=4294967296"], {}, 2, "seed",
+     "must be <= 4294967295"),
     ("a global batch this machine cannot hold", TINY_GPT, None,
      ["train.global_batch_size=17179869184", "train.micro_batch_size=1"], {}, 3, None,
      "of memory available here"),
@@ -132,6 +135,9 @@ def test_bad_input_is_one_line_from_the_parent(tmp_path, name, tree, text, overr
      3, "runs one process, but WORLD_SIZE=2"),
     (["output.dir=@file/runs"], {}, 3, "is not writable"),
     (["optim.lr=.nan"], {}, 2, "must be a finite number"),
+    ([], {"RANK": "abc"}, 2, "environment: RANK: got 'abc'; expected an integer"),
+    ([], {"RANK": "2", "WORLD_SIZE": "2"}, 2, "RANK: got 2, but WORLD_SIZE=2: expected 0..1"),
+    ([], {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "1"}, 2, "LOCAL_RANK: got 1"),
 ])
 def test_the_bare_worker_gives_the_same_answers(tmp_path, overrides, env, code, fragment):
     """`python -m train` alone: no hang (mpi), no silent training (nccl on CPU), no traceback."""
@@ -145,3 +151,46 @@ def test_the_bare_worker_gives_the_same_answers(tmp_path, overrides, env, code, 
     assert "Traceback" not in proc.stderr
     assert fragment in proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def fifo(tmp: Path) -> Path:
+    os.mkfifo(tmp / "config.yaml")
+    return tmp / "config.yaml"
+
+
+@pytest.mark.parametrize("make_config", [lambda tmp: Path("/dev/zero"), fifo],
+                         ids=["/dev/zero", "a FIFO"])
+def test_a_config_that_is_no_file_is_refused_not_read_forever(tmp_path, make_config):
+    """/dev/zero would be read until memory runs out; a FIFO would wait for a writer."""
+    config = make_config(tmp_path)
+    proc = subprocess.run([sys.executable, ENTRY, "train", str(config)], cwd=tmp_path,
+                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip() == (f"error: {config}: <file>: not a regular file (a device, "
+                                   "FIFO or socket); name a YAML file")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["launch", "optim.lr=1", "@script"], "command line: optim.lr: not a key of launch"),
+    (["launch", "-m", "no_such_module_here"], "-m no_such_module_here: no such module"),
+    (["launch", "-m", "mymod"], None),
+    (["doctor", "--comm-timeout", "nan"], "--comm-timeout nan: expected seconds in (0, 3600]"),
+    (["doctor", "--comm-timeout", "-1"], "--comm-timeout -1.0: expected seconds in (0, 3600]"),
+])
+def test_command_line_mistakes_are_one_line(tmp_path, args, fragment):
+    """A launch override the trainer would silently ignore, a module that is not there, a
+    timeout that is no duration: exit 2 before anything starts."""
+    (tmp_path / "mymod.py").write_text("print('ran mymod')\n")
+    (tmp_path / "script.py").write_text("print('ran script')\n")
+    args = [str(tmp_path / "script.py") if a == "@script" else a for a in args]
+    proc = subprocess.run([sys.executable, ENTRY, *args, f"output.dir={tmp_path / 'runs'}"]
+                          if args[0] == "launch" and fragment else [sys.executable, ENTRY, *args],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+    if fragment is None:  # the module found from the working directory, as the workers do
+        assert proc.returncode == 0 and "ran mymod" in proc.stdout, proc.stderr[-2000:]
+        return
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], proc.stderr[-2000:]
+    assert not (tmp_path / "runs").exists()

@@ -182,6 +182,16 @@ def test_indexed_job_with_standalone_store(cfg_file):
     assert p.world_sizes == (4, 6, 8) and p.rdzv_host == "train-rdzv"
 
 
+def test_a_store_endpoint_alone_selects_the_standalone_store(cfg_file):
+    """TRAIN_RDZV_ENDPOINT on a node that is no Indexed Job pod (a VM, a StatefulSet):
+    it meets the others at the store, rather than training alone as a single node."""
+    env = {"TRAIN_RDZV_ENDPOINT": "store:29400", "TRAIN_NNODES": "2", "TRAIN_RDZV_ID": "r1"}
+    p = make(cfg_file(), env=env)
+    assert p.convention == "indexed-job" and p.nnodes == (2, 2) and p.rdzv_host == "store"
+    assert "--rdzv-endpoint" in p.argv and "store:29400" in p.argv
+    assert any("(TRAIN_RDZV_ENDPOINT)" in n for n in p.notes)
+
+
 def test_user_set_variables_are_kept_and_reported(cfg_file):
     p = make(cfg_file(), ["distributed.nproc_per_node=2"],
              env={"OMP_NUM_THREADS": "3", "PYTHONPATH": "/extra"})

@@ -16,7 +16,7 @@ from train.core.config import check_resume_compatible, load_config, to_yaml
 from train.core.config.loader import dashed_override
 from train.core.config.origins import config_warnings
 from train.core.errors import EXIT_TRAINING_FAILED, UserError, printable
-from train.core.identity import WorkerIdentity
+from train.core.identity import WorkerIdentity, check_environ
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -48,6 +48,7 @@ def run(argv: list[str]) -> tuple[int, str | None]:
             if dashed is not None:
                 raise dashed
         args = parse_args(argv)
+        check_environ()
         env = WorkerIdentity.from_environ()
         # Under the launcher: the config it validated, however often torchrun restarts us
         cfg = load_config(env.config_snapshot or args.config, args.overrides,

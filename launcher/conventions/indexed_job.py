@@ -1,5 +1,5 @@
-"""A Kubernetes Indexed Job from this project's manifests: ``JOB_COMPLETION_INDEX`` plus
-``TRAIN_RDZV_ENDPOINT``.
+"""A Kubernetes Indexed Job from this project's manifests (``TRAIN_RDZV_ENDPOINT``, and
+``JOB_COMPLETION_INDEX`` from the Job controller), or any node told where the store is.
 
 Worker pods meet at the standalone rendezvous store (``entrypoint.py rendezvous``,
 behind a Service) with ``is_host=false``, so no worker pod holds the store and losing
@@ -24,8 +24,10 @@ NAME = "indexed-job"
 
 
 def detect(env: Environ) -> bool:
-    index = integer(env.raw, "JOB_COMPLETION_INDEX")  # validated wherever it is set
-    return index is not None and bool(env.get("TRAIN_RDZV_ENDPOINT"))
+    """TRAIN_RDZV_ENDPOINT selects it (a pod of this project's manifests, or any node
+    told where the store is); JOB_COMPLETION_INDEX, when set, must be an index."""
+    integer(env.raw, "JOB_COMPLETION_INDEX")  # validated wherever it is set
+    return bool(env.get("TRAIN_RDZV_ENDPOINT"))
 
 
 def nodes(env: Environ, timings: Timings) -> Nodes:
@@ -47,8 +49,9 @@ def nodes(env: Environ, timings: Timings) -> Nodes:
     local = env.get("TRAIN_LOCAL_ADDR")
     if local:
         args += ["--local-addr", local]
-    note = (f"launch convention: Indexed Job (JOB_COMPLETION_INDEX="
-            f"{env.get('JOB_COMPLETION_INDEX')}), standalone rendezvous store {host}:{port}, "
+    index = env.get("JOB_COMPLETION_INDEX")
+    by = f"JOB_COMPLETION_INDEX={index}" if index else "TRAIN_RDZV_ENDPOINT"
+    note = (f"launch convention: Indexed Job ({by}), standalone rendezvous store {host}:{port}, "
             f"nodes {lo}:{hi}")
     return Nodes(NAME, lo, hi, tuple(args), out_env, host, job=run_id,
                  store=f"{host}:{port}", notes=(note,))

@@ -105,6 +105,37 @@ class WorkerIdentity:
                 f"the same distributed.nproc_per_node")
 
 
+# torchrun's variables a worker reads: (name, the least value allowed)
+_COUNTS = (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_WORLD_SIZE", 1),
+           ("GROUP_WORLD_SIZE", 1), ("TORCHELASTIC_RESTART_COUNT", 0))
+
+
+def check_environ(env: Mapping[str, str] | None = None) -> None:
+    """A worker started by hand (``RANK=1 python -m train``) with variables torchrun would
+    never set: ConfigError (exit 2) naming the first one, instead of a silent default or a
+    traceback from inside torch."""
+    from train.core.errors import ConfigError
+    env = os.environ if env is None else env
+    got: dict[str, int] = {}
+    for name, least in _COUNTS:
+        value = env.get(name, "").strip()
+        if not value:
+            continue
+        if not value.isdigit() or int(value) < least:
+            raise ConfigError("environment", name, f"got {value!r}; expected an integer "
+                                                   f">= {least}")
+        got[name] = int(value)
+    for index, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if index in got and got[index] >= got.get(size, 1):
+            raise ConfigError("environment", index, f"got {got[index]}, but {size}="
+                                                    f"{got.get(size, 1)}: expected 0.."
+                                                    f"{got.get(size, 1) - 1}")
+    port = env.get("MASTER_PORT", "").strip()
+    if port and (not port.isdigit() or not 0 < int(port) < 65536):
+        raise ConfigError("environment", "MASTER_PORT", f"got {port!r}; expected a port "
+                                                        "1..65535")
+
+
 def _torchrun_log_dir(env: Mapping[str, str]) -> str | None:
     """torchrun writes each worker's stdout.log/stderr.log beside its error file when it
     runs with --log-dir; without it the output went to the console."""

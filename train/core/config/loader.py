@@ -31,11 +31,20 @@ def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     source = str(path)
     try:
+        if path.exists() and not path.is_file() and not path.is_dir():
+            # /dev/zero would be read forever, a FIFO wait for a writer
+            raise ConfigError(source, "<file>", "not a regular file (a device, FIFO or "
+                                                "socket); name a YAML file")
         if path.stat().st_size > strict_yaml.MAX_BYTES:  # do not even read it
             raise ConfigError(source, "<file>", f"{path.stat().st_size / 2**20:.1f} MiB; a "
                                                 f"config is at most "
                                                 f"{strict_yaml.MAX_BYTES >> 20} MiB")
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as f:  # never more than the limit, whatever stat said
+            raw = f.read(strict_yaml.MAX_BYTES + 1)
+        if len(raw) > strict_yaml.MAX_BYTES:
+            raise ConfigError(source, "<file>", f"more than {strict_yaml.MAX_BYTES >> 20} MiB; "
+                                                "a config is at most that")
+        text = raw.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(source, "<file>", "no such file" + _did_you_mean(path)) from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:

@@ -216,7 +216,8 @@ class LoggingConfig:
 
 @dataclass(kw_only=True)
 class Config:
-    seed: int = opt(0, "Seeds model init, data order and dropout.", ge=0)
+    seed: int = opt(0, "Seeds model init, data order and dropout (0 .. 2^32-1).", ge=0,
+                    le=2**32 - 1)
     deterministic: bool = opt(False, "Deterministic algorithms everywhere PyTorch has them.")
     device: Literal["auto", "gpu", "cpu"] = opt(AUTO, "auto: GPUs when usable, else CPU.")
     precision: Literal["fp32", "bf16", "fp16"] = opt("fp32", "fp32, bf16 autocast, or fp16 "
