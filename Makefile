@@ -57,7 +57,7 @@ test-all: venv
 
 # ruff (settings in pyproject.toml: scripts/ without a .py suffix included) and shellcheck,
 # both pinned in the dev locks; every shell script of the repository.
-SHELL_SCRIPTS := .ci/run $(shell grep -lsE '^\#!(/usr/bin/env |/bin/)(ba)?sh$$' scripts/* tests/fakes/*)
+SHELL_SCRIPTS := .ci/run $(shell grep -lsE '^\#!(/usr/bin/env |/bin/)(ba)?sh$$' scripts/* tests/fakes/* slurm/*)
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/shellcheck $(SHELL_SCRIPTS)

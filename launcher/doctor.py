@@ -41,6 +41,7 @@ def gather(env: Environ, config_path: str | None, overrides: list[str]) -> dict:
                                 if addrs else f"rendezvous host {host} does not resolve yet",
                                 None if addrs else "train waits for it (TRAIN_DNS_WAIT_S)"))
     report["network"] = _network(env)
+    report["slurm"] = _slurm_allocation(env)
     report["rdma"] = rdma.detect(env.hw_root, env.raw)
     multi_node_gpu = bool(p.plan and p.plan.device == "gpu" and p.plan.nnodes[1] > 1)
     findings += rdma.findings(report["rdma"], multi_node_gpu)
@@ -69,6 +70,18 @@ def _network(env: Environ) -> dict:
             "interfaces": system.interfaces(),
             "NCCL_SOCKET_IFNAME": env.raw.get("NCCL_SOCKET_IFNAME"),
             "GLOO_SOCKET_IFNAME": env.raw.get("GLOO_SOCKET_IFNAME")}
+
+
+SLURM_SHOWN = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NNODES", "SLURM_NTASKS",
+               "SLURM_TASKS_PER_NODE", "SLURM_JOB_NODELIST", "SLURM_NODEID", "SLURM_PROCID",
+               "SLURM_LOCALID", "SLURM_GPUS_ON_NODE", "SLURM_RESTART_COUNT")
+
+
+def _slurm_allocation(env: Environ) -> dict | None:
+    """The SLURM allocation as SLURM describes it (the plan line says what it makes of it)."""
+    if not env.get("SLURM_JOB_ID"):
+        return None
+    return {k: env.get(k) for k in SLURM_SHOWN if env.get(k) is not None}
 
 
 def _gpu_line(g: dict) -> str:
@@ -101,6 +114,10 @@ def render(report: dict) -> str:
         lines.append(f"plan       {p['mode']}: device={p['device']} backend={p['backend']} "
                      f"nproc_per_node={p['nproc_per_node']} nnodes={p['nnodes'][0]}:"
                      f"{p['nnodes'][1]} ({p['convention']})")
+        lines += [f"plan note  {n}" for n in p["notes"] if n.startswith("launch convention")]
+    if report.get("slurm"):
+        lines.append("slurm      " + ", ".join(f"{k.removeprefix('SLURM_')}={v}"
+                                                for k, v in report["slurm"].items()))
     net = report["network"]
     ifaces = ", ".join(f"{i['name']}={i['ipv4'] or '-'}" for i in net["interfaces"])
     lines.append(f"network    {net['fqdn']} -> {', '.join(net['fqdn_resolves_to']) or '?'}; "

@@ -53,8 +53,9 @@ class PeerHeartbeat(threading.Thread):
         while not self.stop.wait(self.beat_s):
             now = time.monotonic()
             try:
-                # a plain connection first: torch's client prints C++ frames on failures
-                if client is None and not reachable(f"{self.master}:{self.port}"):
+                # a plain connection first, every beat: torch's client prints C++ frames
+                # when its server is gone (as at the end of a run, rank 0 first)
+                if not reachable(f"{self.master}:{self.port}"):
                     raise ConnectionError(self.master)
                 client = client or dist.TCPStore(self.master, self.port, is_master=False,
                                                  timeout=datetime.timedelta(seconds=2))

@@ -63,6 +63,8 @@ class Plan:
     heartbeat: tuple[str, int, int] | None = None  # static: (rank-0 address, port, rank)
     static_nodes: bool = False       # several nodes, static rendezvous: none can be replaced
     program: str = "train"           # train (the trainer) | script (entrypoint.py launch)
+    requeue: tuple[str, ...] | None = None  # run after a stop by requeue_signal (SLURM)
+    requeue_signal: int | None = None
     rdzv_host: str | None = None
     log_dir: str | None = None
     notes: tuple[str, ...] = ()
@@ -141,6 +143,8 @@ def resolve_nproc(cfg: Config, hw: Hardware, device: str, nodes: Nodes, source: 
         n = 1
     else:
         n = len(hw.gpus)
+    if nodes.tasks_per_node and device == "gpu":
+        check_gpus_per_task(len(hw.gpus), nodes.tasks_per_node)
     if one and n > 1:
         raise CannotRunHere(one_process_problem(
             strategy, f"this environment asks for {n} processes per node (PET_NPROC_PER_NODE)"))
@@ -149,6 +153,15 @@ def resolve_nproc(cfg: Config, hw: Hardware, device: str, nodes: Nodes, source: 
                             "is/are usable here; lower distributed.nproc_per_node (or leave it "
                             "auto), or check the visibility variables (doctor)")
     return n
+
+
+def check_gpus_per_task(gpus: int, tasks_per_node: int) -> None:
+    """One task per GPU: each task sees its own GPU, or all of the node's (one each)."""
+    if gpus not in (1, tasks_per_node):
+        raise ConfigError("environment", "SLURM_NTASKS_PER_NODE",
+                          f"{tasks_per_node} tasks per node, but each task sees {gpus} GPUs: "
+                          f"run one task per GPU (--ntasks-per-node={gpus}), give each task "
+                          "one (--gpus-per-task=1), or run one task per node")
 
 
 def world_sizes(cfg: Config, nodes: Nodes, nproc: int) -> tuple[int, ...]:
@@ -194,7 +207,8 @@ def worker_variables(cfg: Config, hw: Hardware, device: str, backend: str, nproc
         # checkpoint gets the platform's grace, less a margin for torchrun to exit.
         v.default(SHUTDOWN_TIMEOUT_VAR, str(cfg.distributed.grace_period_s - 5))
     if direct:
-        for name, value in direct_worker_identity(master_port, max_restarts).items():
+        identity = nodes.identity or direct_worker_identity(master_port, max_restarts)
+        for name, value in {**identity, "TORCHELASTIC_MAX_RESTARTS": str(max_restarts)}.items():
             v.force(name, value)
     return v
 
@@ -227,7 +241,8 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
                            hw.memory_available // nproc if hw.memory_available else None)
     max_restarts = cfg.distributed.max_restarts if nodes.max_restarts is None \
         else nodes.max_restarts
-    direct = nodes.convention == "single" and nproc == 1
+    # one process: the launcher is its torchrun (one node alone, or one task per GPU)
+    direct = nproc == 1 and (nodes.alone or nodes.identity is not None)
     variables = worker_variables(cfg, hw, device, backend, nproc, nodes, environ, app_root,
                                  direct, master_port, max_restarts)
     if script is None:
@@ -260,6 +275,7 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
                 heartbeat=nodes.heartbeat if nodes.static else None,
                 static_nodes=nodes.static and nodes.max > 1,
                 program="train" if script is None else "script",
+                requeue=nodes.requeue, requeue_signal=nodes.requeue_signal,
                 rdzv_host=nodes.host,
                 log_dir=log_dir,
                 notes=tuple(notes), warnings=tuple(warnings))

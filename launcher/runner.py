@@ -35,7 +35,7 @@ from launcher.hardware import Finding, Hardware, TorchBuild
 from launcher.plan import Plan
 from launcher.plan import plan as make_plan
 from train.core import rundir
-from train.core.errors import CannotRunHere, ConfigError, UserError
+from train.core.errors import EXIT_STOPPED_BY_SIGNAL, CannotRunHere, ConfigError, UserError
 
 APP_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -268,6 +268,7 @@ def run(request: Request, log: Callable[[str], None], *, verbose: bool = False) 
 
 def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -> int:
     from launcher import supervise
+    from launcher.signals import Forwarder
     from train.core import runlock
     from train.core.config import to_yaml
     from train.core.files import finished_step
@@ -292,18 +293,24 @@ def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -
     # One job per run directory; a script's launch writes only its logs there.
     lock = runlock.acquire(cfg.run_dir, plan.job, runlock.LeaseTimes.of(cfg), log=log) \
         if plan.program == "train" else None
+    signals = Forwarder(plan.requeue_signal)
     try:
         log("run " + shlex.join(plan.argv))
         if plan.rdzv_host:
             system.wait_for_host(plan.rdzv_host, p.env.dns_wait_s, log)
-        return supervise.run(plan, p.env.raw, log,
+        code = supervise.run(plan, p.env.raw, log,
                              keep_fds=(lock.fd,) if lock is not None and lock.fd else (),
                              verbose=verbose,
                              config_text=to_yaml(cfg) if plan.program == "train" else None,
-                             abort=(lambda: lock.lost) if lock is not None else None)
+                             abort=(lambda: lock.lost) if lock is not None else None,
+                             forwarder=signals)
     finally:
         if lock is not None:
             lock.release()
+    if signals.requeue_asked and code == EXIT_STOPPED_BY_SIGNAL and plan.requeue:
+        from launcher.requeue import requeue
+        requeue(plan.requeue, log)  # after the release: the next incarnation takes the run
+    return code
 
 
 # What every launch sets (process identity, rendezvous address, Python's own switches):

@@ -37,6 +37,7 @@ from launcher.heartbeat import PeerHeartbeat
 from launcher.plan import Plan
 from launcher.processes import kill_tree, stop_workers, workers_alive
 from launcher.rendezvous import RoundWatcher, reachable
+from launcher.signals import Forwarder
 from launcher.torchrun import STORE_LOST
 from train.core import reports
 from train.core.errors import (
@@ -53,7 +54,6 @@ from train.core.host import die_with_parent
 from train.core.identity import CONFIG_SNAPSHOT_VAR, RELAUNCH_VAR, STATUS_DIR_VAR
 from train.core.reports import Report
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT)
 # Workers that stopped with their checkpoint: told to, or with another node that was.
 STOPPED = (EXIT_STOPPED_BY_SIGNAL, EXIT_PEER_STOPPED)
 
@@ -62,33 +62,6 @@ STOPPED = (EXIT_STOPPED_BY_SIGNAL, EXIT_PEER_STOPPED)
 class Outcome:
     code: int
     message: str | None = None
-
-
-class Forwarder:
-    """Signal handlers that pass SIGTERM/SIGINT on to the current child."""
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
-        self.received: list[int] = []
-        self._old: dict[int, object] = {}
-
-    def install(self) -> None:
-        for sig in FORWARDED:
-            self._old[sig] = signal.signal(sig, self._handle)
-
-    def restore(self) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.received.append(signum)
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signum)
-
-    def attach(self, proc: subprocess.Popen) -> None:
-        self.proc = proc
-        for sig in self.received:  # arrived while the child was starting
-            proc.send_signal(sig)
 
 
 # gloo's words for a peer that died (its process, or its whole node), both forms.
@@ -169,11 +142,18 @@ def classify(rc: int, found: list[Report], signals: list[int], expected: int,
                    "log above")
 
 
-def _child_setup(launcher_pid: int) -> Callable[[], None]:
+def _child_setup(launcher_pid: int, ignored: int | None = None) -> Callable[[], None]:
     """Runs in the child between fork and exec: it gets SIGTERM when the launcher dies,
     even by kill -9, and then checkpoints and stops like on any SIGTERM (torchrun passes
-    it on to the workers), instead of training on unsupervised."""
-    return lambda: die_with_parent(signal.SIGTERM, parent=launcher_pid)
+    it on to the workers), instead of training on unsupervised. ``ignored``: a signal
+    the child and its descendants ignore (SLURM's requeue signal reaches every process
+    of the step, and would kill torchrun and the workers: the launcher turns it into
+    their SIGTERM)."""
+    def setup() -> None:
+        if ignored is not None:
+            signal.signal(ignored, signal.SIG_IGN)  # inherited through exec
+        die_with_parent(signal.SIGTERM, parent=launcher_pid)
+    return setup
 
 
 # A flapping store could otherwise relaunch forever; each relaunch resumes from a checkpoint.
@@ -183,14 +163,16 @@ MAX_STORE_RELAUNCHES = 10
 def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
         keep_fds: tuple[int, ...] = (), verbose: bool = False,
         config_text: str | None = None,
-        abort: Callable[[], str | None] | None = None) -> int:
+        abort: Callable[[], str | None] | None = None,
+        forwarder: Forwarder | None = None) -> int:
     """Start the plan's command, forward signals, restart (direct mode) or relaunch (the
     rendezvous store came back), map the result. keep_fds: descriptors the child inherits
     (the run-directory lock, so that it is held as long as any process of the run lives);
     verbose: also log the variables set for each start; config_text: the validated
     config, which every worker start of this launch reads instead of the file; abort:
     a reason to stop at once, when there is one (the run directory's lease was lost):
-    every process of the child is killed, nothing more is written, exit 6."""
+    every process of the child is killed, nothing more is written, exit 6; forwarder: the
+    signal handling, when the caller wants to know afterwards what arrived."""
     folder = Path(tempfile.mkdtemp(prefix="train-launcher-"))
     env = {**base_env, **plan.env, STATUS_DIR_VAR: str(folder)}
     if config_text is not None:
@@ -198,7 +180,7 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
         env[CONFIG_SNAPSHOT_VAR] = str(folder / "config.yaml")
     if verbose:
         log(f"set {STATUS_DIR_VAR}={folder} (where workers report how they ended)")
-    forwarder = Forwarder()
+    forwarder = forwarder or Forwarder(plan.requeue_signal)
     forwarder.install()
     restarts = relaunches = 0
     outcome = Outcome(EXIT_STOPPED_BY_SIGNAL, "stopped by a signal before training started")
@@ -228,8 +210,8 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
             if outcome.code == EXIT_TRAINING_FAILED and plan.static_nodes:
                 outcome = Outcome(outcome.code, f"{outcome.message}. With a static rendezvous "
                                   f"({plan.convention}) a lost node cannot rejoin: every node "
-                                  "stops; restart the job's pods and they resume from the "
-                                  "last checkpoint")
+                                  "stops; restart the job (its pods, or resubmit it) and it "
+                                  "resumes from the last checkpoint")
             repeated = any(r.details.get("repeated") for r in read_reports(folder))
             if plan.mode == "direct" and outcome.code == EXIT_TRAINING_FAILED \
                     and restarts < plan.max_restarts and not repeated:
@@ -253,7 +235,8 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
     watcher = None
     try:
         proc = subprocess.Popen(list(plan.argv), env=env, start_new_session=True,
-                                pass_fds=keep_fds, preexec_fn=_child_setup(os.getpid()))
+                                pass_fds=keep_fds,
+                                preexec_fn=_child_setup(os.getpid(), plan.requeue_signal))
         forwarder.attach(proc)
         if plan.store and plan.job:  # a node's one-line view of each rendezvous round
             watcher = RoundWatcher(plan.store, plan.job, plan.nnodes, plan.join_timeout_s,
@@ -300,8 +283,8 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
         if lost and rc != 0:  # a static job's node vanished: every node stops, naming it
             return rc, Outcome(EXIT_TRAINING_FAILED, f"error: training failed: {lost}. A "
                                f"static rendezvous ({plan.convention}) cannot replace a node: "
-                               "every node stops; restart the job's pods and they resume "
-                               "from the last checkpoint")
+                               "every node stops; restart the job (its pods, or resubmit "
+                               "it) and it resumes from the last checkpoint")
         return rc, None
     finally:
         if watcher is not None:

@@ -148,3 +148,16 @@ def lock_pins(path: Path) -> dict[str, tuple[str, int]]:
     requirement_lines = [ln for ln in text.splitlines() if re.match(r"^[A-Za-z0-9]", ln)]
     assert len(requirement_lines) == len(pins), f"{path.name}: unparsed requirement lines"
     return pins
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    """A real SLURM cluster (tests/slurmcluster.py), one per test module; a skip saying
+    why where this machine cannot run one."""
+    import slurmcluster
+    why = slurmcluster.available()
+    if why:
+        pytest.skip(f"a SLURM cluster on this machine needs slurm, munge and root: {why}")
+    with slurmcluster.SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2,
+                                   cpus_per_node=2) as cluster:
+        yield cluster

@@ -78,7 +78,8 @@ def test_static_rendezvous_loses_a_node_exits_promptly_and_resumes_after_restart
         assert pods[0].wait(120) == 1
         last = pods[0].text().strip().splitlines()[-1]
         assert "lost the connection to the worker at 127.0.0.1:" in last
-        assert "restart the job's pods and they resume from the last checkpoint" in last
+        assert "restart the job (its pods, or resubmit it) and it resumes from the last " \
+               "checkpoint" in last
         pods = [p.start() for p in pods]  # the restart policy
         first(pods, r"resumed from .*step-\d+ at step \d+(.|\n)*\]:step \d+/")
         assert stop_all(pods) == [143, 143]

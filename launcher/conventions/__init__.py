@@ -9,7 +9,7 @@ Each convention is one module here with
 
 The first module in :data:`ORDER` whose ``detect`` is true wins; :mod:`.single` (one
 node, nothing special) is the fallback. Each module reads its own variables, from the
-frozen :class:`~launcher.environ.Environ` mapping. Adding a convention (SLURM, MPI, a
+frozen :class:`~launcher.environ.Environ` mapping. Adding a convention (MPI, a
 JobSet) means one module, one entry in ORDER and one golden plan test
 (tests/test_launcher_plan.py).
 """
@@ -18,14 +18,16 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from launcher.conventions import indexed_job, kubeflow_v1, single, torchrun_env
+from launcher.conventions import indexed_job, kubeflow_v1, single, slurm, torchrun_env
 from launcher.conventions.common import DEFAULT_RDZV_PORT, Nodes, Timings
 from launcher.environ import Environ
 
 DEFAULT_TIMINGS = Timings()  # torchrun's rendezvous timeouts as this project sets them
 
-# torchrun's own variables first: an elastic PyTorchJob also sets MASTER_ADDR & co.
-ORDER: tuple[ModuleType, ...] = (torchrun_env, indexed_job, kubeflow_v1)
+# torchrun's own variables first: an elastic PyTorchJob also sets MASTER_ADDR & co. Inside
+# a SLURM job, variables the user set for torchrun or the store win; SLURM comes before
+# MASTER_ADDR/WORLD_SIZE/RANK, which sbatch scripts often export for other launchers.
+ORDER: tuple[ModuleType, ...] = (torchrun_env, indexed_job, slurm, kubeflow_v1)
 
 __all__ = ["DEFAULT_RDZV_PORT", "ORDER", "Nodes", "Timings", "detect", "resolve"]
 

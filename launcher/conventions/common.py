@@ -66,9 +66,15 @@ class Nodes:
     job: str | None = None           # what every node of this job shares (None: one launch)
     store: str | None = None         # host:port of the rendezvous store (dynamic, multi-node)
     static: bool = False             # static rendezvous: fixed nodes, none can be replaced
+    alone: bool = False              # this node alone (torchrun --standalone, or no torchrun)
     # static, several nodes: where the nodes' launchers meet to watch each other
     # (launcher/heartbeat.py): the rank-0 node's address, a port, this node's rank
     heartbeat: tuple[str, int, int] | None = None
+    # one worker per task, started directly: its RANK, WORLD_SIZE, MASTER_ADDR & co.
+    identity: dict[str, str] | None = None
+    tasks_per_node: int | None = None  # with identity: the workers on each node
+    requeue: tuple[str, ...] | None = None  # the command that requeues the job, on the
+    requeue_signal: int | None = None       # task that does it, after this signal's stop
     notes: tuple[str, ...] = ()
 
 

@@ -20,4 +20,5 @@ def detect(env: Environ) -> bool:
 
 
 def nodes(env: Environ, timings: Timings) -> Nodes:
-    return Nodes(NAME, args=("--standalone", "--nnodes", "1"), env=dict(RE_RENDEZVOUS_ENV))
+    return Nodes(NAME, args=("--standalone", "--nnodes", "1"), env=dict(RE_RENDEZVOUS_ENV),
+                 alone=True)
