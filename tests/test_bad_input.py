@@ -38,6 +38,8 @@ def data_files(tmp: Path) -> dict[str, Path]:
     np.save(tmp / "y_neg.npy", np.array([0, 1, -1, 0, 1, 0, 1, 0, 1, 0]))
     np.save(tmp / "objects.npy", np.array([{"a": 1}] * 10, dtype=object), allow_pickle=True)
     torch.save([1, 2, 3], tmp / "list.pt")
+    # a model factory that returns no module, importable from the working directory
+    (tmp.parent / "notamodule.py").write_text("def make(width=8):\n    return {'width': width}\n")
     return {k: tmp / k for k in ("empty_dir", "one_empty_file", "x.npy", "y9.npy", "y_neg.npy",
                                  "objects.npy", "list.pt")}
 
@@ -89,6 +91,9 @@ CASES = [
      "optim.lr\\x1b[2J", "unknown key"),
     ("a newline and an escape in run.name", TINY_GPT, None, ["run.name=a\nentrypoint: ok\x1b[1m"],
      {}, 2, "run.name", "without '/' or control characters"),
+    ("a model factory returning a non-Module", TINY_MLP, None,
+     ["model.kind=custom", "model.factory=notamodule:make", "model.args={width: 4}"], {}, 2,
+     "model.factory", "notamodule:make returned dict, not a torch.nn.Module"),
     ("a seed numpy cannot take", TINY_GPT, None, ["seed=4294967296"], {}, 2, "seed",
      "must be <= 4294967295"),
     ("a global batch this machine cannot hold", TINY_GPT, None,

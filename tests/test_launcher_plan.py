@@ -248,6 +248,10 @@ def test_dp_is_one_process_over_all_gpus(cfg_file):
      "PET_RDZV_ID"),
     ([], {"MASTER_ADDR": "m", "WORLD_SIZE": "2", "RANK": "2"}, "RANK"),
     ([], {"PET_NNODES": "2", "PET_RDZV_BACKEND": "c10d"}, "PET_RDZV_ENDPOINT"),
+    ([], {"TRAIN_RDZV_ENDPOINT": "s:1", "TRAIN_RDZV_ID": "u", "TRAIN_NNODES": "2:1"},
+     "TRAIN_NNODES"),
+    ([], {"TRAIN_RDZV_ENDPOINT": "s:1", "TRAIN_RDZV_ID": "u", "TRAIN_NNODES": "abc"},
+     "TRAIN_NNODES"),
 ])
 def test_bad_input_is_exit_2_naming_the_key(cfg_file, overrides, env, key):
     with pytest.raises(ConfigError) as err:

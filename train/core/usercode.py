@@ -93,8 +93,10 @@ def check(cfg, source: str, *, sample: bool) -> None:
     ``sample``, the dataset is built and yields an (input, target) pair."""
     from train.core.config.kinds import BUILT_IN_LOSSES, data_kind, model_kind
     if model_kind(cfg).factory:
-        check_args(resolve(cfg.model.factory, "model.factory", source), cfg.model.args,
-                   "model.args", source)
+        fn = resolve(cfg.model.factory, "model.factory", source)
+        check_args(fn, cfg.model.args, "model.args", source)
+        if sample:
+            check_builds_a_module(fn, cfg.model.factory, cfg.model.args, source)
     if cfg.train.loss not in BUILT_IN_LOSSES:
         resolve(cfg.train.loss, "train.loss", source)
     if data_kind(cfg).factory:
@@ -104,6 +106,22 @@ def check(cfg, source: str, *, sample: bool) -> None:
             train, _ = split_datasets(call(cfg.data.factory, cfg.data.args, "data", source),
                                       source)
             first_sample(train, source)
+
+
+def check_builds_a_module(fn: Callable[..., Any], path: str, args: dict[str, Any],
+                          source: str) -> None:
+    """The model factory, called once on the meta device (no memory, no weights), returns
+    a torch.nn.Module. A factory that cannot build there (it loads weights, say) is left
+    to the worker: only a clear answer is an error."""
+    import torch
+    try:
+        with torch.device("meta"):
+            made = fn(**args)
+    except Exception:
+        return
+    if not isinstance(made, torch.nn.Module):
+        raise ConfigError(source, "model.factory", f"{path} returned {type(made).__name__}, "
+                                                   "not a torch.nn.Module")
 
 
 def split_datasets(made: Any, source: str) -> tuple[Any, Any | None]:
