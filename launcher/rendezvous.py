@@ -117,17 +117,25 @@ class RoundWatcher(threading.Thread):
     closed, so the workers wait in a collective until its timeout): a member of the
     running round silent for ``lost_after_s``, or dropped from it by the agents' own
     clean-up, is passed to ``on_lost`` once, which stops this node's workers so that
-    torchrun meets again without it."""
+    torchrun meets again without it.
+
+    The other side of that: a node that was cut off sees, once it reaches the store
+    again, a newer round without itself (``me``: the end of its own member name,
+    ":pid#local-id"). Its workers still wait in the old world's collective, until its
+    timeout; ``on_left_out`` (given the round) stops them, and torchrun joins again."""
 
     def __init__(self, endpoint: str, run_id: str, nnodes: tuple[int, int],
                  join_timeout_s: int, log: Callable[[str], None], poll_s: float = 0.5,
                  still_every_s: float = 15.0, lost_after_s: float = 10.0,
-                 on_lost: Callable[[list[str], str], None] | None = None) -> None:
+                 on_lost: Callable[[list[str], str], None] | None = None,
+                 me: str | None = None,
+                 on_left_out: Callable[[int], None] | None = None) -> None:
         super().__init__(name="rendezvous-watch", daemon=True)
         self.endpoint, self.key = endpoint, PREFIX + run_id
         self.nnodes, self.join_timeout_s, self.log = nnodes, join_timeout_s, log
         self.poll_s, self.still_every_s = poll_s, still_every_s
         self.lost_after_s, self.on_lost = lost_after_s, on_lost
+        self.me, self.on_left_out = me, on_left_out
         self.lost_reported = -1            # the round whose lost members were passed on
         self.unreachable_since: float | None = None
         self.stop = threading.Event()
@@ -177,6 +185,9 @@ class RoundWatcher(threading.Thread):
         if r.complete and r.number == self.members_round:
             self._lost(r)
         if r.complete and r.number != self.members_round:
+            if self._was_member(self.members) and not self._was_member(r.members) and \
+                    self.on_left_out is not None:
+                self.on_left_out(r.number)
             self.members, self.members_round = set(r.members), r.number
         if r.complete:
             self.forming_since = None
@@ -189,6 +200,9 @@ class RoundWatcher(threading.Thread):
                      f"after distributed.rdzv_join_timeout_s={self.join_timeout_s})")
             self.said_still = now
         self.last = r
+
+    def _was_member(self, members) -> bool:
+        return self.me is not None and any(m.endswith(self.me) for m in members)
 
     def _lost(self, r: Round) -> None:
         """Members of the running round that vanished: gone from it without a new round

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -38,7 +39,7 @@ from launcher.plan import Plan
 from launcher.processes import kill_tree, stop_workers, workers_alive
 from launcher.rendezvous import RoundWatcher, reachable
 from launcher.signals import Forwarder
-from launcher.torchrun import STORE_LOST
+from launcher.torchrun import LOCAL_ID_VAR, STORE_LOST
 from train.core import reports
 from train.core.errors import (
     EXIT_OK,
@@ -227,12 +228,24 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
     return outcome.code
 
 
+def _rejoin(torchrun_pid: int, number: int, log: Callable[[str], None]) -> None:
+    """This node was cut off and the others met without it: its workers are in a world
+    that no longer exists."""
+    if workers_alive(torchrun_pid):
+        stop_workers(torchrun_pid, f"rendezvous round {number} went on without this node "
+                     "(it was cut off from the others)", "so that it joins the job again",
+                     log)
+
+
 def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                     forwarder: Forwarder, log: Callable[[str], None],
                     abort: Callable[[], str | None] | None) -> tuple[int, Outcome | None]:
     """(the child's exit status, the outcome when the launcher ended it: its lease was
     lost, or a static job's node vanished)."""
     watcher = None
+    local_id = secrets.randbits(31)  # this start's rendezvous identity (launcher.torchrun)
+    if plan.store and plan.job:
+        env = {**env, LOCAL_ID_VAR: str(local_id)}
     try:
         proc = subprocess.Popen(list(plan.argv), env=env, start_new_session=True,
                                 pass_fds=keep_fds,
@@ -244,7 +257,9 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                                    on_lost=lambda nodes, why: stop_workers(
                                        proc.pid, f"node(s) {', '.join(nodes)} left the job "
                                        f"({why}: its host is down or cut off)",
-                                       "so that the job meets again without it", log))
+                                       "so that the job meets again without it", log),
+                                   me=f":{proc.pid}#{local_id}",
+                                   on_left_out=lambda number: _rejoin(proc.pid, number, log))
             watcher.start()
         elif plan.heartbeat:  # static: the nodes' launchers watch each other
             master, port, rank = plan.heartbeat

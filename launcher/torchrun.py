@@ -21,8 +21,9 @@ arguments and differs in what it says and in one identity detail.
   was cut off from the store, must not stop the others or its replacement).
 - A node presents itself to the rendezvous as (address, pid, local id). Two pods with
   the same hostname and the same PID tree (a replacement pod, simulated nodes in PID
-  namespaces) would be the same participant and hang. The local id is randomised
-  here, so every torchrun process is a participant of its own.
+  namespaces) would be the same participant and hang. The local id is random here
+  (the launcher picks it, so that it can tell its own node among a round's members),
+  so every torchrun process is a participant of its own.
 
 C++ warnings of torch's store client (each with its stack frames) are silenced in
 this process only; the workers keep the user's ``TORCH_CPP_LOG_LEVEL``.
@@ -40,6 +41,9 @@ from train.core.errors import EXIT_PEER_STOPPED
 
 # Exit status meaning "the rendezvous store is unreachable" (EX_TEMPFAIL).
 STORE_LOST = 75
+# The rendezvous local id this torchrun presents, chosen by the launcher (which then
+# knows which member of a round is its own node); random when unset.
+LOCAL_ID_VAR = "TRAIN_RDZV_LOCAL_ID"
 
 
 def _quiet_cpp_warnings():
@@ -57,7 +61,8 @@ def _quiet_cpp_warnings():
 
 
 def _unique_node_ids() -> None:
-    """Start this process's rendezvous local ids at a random number (torch starts at 0).
+    """Start this process's rendezvous local ids at the launcher's number (LOCAL_ID_VAR,
+    taken out of the workers' environment) or a random one (torch starts at 0).
 
     The generator is a class attribute of the handler, created when torch is imported;
     on a torch without it the identities stay torch's (addresses should then differ:
@@ -68,8 +73,9 @@ def _unique_node_ids() -> None:
     generator = getattr(handler, "_node_desc_generator", None)
     if generator is None or not isinstance(getattr(generator, "_local_id", None), int):
         return
+    chosen = os.environ.pop(LOCAL_ID_VAR, "")
     with generator._lock:
-        generator._local_id = secrets.randbits(31)
+        generator._local_id = int(chosen) if chosen.isdigit() else secrets.randbits(31)
 
 
 def _keep_the_rendezvous_open_on_failure() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -222,8 +223,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     os.kill(workers[1], signal.SIGTERM)  # one rank only, as when one process is signalled
     _, err = agent.communicate(timeout=120)
     assert err.count("stopped at step") == 2, err[-3000:]
-    stopped = {line.split("stopped at step ")[1].split()[0] for line in err.splitlines()
-               if "stopped at step" in line}
+    stopped = set(re.findall(r"stopped at step (\d+)", err))
     assert len(stopped) == 1, "both ranks must stop after the same step"
     step = int(stopped.pop())
     latest = tmp_path / "c" / "checkpoints" / "latest"

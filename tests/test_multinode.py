@@ -147,6 +147,28 @@ def test_a_node_logs_each_round_who_left_and_joined_and_long_waits():
     assert len(lines) == 5
 
 
+def test_a_node_left_out_of_a_newer_round_stops_its_stale_workers_once():
+    """Cut off and healed: the others met without this node ("c:7#42"); its workers are
+    in a world that no longer exists. A node that only waits to join is not told so."""
+    left_out: list[int] = []
+    w = RoundWatcher("127.0.0.1:1", "job", (1, 3), 600, lambda line: None, me=":7#42",
+                     on_left_out=left_out.append)
+    w.observe(_round(0, True, {"a:1#5": 0, "c:7#42": 1}), now=0)
+    w.observe(_round(1, True, {"a:1#5": 0, "c:7#42": 1}), now=1)  # still a member
+    assert left_out == []
+    w.observe(_round(3, True, {"a:1#5": 0}), now=2)  # rounds went on without it
+    w.observe(_round(3, True, {"a:1#5": 0}), now=3)
+    w.observe(_round(4, False, {"a:1#5": 0, "c:7#42": 0}), now=4)
+    w.observe(_round(4, True, {"a:1#5": 0, "c:7#42": 1}), now=5)
+    assert left_out == [3]
+    joiner: list[int] = []
+    new = RoundWatcher("127.0.0.1:1", "job", (1, 3), 600, lambda line: None, me=":9#43",
+                       on_left_out=joiner.append)
+    new.observe(_round(5, True, {"a:1#5": 0, "c:7#42": 1}), now=0)
+    new.observe(_round(6, True, {"a:1#5": 0}), now=1)
+    assert joiner == []
+
+
 def test_a_forming_round_says_until_when_and_shows_no_ranks():
     deadline = datetime.datetime(2026, 1, 1, 12, 0, 3, tzinfo=datetime.UTC)
     text = describe(_round(4, False, {"b:2#9": 0, "b:2#7": 0}, deadline=deadline))
