@@ -103,7 +103,11 @@ def export(run_dir: Path, out: Path, step: int | None = None) -> Path:
         raise ConfigError("command line", "RUN_DIR", f"{run_dir}: not a directory")
     path, shared = load_checkpoint(run_dir, step)
     saved = Restored(shared)
-    bad = non_finite(saved.model)
+    weights = saved.model
+    if saved.sharded:  # consolidated here, in this process alone: no process group
+        from train.checkpoint import sharded
+        weights = sharded.full_model_state(path / sharded.SHARDS_DIR)
+    bad = non_finite(weights)
     if bad:  # a checkpoint of a diverged run (written before the divergence guard)
         raise ConfigError("command line", "RUN_DIR", f"{path} holds non-finite weights "
                                                      f"({', '.join(bad[:3])}); export an "
@@ -113,7 +117,7 @@ def export(run_dir: Path, out: Path, step: int | None = None) -> Path:
     # Each file is written beside its final name and renamed over it, model.json last:
     # its hash of model.pt tells a torn pair apart. Nothing else in `out` is touched.
     write_replacing(out / "model.pt", lambda f: torch.save(
-        {k: v.contiguous() for k, v in saved.model.items()}, f))
+        {k: v.contiguous() for k, v in weights.items()}, f))
     model = saved.config["model"]
     load = ("torch.load('model.pt', weights_only=True) -> state dict of "
             + (f"{model['factory']}(**model['args']) (your factory)"

@@ -138,7 +138,7 @@ def _is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def _state_target(model: nn.Module) -> nn.Module:
+def state_target(model: nn.Module) -> nn.Module:
     """FSDP shards in place; DDP and DataParallel hold the plain module as .module, whose
     names carry no wrapper prefix."""
     return model if _is_fsdp(model) else getattr(model, "module", model)
@@ -147,7 +147,7 @@ def _state_target(model: nn.Module) -> nn.Module:
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Collective under FSDP: every rank calls it; rank 0 gets the full tensors."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    target = _state_target(model)
+    target = state_target(model)
     return get_state_dict(target, optimizer, options=_state_options(target, loading=False))
 
 
@@ -155,6 +155,6 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_st
                     optim_state: dict) -> None:
     """Collective under FSDP; parameter names are those of the plain module."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
-    target = _state_target(model)
+    target = state_target(model)
     set_state_dict(target, optimizer, model_state_dict=model_state,
                    optim_state_dict=optim_state, options=_state_options(target, loading=True))

@@ -14,6 +14,9 @@ reads the model from them. Each rank also writes ``rank-<r>.pt`` with its RNG st
     model, optimizer, scheduler, scaler  state dicts (full tensors, plain module names)
     config                               the resolved config (a dict)
     model_io                             {input_shape, num_classes}: what export needs
+    format                               "full", or "sharded": then model and optimizer
+                                         are None, their shards in model/ (DCP, written
+                                         by every rank: train.checkpoint.sharded)
 """
 
 from __future__ import annotations
@@ -53,13 +56,14 @@ class TrainState:
         self.skipped_steps = int(saved.get("skipped_steps", 0))
 
 
-def payload(state: TrainState, *, world_size: int, model: dict, optimizer: dict,
-            scheduler: dict, scaler: dict | None, config: dict,
+def payload(state: TrainState, *, world_size: int, model: dict | None,
+            optimizer: dict | None, scheduler: dict, scaler: dict | None, config: dict,
             model_io: dict[str, Any]) -> dict[str, Any]:
-    """The contents of state.pt."""
+    """The contents of state.pt (model and optimizer None: sharded, beside it)."""
     return {**state.state_dict(), "world_size": world_size, "model": model,
             "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
-            "config": config, "model_io": model_io}
+            "config": config, "model_io": model_io,
+            "format": "full" if model is not None else "sharded"}
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,10 @@ class Restored:
     @property
     def world_size(self) -> int | None:
         return self.raw.get("world_size")
+
+    @property
+    def sharded(self) -> bool:
+        return self.raw.get("format") == "sharded"
 
     @property
     def model(self) -> dict[str, torch.Tensor]:

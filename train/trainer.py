@@ -24,11 +24,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train import runtime
-from train.checkpoint import Checkpointer
-from train.checkpoint.policy import Cadence, choose_checkpoint
+from train.checkpoint.policy import Cadence
+from train.checkpointing import resume, save_checkpoint
 from train.components import Components, build, preflight, train_loader
 from train.core import runlock, usercode
-from train.core.config import AUTO, Config, check_checkpoint_config, to_dict, to_yaml
+from train.core.config import AUTO, Config, to_yaml
 from train.core.errors import EXIT_OK, EXIT_PEER_STOPPED, EXIT_STOPPED_BY_SIGNAL, Diverged
 from train.core.files import finished_step, write_atomic, write_json_atomic
 from train.core.identity import WorkerIdentity
@@ -37,55 +37,10 @@ from train.divergence import Guard, clear_marker, read_marker, write_marker
 from train.manifest import update_manifest
 from train.metrics import MetricsLogger, gpu_memory_stats
 from train.models import count_parameters
-from train.parallel import full_state, load_full_state
-from train.state import Restored, TrainState, payload, rank_payload, set_rng_state
+from train.state import TrainState
 from train.stopping import StopFlag, Watchdog
 
 log = logging.getLogger("train")
-
-
-# ------------------------------------------------------------------ checkpoints
-
-def save_checkpoint(c: Components, state: TrainState, guard: Guard, *,
-                    background: bool = False) -> None:
-    """Collective: every rank calls it (FSDP gathers full tensors on rank 0). Weights that
-    are not finite are never saved: the guard stops the run instead."""
-    guard.weights(state.step, c.model, c.env.distributed)
-    state.skipped_steps = guard.skipped
-    model_state, optim_state = full_state(c.model, c.optimizer)
-    shared = payload(state, world_size=c.env.world_size, model=model_state,
-                     optimizer=optim_state, scheduler=c.scheduler.state_dict(),
-                     scaler=c.scaler.state_dict() if c.scaler else None,
-                     config=to_dict(c.cfg),
-                     model_io={"input_shape": list(c.data.input_shape),
-                               "num_classes": c.data.num_classes})
-    path = c.checkpointer.save(state.step, shared, rank_payload(c.env.rank),
-                               background=background)
-    if c.env.is_main:
-        log.info("checkpoint %s: %s", "writing" if background else "saved", path)
-
-
-def resume(c: Components) -> TrainState:
-    """The progress to start from: a fresh state, or the chosen checkpoint's, loaded."""
-    path, loaded = choose_checkpoint(c.checkpointer, c.cfg.checkpoint.resume_from, c.env,
-                                     c.source)
-    if path is None:
-        return TrainState()
-    shared, mine = loaded if loaded is not None else Checkpointer.load(path, c.env.rank)
-    saved = Restored(shared)
-    check_checkpoint_config(c.cfg, saved.config, path, c.source)
-    load_full_state(c.model, c.optimizer, saved.model, saved.optimizer)
-    c.scheduler.load_state_dict(saved.scheduler)
-    if c.scaler and saved.scaler:
-        c.scaler.load_state_dict(saved.scaler)
-    state = saved.train_state(c.cfg.train.global_batch_size)
-    if mine is not None and saved.world_size == c.env.world_size:
-        set_rng_state(mine["rng"])
-    else:  # resized: fresh per-rank streams, derived from the step so reruns agree
-        torch.manual_seed(c.cfg.seed + 1 + c.env.rank + 7919 * state.step)
-    log.info("resumed from %s at step %d, sample %d (saved with world size %s, now %d)", path,
-             state.step, state.samples_consumed, saved.world_size, c.env.world_size)
-    return state
 
 
 # ------------------------------------------------------------------------ steps
@@ -210,7 +165,7 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
              metrics: MetricsLogger | None, guard: Guard) -> int:
     cfg, env = c.cfg, c.env
     every_log, every_eval = cfg.logging.every_steps, cfg.train.eval_every_steps
-    cadence = Cadence.from_config(cfg.checkpoint)
+    cadence = Cadence.from_config(cfg)
     samples_per_step = cfg.train.global_batch_size * max(1, c.data.tokens_per_sample)
     batches = iter(train_loader(c, state))
     last_time, last_step = time.perf_counter(), state.step

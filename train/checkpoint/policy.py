@@ -16,7 +16,7 @@ from pathlib import Path
 
 from train import runtime
 from train.checkpoint.store import Checkpointer, CheckpointsUnusable
-from train.core.config import AUTO, CheckpointConfig
+from train.core.config import AUTO, Config
 from train.core.errors import ConfigError
 from train.core.files import describe_load_error
 from train.core.identity import WorkerIdentity
@@ -31,8 +31,10 @@ class Cadence:
     async_save: bool
 
     @classmethod
-    def from_config(cls, cfg: CheckpointConfig) -> Cadence:
-        return cls(cfg.every_steps, cfg.async_save)
+    def from_config(cls, cfg: Config) -> Cadence:
+        """Sharded checkpoints are written in the foreground (every rank writes)."""
+        return cls(cfg.checkpoint.every_steps,
+                   cfg.checkpoint.async_save and not cfg.sharded_checkpoints)
 
     def due(self, step: int, last: bool) -> str | None:
         if last:

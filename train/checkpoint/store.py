@@ -30,6 +30,7 @@ from train.checkpoint.serializer import (
     snapshot,
     write_error,
 )
+from train.checkpoint.sharded import SHARDS_DIR
 from train.core import rundir
 from train.core.files import create_new, fsync_dir, sha256_file, write_atomic
 from train.core.files import describe_load_error as load_error
@@ -52,26 +53,36 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- saving
     def save(self, step: int, shared_state: dict[str, Any], rank_state: dict[str, Any],
-             *, background: bool = False) -> Path:
+             *, background: bool = False,
+             shards: Callable[[Path], list[Path]] | None = None) -> Path:
         """Collective: every rank calls it. Rank 0 writes shared_state; each rank its own.
 
         background=True returns once the state is copied; files are written, sealed and
         `latest` updated by a thread (the next save or :meth:`wait` joins it). A write
         that fails on any rank fails on every rank alike, with that rank's words
         (:class:`CheckpointWriteError`): no rank is left waiting for another.
+        shards: a collective writer of sharded state (:mod:`.sharded`) into a folder of
+        the checkpoint, returning the files this rank wrote: each rank hashes its own,
+        rank 0 lists them all (synchronous only).
         """
         partial = self.dir / f"step-{step}.partial"
         final = self.dir / f"step-{step}"
         mine = partial / f"rank-{self.rank}.pt"
         main = self.rank == 0
+        hashed: dict[str, str] = {}
 
         def write() -> None:
             save_file(rank_state, mine)
             if main:
                 save_file(shared_state, partial / STATE_FILE)
 
+        def write_shards() -> None:
+            folder = partial / SHARDS_DIR
+            for path in shards(folder):
+                hashed[str(path.relative_to(partial))] = sha256_file(path)
+
         def seal() -> None:
-            self._seal(partial, final)
+            self._seal(partial, final, known)
             self._prune()
 
         self._together(partial, partial, self.wait, wrap=False)  # a background save failed
@@ -84,6 +95,11 @@ class Checkpointer:
             self._writer.start()
             return final
         self._together(partial, partial / STATE_FILE if main else mine, write)
+        known: dict[str, str] = {}
+        if shards is not None:  # every rank writes its shards, then hashes them
+            self._together(partial, partial / SHARDS_DIR, write_shards)
+            for part in self.gather(hashed):
+                known.update(part)
         self._together(partial, partial / CHECKSUMS, seal if main else None)
         return final
 
@@ -168,8 +184,10 @@ class Checkpointer:
         except BaseException as exc:  # surfaced by wait()
             self._writer_error = exc
 
-    def _seal(self, partial: Path, final: Path) -> None:
+    def _seal(self, partial: Path, final: Path, known: dict[str, str] | None = None) -> None:
+        """known: hashes other ranks computed of their own files (relative names)."""
         sums = {p.name: sha256_file(p) for p in sorted(partial.iterdir()) if p.is_file()}
+        sums.update(known or {})
         write_atomic(partial / CHECKSUMS, json.dumps(sums, indent=1) + "\n")
         fsync_dir(partial)
         # The same step saved again (after a resume): the old copy stays loadable until

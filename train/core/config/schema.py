@@ -202,7 +202,11 @@ class CheckpointConfig:
     resume_from: str = opt(AUTO, "auto (newest valid checkpoint of this run), none (start "
                                  "over; earlier checkpoints are moved to "
                                  "checkpoints.replaced-<time>/), or a checkpoint directory.")
-    async_save: bool = opt(False, "Write checkpoints in the background.")
+    async_save: bool = opt(False, "Write checkpoints in the background (full format).")
+    format: Literal["auto", "full", "sharded"] = opt(
+        AUTO, "full: one state.pt with the full tensors, written by rank 0; sharded: each "
+              "rank writes its own shards (torch.distributed.checkpoint), resumable at any "
+              "world size; auto: sharded for fsdp, full otherwise.")
 
 
 @dataclass(kw_only=True)
@@ -239,6 +243,12 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.output.dir) / str(self.run.name)
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        """checkpoint.format, with auto decided: sharded for fsdp."""
+        fmt = self.checkpoint.format
+        return fmt == "sharded" or (fmt == AUTO and self.distributed.strategy == "fsdp")
 
 
 def to_dict(cfg: Config) -> dict:

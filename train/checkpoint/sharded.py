@@ -1,0 +1,111 @@
+"""Sharded checkpoints: each rank writes its own shards of the model and optimizer state
+with torch.distributed.checkpoint (DCP), so that no rank ever holds the full state.
+
+The shards go into ``step-N.partial/model/`` (``__<rank>_0.distcp`` per rank, and the
+``.metadata`` index rank 0 writes) under the same protocol as everything else
+(:mod:`.store`): each rank fsyncs and hashes its own files, rank 0 lists every hash in
+``checksums.json`` and renames the folder into place. The rest of the checkpoint (step,
+data position, scheduler, config) stays in ``state.pt``, the RNG in ``rank-<r>.pt``.
+
+Loading reshards: DCP reads, for each rank, the pieces of the saved shards that its own
+shards (or full tensors, for DDP and one process) cover, so a checkpoint saved at one
+world size resumes at another, and under another strategy. See
+https://pytorch.org/docs/stable/distributed.checkpoint.html.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+SHARDS_DIR = "model"
+MODEL_PREFIX = "model."
+
+
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(full_state_dict=False)
+
+
+def state_dicts(model, optimizer) -> dict[str, Any]:
+    """This rank's shards (its local pieces under FSDP, full tensors otherwise)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from train.parallel import state_target
+    model_state, optim_state = get_state_dict(state_target(model), optimizer, options=_options())
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def save(state: dict[str, Any], folder: Path) -> list[Path]:
+    """Collective: every rank writes its shards into ``folder``, fsync'ed; the files this
+    rank wrote (rank 0's include the index)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    writer = dcp.FileSystemWriter(str(folder), sync_files=True, single_file_per_rank=True)
+    try:
+        with _one_process():
+            dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+    except CheckpointException as exc:  # every rank gets every rank's failures
+        raise first_failure(exc) from None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = sorted(folder.glob(f"__{rank}_*.distcp"))
+    return mine + ([folder / ".metadata"] if rank == 0 else [])
+
+
+def first_failure(exc: BaseException) -> BaseException:
+    """The error under DCP's CheckpointException (which is a BaseException): the lowest
+    failing rank's, e.g. the OSError of a full disk, so that it reads as any failed
+    write."""
+    failures = getattr(exc, "failures", {}) or {}
+    for rank in sorted(failures):
+        inner = failures[rank]
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, Exception):
+            return inner
+    return RuntimeError(str(exc))
+
+
+def load(model, optimizer, folder: Path) -> None:
+    """Collective: every rank reads what its shards need from a sharded checkpoint,
+    whatever world size and strategy it was saved with."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from train.parallel import state_target
+    state = state_dicts(model, optimizer)
+    with _one_process():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)),
+                 no_dist=not dist.is_initialized())
+    set_state_dict(state_target(model), optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"], options=_options())
+
+
+def full_model_state(folder: Path) -> dict[str, Any]:
+    """The model's full tensors from a sharded checkpoint, in this process alone (no
+    process group): what export consolidates."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    reader = dcp.FileSystemReader(str(folder))
+    meta = reader.read_metadata().state_dict_metadata
+    model = {key.removeprefix(MODEL_PREFIX): torch.empty(tuple(m.size),
+                                                          dtype=m.properties.dtype)
+             for key, m in meta.items()
+             if key.startswith(MODEL_PREFIX) and isinstance(m, TensorStorageMetadata)}
+    state = {"model": model}
+    with _one_process():
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state["model"]
+
+
+@contextlib.contextmanager
+def _one_process():
+    """DCP warns that it "assumes the intent" when no process group runs: it is ours."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to",
+                                category=UserWarning)
+        yield

@@ -1,0 +1,76 @@
+"""The trainer's checkpoints: what a save gathers (full tensors on rank 0, or each
+rank's own shards) and how a start resumes from the checkpoint rank 0 chose.
+
+The file protocol is :mod:`train.checkpoint.store`'s, what a checkpoint holds
+:mod:`train.state`'s, which one to resume :mod:`train.checkpoint.policy`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from train.checkpoint import Checkpointer, sharded
+from train.checkpoint.policy import choose_checkpoint
+from train.components import Components
+from train.core.config import check_checkpoint_config, to_dict
+from train.divergence import Guard
+from train.parallel import full_state, load_full_state
+from train.state import Restored, TrainState, payload, rank_payload, set_rng_state
+
+log = logging.getLogger("train")
+
+
+def save_checkpoint(c: Components, state: TrainState, guard: Guard, *,
+                    background: bool = False) -> None:
+    """Collective: every rank calls it (full: FSDP gathers on rank 0; sharded: each rank
+    writes its own shards). Weights that are not finite are never saved: the guard
+    stops the run instead."""
+    guard.weights(state.step, c.model, c.env.distributed)
+    state.skipped_steps = guard.skipped
+    shards = None
+    if c.cfg.sharded_checkpoints:  # every rank writes its own shards: nothing gathered
+        tensors = sharded.state_dicts(c.model, c.optimizer)
+        model_state = optim_state = None
+        shards = lambda folder: sharded.save(tensors, folder)  # noqa: E731
+    else:
+        model_state, optim_state = full_state(c.model, c.optimizer)
+    shared = payload(state, world_size=c.env.world_size, model=model_state,
+                     optimizer=optim_state, scheduler=c.scheduler.state_dict(),
+                     scaler=c.scaler.state_dict() if c.scaler else None,
+                     config=to_dict(c.cfg),
+                     model_io={"input_shape": list(c.data.input_shape),
+                               "num_classes": c.data.num_classes})
+    path = c.checkpointer.save(state.step, shared, rank_payload(c.env.rank),
+                               background=background, shards=shards)
+    if c.env.is_main:
+        log.info("checkpoint %s: %s", "writing" if background else "saved", path)
+
+
+def resume(c: Components) -> TrainState:
+    """The progress to start from: a fresh state, or the chosen checkpoint's, loaded."""
+    path, loaded = choose_checkpoint(c.checkpointer, c.cfg.checkpoint.resume_from, c.env,
+                                     c.source)
+    if path is None:
+        return TrainState()
+    shared, mine = loaded if loaded is not None else Checkpointer.load(path, c.env.rank)
+    saved = Restored(shared)
+    check_checkpoint_config(c.cfg, saved.config, path, c.source)
+    if saved.sharded:  # each rank reads what its shards need, at any world size
+        sharded.load(c.model, c.optimizer, path / sharded.SHARDS_DIR)
+    else:
+        load_full_state(c.model, c.optimizer, saved.model, saved.optimizer)
+    c.scheduler.load_state_dict(saved.scheduler)
+    if c.scaler and saved.scaler:
+        c.scaler.load_state_dict(saved.scaler)
+    state = saved.train_state(c.cfg.train.global_batch_size)
+    if mine is not None and saved.world_size == c.env.world_size:
+        set_rng_state(mine["rng"])
+    else:  # resized: fresh per-rank streams, derived from the step so reruns agree
+        torch.manual_seed(c.cfg.seed + 1 + c.env.rank + 7919 * state.step)
+    log.info("resumed from %s at step %d, sample %d (saved with world size %s, now %d)", path,
+             state.step, state.samples_consumed, saved.world_size, c.env.world_size)
+    return state
+
+
