@@ -1,13 +1,16 @@
-"""Checkpoint cost of the two formats under FSDP: full (rank 0 gathers every tensor and
-writes one file) against sharded (each rank writes its own shards).
+"""Checkpoint cost of the formats under FSDP: full (rank 0 gathers every tensor and
+writes one file) against sharded (each rank writes its own shards), in the foreground
+and in the background (DCP's async_save: training blocked only while the shards are
+copied to CPU memory).
 
 For each model size, one torchrun of 2 processes (gloo, CPU) per format builds the same
-FSDP model of Linear layers with its Adam state, then saves a checkpoint with the
-trainer's own functions (train.parallel.full_state + one fsync'ed file, or
-train.checkpoint.sharded.save) and loads it back into a fresh model. Printed per size:
-save and load seconds (the slowest rank), each rank's peak RSS during the save and
-during the load above its RSS when that began, and the ratio sharded/full. The full format is the reference: what rank 0
-must hold grows with the whole model, a sharded save's with one rank's part.
+FSDP model of Linear layers with its Adam state, saves a checkpoint with the trainer's
+own functions (train.parallel.full_state + one fsync'ed file, or
+train.checkpoint.sharded) and loads it back into a fresh model. Printed per size, with
+ratios against full: seconds a save blocks its caller, save and load seconds (the
+slowest rank), and each rank's peak RSS during the save and during the load above its
+RSS when that began. What rank 0 must hold in the full format grows with the whole
+model; in a sharded save with its own part.
 
     python bench/checkpoint.py [--widths 1448,2896] [--layers 8] [--rounds 2]
 """
@@ -26,6 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+FORMATS = ("full", "sharded", "sharded-async")
 
 
 def _status_mib(field: str) -> float:
@@ -59,16 +63,24 @@ def _build(width: int, layers: int):
     return model, optimizer
 
 
-def _save(fmt: str, model, optimizer, folder: Path, rank: int) -> None:
+def _save(fmt: str, model, optimizer, folder: Path, rank: int) -> float:
+    """Save; return how long the caller was blocked (training would wait that long)."""
     from train.checkpoint import sharded
     from train.checkpoint.serializer import save_file
     from train.parallel import full_state
+    start = time.perf_counter()
+    if fmt == "sharded-async":
+        finish = sharded.save_in_background(sharded.state_dicts(model, optimizer), folder)
+        blocked = time.perf_counter() - start
+        finish()
+        return blocked
     if fmt == "sharded":
         sharded.save(sharded.state_dicts(model, optimizer), folder)
-        return
-    model_state, optim_state = full_state(model, optimizer)
-    if rank == 0:
-        save_file({"model": model_state, "optimizer": optim_state}, folder / "state.pt")
+    else:
+        model_state, optim_state = full_state(model, optimizer)
+        if rank == 0:
+            save_file({"model": model_state, "optimizer": optim_state}, folder / "state.pt")
+    return time.perf_counter() - start
 
 
 def _load(fmt: str, model, optimizer, folder: Path) -> None:
@@ -76,7 +88,7 @@ def _load(fmt: str, model, optimizer, folder: Path) -> None:
 
     from train.checkpoint import sharded
     from train.parallel import load_full_state
-    if fmt == "sharded":
+    if fmt.startswith("sharded"):
         sharded.load(model, optimizer, folder)
         return
     saved = torch.load(folder / "state.pt", weights_only=True)
@@ -89,9 +101,12 @@ def worker(fmt: str, width: int, layers: int, folder: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model, optimizer = _build(width, layers)
+    if fmt == "sharded-async":
+        from train.checkpoint import sharded
+        sharded.writer_group()  # made once per process, at the first background save
     dist.barrier()
     rss, start = _phase_start(), time.perf_counter()
-    _save(fmt, model, optimizer, folder, rank)
+    blocked = _save(fmt, model, optimizer, folder, rank)
     dist.barrier()
     saved, save_peak = time.perf_counter() - start, _peak_above(rss)
     del model, optimizer
@@ -101,7 +116,8 @@ def worker(fmt: str, width: int, layers: int, folder: Path) -> None:
     rss, start = _phase_start(), time.perf_counter()
     _load(fmt, model, optimizer, folder)
     dist.barrier()
-    row = {"rank": rank, "save_s": saved, "load_s": time.perf_counter() - start,
+    row = {"rank": rank, "save_blocking_s": blocked, "save_s": saved,
+           "load_s": time.perf_counter() - start,
            "save_peak_mib": save_peak, "load_peak_mib": _peak_above(rss)}
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
@@ -123,8 +139,8 @@ def measure(fmt: str, width: int, layers: int, workdir: Path) -> list[dict]:
 
 def summarize(runs: list[list[dict]]) -> dict:
     """Medians over rounds of the slowest rank's times and of each rank's peak."""
-    out = {"save_s": statistics.median(max(r["save_s"] for r in run) for run in runs),
-           "load_s": statistics.median(max(r["load_s"] for r in run) for run in runs)}
+    out = {key: statistics.median(max(r[key] for r in run) for run in runs)
+           for key in ("save_blocking_s", "save_s", "load_s")}
     for rank in range(len(runs[0])):
         for key in ("save_peak_mib", "load_peak_mib"):
             out[f"{key}_rank{rank}"] = statistics.median(run[rank][key] for run in runs)
@@ -140,17 +156,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for width in (int(w) for w in args.widths.split(",")):
             params = args.layers * (width * width + width)
-            result: dict[str, list] = {"full": [], "sharded": []}
-            for _ in range(args.rounds):  # alternating: machine noise hits both alike
-                for fmt in ("full", "sharded"):
+            result: dict[str, list] = {fmt: [] for fmt in FORMATS}
+            for _ in range(args.rounds):  # alternating: machine noise hits all alike
+                for fmt in FORMATS:
                     result[fmt].append(measure(fmt, width, args.layers, Path(tmp)))
-            full, shard = summarize(result["full"]), summarize(result["sharded"])
+            rows = {fmt: summarize(runs) for fmt, runs in result.items()}
             print(f"{params / 1e6:.1f} M parameters ({params * 12 / 2**20:.0f} MiB with Adam), "
-                  f"2 processes:")
-            for key in full:
-                ratio = shard[key] / full[key] if full[key] > 0.01 else float("nan")
-                print(f"  {key:22s} full {full[key]:8.2f}  sharded {shard[key]:8.2f}  "
-                      f"sharded/full {ratio:.2f}")
+                  f"2 processes; ratios against full:")
+            for key in rows["full"]:
+                ref = rows["full"][key]
+                cells = [f"{fmt} {rows[fmt][key]:8.2f}" + (
+                    f" ({rows[fmt][key] / ref:.2f})" if fmt != "full" and ref > 0.01 else "")
+                    for fmt in FORMATS]
+                print(f"  {key:20s} " + "  ".join(cells))
 
 
 if __name__ == "__main__":

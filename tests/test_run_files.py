@@ -161,7 +161,8 @@ def in_mount_namespace(script: str, timeout: float = 300) -> subprocess.Complete
 
 
 @pytest.mark.slow
-def test_a_full_disk_is_one_line_and_no_futile_restart(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: each rank writes its shards
+def test_a_full_disk_is_one_line_and_no_futile_restart(tmp_path, strategy):
     """2 processes under torchrun (which restarts workers whatever their exit code): the
     checkpoint cannot be written on a 128 KiB disk; one line names the free space, the
     partial checkpoint is gone, the restarts end at once, exit 3."""
@@ -171,7 +172,7 @@ def test_a_full_disk_is_one_line_and_no_futile_restart(tmp_path):
     out = in_mount_namespace(
         f"mount -t tmpfs -o size=128k tmpfs {checkpoints} || exit 99\n"
         f"cd {tmp_path}; {sys.executable} {ENTRY} train {config} distributed.nproc_per_node=2 "
-        f"distributed.max_restarts=2; rc=$?\n"
+        f"distributed.max_restarts=2 distributed.strategy={strategy}; rc=$?\n"
         f"echo LEFT: $(ls -A {checkpoints}); exit $rc")
     assert out.returncode == 3, out.stdout[-2000:] + out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]

@@ -192,3 +192,44 @@ def test_kill_9_of_one_rank_mid_save_leaves_a_whole_checkpoint(tmp_path):
         weights = sharded.full_model_state(path / sharded.SHARDS_DIR)
         assert sorted(weights) == ["w0", "w1"], path
         assert all(torch.all(w == float(shared["step"])) for w in weights.values()), path
+
+
+def test_background_shard_writes_make_the_same_checkpoints(fsdp_run, tmp_path):
+    """checkpoint.async_save: the shards are staged to CPU memory and written while training
+    goes on; the run and its checkpoints are those of the foreground run."""
+    done = run_train(_config(tmp_path), "run.name=bg", "checkpoint.async_save=true", nproc=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_close(losses(tmp_path / "bg"), losses(fsdp_run), rel=0)
+    for step in (4, 8):
+        folder = tmp_path / "bg" / "checkpoints" / f"step-{step}"
+        assert Checkpointer.verify(folder) is None
+        assert "model/__1_0.distcp" in json.loads((folder / "checksums.json").read_text())
+        got = sharded.full_model_state(folder / sharded.SHARDS_DIR)
+        want = sharded.full_model_state(fsdp_run / "checkpoints" / f"step-{step}" /
+                                        sharded.SHARDS_DIR)
+        assert sorted(got) == sorted(want)
+        assert all(torch.equal(got[k], want[k]) for k in want), step
+
+
+def test_a_stop_waits_for_the_background_write_and_exits_143_with_it_sealed(tmp_path):
+    config = _config(tmp_path, checkpoint={"every_steps": 2, "async_save": True, "keep_last": 50})
+    proc = subprocess.Popen([sys.executable, str(ROOT / "entrypoint.py"), "train", str(config),
+                             "run.name=stop", "train.max_steps=100000",
+                             "distributed.nproc_per_node=2"], cwd=ROOT, env=worker_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "checkpoint writing" in line and "step-6" in line:
+                break  # a background write was just handed to the writers
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=180)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, out[-3000:]
+    folder = tmp_path / "stop" / "checkpoints"
+    steps = sorted(p.name for p in folder.iterdir() if p.name.startswith("step-"))
+    assert not [s for s in steps if s.endswith(".partial")], steps
+    assert all(Checkpointer.verify(folder / s) is None for s in steps), steps
+    last = (folder / "latest").read_text().strip()
+    assert last == max(steps, key=lambda s: int(s.split("-")[1]))
+    assert int(last.split("-")[1]) >= 6

@@ -33,7 +33,8 @@ def save_checkpoint(c: Components, state: TrainState, guard: Guard, *,
     if c.cfg.sharded_checkpoints:  # every rank writes its own shards: nothing gathered
         tensors = sharded.state_dicts(c.model, c.optimizer)
         model_state = optim_state = None
-        shards = lambda folder: sharded.save(tensors, folder)  # noqa: E731
+        write = sharded.save_in_background if background else sharded.save
+        shards = lambda folder: write(tensors, folder)  # noqa: E731
     else:
         model_state, optim_state = full_state(c.model, c.optimizer)
     shared = payload(state, world_size=c.env.world_size, model=model_state,

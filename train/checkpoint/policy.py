@@ -32,9 +32,7 @@ class Cadence:
 
     @classmethod
     def from_config(cls, cfg: Config) -> Cadence:
-        """Sharded checkpoints are written in the foreground (every rank writes)."""
-        return cls(cfg.checkpoint.every_steps,
-                   cfg.checkpoint.async_save and not cfg.sharded_checkpoints)
+        return cls(cfg.checkpoint.every_steps, cfg.checkpoint.async_save)
 
     def due(self, step: int, last: bool) -> str | None:
         if last:

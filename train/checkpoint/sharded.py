@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,49 @@ def save(state: dict[str, Any], folder: Path) -> list[Path]:
             dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
     except CheckpointException as exc:  # every rank gets every rank's failures
         raise first_failure(exc) from None
+    return _written(folder)
+
+
+def save_in_background(state: dict[str, Any], folder: Path) -> Callable[[], list[Path]]:
+    """Collective: copies this rank's shards to CPU memory (DCP's staging) and returns;
+    DCP's thread writes them, coordinating the ranks over a process group of its own
+    (the training thread keeps the default one). The returned function waits for the
+    writes and returns what :func:`save` returns (or raises the write's error)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    writer = dcp.FileSystemWriter(str(folder), sync_files=True, single_file_per_rank=True)
+    with _one_process():
+        future = dcp.async_save(state, storage_writer=writer, process_group=writer_group(),
+                                no_dist=not dist.is_initialized())
+
+    def finish() -> list[Path]:
+        try:
+            with _one_process():
+                future.result()
+        except CheckpointException as exc:
+            raise first_failure(exc) from None
+        return _written(folder)
+    return finish
+
+
+_GROUP: list = []  # the background writes' process group, made once per process
+
+
+def writer_group():
+    """A gloo group for DCP's thread (async save needs a CPU backend, also under NCCL);
+    created at the first background save, which every rank reaches at the same step."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return None
+    if not _GROUP:
+        _GROUP.append(dist.new_group(backend="gloo"))
+    return _GROUP[0]
+
+
+def _written(folder: Path) -> list[Path]:
+    """The files this rank wrote (rank 0's include the index)."""
+    import torch.distributed as dist
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = sorted(folder.glob(f"__{rank}_*.distcp"))
     return mine + ([folder / ".metadata"] if rank == 0 else [])

@@ -32,8 +32,8 @@ from train.checkpoint.serializer import (
 )
 from train.checkpoint.sharded import SHARDS_DIR
 from train.core import rundir
-from train.core.files import create_new, fsync_dir, sha256_file, write_atomic
 from train.core.files import describe_load_error as load_error
+from train.core.files import fsync_dir, sha256_file, write_atomic
 from train.core.rundir import CHECKSUMS, STATE_FILE, none_usable, step_of
 
 log = logging.getLogger("train")
@@ -62,8 +62,9 @@ class Checkpointer:
         that fails on any rank fails on every rank alike, with that rank's words
         (:class:`CheckpointWriteError`): no rank is left waiting for another.
         shards: a collective writer of sharded state (:mod:`.sharded`) into a folder of
-        the checkpoint, returning the files this rank wrote: each rank hashes its own,
-        rank 0 lists them all (synchronous only).
+        the checkpoint, returning the files this rank wrote (background: a function that
+        waits for its writes and returns them): each rank hashes its own, rank 0 lists
+        them all.
         """
         partial = self.dir / f"step-{step}.partial"
         final = self.dir / f"step-{step}"
@@ -88,8 +89,9 @@ class Checkpointer:
         self._together(partial, partial, self.wait, wrap=False)  # a background save failed
         self._together(partial, partial, (lambda: self._fresh(partial)) if main else None)
         if background:
+            pending = shards(partial / SHARDS_DIR) if shards is not None else None
             args = (partial, final, snapshot(shared_state) if main else None,
-                    snapshot(rank_state))
+                    snapshot(rank_state), pending)
             self._writer = threading.Thread(target=self._write_in_background, args=args,
                                             name=f"checkpoint-step-{step}")
             self._writer.start()
@@ -157,11 +159,19 @@ class Checkpointer:
                 raise error
             raise RuntimeError(f"background checkpoint failed: {error}") from error
 
-    def _write_in_background(self, partial: Path, final: Path, shared: Any, mine: Any) -> None:
+    def _write_in_background(self, partial: Path, final: Path, shared: Any, mine: Any,
+                             pending: Callable[[], list[Path]] | None) -> None:
+        """pending: the shard writes in flight, when sharded. Each rank's marker holds the
+        hashes of its shards."""
         try:
             with self._writing(partial, partial / f"rank-{self.rank}.pt"):
                 save_file(mine, partial / f"rank-{self.rank}.pt")
-                create_new(partial / f"rank-{self.rank}.done").close()
+            hashed = {}
+            if pending is not None:
+                with self._writing(partial, partial / SHARDS_DIR):
+                    hashed = {str(p.relative_to(partial)): sha256_file(p) for p in pending()}
+            with self._writing(partial, partial / f"rank-{self.rank}.done"):
+                write_atomic(partial / f"rank-{self.rank}.done", json.dumps(hashed))
             if self.rank != 0:
                 return
             with self._writing(partial, partial / STATE_FILE):
@@ -176,10 +186,12 @@ class Checkpointer:
                 if not partial.is_dir():  # another rank's write failed and removed it
                     raise RuntimeError(f"{partial} was removed by a rank whose write failed")
                 time.sleep(0.05)
+            known: dict[str, str] = {}
             for m in markers:
+                known.update(json.loads(m.read_text()))
                 m.unlink()
             with self._writing(partial, partial / CHECKSUMS):
-                self._seal(partial, final)
+                self._seal(partial, final, known)
             self._prune()
         except BaseException as exc:  # surfaced by wait()
             self._writer_error = exc

@@ -113,12 +113,6 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
             kinds.data_kind(cfg).files(cfg, fail)
         except ConfigError as exc:  # from train.core.datafiles: names the data file itself
             errors.append(exc)
-    if cfg.checkpoint.async_save and cfg.sharded_checkpoints:
-        warn("checkpoint.async_save", f"{val('checkpoint.async_save')} applies to full "
-                                      f"checkpoints; sharded ones (distributed.strategy="
-                                      f"{cfg.distributed.strategy}, {ref('checkpoint.format')})"
-                                      " are written in the foreground, each rank its own "
-                                      "shards", "distributed.strategy")
     resume = cfg.checkpoint.resume_from
     if resume not in (AUTO, "none") and not (Path(resume) / "checksums.json").is_file():
         fail("checkpoint.resume_from", f"{resume}: not a checkpoint directory (no "

@@ -202,7 +202,8 @@ class CheckpointConfig:
     resume_from: str = opt(AUTO, "auto (newest valid checkpoint of this run), none (start "
                                  "over; earlier checkpoints are moved to "
                                  "checkpoints.replaced-<time>/), or a checkpoint directory.")
-    async_save: bool = opt(False, "Write checkpoints in the background (full format).")
+    async_save: bool = opt(False, "Write checkpoints in the background: training goes on "
+                                    "once the state is copied to CPU memory.")
     format: Literal["auto", "full", "sharded"] = opt(
         AUTO, "full: one state.pt with the full tensors, written by rank 0; sharded: each "
               "rank writes its own shards (torch.distributed.checkpoint), resumable at any "
