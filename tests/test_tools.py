@@ -8,6 +8,7 @@ decisions it makes from what the engine returns.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -152,3 +153,17 @@ def test_pytest_requirements_come_hash_locked_from_the_dev_lock(tmp_path):
     lacking.write_text("")
     with pytest.raises(ValueError, match="pytest"):
         locks.pytest_requirements(ROOT / "requirements/image-py311.lock", lacking)
+
+
+def test_a_gpu_stage_that_exits_0_without_saying_what_it_must_fails(tmp_path):
+    """The dcp stage passes only when the run resumed: a run that started over exits 0."""
+    ctx = gpu_check.Context(python=sys.executable, out=tmp_path / "out", work=tmp_path,
+                            env=dict(os.environ))
+    rec = stages.Recorder(tmp_path / "out", "check")
+    for said, ok in (("resumed from /r/step-30 at step 30", True), ("step 1/45", False)):
+        stage = gpu_check.Stage("dcp", 30,
+                                lambda c, said=said: [c.python, "-c", f"print({said!r})"],
+                                lambda c, out: out.strip(), must_say=gpu_check.RESUMED)
+        gpu_check.run_stage(rec, ctx, stage)
+        row = json.loads((tmp_path / "out/stages.jsonl").read_text().splitlines()[-1])
+        assert row["ok"] is ok and row["rc"] == 0, row

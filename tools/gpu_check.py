@@ -13,7 +13,8 @@ stop     the same run, SIGTERM after a few steps: exit 143 with a checkpoint
 tests    the suite's GPU-marked tests (``pytest -m gpu``)
 suite    ``GPU_CHECK_SUITE=1`` only: the suite but the slow and image tests
 savers   fp16 + GradScaler, activation checkpointing, micro_batch_size=auto
-fsdp     FSDP2 on one GPU with CPU offload and bf16 params
+fsdp     FSDP2 on one GPU with CPU offload and bf16 params (sharded checkpoints)
+dcp      the fsdp run resumed from its sharded checkpoint, saving in the background
 dp       DataParallel with bf16 (autocast inside the replicas' forward)
 compile  torch.compile on the GPU (inductor + triton), 30 steps
 ======== =====================================================================
@@ -170,7 +171,10 @@ class Stage:
     note: Callable[[Context, str], str]
     expect: Callable[[Context], int] = lambda ctx: 0
     when: Callable[[Context], bool] = lambda ctx: True
+    must_say: str | None = None  # a pattern its output must show to pass
 
+
+RESUMED = r"resumed from .*? at step \d+"
 
 AUTO_BATCH = r"micro_batch_size=auto: \d+ fits"  # what the worker logs when it chose
 
@@ -210,6 +214,14 @@ GPU_STAGES: tuple[Stage, ...] = (
                                         "train.max_steps=30"),
           lambda c, out: f"fsdp {' '.join(_offload(c)) or 'no offload'}: "
                          f"{loss_note(c.metrics('fsdp'))}"),
+    # DCP on the GPU: the sharded step-30 checkpoint loads onto the device (nccl), and the
+    # background saves stage GPU shards to CPU and write them over their own gloo group
+    Stage("dcp", 90, lambda c: c.train("fsdp", "distributed.strategy=fsdp", *_offload(c),
+                                       "train.max_steps=45", "checkpoint.every_steps=5",
+                                       "checkpoint.async_save=true"),
+          lambda c, out: f"{first_match(RESUMED, out) or 'did not resume'}; "
+                         f"{first_match(r'checkpoint saved: .*', out)}",
+          must_say=RESUMED),
     # dp with device=cpu is a contradiction: exit 2 is its right answer on a CPU
     Stage("dp", 90, lambda c: c.train("dp", "distributed.strategy=dp", "train.max_steps=20"),
           lambda c, out: f"dp bf16 (autocast inside forward): {loss_note(c.metrics('dp'))}",
@@ -224,8 +236,9 @@ def run_stage(rec: Recorder, ctx: Context, stage: Stage) -> str:
     argv = stage.argv(ctx)
     rc, out = run_limited(argv, stage.limit_s, cwd=ctx.work, env=ctx.env)
     rec.log(f"{stage.name} (limit {stage.limit_s:.0f}s): {' '.join(argv)}", out)
-    rec.record(Result(stage.name, rc, time.monotonic() - t0, rc == stage.expect(ctx),
-                      stage.note(ctx, out)))
+    ok = rc == stage.expect(ctx) and (stage.must_say is None or
+                                     re.search(stage.must_say, out) is not None)
+    rec.record(Result(stage.name, rc, time.monotonic() - t0, ok, stage.note(ctx, out)))
     return out
 
 
