@@ -211,6 +211,10 @@ class RoundWatcher(threading.Thread):
             return
         gone = sorted(self.members - set(r.members))
         silent = sorted(n for n, age in r.silent.items() if age >= self.lost_after_s)
+        if self._was_member(silent):
+            # this node's own keep-alives are late too: a slow store or a busy node,
+            # no evidence that the others vanished (their drop, once due, still counts)
+            silent = []
         if gone or silent:
             self.lost_reported = r.number
             why = (f"no heartbeat for {max(r.silent[n] for n in silent):.0f} s" if silent

@@ -6,16 +6,23 @@ manifests' own pods (tests/test_k8s_sim.py):
 
 - a container runs the image's ENTRYPOINT (read from the Dockerfile) with the
   manifest's args: ``python3 /app/entrypoint.py ARGS`` becomes this checkout's
-  entrypoint.py; tini (PID 1) is the PID namespace's first process here;
-- env: literal values; downward-API fields filled in (the Job's uid label, the pod IP
-  127.0.0.1, the pod name); ``JOB_COMPLETION_INDEX`` set as the Job controller does;
+  entrypoint.py, under the image's ``tini --`` as the PID namespace's first process
+  (when tini is installed), so a pod's signals reach the launcher through it;
+- a network per pod where the machine allows (root: tests/netns.py): each pod is a host
+  of its own with its own address (its ``status.podIP``) and hostname; a Deployment's
+  pods keep their host across restarts and each Service that selects them resolves to
+  it (a Service's stable address); :meth:`Cluster.vanish` cuts a pod's link, the way a
+  node vanishes (no FIN, no RST). Elsewhere every pod is on 127.0.0.1;
+- env: literal values; downward-API fields filled in (the Job's uid label, the pod IP,
+  the pod name); ``JOB_COMPLETION_INDEX`` set as the Job controller does;
 - volumes: a ConfigMap becomes a folder with its keys as files, a PersistentVolumeClaim
   a folder shared by every pod, an emptyDir a folder per pod; container paths in args
   and env are rewritten to those folders (``/dev/shm`` stays the host's);
-- Services: each pod runs in its own PID and mount namespace where the kernel allows,
-  with an /etc/hosts in which every Service name is 127.0.0.1, so the manifests' host
-  names are used unchanged; service ports are moved to free local ports (the same
-  number rewritten in the args and env that name it), so runs cannot collide;
+- Services without a network per pod: each pod runs in its own PID and mount namespace
+  where the kernel allows, with an /etc/hosts in which every Service name is 127.0.0.1,
+  so the manifests' host names are used unchanged; service ports are moved to free
+  local ports (the same number rewritten in the args and env that name it), so runs
+  cannot collide;
 - killing a pod kills everything in it (its PID namespace), as on a node;
 - terminating a pod (:meth:`Cluster.terminate`) sends SIGTERM, then SIGKILL at the end
   of the manifest's ``terminationGracePeriodSeconds``, as the kubelet does;
@@ -24,14 +31,14 @@ manifests' own pods (tests/test_k8s_sim.py):
 
 What it does not play: scheduling, resources, probes, security contexts (the static
 tests check those against the image's contract), restarts (a test restarts an index
-itself, as the Job controller would), and a network per pod (every pod is on
-127.0.0.1: tests/netns.py plays hosts that vanish).
+itself, as the Job controller would), NetworkPolicies (tests/test_k8s.py reads them).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,6 +46,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import netns
 import yaml
 from conftest import clean_env
 from multinode import ROOT, Process, pid_namespaces
@@ -70,17 +78,26 @@ class Cluster:
     """The objects of one manifest folder, and the pods started from them."""
 
     def __init__(self, folder: Path, work: Path, *, extra_args: list[str] = (),
-                 env: dict | None = None) -> None:
+                 env: dict | None = None, network: bool | None = None) -> None:
+        """network: a network per pod (None: wherever this machine can make one)."""
         self.objects = load(folder)
         self.work, self.extra_args = work, list(extra_args)
         self.base_env = env or clean_env()
         self.job_uid = str(uuid.uuid4())
         self.namespaces = pid_namespaces()
         self.pods: list[Process] = []
+        if network is None:
+            network = netns.available() is None
+        self.net = netns.Network(work) if network else None
+        self.deployment_hosts: dict[str, netns.Host] = {}
         entry = image_entrypoint()
         assert entry[-2:] == ["python3", "/app/entrypoint.py"], entry
-        self.ports = {svc["spec"]["ports"][0]["port"]: free_port()
-                      for svc in self.of_kind("Service") if svc["spec"].get("ports")}
+        tini = shutil.which(entry[0]) if entry[0] == "tini" else None
+        # tini only as a PID namespace's first process (elsewhere it is no PID 1)
+        self.init = [tini, *entry[1:-2]] if tini and (self.namespaces or self.net) else []
+        self.ports = {} if self.net else {
+            svc["spec"]["ports"][0]["port"]: free_port()
+            for svc in self.of_kind("Service") if svc["spec"].get("ports")}
         self.hosts = work / "hosts"
         names = " ".join(s["metadata"]["name"] for s in self.of_kind("Service"))
         self.hosts.write_text(f"127.0.0.1 localhost {names}\n")
@@ -133,9 +150,9 @@ class Cluster:
         return text
 
     def _env(self, pod: str, container: dict, mounts: dict[str, str],
-             extra: dict[str, str]) -> dict[str, str]:
+             extra: dict[str, str], ip: str) -> dict[str, str]:
         fields = {"metadata.labels['batch.kubernetes.io/controller-uid']": self.job_uid,
-                  "status.podIP": "127.0.0.1", "metadata.name": pod}
+                  "status.podIP": ip, "metadata.name": pod}
         env = dict(self.base_env)
         for item in container.get("env", []):
             if "value" in item:
@@ -146,22 +163,44 @@ class Cluster:
         return env
 
     def _start(self, pod: str, template: dict, extra_env: dict[str, str],
-               extra_args: list[str]) -> Process:
+               extra_args: list[str], host: netns.Host | None = None) -> Process:
         spec = template["spec"]
         container = spec["containers"][0]
         mounts = self._mounts(pod, spec, container)
-        env = self._env(pod, container, mounts, extra_env)
+        if self.net is not None and host is None:
+            host = self.net.host(pod)
+        env = self._env(pod, container, mounts, extra_env, host.addr if host else "127.0.0.1")
         # the kubelet expands $(NAME) in args from the container's environment
         args = [re.sub(r"\$\(([A-Za-z_]\w*)\)", lambda m: env.get(m[1], m[0]),
                        self._rewrite(a, mounts)) for a in container["args"]] + extra_args
-        process = Process(pod, [sys.executable, ENTRY, *args], env, self.work,
-                          namespace=self.namespaces, hosts=self.hosts)
+        argv = [*self.init, sys.executable, ENTRY, *args]
+        if host is not None:
+            process = host.process(pod, argv, env, self.work)
+        else:
+            process = Process(pod, argv, env, self.work, namespace=self.namespaces,
+                              hosts=self.hosts)
+        process.host = host
         self.pods.append(process)
         return process.start()
 
     def start_deployment(self, name: str) -> Process:
         deployment = self.get("Deployment", name)
-        return self._start(f"{name}-{len(self.pods)}", deployment["spec"]["template"], {}, [])
+        template = deployment["spec"]["template"]
+        host = self.deployment_hosts.get(name)
+        if self.net is not None and host is None:  # its Services' stable address
+            host = self.deployment_hosts[name] = self.net.host(name)
+            labels = template["metadata"].get("labels", {})
+            for svc in self.of_kind("Service"):
+                selector = svc["spec"].get("selector") or {}
+                if selector and all(labels.get(k) == v for k, v in selector.items()):
+                    self.net.alias(svc["metadata"]["name"], host)
+        return self._start(f"{name}-{len(self.pods)}", template, {}, [], host)
+
+    def vanish(self, pod: Process) -> None:
+        """The pod's node is gone: its link goes down, nothing more is sent (then the
+        test kills its processes, which can no longer tell anyone)."""
+        assert self.net is not None and pod.host is not None, "needs a network per pod"
+        self.net.cut(pod.host)
 
     def start_index(self, job: str, index: int, extra_args: list[str] | None = None,
                     env: dict[str, str] | None = None) -> Process:
@@ -205,3 +244,5 @@ class Cluster:
         for pod in self.pods:
             if pod.running:
                 pod.kill()
+        if self.net is not None:
+            self.net.close()

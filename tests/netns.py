@@ -73,6 +73,7 @@ class Network:
         self.hosts = work / "etc-hosts"
         self.hosts.write_text("127.0.0.1 localhost\n")
         self.members: list[Host] = []
+        self.aliases: dict[str, Host] = {}  # more names of a host (a Service's name)
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
@@ -88,9 +89,19 @@ class Network:
         _ip("-n", h.netns, "link", "set", "eth0", "up")
         _ip("-n", h.netns, "link", "set", "lo", "up")
         self.members.append(h)
-        self.hosts.write_text("127.0.0.1 localhost\n" + "".join(
-            f"{m.addr} {m.name}\n" for m in self.members))
+        self._write_hosts()
         return h
+
+    def alias(self, name: str, host: Host) -> None:
+        """``name`` resolves to ``host``'s address on every host from now on."""
+        self.aliases[name] = host
+        self._write_hosts()
+
+    def _write_hosts(self) -> None:
+        # rewritten in place: the hosts' bind mounts of this file see the new text
+        self.hosts.write_text("127.0.0.1 localhost\n" + "".join(
+            f"{m.addr} {m.name}{''.join(' ' + a for a, h in self.aliases.items() if h is m)}\n"
+            for m in self.members))
 
     def cut(self, host: Host) -> None:
         """The host vanishes from the network: its link goes down, nothing is sent."""

@@ -73,10 +73,16 @@ def test_the_job_through_pod_loss_scale_up_store_loss_and_a_drain(sim, tmp_path)
     big = [*SHORT, "train.max_steps=100000"]
     _, pods = start(sim, 100000)
     main = first(pods, r"world size 2(.|\n)*\]:step 30/")
-    # 1. a worker pod dies: the other continues alone; the Job controller recreates it
+    # 1. a worker pod's node vanishes (power loss: no FIN, no RST; with no network per pod
+    #    here, the pod is killed): the other continues alone; the node's pods are evicted
+    #    as disrupted, which the Job ignores, and it recreates the index
     lost = pods[1] if main is pods[0] else pods[0]
     index = 1 if lost is pods[1] else 0
+    if sim.net is not None:
+        sim.vanish(lost)
+        main.wait_for(r"left the job \(.*its host is down or cut off\)", 120)
     lost.kill()
+    assert sim.judge(JOB, 137, disrupted=True) == "Ignore"
     first([main], r"resumed from .*now 1\)(.|\n)*" + STEP)
     back = sim.start_index(JOB, index, big)
     first([main, back], r"now 2\)(.|\n)*" + STEP)

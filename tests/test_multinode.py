@@ -169,6 +169,27 @@ def test_a_node_left_out_of_a_newer_round_stops_its_stale_workers_once():
     assert joiner == []
 
 
+def test_silence_that_includes_this_node_is_no_lost_node():
+    """Every member's keep-alive late, this node's too (a store that was slow to answer,
+    a loaded machine): nobody vanished. A member dropped from the round still is lost."""
+    lost: list[list[str]] = []
+    w = RoundWatcher("127.0.0.1:1", "job", (1, 3), 600, lambda line: None, lost_after_s=10,
+                     on_lost=lambda nodes, why: lost.append(nodes), me=":7#42")
+    w.observe(_round(0, True, {"a:1#5": 0, "c:7#42": 1}), now=0)
+    w.observe(_round(0, True, {"a:1#5": 0, "c:7#42": 1},
+                     silent={"a:1#5": 13.0, "c:7#42": 13.0}), now=1)
+    assert lost == []
+    w.observe(_round(0, True, {"c:7#42": 1}, silent={"c:7#42": 13.0}), now=2)
+    assert lost == [["a:1#5"]]
+    alone: list[list[str]] = []
+    other = RoundWatcher("127.0.0.1:1", "job", (1, 3), 600, lambda line: None,
+                         lost_after_s=10, on_lost=lambda nodes, why: alone.append(nodes),
+                         me=":7#42")
+    other.observe(_round(0, True, {"a:1#5": 0, "c:7#42": 1}), now=0)
+    other.observe(_round(0, True, {"a:1#5": 0, "c:7#42": 1}, silent={"a:1#5": 11.0}), now=1)
+    assert alone == [["a:1#5"]]
+
+
 def test_a_forming_round_says_until_when_and_shows_no_ranks():
     deadline = datetime.datetime(2026, 1, 1, 12, 0, 3, tzinfo=datetime.UTC)
     text = describe(_round(4, False, {"b:2#9": 0, "b:2#7": 0}, deadline=deadline))
