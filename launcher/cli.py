@@ -1,4 +1,5 @@
-"""Command dispatch for ``entrypoint.py`` (the image's ENTRYPOINT, behind tini).
+"""Command dispatch for ``entrypoint.py`` (the image's ENTRYPOINT, behind tini) and the
+``trainpod`` command a pip install of the project gives (the same code path).
 
 Only dispatch lives here; each command's work is in its own module. Nothing heavy
 is imported before a command needs it, so ``--help`` answers at once.
@@ -179,13 +180,21 @@ COMMANDS = {"train": cmd_train, "launch": cmd_launch, "doctor": cmd_doctor,
             "rendezvous": cmd_rendezvous, "export": cmd_export}
 
 
+def _command_name() -> str:
+    """How the user runs this: the installed command, or the checkout's/image's script."""
+    return "trainpod" if Path(sys.argv[0]).name == "trainpod" else "entrypoint.py"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if _command_name() == "trainpod":  # what the run's closing lines tell the user to type
+        from train.core.identity import COMMAND_VAR
+        os.environ[COMMAND_VAR] = "trainpod"
     if not argv or argv[0] in ("-h", "--help", "help") or \
             (argv[0] in COMMANDS and argv[0] != "launch" and
              ("-h" in argv[1:] or "--help" in argv[1:])) or \
             (argv[0] == "launch" and argv[1:2] in (["-h"], ["--help"])):
-        print(HELP, end="")
+        print(HELP.replace("entrypoint.py", _command_name()), end="")
         return 0
     if argv[0] == "train" and "--help-config" in argv[1:]:
         from train.core.config.reference import text  # torch-free

@@ -174,7 +174,9 @@ def install_fix(app_root: str | None = None, python: str | None = None) -> str:
 
     In the image the environment is baked in, so the image is broken. In a checkout the
     dependencies live in the checkout's ``.venv`` (``make venv``), and the usual mistake
-    is running a command with the system ``python`` instead of that one.
+    is running a command with the system ``python`` instead of that one. Installed with
+    pip (the ``trainpod`` command), torch is the user's to add: its build depends on the
+    machine.
     """
     import os
     import sys
@@ -182,6 +184,12 @@ def install_fix(app_root: str | None = None, python: str | None = None) -> str:
     root = os.path.abspath(app_root or os.path.dirname(os.path.dirname(__file__)))
     venv_python = os.path.join(root, ".venv", "bin", "python")
     in_checkout = os.path.exists(os.path.join(root, "Makefile"))
+    if os.path.basename(root) in ("site-packages", "dist-packages"):
+        return (f"install the torch build for this machine into that environment, e.g. "
+                f"`{python} -m pip install torch --index-url "
+                "https://download.pytorch.org/whl/cpu` (or .../whl/cu130, cu126, rocm7.2; "
+                "plain PyPI's Linux torch is the CUDA 13.0 build); for another missing "
+                "package reinstall trainpod")
     if not in_checkout:
         return "rebuild the image (its Python environment is incomplete)"
     inside = os.path.abspath(os.getcwd()) == root

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from train.board import Board
 from train.console import Console, format_duration
 from train.core.config import Config, to_yaml
 from train.core.files import json_text, open_append, write_atomic
+from train.core.identity import COMMAND_VAR
 
 if TYPE_CHECKING:
     import torch
@@ -88,7 +90,7 @@ class MetricsLogger:
         lines = [f"done: {' | '.join(result)} | {format_duration(time.monotonic() - self.started)}"
                  " in this process",
                  f"  run directory  {run}  (metrics.jsonl, result.json, checkpoints/)",
-                 f"  export         entrypoint.py export {run}",
+                 f"  export         {os.environ.get(COMMAND_VAR, 'entrypoint.py')} export {run}",
                  f"  TensorBoard    tensorboard --logdir {shown(self.run_dir.parent)}"
                  if self.tb else "  TensorBoard    off (logging.tensorboard=false)"]
         self.console.end_line()

@@ -23,6 +23,8 @@ RELAUNCH_VAR = "TRAIN_RELAUNCH"
 # in this launch (torchrun's restarts too) reads it instead of the config file, which may
 # have been edited or removed since.
 CONFIG_SNAPSHOT_VAR = "TRAIN_CONFIG_SNAPSHOT"
+# Set by the installed command (trainpod): how the run's closing lines name the command.
+COMMAND_VAR = "TRAIN_COMMAND"
 
 
 @dataclass(frozen=True)

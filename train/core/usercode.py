@@ -54,6 +54,8 @@ def resolve(path: str, key: str, source: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or an error raised while importing the module
+        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torch":
+            raise  # this environment lacks torch, not the user's mistake: the exit-3 line
         raise ConfigError(source, key, f"cannot import {module_name} (from {os.getcwd()} or "
                                        f"installed packages): {_first_line(exc)}") from None
     target = module
