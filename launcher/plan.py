@@ -27,7 +27,7 @@ from launcher.hardware import Hardware, TorchBuild
 from launcher.worker_variables import WorkerVariables, direct_worker_identity
 from train.core.comm_defaults import worker_defaults
 from train.core.config import AUTO, Config, batch_split
-from train.core.config.checks import check_batch_memory
+from train.core.config.checks import check_batch_memory, check_model_memory
 from train.core.config.origins import config_warnings, origin_note, source_of
 from train.core.errors import CannotRunHere, ConfigError
 from train.core.placement import (
@@ -185,6 +185,18 @@ def check_batch_splits(cfg: Config, sizes: tuple[int, ...], nodes: Nodes, nproc:
                               "world size in the range must divide it)") from None
 
 
+def _state_memory(cfg: Config, hw: Hardware, device: str, nproc: int,
+                  host: int | None) -> tuple[int | None, str]:
+    """Where each process keeps the model's state, and how much of it there is."""
+    on_host = device != "gpu" or (cfg.distributed.strategy == "fsdp" and cfg.memory.cpu_offload)
+    if on_host:
+        return host, f"host memory available to each of the {nproc} process(es) here"
+    sizes = [g.memory_bytes for g in hw.gpus if g.memory_bytes]
+    if not sizes:
+        return None, ""
+    return min(sizes), f"memory of one {hw.gpus[0].name}"
+
+
 def worker_variables(cfg: Config, hw: Hardware, device: str, backend: str, nproc: int,
                      nodes: Nodes, environ: Environ, app_root: str, direct: bool,
                      master_port: int, max_restarts: int) -> WorkerVariables:
@@ -237,8 +249,10 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     nproc = resolve_nproc(cfg, hw, device, nodes, source, notes)
     sizes = world_sizes(cfg, nodes, nproc)
     if script is None:
-        check_batch_splits(cfg, sizes, nodes, nproc, source,
-                           hw.memory_available // nproc if hw.memory_available else None)
+        host = hw.memory_available // nproc if hw.memory_available else None
+        check_batch_splits(cfg, sizes, nodes, nproc, source, host)
+        check_model_memory(cfg, min(sizes), *_state_memory(cfg, hw, device, nproc, host),
+                           gpu=device == "gpu")
     max_restarts = cfg.distributed.max_restarts if nodes.max_restarts is None \
         else nodes.max_restarts
     # one process: the launcher is its torchrun (one node alone, or one task per GPU)

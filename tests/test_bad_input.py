@@ -99,6 +99,10 @@ CASES = [
     ("a global batch this machine cannot hold", TINY_GPT, None,
      ["train.global_batch_size=17179869184", "train.micro_batch_size=1"], {}, 3, None,
      "of memory available here"),
+    ("a model whose weights alone outgrow this machine", TINY_GPT, None,
+     ["model.width=65536", "model.heads=4"], {}, 3, None,
+     "G parameters (model.width=65536, model.depth=1); their fp32 weights, gradients and "
+     "adamw state alone take"),
 ]
 
 

@@ -6,6 +6,7 @@ environment mapping.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -340,3 +341,65 @@ def test_torchrun_gives_the_stop_checkpoint_the_platforms_grace(cfg_file):
     assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" not in mine.env  # the user's own value stays
     assert "kept TORCH_ELASTIC_SHUTDOWN_TIMEOUT=200 (set by you; the launcher would set " \
            "115)" in mine.warnings
+
+
+# ------------------------------------------------------------- the model's own memory
+
+@pytest.mark.parametrize("overrides", [
+    ["model.kind=gpt", "data.kind=text", "data.path=/usr", "model.depth=2", "model.width=48",
+     "model.heads=4", "model.context_length=16"],
+    ["model.kind=gpt", "data.kind=tokens", "data.path={tokens}", "data.vocab_size=1000",
+     "model.depth=1", "model.width=32", "model.heads=2", "model.context_length=8",
+     "model.tie_weights=false"],
+    ["model.kind=mlp", "model.depth=3", "model.width=20", "data.shape=[3, 5]",
+     "data.num_classes=7"],
+    ["model.kind=mlp", "model.depth=1", "data.shape=[6]"],
+])
+def test_the_parameter_count_from_the_config_is_the_built_models(cfg_file, tmp_path, overrides):
+    import numpy as np
+
+    from train.core.config import kinds
+    from train.models import build_model, count_parameters
+    tokens = tmp_path / "t.bin"
+    (np.arange(4000) % 1000).astype(np.uint16).tofile(tokens)
+    cfg = load_config(cfg_file(), [o.format(tokens=tokens) for o in overrides])
+    vocab = kinds.TEXT_VOCAB if cfg.data.kind == "text" else cfg.data.vocab_size
+    built = build_model(cfg.model, input_shape=tuple(cfg.data.shape),
+                        num_classes=vocab if cfg.model.kind == "gpt" else cfg.data.num_classes)
+    assert kinds.model_kind(cfg).parameters(cfg) == count_parameters(built)
+
+
+def _wide_mlp(cfg_file, *extra: str, hw=CPU_HW, tb=CPU_TORCH):
+    # 4 x 4096 + 4096 x 4096 + 4096 x 10 weights and biases: 16.84 M parameters, AdamW's
+    # 16 B each = 257 MiB in all
+    return make(cfg_file(), ["model.width=4096", "model.depth=2", *extra], hw=hw, tb=tb)
+
+
+def test_a_model_whose_state_cannot_fit_is_exit_3_with_the_numbers_before_any_worker(cfg_file):
+    small = Hardware(cpus=8, memory_available=400 << 20)  # 200 MiB per process at 2
+    assert _wide_mlp(cfg_file, hw=small).nproc_per_node == 1  # 257 MiB < 400 MiB: fits
+    with pytest.raises(CannotRunHere) as err:
+        _wide_mlp(cfg_file, "distributed.nproc_per_node=2", hw=small)
+    text = str(err.value)
+    assert "0.02 G parameters" in text and "257.0 GiB" not in text
+    assert "take 0.3 GiB per process (16 B a parameter)" in text
+    assert "than the 0.2 GiB of host memory available to each of the 2 process(es)" in text
+    # FSDP shards the state over the processes: 128 MiB each fits in 200 MiB
+    assert _wide_mlp(cfg_file, "distributed.nproc_per_node=2", "distributed.strategy=fsdp",
+                     hw=small).nproc_per_node == 2
+    sgd = Hardware(cpus=8, memory_available=420 << 20)  # 12 B a parameter: 193 MiB
+    assert _wide_mlp(cfg_file, "distributed.nproc_per_node=2", "optim.name=sgd",
+                     hw=sgd).nproc_per_node == 2
+
+
+def test_on_gpus_the_state_must_fit_one_gpu_unless_offloaded(cfg_file):
+    tiny_gpus = replace(gpus(2), gpus=tuple(replace(g, memory_bytes=100 << 20, name="T4")
+                                            for g in gpus(2).gpus),
+                        memory_available=64 << 30)
+    with pytest.raises(CannotRunHere) as err:
+        _wide_mlp(cfg_file, "distributed.strategy=fsdp", "distributed.nproc_per_node=1",
+                  hw=tiny_gpus, tb=CUDA_TORCH)
+    assert "memory of one T4" in str(err.value) and "memory.cpu_offload=true" in str(err.value)
+    # offloaded, the state lives in host memory, which has room
+    assert _wide_mlp(cfg_file, "distributed.strategy=fsdp", "distributed.nproc_per_node=1",
+                     "memory.cpu_offload=true", hw=tiny_gpus, tb=CUDA_TORCH).nproc_per_node == 1

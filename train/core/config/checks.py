@@ -190,6 +190,42 @@ def check_batch_memory(cfg: Config, world_size: int, source: str,
                             "here; use a smaller global or micro batch")
 
 
+# fp32 weights + gradients + optimizer state, bytes per parameter (AdamW keeps two
+# moments, SGD with momentum one)
+STATE_BYTES = {"adamw": 16, "sgd": 12}
+
+
+def check_model_memory(cfg: Config, world_size: int, available: int | None,
+                       where: str, gpu: bool) -> None:
+    """CannotRunHere (exit 3) when the model's weights, gradients and optimizer state
+    alone exceed ``available`` bytes per process (``where``: which memory), before any
+    worker tries and is killed for it. Activations come on top: this is a floor."""
+    params = kinds.model_kind(cfg).parameters(cfg)
+    if params is None or available is None:
+        return
+    per_param = STATE_BYTES.get(cfg.optim.name, 16)
+    shards = world_size if cfg.distributed.strategy == "fsdp" else 1
+    need = params * per_param / shards
+    if need <= available:
+        return
+    split = f", sharded over {shards} processes" if shards > 1 else ""
+    fixes = ["a smaller model", "distributed.strategy=fsdp across more "
+             + ("GPUs" if gpu else "machines")]
+    if gpu and cfg.distributed.strategy == "fsdp" and not cfg.memory.cpu_offload:
+        fixes.append("memory.cpu_offload=true")
+    raise CannotRunHere(
+        f"model: {params / 1e9:.2f} G parameters ({_model_keys(cfg)}); their fp32 weights, "
+        f"gradients and {cfg.optim.name} state alone take {need / 2**30:.1f} GiB per process "
+        f"({per_param} B a parameter{split}), more than the {available / 2**30:.1f} GiB of "
+        f"{where}; use {', or '.join(fixes)}")
+
+
+def _model_keys(cfg: Config) -> str:
+    m = cfg.model
+    keys = {"model.width": m.width, "model.depth": m.depth}
+    return ", ".join(f"{k}={v}" for k, v in keys.items())
+
+
 # Keys whose change makes a run's checkpoints unloadable (parameter or optimizer-state
 # shapes, or what the inputs mean).
 RESUME_KEYS = ("model.kind", "model.depth", "model.width", "model.heads", "model.context_length",

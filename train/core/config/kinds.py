@@ -18,6 +18,7 @@ A rule is ``rules(cfg, fail)``; ``fail(key, problem, *related)`` records one pro
 from __future__ import annotations
 
 import importlib
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,8 @@ class ModelKind:
     tokens: bool = False                 # next-token model: data.vocab_size classes, and a
                                          # sample is model.context_length tokens
     factory: bool = False                # made by the user's model.factory
+    # its parameter count from the config alone (None: only the built model knows)
+    parameters: Callable[[Config], int | None] = lambda cfg: None
 
 
 @dataclass(frozen=True)
@@ -74,11 +77,36 @@ def _cnn_rules(cfg: Config, fail: Fail) -> None:
                            f"{val('data.shape')}", "data.kind")
 
 
+TEXT_VOCAB = 256  # the text kind is byte-level
+
+
+def _gpt_parameters(cfg: Config) -> int:
+    """train/models.py's GPT: embeddings, depth x (2 LayerNorms, qkv, proj, 4x MLP), the
+    final LayerNorm and the head (none of its own when tied to the token embedding)."""
+    m = cfg.model
+    vocab = TEXT_VOCAB if cfg.data.kind == "text" else cfg.data.vocab_size
+    w = m.width
+    block = 4 * w + (3 * w * w + 3 * w) + (w * w + w) + (4 * w * w + 4 * w) + (4 * w * w + w)
+    return (vocab + m.context_length) * w + m.depth * block + 2 * w + \
+        (0 if m.tie_weights else vocab * w)
+
+
+def _mlp_parameters(cfg: Config) -> int | None:
+    """train/models.py's MLP on synthetic data (other data: the shape is in the file)."""
+    if cfg.data.kind != "synthetic":
+        return None
+    inputs = 1
+    for s in cfg.data.shape:
+        inputs *= s
+    widths = [inputs] + [cfg.model.width] * cfg.model.depth + [cfg.data.num_classes]
+    return sum(a * b + b for a, b in itertools.pairwise(widths))
+
+
 MODEL_KINDS: dict[str, ModelKind] = {k.name: k for k in (
-    ModelKind("mlp", "train.models:mlp"),
+    ModelKind("mlp", "train.models:mlp", parameters=_mlp_parameters),
     ModelKind("cnn", "train.models:cnn", _cnn_rules),
     ModelKind("gpt", "train.models:gpt", _gpt_rules, data=("text", "tokens", "custom"),
-              blocks=True, tokens=True),
+              blocks=True, tokens=True, parameters=_gpt_parameters),
     ModelKind("custom", "train.models:from_factory", blocks=True, factory=True),
 )}
 
