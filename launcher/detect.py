@@ -9,8 +9,12 @@ exist. Whether that build can drive what was found is :mod:`launcher.compat`'s c
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import re
+import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from launcher import amd, nvidia
@@ -29,6 +33,37 @@ def detect(env: Environ, nvml: Any | None = None, load_nvml: bool = True) -> Har
         return replace(nv, **host, cuda_requirement=env.raw.get("NVIDIA_REQUIRE_CUDA") or None)
     am = amd.detect(env.visibility, env.path, root=env.hw_root)
     return replace(am, **host, notes=nv.notes + am.notes, warnings=nv.warnings + am.warnings)
+
+
+def torch_build_on_disk() -> TorchBuild | None:
+    """What the installed torch was built for, read from its files without importing it
+    (``import torch`` is about 2 s of a launch): the version and CUDA/ROCm of its
+    ``version.py``, the backends every Linux build of that kind has (gloo; nccl with CUDA
+    or ROCm), no GPU architectures. None when the files do not say (then import it)."""
+    try:
+        spec = importlib.util.find_spec("torch")  # finds, does not import
+    except (ImportError, ValueError):
+        return None
+    folders = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    for folder in folders:
+        try:
+            tree = ast.parse((folder / "version.py").read_text())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        values = {}
+        for node in tree.body:
+            target = node.targets[0] if isinstance(node, ast.Assign) else \
+                node.target if isinstance(node, ast.AnnAssign) else None
+            if isinstance(target, ast.Name) and isinstance(node.value, ast.Constant):
+                values[target.id] = node.value.value
+        version = values.get("__version__")
+        if not isinstance(version, str) or not any(folder.glob("_C*.so")):
+            return None
+        cuda, hip = values.get("cuda"), values.get("hip")
+        linux = sys.platform.startswith("linux")
+        return TorchBuild(version=version, cuda=cuda, hip=hip, arch_list=(),
+                          nccl=linux and bool(cuda or hip), gloo=linux, mpi=False)
+    return None
 
 
 def torch_build() -> TorchBuild:

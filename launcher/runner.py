@@ -29,7 +29,7 @@ from typing import Any
 from launcher import environ as environ_mod
 from launcher import system
 from launcher.compat import check_build, install_fix
-from launcher.detect import detect, torch_build
+from launcher.detect import detect, torch_build, torch_build_on_disk
 from launcher.environ import Environ
 from launcher.hardware import Finding, Hardware, TorchBuild
 from launcher.plan import Plan
@@ -181,6 +181,16 @@ def default_config():
     return cfg
 
 
+def _light_torch_build(p: Prepared) -> TorchBuild | None:
+    """Without GPUs nothing needs the compiled-in architectures, and the workers import
+    torch anyway: read the build from its files. doctor reports everything (imports it);
+    mpi is built into few torches (import to ask)."""
+    if p.hardware.gpus or p.request.command == "doctor" or \
+            (p.cfg is not None and p.cfg.distributed.backend == "mpi"):
+        return None
+    return torch_build_on_disk()
+
+
 def _hardware(p: Prepared, hardware: Hardware | None) -> None:
     p.hardware = hardware or detect(p.env)
     _add(p, [Finding("warn", "gpu", w) for w in p.hardware.warnings])
@@ -191,7 +201,7 @@ def _torch(p: Prepared, tb: TorchBuild | None) -> None:
     # print C++ stack frames when the store goes away; read once, as torch loads. The
     # workers get the environment as it was (env.raw).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    p.torch = tb or torch_build()
+    p.torch = tb or (_light_torch_build(p) or torch_build())
     if not p.torch.importable:
         _add(p, [Finding("fail", "torch", f"torch is not importable: {p.torch.error}",
                          install_fix(APP_ROOT), 3)])

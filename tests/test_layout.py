@@ -157,3 +157,25 @@ def test_help_loads_neither_torch_nor_numpy(args):
             "import contextlib, io\nfrom launcher.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()): main()")
     assert _loaded_after(code) == set()
+
+
+def test_planning_a_run_without_gpus_does_not_import_torch(tmp_path):
+    """``import torch`` is about 2 s of a launch; without GPUs the parent reads the
+    build from torch's files (the workers import it anyway)."""
+    config = ROOT / "configs" / "quickstart.yaml"
+    code = (f"import sys; sys.argv = ['entrypoint.py', 'train', {str(config)!r}, "
+            f"'output.dir={tmp_path}', '--dry-run']\n"
+            "import contextlib, io\nfrom launcher import runner\n"
+            "from launcher.hardware import Hardware\n"
+            "runner.detect = lambda env: Hardware(cpus=2)  # a machine without GPUs\n"
+            "from launcher.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()): assert main() == 0")
+    assert "torch" not in {m.split(".")[0] for m in _loaded_after(code)}
+
+
+def test_the_build_read_from_torchs_files_is_what_torch_says():
+    from launcher.detect import torch_build, torch_build_on_disk
+    light, full = torch_build_on_disk(), torch_build()
+    assert light is not None
+    for field in ("version", "cuda", "hip", "gloo", "nccl", "importable"):
+        assert getattr(light, field) == getattr(full, field), field
