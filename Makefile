@@ -64,6 +64,7 @@ lint: venv
 
 bench: venv
 	$(PY) bench/ddp_overhead.py
+	$(PY) bench/startup.py
 
 clean:
 	rm -rf $(VENV) runs

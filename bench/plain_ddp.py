@@ -2,7 +2,8 @@
 
 Same model, data, optimizer and global batch as the trainer would build from the
 config, none of its machinery (no sampler, loader, metrics, checkpoints, stop flag).
-Run under torchrun; rank 0 prints the mean step time of the timed steps as JSON.
+Run under torchrun; rank 0 says when the first step is done, and prints the mean step
+time of the timed steps as JSON.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main(config: str, warmup: int, *overrides: str) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
+        if step == 0 and rank == 0:
+            print("plain: step 1 done", flush=True)  # bench/startup.py waits for this line
     if rank == 0:
         timed = times[warmup:]
         print(json.dumps({"step_time_s": sum(timed) / len(timed)}))
