@@ -21,7 +21,6 @@ checkpoint, without a pod restart (exit 5 if it does not come back).
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -31,10 +30,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from launcher.heartbeat import PeerHeartbeat
+from launcher.outcome import Outcome, classify
 from launcher.plan import Plan
 from launcher.processes import kill_tree, stop_workers, workers_alive
 from launcher.rendezvous import RoundWatcher, reachable
@@ -42,105 +41,20 @@ from launcher.signals import Forwarder
 from launcher.torchrun import LOCAL_ID_VAR, STORE_LOST
 from train.core import reports
 from train.core.errors import (
-    EXIT_OK,
-    EXIT_PEER_STOPPED,
     EXIT_RUN_DIR_BUSY,
     EXIT_STOPPED_BY_SIGNAL,
     EXIT_STORE_LOST,
     EXIT_TRAINING_FAILED,
-    FINAL_EXIT_CODES,
 )
 from train.core.files import write_atomic
 from train.core.host import die_with_parent
 from train.core.identity import CONFIG_SNAPSHOT_VAR, RELAUNCH_VAR, STATUS_DIR_VAR
 from train.core.reports import Report
 
-# Workers that stopped with their checkpoint: told to, or with another node that was.
-STOPPED = (EXIT_STOPPED_BY_SIGNAL, EXIT_PEER_STOPPED)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    code: int
-    message: str | None = None
-
-
-# gloo's words for a peer that died (its process, or its whole node), both forms.
-_PEER = (re.compile(r"\[([^\]]+)\]:(\d+): Connection (?:reset|closed) by peer"),
-         re.compile(r"Connection (?:reset|closed) by peer \[([^\]]+)\]:(\d+)"))
-
-
-def peer_lost(error: str) -> str | None:
-    """A short line for "a peer died" errors, which otherwise run to several lines."""
-    for pattern in _PEER:
-        m = pattern.search(error)
-        if m:
-            return (f"lost the connection to the worker at {m[1]}:{m[2]} (that worker or "
-                    "its node died; its own log says why)")
-    return None
-
 
 def read_reports(folder: Path) -> list[Report]:
     """The latest report of each rank (elastic restarts renumber ranks: keep the last round)."""
     return reports.latest_round(reports.read_all(folder))
-
-
-def classify(rc: int, found: list[Report], signals: list[int], expected: int,
-             mode: str, program: str = "train") -> Outcome:
-    """Map the child's exit status and the workers' reports to the user's exit code.
-    program: "train" (workers checkpoint on a signal) or "script" (``launch``)."""
-    failed = [r for r in found if r.exit_code not in (EXIT_OK, *STOPPED)]
-    # The first to fail is the root cause; the others usually fail because it vanished.
-    failed.sort(key=lambda r: (r.time, r.rank))
-    if failed:
-        r = failed[0]
-        if r.exit_code in FINAL_EXIT_CODES:  # the worker's own one-line message says it all
-            if mode == "direct":
-                return Outcome(r.exit_code)  # already the last line of its output
-            return Outcome(r.exit_code, r.error or f"error: rank {r.rank} exited "
-                                                   f"{r.exit_code}; see its output above")
-        code = EXIT_TRAINING_FAILED
-        where = f"its log {r.log_dir}/stderr.log" if r.log_dir else "its output above"
-        what = peer_lost(r.error or "") or r.error or f"exit code {r.exit_code}"
-        more = f" ({len(failed) - 1} more rank(s) failed)" if len(failed) > 1 else ""
-        failed_text = "training failed" if program == "train" else "the script failed"
-        return Outcome(code, f"error: {failed_text}: rank {r.rank}: {what}{more}; "
-                             f"details in {where}")
-    stopped = [r for r in found if r.exit_code in STOPPED]
-    if mode == "torchrun" and rc == STORE_LOST and not signals:
-        return Outcome(EXIT_STORE_LOST, "error: torchrun lost its rendezvous store and stopped "
-                                        f"the workers ({len(stopped)} of {expected} confirmed "
-                                        "their checkpoint); rerun to resume")
-    if signals or stopped:
-        if rc == 0 and not stopped and len(found) >= expected:
-            return Outcome(EXIT_OK)  # the signal came as the last step finished
-        name = signal.Signals(signals[0]).name if signals else (
-            "another node's stop (its workers got a signal)"
-            if all(r.exit_code == EXIT_PEER_STOPPED for r in stopped) else
-            "a signal to a worker")
-        if program == "script":
-            return Outcome(EXIT_STOPPED_BY_SIGNAL, f"stopped by {name} (forwarded to the "
-                                                   "script's processes)")
-        unsure = "" if len(stopped) >= expected else \
-            f" ({len(stopped)} of {expected} local worker(s) confirmed their checkpoint)"
-        return Outcome(EXIT_STOPPED_BY_SIGNAL, f"stopped by {name}{unsure}; rerun the same "
-                                               "command to resume from the last checkpoint")
-    if rc == 0:
-        return Outcome(EXIT_OK)
-    if rc < 0 or not found:
-        how = (f"was killed by {signal.Signals(-rc).name}" if rc < 0
-               else f"exited with code {rc}")
-        who = "the worker" if mode == "direct" else "torchrun"
-        why = " before any worker reported (startup or rendezvous failure)" if not found else ""
-        return Outcome(EXIT_TRAINING_FAILED,
-                       f"error: training failed: {who} {how}{why}; a worker killed without "
-                       "a report is often out of memory (dmesg, kubectl describe pod) or the "
-                       "hang watchdog (stack dump in its log); see the log above")
-    missing = max(0, expected - len(found))
-    return Outcome(EXIT_TRAINING_FAILED,
-                   f"error: training failed: {missing} local worker(s) ended without a report "
-                   f"(killed, e.g. out of memory) and torchrun exited with code {rc}; see the "
-                   "log above")
 
 
 def _child_setup(launcher_pid: int, ignored: int | None = None) -> Callable[[], None]:

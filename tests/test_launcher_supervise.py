@@ -161,3 +161,78 @@ def test_the_earliest_failure_is_named_not_the_lowest_rank():
                rep(1, 1, "torch.OutOfMemoryError: CUDA out of memory", time=10.0)]
     out = classify(1, reports, [], 2, "torchrun")
     assert "rank 1: torch.OutOfMemoryError" in out.message
+
+
+def _training(rank: int, step: int) -> Report:
+    """A rank's progress report: last seen training at ``step``, no end written."""
+    return Report(rank=rank, local_rank=rank, stage="training", details={"step": step})
+
+
+def _hung(rank: int, kind: str, at: str, t: float) -> Report:
+    return Report(rank=rank, local_rank=rank, exit_code=1, time=t,
+                  error=f"no progress for 30 s in step 8: {kind} at {at}",
+                  details={"step": 7, "hung": {"waits": "ranks"}.get(kind, kind)})
+
+
+def test_a_hang_names_the_rank_the_others_waited_for_not_the_first_to_time_out():
+    waiting = _hung(0, "waits", "stopping.py:50 in agreed", t=1.0)  # reported first
+    culprit = _hung(1, "own", "mydata.py:12 in __getitem__", t=2.0)
+    out = classify(1, [waiting, culprit], [], 2, "torchrun")
+    assert out.code == 1
+    assert out.message.startswith("error: training failed: rank 1 hung: no progress")
+    assert "mydata.py:12 in __getitem__" in out.message
+    assert "rank(s) 0 waited for it" in out.message
+    loader = _hung(1, "loader", "trainer.py:90 in train_step", t=2.0)
+    assert "rank 1 hung" in classify(1, [waiting, loader], [], 2, "torchrun").message
+
+
+def test_a_rank_that_wrote_nothing_more_is_named_when_the_others_timed_out():
+    """Frozen or SIGSTOPped: no watchdog of its own ran; its report says step 7."""
+    timed_out = Report(rank=0, local_rank=0, exit_code=1, time=1.0,
+                       error="DistBackendError: [../gloo/transport/tcp/unbound_buffer.cc:81] "
+                             "Timed out waiting 30000ms for recv operation to complete")
+    out = classify(1, [timed_out, _training(1, 7)], [], 2, "torchrun")
+    assert out.message.startswith("error: training failed: rank 1 stopped making progress "
+                                  "(its last progress report: step 7) and wrote nothing more")
+    assert "rank 0 timed out waiting for it" in out.message
+    # a rank that crashed is still the root cause: the others' progress reports say nothing
+    crashed = Report(rank=0, local_rank=0, exit_code=1, error="ValueError: bad batch")
+    plain = classify(1, [crashed, _training(1, 7)], [], 2, "torchrun")
+    assert plain.message.startswith("error: training failed: rank 0: ValueError: bad batch")
+
+
+def test_torchrun_killed_during_training_is_not_called_a_startup_failure():
+    out = classify(-9, [_training(0, 110), _training(1, 110)], [], 2, "torchrun")
+    assert "before any worker reported" not in out.message
+    assert "while training (after step 110)" in out.message and "kill -9" in out.message
+
+
+def test_the_watchdog_says_what_a_stuck_thread_waits_for():
+    """From real stacks (a collective's: tests/test_hangs.py); the limit it watches."""
+    import queue
+    import threading
+
+    from train.watchdog import Watchdog, where
+    caught: dict[str, object] = {}
+
+    def grab(name):
+        caught[name] = sys._getframe(1)
+
+    def own_code():
+        grab("own")
+    own_code()
+    assert where(caught["own"]) == ("own", f"test_launcher_supervise.py:"
+                                           f"{own_code.__code__.co_firstlineno + 1} in own_code")
+    q = queue.Queue()
+    threading.Thread(target=lambda: (time.sleep(0.2), q.put(1)), daemon=True).start()
+    frames = []
+    t = threading.Thread(target=lambda: frames.append(q.get()), daemon=True)
+    t.start()
+    time.sleep(0.05)
+    kind, _ = where(sys._current_frames()[t.ident])
+    assert kind == "own"  # Python's own queue is no DataLoader
+    w = Watchdog(600)
+    w.pace(0.01)
+    assert w.limit == 120  # the floor for quick steps
+    w.pace(60)
+    assert w.limit == 600  # never above distributed.timeout_s

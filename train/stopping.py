@@ -1,14 +1,11 @@
-"""Stopping cleanly: a signal becomes the same stop step on every rank, and a step that
-makes no progress becomes a stack dump instead of a silent hang.
+"""Stopping cleanly: a signal becomes the same stop step on every rank (a step that
+makes no progress: :mod:`train.watchdog`).
 """
 
 from __future__ import annotations
 
-import faulthandler
 import logging
-import math
 import signal
-import time
 
 import torch
 import torch.distributed as dist
@@ -53,24 +50,3 @@ class StopFlag:
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
-
-
-class Watchdog:
-    """Dumps every thread's stack and exits when a step makes no progress for timeout_s.
-
-    Re-armed at most once a second: arming starts a thread, too costly for every step.
-    """
-
-    def __init__(self, timeout_s: int):
-        self.timeout_s, self.armed_at = timeout_s, -math.inf
-
-    def pet(self) -> None:
-        now = time.monotonic()
-        if now - self.armed_at >= 1.0:
-            faulthandler.dump_traceback_later(self.timeout_s + 1, exit=True)
-            self.armed_at = now
-
-    def pause(self) -> None:
-        """Disarm until the next pet() (which re-arms at once)."""
-        faulthandler.cancel_dump_traceback_later()
-        self.armed_at = -math.inf

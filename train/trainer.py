@@ -38,7 +38,8 @@ from train.manifest import update_manifest
 from train.metrics import MetricsLogger, gpu_memory_stats
 from train.models import count_parameters
 from train.state import TrainState
-from train.stopping import StopFlag, Watchdog
+from train.stopping import StopFlag
+from train.watchdog import Watchdog
 
 log = logging.getLogger("train")
 
@@ -169,9 +170,9 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
     samples_per_step = cfg.train.global_batch_size * max(1, c.data.tokens_per_sample)
     batches = iter(train_loader(c, state))
     last_time, last_step = time.perf_counter(), state.step
-    watchdog = Watchdog(cfg.distributed.timeout_s)
+    watchdog = Watchdog(cfg.distributed.timeout_s, env)
     while state.step < cfg.train.max_steps:
-        watchdog.pet()
+        watchdog.pet(state.step)
         loss = train_step(c, batches)
         state.advance(cfg.train.global_batch_size)
         step = state.step
@@ -187,6 +188,7 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
                 [loss, (now - last_time) / (step - last_step)], c.device, env.distributed)
             last_time, last_step = now, step
             stop.pace(step_time)
+            watchdog.pace(step_time)
             guard.loss(step, loss_value, applied)
             if env.is_main:
                 values = {"loss": loss_value, "lr": lr, "grad_norm": norm}

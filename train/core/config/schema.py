@@ -160,8 +160,10 @@ class DistributedConfig:
     nproc_per_node: int | Literal["auto"] = opt(AUTO, "Processes per node; auto: one per "
                                                       "usable GPU, 1 on CPU.", ge=1)
     max_restarts: int = opt(3, "torchrun restarts of the local workers after a failure.", ge=0)
-    timeout_s: int = opt(600, "Collective timeout; a rank stuck this long dumps its stacks "
-                              "and fails.", ge=10)
+    timeout_s: int = opt(600, "Collective timeout (checkpoint and evaluation collectives "
+                              "too); a training step silent for 20 step times (at least "
+                              "120 s, at most this) is a hang: stacks dumped, the rank "
+                              "named.", ge=10)
     rdzv_join_timeout_s: int = opt(600, "Multi-node: how long nodes wait for the minimum "
                                         "number of nodes before giving up (exit 1); also the "
                                         "static rendezvous' wait (Kubeflow v1).", ge=1)

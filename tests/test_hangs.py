@@ -1,0 +1,148 @@
+"""Hangs named right: two processes under the launcher, one of them stops making progress
+(asleep in its own dataset, or frozen by SIGSTOP); the one line names that rank, not the
+one that timed out waiting for it, and says where it was."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY_MLP, clean_env, merge, write_config
+
+pytestmark = pytest.mark.slow
+ENTRY = str(ROOT / "entrypoint.py")
+
+SLEEPY = '''\
+import os, time
+import torch
+from torch.utils.data import Dataset
+
+
+class Sleepy(Dataset):
+    """Rank 1 falls asleep for good after a few batches."""
+    def __init__(self, n):
+        self.x, self.y = torch.randn(n, 16), torch.randint(0, 4, (n,))
+        self.reads = 0
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        if os.environ.get("RANK") == "1" and self.reads > 40:
+            time.sleep(3600)
+        return self.x[i], self.y[i]
+
+
+def make(n=512):
+    return Sleepy(n), Sleepy(64)
+'''
+
+
+def _config(tmp_path: Path, **data) -> Path:
+    return write_config(tmp_path / "c.yaml", merge(TINY_MLP, {
+        "output": {"dir": str(tmp_path / "runs")}, "data": data,
+        "train": {"max_steps": 100000, "eval_every_steps": 0},
+        "checkpoint": {"every_steps": 0},
+        "distributed": {"nproc_per_node": 2, "timeout_s": 10, "max_restarts": 0,
+                        "grace_period_s": 10}}))
+
+
+def _last_line(proc: subprocess.Popen, timeout: float) -> str:
+    _, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 1, err[-3000:]
+    return err.strip().splitlines()[-1]
+
+
+def test_a_rank_asleep_in_its_dataset_is_named_with_its_frame(tmp_path):
+    (tmp_path / "sleepy.py").write_text(SLEEPY)
+    config = _config(tmp_path, kind="custom", factory="sleepy:make", args={"n": 512})
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, ENTRY, "train", str(config)], cwd=tmp_path,
+                            env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    last = _last_line(proc, 240)
+    assert last.startswith("error: training failed: rank 1 hung: no progress for "), last
+    assert "(distributed.timeout_s: 10 s): stuck in its own code at sleepy.py:" in last, last
+    assert "in __getitem__" in last and "rank(s) 0 waited for it" in last, last
+    print(f"a sleeping rank named {time.monotonic() - started:.0f} s after the start")
+
+
+def test_a_frozen_rank_is_named_by_its_last_progress(tmp_path):
+    config = _config(tmp_path)
+    log = tmp_path / "stderr.log"
+    with log.open("w") as err:  # a pipe nobody reads while waiting would stall the run
+        proc = subprocess.Popen([sys.executable, ENTRY, "train", str(config)], cwd=tmp_path,
+                                env=clean_env(), stdout=subprocess.PIPE, stderr=err,
+                                text=True)
+    for line in proc.stdout:
+        if "step 20/" in line:  # "[default0]:step 20/...", torchrun's prefix
+            break
+    frozen = _rank_process(proc.pid, "1")
+    reported = _progress(frozen, at_least=20)
+    os.kill(frozen, signal.SIGSTOP)  # no watchdog of its own can run now
+    try:
+        proc.stdout.read()  # to its end
+        assert proc.wait(timeout=240) == 1, log.read_text()[-3000:]
+        last = log.read_text().strip().splitlines()[-1]
+    finally:
+        try:
+            os.kill(frozen, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert last.startswith("error: training failed: rank 1 stopped making progress (its "
+                           "last progress report: step "), last
+    step = int(last.split("progress report: step ")[1].split(")")[0])
+    assert step >= reported, last
+    assert "rank 0 timed out waiting for it" in last, last
+
+
+def _progress(pid: int, at_least: int) -> int:
+    """Wait until the worker's report says it reached ``at_least`` steps; that step."""
+    env = dict(e.split("=", 1) for e in
+               Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
+    report = Path(env["TRAIN_LAUNCHER_STATUS_DIR"]) / f"rank-{env['LOCAL_RANK']}.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            step = json.loads(report.read_text())["details"].get("step", 0)
+        except (OSError, ValueError, KeyError):
+            step = -1
+        if step >= at_least:
+            return step
+        time.sleep(0.1)
+    raise AssertionError(f"{report} never reached step {at_least}")
+
+
+def _rank_process(launcher: int, rank: str) -> int:
+    """The worker process below the launcher whose RANK is ``rank``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            argv = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"train.worker" in argv and \
+                _below(int(entry.name), launcher):
+            return int(entry.name)
+    raise AssertionError(f"no worker of rank {rank} below {launcher}")
+
+
+def _below(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        if pid == ancestor:
+            return True
+    return False
