@@ -13,7 +13,9 @@ arguments and differs in what it says and in one identity detail.
   launcher names the failing rank, its error and its log).
 - On a stop torchrun also logs "Received 15 death signal, shutting down workers" and a
   "Sending process N closing signal SIGTERM" per worker: the lines above say that once,
-  so those two messages are dropped (every other torchrun message stays).
+  so those two messages are dropped; so is "no error file defined for parent" after a
+  worker failed (the launcher names the rank and its log). Every other torchrun message
+  stays.
 - A node leaving on purpose makes the others' workers stop with it (one checkpoint);
   their restart to go on without it costs no ``--max-restarts`` here.
 - An agent that ends with an error makes torch close the job's rendezvous for every
@@ -134,10 +136,13 @@ def _a_node_leaving_is_no_failure() -> None:
     agent._monitor_workers = monitor_refunding
 
 
-# torch's elastic loggers and the messages of theirs this module says in its own words.
+# torch's elastic loggers and the messages of theirs this module (or the launcher's one
+# line naming the failing rank and its log) says in its own words.
 _SAID_HERE = {
     "torch.distributed.elastic.agent.server.api": "Received %s death signal",
     "torch.distributed.elastic.multiprocessing.api": "Sending process %s closing signal",
+    "torch.distributed.elastic.multiprocessing.errors.error_handler":
+        "no error file defined for parent",
 }
 
 

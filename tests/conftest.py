@@ -161,3 +161,32 @@ def slurm_cluster(tmp_path_factory):
     with slurmcluster.SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2,
                                    cpus_per_node=2) as cluster:
         yield cluster
+
+
+def slow_state_writes(seconds: int) -> str:
+    """A sitecustomize.py (its folder put first on PYTHONPATH) that makes every write of
+    a checkpoint's state.pt take ``seconds`` longer, in every process that imports the
+    checkpoint store: a stop checkpoint that needs its grace period."""
+    return f'''
+import importlib.abc, importlib.util, sys, time
+
+class SlowSave(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "train.checkpoint.store":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            real = module.save_file
+            def slow(obj, path):
+                real(obj, path)
+                if path.name == "state.pt":
+                    time.sleep({seconds})
+            module.save_file = slow
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, SlowSave())
+'''

@@ -14,39 +14,16 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, TINY_GPT, clean_env, merge, write_config
+from conftest import ROOT, TINY_GPT, clean_env, merge, slow_state_writes, write_config
 
 # Every process imports this first (PYTHONPATH): the rank-0 state file of a checkpoint
 # takes 40 s more to write.
-SLOW_SAVE = """
-import importlib.abc, importlib.util, sys, time
-
-class SlowSave(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "train.checkpoint.store":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-        def exec_module(module):
-            run(module)
-            real = module.save_file
-            def slow(obj, path):
-                real(obj, path)
-                if path.name == "state.pt":
-                    time.sleep(40)
-            module.save_file = slow
-        spec.loader.exec_module = exec_module
-        return spec
-
-sys.meta_path.insert(0, SlowSave())
-"""
 
 
 @pytest.mark.slow
 def test_a_40_s_stop_checkpoint_survives_sigterm_under_torchrun(tmp_path):
     (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_SAVE)
+    (tmp_path / "site" / "sitecustomize.py").write_text(slow_state_writes(40))
     config = write_config(tmp_path / "run.yaml", merge(TINY_GPT, {
         "output": {"dir": str(tmp_path / "runs")}, "train": {"max_steps": 100000},
         "checkpoint": {"every_steps": 0}, "distributed": {"grace_period_s": 90}}))

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import yaml
-from conftest import ROOT, read_metrics
+from conftest import ROOT, read_metrics, slow_state_writes
 from kubesim import Cluster
 from multinode import Process
 
@@ -155,29 +155,6 @@ def test_a_broken_config_fails_every_pod_with_an_exit_code_that_fails_the_job(si
 
 
 # The old pod's stop checkpoint takes 15 s more to write (a slow shared volume).
-SLOW_STOP = """
-import importlib.abc, importlib.util, sys, time
-
-class SlowSave(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "train.checkpoint.store":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-        def exec_module(module):
-            run(module)
-            real = module.save_file
-            def slow(obj, path):
-                real(obj, path)
-                if path.name == "state.pt":
-                    time.sleep(15)
-            module.save_file = slow
-        spec.loader.exec_module = exec_module
-        return spec
-
-sys.meta_path.insert(0, SlowSave())
-"""
 
 
 @pytest.mark.slow
@@ -186,7 +163,7 @@ def test_a_recreated_job_waits_for_its_predecessors_last_checkpoint(sim, tmp_pat
     checkpoint: the new Job's pod (a new uid, so another job) waits for the old lease,
     then resumes from that checkpoint. Never exit 3, which would fail the new Job."""
     (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_STOP)
+    (tmp_path / "site" / "sitecustomize.py").write_text(slow_state_writes(15))
     store = sim.start_deployment("train-rendezvous")
     store.wait_for(r"listening on", 60)
     old = sim.start_index(JOB, 0, [*SHORT, "train.max_steps=100000",
