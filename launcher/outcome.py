@@ -83,6 +83,15 @@ def hang(failed: list[Report], training: list[Report]) -> str | None:
     return None
 
 
+def repeated(r: Report) -> str:
+    """The failure that came back in two attempts in a row, worded as it first was."""
+    d = r.details
+    rank = d.get("rank", r.rank)
+    what = f" hung: {r.error}" if d.get("hung") not in (None, "ranks") else f": {r.error}"
+    log = f"its log {d['log_dir']}/stderr.log" if d.get("log_dir") else _log(r)
+    return f"error: training failed: rank {rank}{what}; details in {log}"
+
+
 def classify(rc: int, found: list[Report], signals: list[int], expected: int,
              mode: str, program: str = "train") -> Outcome:
     """Map the child's exit status and the workers' reports to the user's exit code.
@@ -99,6 +108,8 @@ def classify(rc: int, found: list[Report], signals: list[int], expected: int,
                 return Outcome(r.exit_code)  # already the last line of its output
             return Outcome(r.exit_code, r.error or f"error: rank {r.rank} exited "
                                                    f"{r.exit_code}; see its output above")
+        if r.details.get("repeated"):  # ended at once: name the rank of the first attempts
+            return Outcome(EXIT_TRAINING_FAILED, repeated(r))
         named = hang(failed, training)
         if named:
             return Outcome(EXIT_TRAINING_FAILED, named)

@@ -35,6 +35,9 @@ class Sleepy(Dataset):
 
     def __getitem__(self, i):
         self.reads += 1
+        if self.reads == 1:
+            with open("builds.txt", "a") as f:
+                f.write(f"read {os.environ.get('RANK', 'launcher')}\\n")
         if os.environ.get("RANK") == "1" and self.reads > 40:
             time.sleep(3600)
         return self.x[i], self.y[i]
@@ -45,12 +48,12 @@ def make(n=512):
 '''
 
 
-def _config(tmp_path: Path, **data) -> Path:
+def _config(tmp_path: Path, max_restarts: int = 0, **data) -> Path:
     return write_config(tmp_path / "c.yaml", merge(TINY_MLP, {
         "output": {"dir": str(tmp_path / "runs")}, "data": data,
         "train": {"max_steps": 100000, "eval_every_steps": 0},
         "checkpoint": {"every_steps": 0},
-        "distributed": {"nproc_per_node": 2, "timeout_s": 10, "max_restarts": 0,
+        "distributed": {"nproc_per_node": 2, "timeout_s": 10, "max_restarts": max_restarts,
                         "grace_period_s": 10}}))
 
 
@@ -72,6 +75,23 @@ def test_a_rank_asleep_in_its_dataset_is_named_with_its_frame(tmp_path):
     assert "(distributed.timeout_s: 10 s): stuck in its own code at sleepy.py:" in last, last
     assert "in __getitem__" in last and "rank(s) 0 waited for it" in last, last
     print(f"a sleeping rank named {time.monotonic() - started:.0f} s after the start")
+
+
+def test_a_hang_that_recurs_from_the_same_checkpoint_is_not_restarted_again(tmp_path):
+    """torchrun may restart 3 times; the hang comes back in the same place from the same
+    checkpoint (none), so the third attempt ends at once and so does any after it."""
+    (tmp_path / "sleepy.py").write_text(SLEEPY)
+    config = _config(tmp_path, max_restarts=3, kind="custom", factory="sleepy:make",
+                     args={"n": 512})
+    proc = subprocess.Popen([sys.executable, ENTRY, "train", str(config)], cwd=tmp_path,
+                            env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    last = _last_line(proc, 400)
+    assert "rank 1 hung: no progress for " in last and "sleepy.py:" in last, last
+    assert "the same failure in two attempts in a row" in last, last
+    assert "not restarted again" in last, last
+    reads = (tmp_path / "builds.txt").read_text().split()
+    assert reads.count("1") == 2, reads  # rank 1 read data in the first two attempts only
 
 
 def test_a_frozen_rank_is_named_by_its_last_progress(tmp_path):

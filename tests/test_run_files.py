@@ -185,21 +185,31 @@ def test_a_full_disk_is_one_line_and_no_futile_restart(tmp_path, strategy):
 
 @pytest.mark.slow
 def test_a_checkpoint_folder_turned_read_only_is_one_line(tmp_path):
+    """The folder turns read-only between two saves (or while one has begun: a partial the
+    read-only disk will not let go of may stay). One line, exit 3; once writable again,
+    the run resumes from the newest sealed checkpoint and the partial goes."""
     config = tiny(tmp_path, max_steps=200)
     checkpoints = tmp_path / "runs" / "run" / "checkpoints"
     checkpoints.mkdir(parents=True)
-    log = tmp_path / "out.log"
+    log, resumed = tmp_path / "out.log", tmp_path / "resumed.log"
     out = in_mount_namespace(
         f"mount -t tmpfs -o size=64m tmpfs {checkpoints} || exit 99\n"
         f"cd {tmp_path}; {sys.executable} {ENTRY} train {config} logging.every_steps=1 "
         f">{log} 2>&1 & pid=$!\n"
         f"until grep -q 'checkpoint saved' {log}; do sleep 0.2; kill -0 $pid || exit 98; done\n"
-        f"until mount -o remount,ro {checkpoints}; do sleep 0.05; done\n"  # not mid-write
-        f"wait $pid; rc=$?; echo PARTIALS: $(ls -d {checkpoints}/*.partial 2>/dev/null); "
-        f"exit $rc", timeout=400)
+        f"until mount -o remount,ro {checkpoints}; do sleep 0.05; done\n"  # no file open
+        f"wait $pid; rc=$?; echo SEALED: $(cat {checkpoints}/latest)\n"
+        f"mount -o remount,rw {checkpoints}; newest=$(cat {checkpoints}/latest)\n"
+        f"{sys.executable} {ENTRY} train {config} train.max_steps=$((${{newest#step-}} + 1)) "
+        f">{resumed} 2>&1 || exit 97\n"
+        f"echo PARTIALS: $(ls -d {checkpoints}/*.partial 2>/dev/null); exit $rc", timeout=400)
     text = log.read_text()
-    assert out.returncode == 3, out.stdout + text[-3000:]
+    assert out.returncode == 3, out.stdout + text[-3000:] + resumed.read_text()[-2000:]
     last = text.strip().splitlines()[-1]
     assert last.startswith("error: cannot write checkpoint step-") and \
         "read-only file system" in last, last
-    assert "Traceback" not in text and "PARTIALS:" in out.stdout.splitlines(), out.stdout
+    assert "Traceback" not in text
+    sealed = out.stdout.split("SEALED: ")[1].split()[0]
+    assert f"resumed from {checkpoints / sealed} at step {rundir.step_of(Path(sealed))}," in \
+        resumed.read_text(), resumed.read_text()[-2000:]
+    assert "PARTIALS:" in out.stdout.splitlines(), out.stdout

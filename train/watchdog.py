@@ -26,6 +26,7 @@ from pathlib import Path
 
 from train.core import reports
 from train.core.identity import WorkerIdentity
+from train.worker import newest_checkpoint
 
 STEPS_OF_SILENCE = 20
 FLOOR_S = 120
@@ -118,16 +119,21 @@ class Watchdog:
         error = (f"no progress for {silent_s:.0f} s in step {self.step + 1} ({limit}: "
                  f"{self.limit:.0f} s): {WAITS[kind]} at {at}")
         if self.env is not None:
-            self._report(1, error, {"step": self.step, "hung": kind})
+            report = self._report(1, error, {"step": self.step, "hung": kind})
+            # kept like any failure: a hang that recurs from the same checkpoint is not
+            # restarted again and again (train.worker.repeated_failure)
+            reports.record_failure(self.env.status_dir, report)
         rank = self.env.rank if self.env is not None else 0
         print(f"rank {rank}: hang watchdog: {error}; every thread's stack follows",
               file=sys.stderr, flush=True)
         faulthandler.dump_traceback(all_threads=True)
         os._exit(1)
 
-    def _report(self, code: int | None, error: str | None, details: dict) -> None:
+    def _report(self, code: int | None, error: str | None, details: dict) -> reports.Report:
         env = self.env
-        reports.write(env.status_dir, reports.Report(
+        report = reports.Report(
             rank=env.rank, local_rank=env.local_rank, restart=env.restart_count,
             exit_code=code, error=error, log_dir=env.log_dir, stage="training",
-            details=details))
+            details=details, checkpoint=newest_checkpoint(env) if code is not None else None)
+        reports.write(env.status_dir, report)
+        return report

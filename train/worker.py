@@ -21,14 +21,16 @@ from train.core.identity import WorkerIdentity
 
 
 def write_status(code: int, error: str | None, env: WorkerIdentity | None = None,
-                 repeated: bool = False) -> None:
+                 details: dict | None = None) -> None:
+    """details: {"repeated": True, ...} when this attempt ended at once because the
+    failure of the attempts before it repeated (see :func:`repeated_failure`)."""
     env = env or WorkerIdentity.from_environ()
     report = reports.Report(
         rank=env.rank, local_rank=env.local_rank, restart=env.restart_count, exit_code=code,
         error=error, log_dir=env.log_dir, checkpoint=newest_checkpoint(env),
-        details={"repeated": True} if repeated else {})
+        details=details or {})
     reports.write(env.status_dir, report)
-    if code == EXIT_TRAINING_FAILED and not repeated:
+    if code == EXIT_TRAINING_FAILED and not report.details.get("repeated"):
         reports.record_failure(env.status_dir, report)
 
 
@@ -47,16 +49,16 @@ def newest_checkpoint(env: WorkerIdentity) -> str | None:
 
 def repeated_failure(env: WorkerIdentity) -> dict | None:
     """The failure of the last attempt when the attempt before it failed the same way
-    (the same error, from the same newest checkpoint): a restart cannot fix it."""
+    (the same error, from the same newest checkpoint): a restart cannot fix it. A rank
+    that hung comes first: the others failed waiting for it."""
     if env.restart_count < 2 or not env.status_dir:
         return None
     seen = reports.failures(env.status_dir)
     last = [f for f in seen if f.get("restart") == env.restart_count - 1]
     before = [f for f in seen if f.get("restart") == env.restart_count - 2]
-    for f in last:
-        if any(_same(f, g) for g in before):
-            return f
-    return None
+    again = [f for f in last if any(_same(f, g) for g in before)]
+    again.sort(key=lambda f: f.get("hung") in (None, "ranks"))
+    return again[0] if again else None
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -70,12 +72,14 @@ def _same(a: dict, b: dict) -> bool:
 
 def final_failure(env: WorkerIdentity) -> reports.Report | None:
     """An earlier round's report of a failure a restart cannot change (bad input, this
-    machine cannot run it, divergence, a full disk), or None. torchrun restarts workers
-    whatever their exit code; such a restart ends at once with the same answer."""
+    machine cannot run it, divergence, a full disk, one that repeated), or None.
+    torchrun restarts workers whatever their exit code; such a restart ends at once with
+    the same answer."""
     if env.restart_count == 0 or not env.status_dir:
         return None
     return next((r for r in reports.read_all(env.status_dir)
-                 if r.restart < env.restart_count and r.exit_code in FINAL_EXIT_CODES), None)
+                 if r.restart < env.restart_count and
+                 (r.exit_code in FINAL_EXIT_CODES or r.details.get("repeated"))), None)
 
 
 def main(argv: list[str]) -> int:
@@ -88,7 +92,7 @@ def main(argv: list[str]) -> int:
     if earlier is not None:
         print(f"rank {env.rank}: not restarting: rank {earlier.rank} ended with exit "
               f"{earlier.exit_code}, which a restart cannot change", file=sys.stderr)
-        write_status(earlier.exit_code, earlier.error, env)
+        write_status(earlier.exit_code, earlier.error, env, earlier.details)
         return earlier.exit_code
     again = repeated_failure(env)
     if again is not None:
@@ -96,7 +100,9 @@ def main(argv: list[str]) -> int:
         error = (f"{again.get('error')} (the same failure in two attempts in a row, from "
                  f"{where}: a restart cannot fix it, not restarted again)")
         print(f"rank {env.rank}: not restarting: {error}", file=sys.stderr)
-        write_status(EXIT_TRAINING_FAILED, error, env, repeated=True)
+        write_status(EXIT_TRAINING_FAILED, error, env, {
+            "repeated": True, "rank": again.get("rank"), "hung": again.get("hung"),
+            "log_dir": again.get("log_dir")})
         return EXIT_TRAINING_FAILED
     try:
         from train.__main__ import run

@@ -54,7 +54,8 @@ def record_failure(folder: str | Path | None, report: Report) -> None:
     if not folder:
         return
     line = json.dumps({"restart": report.restart, "rank": report.rank,
-                       "error": report.error, "checkpoint": report.checkpoint})
+                       "error": report.error, "checkpoint": report.checkpoint,
+                       "hung": report.details.get("hung"), "log_dir": report.log_dir})
     try:
         with open(Path(folder) / FAILURES, "a", encoding="utf-8") as f:
             f.write(line + "\n")
