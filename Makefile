@@ -13,10 +13,12 @@ LOCK   ?= requirements/dev-$(PYVER).lock
 # index: on Linux, PyPI's `torch` is the CUDA build, which would pull several GB of
 # NVIDIA wheels (or, with --no-deps, not import at all). A GPU variant (cu130, cu126,
 # rocm7.2) is installed with the dependencies its wheel pins (the vendor libraries).
+# TORCH_VARIANT=pypi takes PyPI's torch (no PyTorch index: the CUDA build on Linux, with
+# its NVIDIA wheels); a machine that cannot reach the index gets one line naming these.
 TORCH_VERSION   ?= 2.13.0
 TORCH_VARIANT   ?= cpu
-TORCH_INDEX_URL ?= https://download.pytorch.org/whl/$(TORCH_VARIANT)
-TORCH_SPEC      ?= torch==$(TORCH_VERSION)+$(TORCH_VARIANT)
+TORCH_INDEX_URL ?= $(if $(filter pypi,$(TORCH_VARIANT)),,https://download.pytorch.org/whl/$(TORCH_VARIANT))
+TORCH_SPEC      ?= torch==$(TORCH_VERSION)$(if $(filter pypi,$(TORCH_VARIANT)),,+$(TORCH_VARIANT))
 TORCH_DEPS      := $(if $(filter cpu,$(TORCH_VARIANT)),--no-deps,)
 STAMP  := $(VENV)/.installed-$(PYVER)
 
@@ -31,8 +33,8 @@ $(STAMP): $(wildcard $(LOCK)) Makefile
 	@test -f $(LOCK) || { echo "make: $(PYTHON) is Python $(PYVER:py3%=3.%), which has no lock file ($(LOCK)): use one of $(SUPPORTED_PYTHONS), e.g. make PYTHON=python3.12 $(MAKECMDGOALS)" >&2; exit 2; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(LOCK)
-	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH_DEPS) \
-		--extra-index-url $(TORCH_INDEX_URL) "$(TORCH_SPEC)"
+	$(PY) tools/install_torch.py $(PY) $(VENV)/torch-install.log "$(TORCH_SPEC)" \
+		"$(TORCH_INDEX_URL)" $(TORCH_DEPS)
 	# this project itself, editable: `import train` works from any directory
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@

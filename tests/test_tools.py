@@ -167,3 +167,62 @@ def test_a_gpu_stage_that_exits_0_without_saying_what_it_must_fails(tmp_path):
         gpu_check.run_stage(rec, ctx, stage)
         row = json.loads((tmp_path / "out/stages.jsonl").read_text().splitlines()[-1])
         assert row["ok"] is ok and row["rc"] == 0, row
+
+
+# ------------------------------------------------------------------ make venv's torch
+
+def _closed_port() -> int:
+    import socket
+    with socket.socket() as s:  # bound, never listening: a connection is refused
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _install_torch(tmp_path: Path, index: str, retries: int) -> subprocess.CompletedProcess:
+    """tools/install_torch.py as make venv runs it, with pip seeing no other source: no
+    config file, no find-links, the main index on 127.0.0.1 too; into a throwaway folder."""
+    env = clean_env(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=index.rsplit("/", 2)[0] +
+                    "/simple", PIP_RETRIES=str(retries))
+    env.pop("PIP_FIND_LINKS", None)
+    env.pop("PIP_EXTRA_INDEX_URL", None)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "install_torch.py"), sys.executable,
+         str(tmp_path / "pip.log"), "torch==2.13.0+cpu", index, "--no-deps",
+         "--target", str(tmp_path / "site")], env=env, capture_output=True, text=True,
+        timeout=300)
+
+
+@pytest.mark.parametrize("retries", [1, 0], ids=["pip says it", "pip is silent"])
+def test_an_unreachable_torch_index_is_one_line_naming_the_alternatives(tmp_path, retries):
+    index = f"http://127.0.0.1:{_closed_port()}/whl/cpu"
+    out = _install_torch(tmp_path, index, retries)
+    assert out.returncode == 3, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"make venv: cannot reach {index} to install torch==2.13.0+cpu "
+                               "(connection refused); set TORCH_INDEX_URL="), lines[0]
+    assert "TORCH_SPEC=" in lines[0] and "TORCH_VARIANT=pypi" in lines[0], lines[0]
+    assert "No matching distribution" in (tmp_path / "pip.log").read_text()  # pip's words kept
+    assert not (tmp_path / "site").exists()
+
+
+def test_an_index_without_the_build_says_so_not_unreachable(tmp_path):
+    empty = tmp_path / "index"
+    (empty / "torch").mkdir(parents=True)  # a reachable index (a folder) with no torch
+    out = _install_torch(tmp_path, empty.as_uri(), 0)
+    assert out.returncode == 3, out.stderr
+    line = out.stderr.strip()
+    assert line.startswith(f"make venv: {empty.as_uri()} has no torch==2.13.0+cpu for this "
+                           "Python and platform"), line
+
+
+def test_make_venv_takes_pypis_torch_for_the_pypi_variant():
+    def recipe(*args: str) -> str:
+        env = {k: v for k, v in clean_env().items() if not k.startswith("TORCH_")}
+        out = subprocess.run(["make", "-n", "-B", "venv", *args], cwd=ROOT, env=env,
+                             capture_output=True, text=True, check=True).stdout
+        return next(line for line in out.replace("\\\n", " ").splitlines()
+                    if "install_torch.py" in line)
+    assert '"torch==2.13.0+cpu"' in recipe() and "download.pytorch.org/whl/cpu" in recipe()
+    pypi = recipe("TORCH_VARIANT=pypi")
+    assert '"torch==2.13.0"' in pypi and "download.pytorch.org" not in pypi, pypi
