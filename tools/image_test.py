@@ -10,7 +10,9 @@
    directories on the host;
 4. run it as an arbitrary UID in group 0 (OpenShift-style), then with a read-only root,
    writable /tmp and /workspace and the default 64 MB /dev/shm: doctor must warn about
-   shm, training must still work, torch.compile must work (g++ kept);
+   shm, training must still work, torch.compile must work (g++ kept); build the user
+   image of examples/custom_model/Dockerfile on it and run its default command the same
+   way (the custom model, loss and data trained);
 5. build Dockerfile.cuda and Dockerfile.rocm on the CPU base with the CPU torch wheel
    (TORCH_VARIANT=cpu): every line but the vendor base and wheel;
 6. rebuild the CPU image without cache and compare the builds: package sets, then every
@@ -184,6 +186,26 @@ class ImageTest:
         if not (runs / "readonly/checkpoints/latest").is_file():
             raise Failed("read-only run left no checkpoint on the host")
 
+    def user_image(self, runs: Path) -> None:
+        """examples/custom_model/Dockerfile on this image: one layer more (the user's
+        files), and its default command trains the custom model as any UID on a read-only
+        root filesystem."""
+        e, tag = self.engine, f"{self.tag}:user-example"
+        log("a user's image: FROM this one, COPY of examples/custom_model, its CMD trains")
+        e.build("examples/custom_model/Dockerfile", tag, f"--build-arg=BASE_IMAGE={self.img}",
+                context=str(self.image_wheels), directory="examples/custom_model")
+        base, mine = (self.layers(t)[1] for t in (self.img, tag))
+        if mine[:len(base)] != base or len(mine) != len(base) + 1:
+            raise Failed(f"the user's image adds {len(mine) - len(base)} layers to the base "
+                         "(expected 1: its COPY)")
+        e.run("--read-only", *e.tmp_flags, "--user", "54321:0", "-v", f"{runs}:/workspace/runs",
+              tag)  # its CMD: train /opt/project/config.yaml
+        result = runs / "waves" / "result.json"
+        if not result.is_file() or not (runs / "waves/checkpoints/latest").is_file():
+            raise Failed("the user's image left no result.json or checkpoint on the host")
+        print(f"the user's image trained the custom model: {result.read_text().strip()[:200]}")
+        sh(e.name, "rmi", tag, capture=True)
+
     def compile(self) -> None:
         log("torch.compile (inductor, g++) as an arbitrary UID on a read-only root filesystem")
         self.engine.run("--read-only", *self.engine.tmp_flags, "--user", "54321:0",
@@ -242,6 +264,7 @@ class ImageTest:
         runs.chmod(0o777)  # the container user (UID 1000, group 0) writes here on any host
         try:
             self.runs(runs)
+            self.user_image(runs)
         finally:
             self.remove_runs(runs)
         if "compile" not in self.skip:

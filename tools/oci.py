@@ -52,14 +52,17 @@ class Engine:
             engine.tmp_flags = ["--tmpfs", "/tmp:exec"]
         return engine
 
-    def build(self, file: str, tag: str, *args: str, context: str) -> None:
+    def build(self, file: str, tag: str, *args: str, context: str,
+              directory: str = ".") -> None:
+        """Build ``file`` with ``directory`` (relative to the checkout) as the build
+        context; ``context``: the wheelhouse, a named build context."""
         t0 = time.monotonic()
         old = self.image_id(tag)
         logfile = ROOT / "build" / f"image-test-{re.sub(r'[:/]', '_', tag)}.log"
         with logfile.open("w") as f:
             rc = subprocess.run([self.name, "build", *self.build_flags,
                                  f"--build-context=wheelhouse={context}", *args, "-f", file,
-                                 "-t", tag, "."], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                 "-t", tag, directory], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, "DOCKER_BUILDKIT": "1"}).returncode
         if rc:
             print("\n".join(logfile.read_text().splitlines()[-40:]), file=sys.stderr)
