@@ -62,7 +62,8 @@ class Engine:
         with logfile.open("w") as f:
             rc = subprocess.run([self.name, "build", *self.build_flags,
                                  f"--build-context=wheelhouse={context}", *args, "-f", file,
-                                 "-t", tag, directory], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                 "-t", tag, directory], cwd=ROOT, stdout=f,
+                                stderr=subprocess.STDOUT,
                                 env={**os.environ, "DOCKER_BUILDKIT": "1"}).returncode
         if rc:
             print("\n".join(logfile.read_text().splitlines()[-40:]), file=sys.stderr)
