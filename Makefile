@@ -67,6 +67,7 @@ lint: venv
 bench: venv
 	$(PY) bench/ddp_overhead.py
 	$(PY) bench/startup.py
+	$(PY) bench/throughput.py
 
 clean:
 	rm -rf $(VENV) runs
