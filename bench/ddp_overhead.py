@@ -1,12 +1,22 @@
 """DDP overhead of the trainer against a plain hand-written DDP loop.
 
 Both run the same model, data and global batch on 2 processes (torchrun, gloo,
-127.0.0.1), in alternating rounds so that machine noise hits both alike. The trainer's
-step time comes from its own metrics.jsonl (intervals after the warm-up steps); the
-plain loop times the same steps. Prints the median step times and the ratio
-trainer/plain (target: at most 1.03).
+127.0.0.1), in alternating rounds so that machine noise hits both alike. Two figures:
 
-    python bench/ddp_overhead.py [--rounds 3] [--steps 60]
+- wall time per step: the trainer's from its own metrics.jsonl (intervals after the
+  warm-up steps), the plain loop's timed around the same steps;
+- CPU time per step: user + system of every process (torchrun, both workers), from a
+  short and a long run of each, (long - short) / (the steps between), so that start-up
+  cancels out. On a loaded machine this is the stable figure (wall time swings with
+  the other jobs; the CPU a step takes does not).
+
+Then one profile of the trainer (one process, cProfile): the time per step of each
+piece of its machinery around forward, backward and the optimizer (data loading,
+logging, the stop agreement, the watchdog, the divergence guard...), as a share of the
+step. cProfile slows Python code more than torch's kernels, so the shares are upper
+bounds.
+
+    python bench/ddp_overhead.py [--rounds 3] [--steps 160] [--short 20]
 """
 
 from __future__ import annotations
@@ -14,13 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pstats
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import yaml
+from measure import measured
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = {"kind": "gpt", "depth": 2, "width": 128, "heads": 4, "context_length": 64}
@@ -39,47 +50,99 @@ def bench_config(workdir: Path, steps: int) -> Path:
     return path
 
 
-def torchrun(*args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        sys.exit(f"benchmark run failed:\n{proc.stderr[-3000:]}")
-    return proc.stdout
+def env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 
-def plain_step_time(config: Path, warmup: int) -> float:
-    out = torchrun(str(ROOT / "bench" / "plain_ddp.py"), str(config), str(warmup))
-    return json.loads(out.strip().splitlines()[-1])["step_time_s"]
+def torchrun(*args: str) -> tuple[str, float]:
+    """(stdout, CPU seconds of the whole tree)."""
+    run = measured([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node=2", *args], env(), ROOT, timeout=900)
+    return run.stdout, run.cpu_s
 
 
-def trainer_step_time(config: Path, warmup: int, round_: int) -> float:
-    name = f"trainer-{round_}"
-    torchrun("-m", "train", str(config), f"run.name={name}")
+def plain(config: Path, warmup: int, steps: int) -> tuple[float, float]:
+    """(wall s per timed step, CPU s of the run)."""
+    out, cpu = torchrun(str(ROOT / "bench" / "plain_ddp.py"), str(config), str(warmup),
+                        f"train.max_steps={steps}")
+    return json.loads(out.strip().splitlines()[-1])["step_time_s"], cpu
+
+
+def trainer(config: Path, warmup: int, steps: int, name: str) -> tuple[float, float]:
+    _, cpu = torchrun("-m", "train", str(config), f"run.name={name}",
+                      f"train.max_steps={steps}")
     rows = [json.loads(line) for line in (config.parent / name / "metrics.jsonl").open()]
     timed = [r for r in rows if "step_time_s" in r and r["step"] > warmup]
     # Each row's step_time_s is the mean over its logging interval (10 steps).
-    return statistics.fmean(r["step_time_s"] for r in timed)
+    return statistics.fmean(r["step_time_s"] for r in timed), cpu
+
+
+# The trainer's machinery around forward/backward/optimizer: (label, file, function).
+MACHINERY = (
+    ("data (DataLoader, sampler, the batch)", "torch/utils/data/dataloader.py", "__next__"),
+    ("hang watchdog (pet, pause)", "train/watchdog.py", ("pet", "pause")),
+    ("metrics (jsonl, TensorBoard)", "train/metrics.py", ("step", "log")),
+    ("mean loss and step time over ranks", "train/runtime.py", "mean_over_ranks"),
+    ("stop agreement", "train/stopping.py", ("agreed", "pace")),
+    ("divergence guard", "train/divergence.py", ("gradients", "loss")),
+    ("checkpoint cadence", "train/checkpoint/policy.py", "due"),
+    ("sample counter", "train/state.py", "advance"),
+)
+
+
+def profile(config: Path, steps: int) -> list[tuple[str, float]]:
+    """(label, seconds per step) of each piece of MACHINERY, then the loop's own code and
+    the whole step, from one single-process run under cProfile."""
+    out = config.parent / "trainer.prof"
+    measured([sys.executable, "-m", "cProfile", "-o", str(out), "-m", "train", str(config),
+              "run.name=profiled", f"train.max_steps={steps}"], env(), ROOT, timeout=900)
+    stats = pstats.Stats(str(out)).stats  # (file, line, function) -> (cc, nc, tt, ct, callers)
+
+    def cumulative(file: str, functions) -> float:
+        names = (functions,) if isinstance(functions, str) else functions
+        return sum(v[3] for (f, _, fn), v in stats.items() if f.endswith(file) and fn in names)
+
+    rows = [(label, cumulative(file, fns) / steps) for label, file, fns in MACHINERY]
+    loop_own = sum(v[2] for (f, _, fn), v in stats.items()
+                   if f.endswith("train/trainer.py") and fn in ("run_loop", "train_step",
+                                                                  "optimizer_step"))
+    rows.append(("the loop's own lines", loop_own / steps))
+    rows.append(("whole step (run_loop)", cumulative("train/trainer.py", "run_loop") / steps))
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--short", type=int, default=20, help="steps of the short runs")
     parser.add_argument("--warmup", type=int, default=10)
     args = parser.parse_args()
-    plain, trainer = [], []
+    walls, cpus = {"plain": [], "trainer": []}, {"plain": [], "trainer": []}
+    span = args.steps - args.short
     with tempfile.TemporaryDirectory() as tmp:
         config = bench_config(Path(tmp), args.steps)
         for r in range(args.rounds):
-            plain.append(plain_step_time(config, args.warmup))
-            trainer.append(trainer_step_time(config, args.warmup, r))
-            print(f"round {r + 1}: plain {plain[-1] * 1000:.1f} ms/step, "
-                  f"trainer {trainer[-1] * 1000:.1f} ms/step", flush=True)
-    p, t = statistics.median(plain), statistics.median(trainer)
-    print(f"median step time: plain {p * 1000:.1f} ms, trainer {t * 1000:.1f} ms")
-    print(f"ratio trainer/plain: {t / p:.3f} (target <= 1.03)")
+            p_wall, p_long = plain(config, args.warmup, args.steps)
+            _, p_short = plain(config, 0, args.short)
+            t_wall, t_long = trainer(config, args.warmup, args.steps, f"long-{r}")
+            _, t_short = trainer(config, 0, args.short, f"short-{r}")
+            walls["plain"].append(p_wall)
+            walls["trainer"].append(t_wall)
+            cpus["plain"].append((p_long - p_short) / span)
+            cpus["trainer"].append((t_long - t_short) / span)
+            print(f"round {r + 1}: wall plain {p_wall * 1000:.1f} ms/step, trainer "
+                  f"{t_wall * 1000:.1f}; CPU plain {cpus['plain'][-1] * 1000:.1f} ms/step, "
+                  f"trainer {cpus['trainer'][-1] * 1000:.1f}", flush=True)
+        rows = profile(config, args.steps)
+    for kind, values in (("wall", walls), ("CPU", cpus)):
+        p, t = statistics.median(values["plain"]), statistics.median(values["trainer"])
+        print(f"median {kind} time per step: plain {p * 1000:.1f} ms, trainer {t * 1000:.1f} "
+              f"ms; ratio trainer/plain {t / p:.3f}")
+    whole = rows[-1][1]
+    print("the trainer's step, one process under cProfile (upper bounds):")
+    for label, seconds in rows:
+        print(f"  {label:<40}{seconds * 1000:>8.2f} ms {seconds / whole:>7.1%}")
 
 
 if __name__ == "__main__":

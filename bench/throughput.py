@@ -20,13 +20,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from measure import measured
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -83,33 +83,20 @@ def parameter_count(cfg) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def with_max_rss(cmd: list[str], env: dict[str, str]) -> tuple[str, int]:
-    """Run ``cmd``; its stdout and the largest resident set of its process tree (bytes)."""
-    probe = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); "
-             "print('MAXRSS', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "
-             "file=sys.stderr); sys.exit(p.returncode)")
-    proc = subprocess.run([sys.executable, "-c", probe, *cmd], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=3600)
-    if proc.returncode:
-        sys.exit(f"benchmark run failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    rss = int(proc.stderr.rsplit("MAXRSS", 1)[1].split()[0]) * 1024
-    return proc.stdout, rss
-
-
 def plain(config: Path, nproc: int, warmup: int, overrides: list[str],
           env: dict[str, str]) -> tuple[float, int]:
-    out, rss = with_max_rss([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             f"--nproc-per-node={nproc}", str(ROOT / "bench/plain_ddp.py"),
-                             str(config), str(warmup), *overrides], env)
-    result = json.loads(out.strip().splitlines()[-1])
-    return result["step_time_s"], result["gpu_peak_bytes"] or rss
+    run = measured([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={nproc}", str(ROOT / "bench/plain_ddp.py"), str(config),
+                    str(warmup), *overrides], env, ROOT)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    return result["step_time_s"], result["gpu_peak_bytes"] or run.max_rss_bytes
 
 
 def trainer(config: Path, nproc: int, warmup: int, overrides: list[str], env: dict[str, str],
             name: str) -> tuple[float, int]:
-    _, rss = with_max_rss([sys.executable, str(ROOT / "entrypoint.py"), "train", str(config),
-                           *overrides, f"distributed.nproc_per_node={nproc}",
-                           f"run.name={name}"], env)
+    rss = measured([sys.executable, str(ROOT / "entrypoint.py"), "train", str(config),
+                    *overrides, f"distributed.nproc_per_node={nproc}", f"run.name={name}"],
+                   env, ROOT).max_rss_bytes
     rows = [json.loads(line) for line in (config.parent / "runs" / name / "metrics.jsonl")
             .read_text().splitlines()]
     timed = [r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > warmup]

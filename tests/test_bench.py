@@ -4,6 +4,7 @@ torch's FLOP counter on a real forward and backward, and its GPU peak lookup."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from train.models import build_model
 
 
 def _throughput():
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))  # as `python bench/throughput.py` has it
     spec = importlib.util.spec_from_file_location("throughput", ROOT / "bench/throughput.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
