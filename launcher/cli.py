@@ -36,6 +36,8 @@ commands:
                       the standalone rendezvous store for multi-node elastic runs
                       (default port 29400)
   export RUN_DIR      consolidated weights + model config from the newest checkpoint
+  generate RUN_DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S]
+                      text from an exported byte-level GPT (the quick start's model)
   anything else       executed as a command: bash, python, tensorboard --logdir runs
 
 exit codes: 0 done; 1 training failed; 2 bad input (config, CLI, environment);
@@ -152,15 +154,23 @@ def cmd_rendezvous(args: list[str]) -> int:
     return rendezvous.serve(ns.port, log, host=ns.host)
 
 
-def cmd_export(args: list[str]) -> int:
-    """Export runs inside the training package (it loads checkpoints with torch): this
-    process becomes ``python -m train.export``, from any directory."""
+def in_training_package(module: str, args: list[str]) -> int:
+    """Commands that load checkpoints or exports with torch run inside the training
+    package: this process becomes ``python -m MODULE``, from any directory."""
     import importlib.util
     if importlib.util.find_spec("torch") is None:  # the one-line answer of main(), not a traceback
         raise ModuleNotFoundError("No module named 'torch'", name="torch")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [APP_ROOT, env.get("PYTHONPATH")]))
-    os.execve(sys.executable, [sys.executable, "-m", "train.export", *args], env)
+    os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
+
+
+def cmd_export(args: list[str]) -> int:
+    return in_training_package("train.export", args)
+
+
+def cmd_generate(args: list[str]) -> int:
+    return in_training_package("train.generate", args)
 
 
 def cmd_exec(args: list[str]) -> int:
@@ -169,15 +179,15 @@ def cmd_exec(args: list[str]) -> int:
         os.execvp(args[0], args)
     except FileNotFoundError:
         raise ConfigError("command line", args[0], "unknown command: not train, launch, "
-                          "doctor, rendezvous or export, and no such executable on PATH; see "
-                          "--help") from None
+                          "doctor, rendezvous, export or generate, and no such executable on "
+                          "PATH; see --help") from None
     except PermissionError:
         raise ConfigError("command line", args[0], "not executable") from None
     return 0  # not reached
 
 
 COMMANDS = {"train": cmd_train, "launch": cmd_launch, "doctor": cmd_doctor,
-            "rendezvous": cmd_rendezvous, "export": cmd_export}
+            "rendezvous": cmd_rendezvous, "export": cmd_export, "generate": cmd_generate}
 
 
 def _command_name() -> str:

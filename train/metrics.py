@@ -57,6 +57,7 @@ class MetricsLogger:
         self.tb = Board(run_dir / "tb", start_step, to_yaml(cfg)) if cfg.logging.tensorboard \
             else None
         self.hparams = _flat_hparams(cfg)
+        self.writes_text = cfg.model.kind == "gpt" and cfg.data.kind == "text"  # bytes
 
     def log(self, step: int, values: dict[str, float], *, step_time: float) -> None:
         row = {"step": step, **values, "step_time_s": step_time, "time": time.time()}
@@ -87,10 +88,13 @@ class MetricsLogger:
         result += [f"loss {loss:.4g}"] if loss is not None else []
         result += [f"{k} {v:.4g}" for k, v in final.items()]
         run = shown(self.run_dir)
+        command = os.environ.get(COMMAND_VAR, "entrypoint.py")
         lines = [f"done: {' | '.join(result)} | {format_duration(time.monotonic() - self.started)}"
                  " in this process",
                  f"  run directory  {run}  (metrics.jsonl, result.json, checkpoints/)",
-                 f"  export         {os.environ.get(COMMAND_VAR, 'entrypoint.py')} export {run}",
+                 f"  export         {command} export {run}",
+                 *([f"  generate       {command} generate {run} --prompt 'def '  (after export)"]
+                   if self.writes_text else []),
                  f"  TensorBoard    tensorboard --logdir {shown(self.run_dir.parent)}"
                  if self.tb else "  TensorBoard    off (logging.tensorboard=false)"]
         self.console.end_line()
