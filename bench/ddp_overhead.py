@@ -123,10 +123,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = bench_config(Path(tmp), args.steps)
         for r in range(args.rounds):
-            p_wall, p_long = plain(config, args.warmup, args.steps)
-            _, p_short = plain(config, 0, args.short)
-            t_wall, t_long = trainer(config, args.warmup, args.steps, f"long-{r}")
-            _, t_short = trainer(config, 0, args.short, f"short-{r}")
+            runs = {"plain": lambda: (plain(config, args.warmup, args.steps),
+                                      plain(config, 0, args.short)),
+                    "trainer": lambda r=r: (trainer(config, args.warmup, args.steps, f"long-{r}"),
+                                            trainer(config, 0, args.short, f"short-{r}"))}
+            order = ("plain", "trainer") if r % 2 == 0 else ("trainer", "plain")  # no order bias
+            done = {name: runs[name]() for name in order}
+            (p_wall, p_long), (_, p_short) = done["plain"]
+            (t_wall, t_long), (_, t_short) = done["trainer"]
             walls["plain"].append(p_wall)
             walls["trainer"].append(t_wall)
             cpus["plain"].append((p_long - p_short) / span)
