@@ -17,9 +17,21 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
+    fused = can_fuse(params) if cfg.fused == "auto" else cfg.fused
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, fused=fused or None)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             fused=fused or None)
+
+
+def can_fuse(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused kernels take every parameter: floating point, on a device
+    they support. Measured on the 2-core development machine (docs/training.md): AdamW's
+    step 6.4 -> 1.2 ms for the quick start's model, 3.9 -> 0.8 ms for the bench's."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    supported = set(_get_fused_kernels_supported_devices())
+    return bool(params) and all(p.is_floating_point() and p.device.type in supported
+                                for p in params)
 
 
 def lr_factor(step: int, cfg: ScheduleConfig, max_steps: int) -> float:

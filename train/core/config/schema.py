@@ -112,6 +112,10 @@ class OptimConfig:
     momentum: float = opt(0.9, "sgd momentum.", ge=0.0, le=1.0)
     grad_clip: float = opt(1.0, "Clip the global gradient norm to this value (0 = off).",
                            ge=0.0)
+    fused: bool | Literal["auto"] = opt(AUTO, "The optimizer's fused kernel (one per group "
+                                              "instead of one per tensor); auto: on wherever "
+                                              "torch has it for the parameters (CPU, CUDA, "
+                                              "ROCm).")
 
 
 @dataclass(kw_only=True)
