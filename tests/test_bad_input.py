@@ -147,6 +147,10 @@ def test_bad_input_is_one_line_from_the_parent(tmp_path, name, tree, text, overr
     ([], {"RANK": "abc"}, 2, "environment: RANK: got 'abc'; expected an integer"),
     ([], {"RANK": "2", "WORLD_SIZE": "2"}, 2, "RANK: got 2, but WORLD_SIZE=2: expected 0..1"),
     ([], {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "1"}, 2, "LOCAL_RANK: got 1"),
+    ([], {"RANK": "1", "WORLD_SIZE": "1"}, 2, "RANK: got 1, but WORLD_SIZE=1: expected 0..0"),
+    ([], {"WORLD_SIZE": "-1"}, 2, "WORLD_SIZE: got '-1'; expected an integer >= 1"),
+    ([], {"WORLD_SIZE": "abc"}, 2, "WORLD_SIZE: got 'abc'; expected an integer >= 1"),
+    ([], {"LOCAL_RANK": "abc"}, 2, "LOCAL_RANK: got 'abc'; expected an integer >= 0"),
 ])
 def test_the_bare_worker_gives_the_same_answers(tmp_path, overrides, env, code, fragment):
     """`python -m train` alone: no hang (mpi), no silent training (nccl on CPU), no traceback."""
@@ -185,6 +189,8 @@ def test_a_config_that_is_no_file_is_refused_not_read_forever(tmp_path, make_con
     (["launch", "-m", "mymod"], None),
     (["doctor", "--comm-timeout", "nan"], "--comm-timeout nan: expected seconds in (0, 3600]"),
     (["doctor", "--comm-timeout", "-1"], "--comm-timeout -1.0: expected seconds in (0, 3600]"),
+    (["rendezvous", "--host", "999.1.1.1"], "--host 999.1.1.1: not an address or a name that "
+                                            "resolves"),
 ])
 def test_command_line_mistakes_are_one_line(tmp_path, args, fragment):
     """A launch override the trainer would silently ignore, a module that is not there, a
