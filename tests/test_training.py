@@ -181,3 +181,25 @@ def test_progress_bar_on_request_plain_lines_otherwise(tmp_path):
     assert "\x1b[K" not in plain.stdout  # not a terminal: one line per logged step
     assert [line.split(" |")[0] for line in plain.stdout.splitlines() if line.startswith("step")
             and "/" in line.split(" |")[0]] == ["step 1/3", "step 2/3", "step 3/3"]
+
+
+def test_the_fused_optimizer_changes_the_kernel_not_the_trajectory(tmp_path):
+    """optim.fused: auto takes torch's fused kernel here (CPU); a run with it and one with
+    optim.fused=false follow the same losses to float rounding."""
+    import torch
+
+    from train.core.config import OptimConfig
+    from train.optim import build_optimizer
+    layer = torch.nn.Linear(4, 4)
+    assert build_optimizer(layer, OptimConfig()).defaults["fused"] is True
+    assert not build_optimizer(layer, OptimConfig(fused=False)).defaults["fused"]
+    series = {}
+    for fused in ("true", "false"):
+        config = write_config(tmp_path / f"f{fused}.yaml", merge(TINY_GPT, {
+            "output": {"dir": str(tmp_path)}}))
+        proc = run_train(config, f"optim.fused={fused}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        series[fused] = losses(tmp_path / f"f{fused}")
+    assert series["true"].keys() == series["false"].keys() and len(series["true"]) == 10
+    for step, loss in series["true"].items():
+        assert math.isclose(loss, series["false"][step], rel_tol=1e-4), (step, series)
