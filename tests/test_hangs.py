@@ -72,8 +72,10 @@ def test_a_rank_asleep_in_its_dataset_is_named_with_its_frame(tmp_path):
                             text=True)
     last = _last_line(proc, 240)
     assert last.startswith("error: training failed: rank 1 hung: no progress for "), last
-    assert "(distributed.timeout_s: 10 s): stuck in its own code at sleepy.py:" in last, last
-    assert "in __getitem__" in last and "rank(s) 0 waited for it" in last, last
+    assert "(80% of distributed.timeout_s: 8 s): stuck in its own code at sleepy.py:" in last, last
+    # rank 1 reports first (at 80 % of the timeout): rank 0 is stopped by torchrun before
+    # its own collective times out, so the line need not say it waited
+    assert "in __getitem__" in last, last
     print(f"a sleeping rank named {time.monotonic() - started:.0f} s after the start")
 
 

@@ -235,4 +235,4 @@ def test_the_watchdog_says_what_a_stuck_thread_waits_for():
     w.pace(0.01)
     assert w.limit == 120  # the floor for quick steps
     w.pace(60)
-    assert w.limit == 600  # never above distributed.timeout_s
+    assert w.limit == 480  # 80 % of distributed.timeout_s: before the collectives time out

@@ -4,8 +4,9 @@ Each rank's report (:mod:`train.core.reports`) says which step it reached, refre
 most every PROGRESS_EVERY_S, so that the launcher can name a rank that stopped arriving
 (frozen, SIGSTOPped) when the others time out waiting for it. When a step makes no
 progress for STEPS_OF_SILENCE times its usual time (at least FLOOR_S, at most
-``distributed.timeout_s``; steps before the first logged step time get the whole
-``distributed.timeout_s``), a watching thread writes the rank's report (where its main
+BEFORE_COLLECTIVES of ``distributed.timeout_s``, so that it reports before the other
+ranks' collectives time out; steps before the first logged step time get that much),
+a watching thread writes the rank's report (where its main
 thread is: the innermost frame of the run's own code, outside Python's library and
 torch, and whether the thread waits for the other ranks, for the DataLoader's workers,
 or is in code of its own), prints every thread's stack to the rank's log and exits 1.
@@ -30,6 +31,10 @@ from train.worker import newest_checkpoint
 
 STEPS_OF_SILENCE = 20
 FLOOR_S = 120
+# A rank stuck outside a collective must report before the others' collectives time out
+# (distributed.timeout_s: they would fail first, and torchrun stop it unheard), and a
+# rank waiting in one must be seen waiting, not half-way through raising the timeout.
+BEFORE_COLLECTIVES = 0.8
 PROGRESS_EVERY_S = 1.0  # a small file replaced by rename: nothing measurable per step
 BACKSTOP_S = 5
 # Frames that mean "waiting for the other ranks": collectives, and backward, where DDP's
@@ -74,7 +79,8 @@ class Watchdog:
 
     def __init__(self, timeout_s: int, env: WorkerIdentity | None = None):
         self.timeout_s, self.env = timeout_s, env
-        self.limit: float = timeout_s  # seconds without progress that make a hang
+        self.cap = BEFORE_COLLECTIVES * timeout_s
+        self.limit: float = self.cap  # seconds without progress that make a hang
         self.armed_at = self.reported_at = -math.inf
         self.last: float | None = None   # the last pet, None while paused
         self.step = 0
@@ -97,7 +103,7 @@ class Watchdog:
     def pace(self, step_time_s: float) -> None:
         """The step time every rank agrees on (an all-reduced mean): a step silent for
         STEPS_OF_SILENCE of them is a hang, however long distributed.timeout_s is."""
-        self.limit = min(self.timeout_s, max(FLOOR_S, STEPS_OF_SILENCE * step_time_s))
+        self.limit = min(self.cap, max(FLOOR_S, STEPS_OF_SILENCE * step_time_s))
 
     def pause(self) -> None:
         """Disarm until the next pet() (which re-arms at once)."""
@@ -114,8 +120,8 @@ class Watchdog:
     def _hung(self, silent_s: float) -> None:
         frame = sys._current_frames().get(threading.main_thread().ident)
         kind, at = where(frame)
-        limit = "distributed.timeout_s" if self.limit == self.timeout_s else \
-            f"{STEPS_OF_SILENCE} x its usual step time, at least {FLOOR_S} s"
+        limit = (f"{BEFORE_COLLECTIVES:.0%} of distributed.timeout_s" if self.limit == self.cap
+                 else f"{STEPS_OF_SILENCE} x its usual step time, at least {FLOOR_S} s")
         error = (f"no progress for {silent_s:.0f} s in step {self.step + 1} ({limit}: "
                  f"{self.limit:.0f} s): {WAITS[kind]} at {at}")
         if self.env is not None:
