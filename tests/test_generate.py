@@ -72,3 +72,11 @@ def test_a_model_that_does_not_write_bytes_is_refused(tmp_path):
         f"error: command line: RUN_DIR: {run / 'export'}: a mlp model with 4 outputs; generate "
         "writes text from a byte-level gpt (model.kind=gpt trained on data.kind=text, 256 "
         "outputs)")
+
+
+def test_a_damaged_model_json_is_one_line(tmp_path):
+    (tmp_path / "model.json").write_text("{not json")
+    out = command(tmp_path)
+    assert out.returncode == 2 and out.stderr.strip() == (
+        f"error: command line: RUN_DIR: {tmp_path / 'model.json'}: not an export's "
+        "model.json (JSONDecodeError); export again")

@@ -32,8 +32,12 @@ def export_folder(path: Path) -> Path:
 
 
 def check_byte_gpt(folder: Path) -> dict:
-    meta = json.loads((folder / "model.json").read_text(encoding="utf-8"))
-    kind = meta.get("model", {}).get("kind")
+    try:
+        meta = json.loads((folder / "model.json").read_text(encoding="utf-8"))
+        kind = meta.get("model", {}).get("kind")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConfigError("command line", "RUN_DIR", f"{folder / 'model.json'}: not an "
+                          f"export's model.json ({type(exc).__name__}); export again") from None
     vocabulary = (meta.get("io") or {}).get("num_classes")
     if kind != "gpt" or vocabulary != BYTES:
         raise ConfigError("command line", "RUN_DIR", (
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = check_byte_gpt(folder)
         from train.export import load_model
         model = load_model(folder)
-        prompt = args.prompt.encode("utf-8")
+        prompt = args.prompt.encode("utf-8", "surrogateescape")  # the bytes as typed
         text = sample(model, prompt, args.tokens, temperature=args.temperature,
                       top_k=args.top_k, seed=args.seed,
                       context=meta["model"]["context_length"])
