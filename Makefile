@@ -22,7 +22,7 @@ TORCH_SPEC      ?= torch==$(TORCH_VERSION)$(if $(filter pypi,$(TORCH_VARIANT)),,
 TORCH_DEPS      := $(if $(filter cpu,$(TORCH_VARIANT)),--no-deps,)
 STAMP  := $(VENV)/.installed-$(PYVER)
 
-.PHONY: quickstart test test-slow test-all lint bench venv clean
+.PHONY: quickstart test test-slow test-all lint bench venv trackers clean
 
 venv: $(STAMP)
 
@@ -38,6 +38,13 @@ $(STAMP): $(wildcard $(LOCK)) Makefile
 	# this project itself, editable: `import train` works from any directory
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
+
+# The optional trackers (mlflow with its server, wandb) for tests/test_trackers.py, on top of
+# the dev set (Python 3.11 only; elsewhere those tests skip). CI runs it before test-slow.
+TRACKERS_LOCK := requirements/trackers-py311.lock
+trackers: venv
+	@test "$(PYVER)" = py311 || { echo "make trackers: $(TRACKERS_LOCK) is for Python 3.11; the trackers' tests skip on $(PYVER:py3%=3.%)" >&2; exit 0; }
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(TRACKERS_LOCK)
 
 quickstart: venv
 	$(PY) entrypoint.py train configs/quickstart.yaml

@@ -67,7 +67,7 @@ NO_GPU = {"NVIDIA_VISIBLE_DEVICES": "void", "CUDA_VISIBLE_DEVICES": "", "HIP_VIS
 # Variables of the host that would change what a test means.
 HOST_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "PET_", "TORCHELASTIC",
                  "JOB_COMPLETION", "TRAIN_", "CUDA_VISIBLE", "NVIDIA_VISIBLE", "ROCR_", "HIP_",
-                 "OMP_NUM")
+                 "OMP_NUM", "MLFLOW_", "WANDB_")
 
 
 def clean_env(gpu: bool = False, **extra: str) -> dict:

@@ -58,3 +58,14 @@ def test_make_names_the_supported_pythons_for_any_other(tmp_path, version):
     assert f"is Python {version}, which has no lock file" in first
     assert all(v in first for v in SUPPORTED) and "No rule" not in out.stderr
     assert not venv.exists()
+
+
+def test_the_trackers_lock_extends_the_dev_lock_without_changing_it():
+    """make trackers installs it over the dev set: every shared package the same version."""
+    dev = lock_pins(LOCKS["3.11"])
+    tracked = lock_pins(ROOT / "requirements" / "trackers-py311.lock")
+    assert {n: v for n, (v, _) in tracked.items() if n in dev} == \
+           {n: v for n, (v, _) in dev.items()}
+    assert {"mlflow", "wandb"} <= tracked.keys()
+    assert all(hashes >= 1 for _, hashes in tracked.values())
+    assert not [n for n in tracked if VENDOR.match(n)], "torch or vendor wheels in the lock"

@@ -20,7 +20,7 @@ from torch import nn
 from train import losses, runtime
 from train.autobatch import largest_fitting, probe_on_gpu
 from train.checkpoint import Checkpointer
-from train.core import rundir
+from train.core import rundir, tracking
 from train.core.config import AUTO, Config, batch_split
 from train.core.config.checks import check_batch_memory
 from train.core.errors import CannotRunHere
@@ -78,6 +78,8 @@ def preflight(cfg: Config, env: WorkerIdentity, source: str) -> Placement:
     if problem:
         raise CannotRunHere(f"{problem}; {OUTPUT_DIR_FIX}")
     rundir.check_no_links(cfg.run_dir)
+    if env.is_main:
+        tracking.check(cfg, source)
     micro, accum = batch_split(cfg, env.world_size, source)
     check_batch_memory(cfg, env.world_size, source,
                        (available_memory() or 0) // env.local_world_size or None)

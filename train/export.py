@@ -19,6 +19,7 @@ from pathlib import Path
 
 from train.core.errors import CannotRunHere, ConfigError, UserError
 from train.core.files import create_new, sha256_file
+from train.trackers import upload_export
 
 # What an export writes; model.json lists them, and a later export replaces only these.
 EXPORT_FILES = ("model.pt", "model.json")
@@ -174,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         print(exc.one_line(), file=sys.stderr)
         return exc.exit_code
     print(f"exported {out}/model.pt and {out}/model.json")
+    uploaded = upload_export(args.run_dir, out)
+    if uploaded:
+        print(uploaded, file=sys.stderr if uploaded.startswith("warning") else sys.stdout)
     return 0
 
 

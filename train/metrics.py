@@ -1,5 +1,5 @@
-"""Rank-0 metrics: console (live bar on a terminal, plain lines otherwise), metrics.jsonl
-and TensorBoard.
+"""Rank-0 metrics: console (live bar on a terminal, plain lines otherwise), metrics.jsonl,
+TensorBoard and the optional trackers (train/trackers.py: MLflow, W&B).
 
 After a resume at step s, rows and events from step s on are dropped before new ones
 are written (metrics.jsonl rewritten, TensorBoard's ``purge_step``), so every step
@@ -21,6 +21,7 @@ from train.console import Console, format_duration
 from train.core.config import Config, to_yaml
 from train.core.files import json_text, open_append, write_atomic
 from train.core.identity import COMMAND_VAR
+from train.trackers import Trackers
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +58,9 @@ class MetricsLogger:
         self.tb = Board(run_dir / "tb", start_step, to_yaml(cfg)) if cfg.logging.tensorboard \
             else None
         self.hparams = _flat_hparams(cfg)
+        self.trackers = Trackers(cfg, run_dir, self.hparams)
+        self.trackers.artifact(run_dir / "config.yaml")  # this attempt's resolved config
+        self.closed = False
         self.writes_text = cfg.model.kind == "gpt" and cfg.data.kind == "text"  # bytes
 
     def log(self, step: int, values: dict[str, float], *, step_time: float) -> None:
@@ -64,6 +68,7 @@ class MetricsLogger:
         self.jsonl.write(json_text(row) + "\n")
         if self.tb:
             self.tb.log_train(step, {**values, "step_time_s": step_time})
+        self.trackers.log(step, {**values, "step_time_s": step_time})
         self.console.row(step, values, step_time)
 
     def step(self, step: int) -> None:
@@ -74,6 +79,7 @@ class MetricsLogger:
         self.jsonl.write(json_text({"step": step, **values}) + "\n")
         if self.tb:
             self.tb.log_val(step, values)
+        self.trackers.log(step, values)
         self.console.eval(step, values)
 
     def summary(self, step: int, final: dict[str, float]) -> None:
@@ -96,15 +102,22 @@ class MetricsLogger:
                  *([f"  generate       {command} generate {run} --prompt 'def '  (after export)"]
                    if self.writes_text else []),
                  f"  TensorBoard    tensorboard --logdir {shown(self.run_dir.parent)}"
-                 if self.tb else "  TensorBoard    off (logging.tensorboard=false)"]
+                 if self.tb else "  TensorBoard    off (logging.tensorboard=false)",
+                 *self.trackers.lines()]
         self.console.end_line()
         sys.stdout.write("\n".join(lines) + "\n")
         sys.stdout.flush()
 
-    def close(self, final: dict[str, float] | None = None) -> None:
+    def close(self, final: dict[str, float] | None = None, status: str = "FINISHED") -> None:
+        """``final``: the finished run's last evaluation; ``status``: the trackers' word
+        for how this attempt ended (FINISHED, FAILED or KILLED). Once only."""
+        if self.closed:
+            return
+        self.closed = True
         if self.tb:
             # finished: HParams row (metrics: the final evaluation's, else the train loss)
             self.tb.close(self.hparams if final is not None else None, metrics=list(final or {}))
+        self.trackers.close(status)
         self.console.close()
         self.jsonl.close()
 

@@ -283,6 +283,8 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None) -> int:
             code = EXIT_OK
         else:
             code = run_loop(c, state, stop, metrics, guard)
+        if metrics is not None:  # stopped by a signal, or by another node: resumable
+            metrics.close(status="KILLED")
         c.checkpointer.wait()
         clean = True
         return code
@@ -292,10 +294,13 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None) -> int:
         if env.is_main:
             write_marker(c.run_dir, c.checkpointer.latest_step() or 0, exc.one_line())
             if metrics is not None:
-                metrics.close()
+                metrics.close(status="FAILED")
         clean = True
         raise
     finally:
+        if metrics is not None and not clean:  # a failure: the trackers say so
+            with contextlib.suppress(Exception):
+                metrics.close(status="FAILED")
         sys.stdout.flush()
         runtime.shutdown_distributed(clean)
         if lock is not None:

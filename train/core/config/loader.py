@@ -191,8 +191,11 @@ def build(cls: type, data: Any, sources: Sources, prefix: str = "",
             continue
         got = types.coerce(value, key.type, sources.from_cli(dotted))
         if got is types.NO:
+            # YAML 1.1 reads unquoted on/off/yes/no as true/false
+            hint = " (YAML reads an unquoted on, off, yes or no as true or false)" \
+                if isinstance(value, bool) and types.shape(key.type)[0] == "choice" else ""
             errors.append(ConfigError(sources.of(dotted), dotted, f"got {short(value)}; "
-                                      f"expected {types.describe(key.type)}"))
+                                      f"expected {types.describe(key.type)}{hint}"))
             bad.add(dotted)
             continue
         problem = types.bounds_problem(got, key.bounds)

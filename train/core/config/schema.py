@@ -217,12 +217,33 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class MlflowConfig:
+    enabled: bool = opt(False, "Log params, metrics, config.yaml and exports to an MLflow "
+                               "server (pip install 'trainpod[mlflow]').")
+    tracking_uri: str | None = opt(None, "Tracking server, e.g. http://mlflow:5000; default: "
+                                         "MLFLOW_TRACKING_URI. Credentials only through "
+                                         "MLflow's environment variables, never here.")
+    experiment: str | None = opt(None, "Experiment name, created when missing; default: "
+                                       "MLFLOW_EXPERIMENT_NAME, else MLflow's Default.")
+
+
+@dataclass(kw_only=True)
+class WandbConfig:
+    mode: Literal["disabled", "offline", "online"] = opt(  # W&B's own mode names
+        "disabled", "Weights & Biases (pip install 'trainpod[wandb]'): offline writes "
+               "RUN_DIR/wandb/ for `wandb sync`; online uploads (needs WANDB_API_KEY).")
+    project: str | None = opt(None, "W&B project; default: WANDB_PROJECT, else W&B's own.")
+
+
+@dataclass(kw_only=True)
 class LoggingConfig:
     every_steps: int = opt(10, "Console line, metrics.jsonl row and TensorBoard scalars every "
                                "N steps.", ge=1)
     progress: Literal["auto", "bar", "plain"] = opt(AUTO, "Console style; auto: a live bar on "
                                                           "a terminal, plain lines otherwise.")
     tensorboard: bool = opt(True, "Write TensorBoard events to the run's tb/ directory.")
+    mlflow: MlflowConfig = opt(MlflowConfig, "MLflow tracking (optional).", factory=True)
+    wandb: WandbConfig = opt(WandbConfig, "Weights & Biases tracking (optional).", factory=True)
 
 
 @dataclass(kw_only=True)

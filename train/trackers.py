@@ -1,0 +1,242 @@
+"""Experiment trackers beside TensorBoard: MLflow and Weights & Biases, both optional.
+
+Neither is a dependency: ``pip install 'trainpod[mlflow]'`` or ``'trainpod[wandb]'``
+adds one, and the config turns it on (``logging.mlflow.enabled``,
+``logging.wandb.mode``). The launcher checks that the package is there before anything
+starts (exit 3 with the install command), and rank 0 alone talks to the tracker.
+
+One training run is one tracker run, however often it is resumed: the tracker's run id
+is kept in ``RUN_DIR/trackers.json``, written before the first metric, and a resumed or
+restarted attempt continues that run (MLflow: the same run, set back to RUNNING; W&B:
+``resume="allow"`` with the same id). MLflow's metric history is append-only, so the
+steps between the last checkpoint and a crash appear twice there (the lost attempt's
+and the rerun's); metrics.jsonl and TensorBoard keep only the rerun's.
+
+A tracker is an observer, never a reason to lose training: failing to start one ends
+the launch with one line (exit 3: the server is unreachable, the URI is wrong), but a
+failure mid-run (a server restart, a network blip) is one warning, after which the run
+goes on without that tracker; metrics.jsonl still has every row. MLflow logs from a
+background queue (``synchronous=False``), so a slow server does not slow the step.
+
+Upstream: https://mlflow.org/docs/latest/api_reference/python_api/mlflow.client.html,
+https://docs.wandb.ai/ref/python/sdk/functions/init/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from train.core.config import Config
+from train.core.errors import CannotRunHere
+from train.core.files import write_json_atomic
+from train.core.tracking import MLFLOW_URI_VAR, mlflow_uri, said, shown_uri, wanted
+
+log = logging.getLogger("train")
+
+RECORD = "trackers.json"  # in the run directory: which tracker runs this run continues
+
+
+def read_record(run_dir: Path) -> dict:
+    try:
+        record = json.loads((run_dir / RECORD).read_text())
+        return record if isinstance(record, dict) else {}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("%s unreadable (%s): the trackers start new runs", run_dir / RECORD, exc)
+        return {}
+
+
+class MlflowRun:
+    """One MLflow run through the client API (no global active run)."""
+
+    name = "MLflow"
+
+    def __init__(self, cfg: Config, run_dir: Path, params: dict[str, Any], previous: dict):
+        from mlflow import MlflowClient
+        self.uri = mlflow_uri(cfg)
+        self.client = MlflowClient(self.uri)
+        same_server = previous.get("tracking_uri") == shown_uri(self.uri)
+        run = self._continue(previous["run_id"]) if same_server and "run_id" in previous \
+            else None
+        if run is None:
+            experiment_id = self._experiment(cfg.logging.mlflow.experiment
+                                             or os.environ.get("MLFLOW_EXPERIMENT_NAME"))
+            run = self.client.create_run(experiment_id, run_name=cfg.run.name,
+                                         tags={"trainpod.run_dir": str(run_dir.resolve())})
+        self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
+        self.record = {"tracking_uri": shown_uri(self.uri), "run_id": self.run_id,
+                       "experiment_id": self.experiment_id}
+        self._log_params(params, run.data.params)
+
+    def _continue(self, run_id: str):
+        from mlflow.exceptions import MlflowException
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException as exc:
+            log.warning("MLflow run %s not found (%s): starting a new one", run_id,
+                        said(exc, 200))
+            return None
+        self.client.update_run(run_id, status="RUNNING")
+        return run
+
+    def _experiment(self, name: str | None) -> str:
+        from mlflow.exceptions import MlflowException
+        if not name:
+            return "0"  # MLflow's Default experiment
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except MlflowException:  # another job created it first
+            return self.client.get_experiment_by_name(name).experiment_id
+
+    def _log_params(self, params: dict[str, Any], logged: dict[str, str]) -> None:
+        """MLflow keeps a param's first value for good: a resume logs only new keys and
+        names the changed ones."""
+        from mlflow.entities import Param
+        new = {k: str(v) for k, v in params.items() if k not in logged}
+        changed = sorted(k for k, v in params.items() if k in logged and logged[k] != str(v))
+        if changed:
+            log.warning("MLflow keeps a param's first value; changed since then: %s",
+                        ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else ""))
+        items = [Param(k, v) for k, v in new.items()]
+        for i in range(0, len(items), 100):  # MLflow's limit per batch
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, synchronous=False,
+                              metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
+
+    def artifact(self, path: Path, folder: str | None = None) -> None:
+        if path.is_dir():
+            self.client.log_artifacts(self.run_id, str(path), folder)
+        else:
+            self.client.log_artifact(self.run_id, str(path), folder)
+
+    def link(self) -> str:
+        return f"{shown_uri(self.uri).rstrip('/')}/#/experiments/{self.experiment_id}" \
+               f"/runs/{self.run_id}"
+
+    def close(self, status: str) -> None:
+        with contextlib.redirect_stdout(io.StringIO()):  # its own "View run" lines
+            self.client.set_terminated(self.run_id, status)
+
+
+class WandbRun:
+    """One W&B run; ``offline`` writes RUN_DIR/wandb/offline-run-*/ for ``wandb sync``."""
+
+    name = "W&B"
+
+    def __init__(self, cfg: Config, run_dir: Path, params: dict[str, Any], previous: dict):
+        import wandb
+        self.mode, self.run_dir = cfg.logging.wandb.mode, run_dir
+        run_id = previous.get("id") or secrets.token_hex(4)
+        self.record = {"id": run_id}
+        self.run = wandb.init(
+            project=cfg.logging.wandb.project or os.environ.get("WANDB_PROJECT"),
+            name=cfg.run.name, id=run_id, resume="allow", mode=self.mode, dir=str(run_dir),
+            config=params,
+            # the console stays ours (W&B would wrap stdout); its own lines go to its logs
+            settings=wandb.Settings(console="off", silent=True))
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self.run.log(values, step=step)
+
+    def artifact(self, path: Path, folder: str | None = None) -> None:
+        pass  # W&B artifacts need a project on a server; the run's files name the export
+
+    def link(self) -> str:
+        if self.mode == "offline":
+            return f"offline: wandb sync {Path(self.run.dir).parent}"
+        return self.run.url or ""
+
+    def close(self, status: str) -> None:
+        self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+
+
+KINDS = {"mlflow": MlflowRun, "wandb": WandbRun}
+
+
+class Trackers:
+    """The trackers a config asks for (rank 0 only); each failure mid-run is one warning."""
+
+    def __init__(self, cfg: Config, run_dir: Path, params: dict[str, Any]):
+        self.runs: dict[str, Any] = {}
+        self.closed_lines: list[str] = []
+        record = read_record(run_dir)
+        for kind in wanted(cfg):
+            try:
+                self.runs[kind] = KINDS[kind](cfg, run_dir, params, record.get(kind) or {})
+            except Exception as exc:  # the tracker's own errors: one line, exit 3
+                self.close("FAILED")
+                where = f" at {shown_uri(mlflow_uri(cfg) or '')}" if kind == "mlflow" else ""
+                raise CannotRunHere(
+                    f"{KINDS[kind].name}{where} could not start a run: "
+                    f"{said(exc)}; check the server and its "
+                    f"credentials, or turn it off in logging.{kind}") from None
+            record[kind] = self.runs[kind].record
+            write_json_atomic(run_dir / RECORD, record)
+
+    def _each(self, what: str, call) -> None:
+        for kind, run in list(self.runs.items()):
+            try:
+                call(run)
+            except Exception as exc:
+                log.warning("%s: %s failed (%s); training goes on without it (metrics.jsonl "
+                            "has every row)", run.name, what, said(exc, 200))
+                del self.runs[kind]
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        self._each("logging", lambda run: run.log(step, values))
+
+    def artifact(self, path: Path, folder: str | None = None) -> None:
+        self._each(f"uploading {path.name}", lambda run: run.artifact(path, folder))
+
+    def lines(self) -> list[str]:
+        """The summary's lines: where each run is (also after close)."""
+        return self.closed_lines or [f"  {run.name:<14} {run.link()}"
+                                     for run in self.runs.values()]
+
+    def close(self, status: str) -> None:
+        """status: FINISHED, FAILED or KILLED (MLflow's words)."""
+        self.closed_lines = self.lines()
+        self._each("closing", lambda run: run.close(status))
+        self.runs.clear()
+
+
+def upload_export(run_dir: Path, out: Path) -> str | None:
+    """After ``export``: the export's files as artifacts (``export/``) of the training
+    run's MLflow run, when it had one. Returns what to tell the user; the export itself
+    never fails for it."""
+    import yaml
+    previous = read_record(run_dir).get("mlflow")
+    try:
+        logged = yaml.safe_load((run_dir / "config.yaml").read_text())["logging"]["mlflow"]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        logged = None
+    if not previous or not logged or not logged.get("enabled"):
+        return None
+    uri = logged.get("tracking_uri") or os.environ.get(MLFLOW_URI_VAR)
+    if not uri or importlib.util.find_spec("mlflow") is None:
+        return (f"warning: not uploaded to MLflow run {previous.get('run_id')}: "
+                + ("no tracking URI (set MLFLOW_TRACKING_URI)" if not uri
+                   else "mlflow is not installed here"))
+    from mlflow import MlflowClient
+    try:
+        MlflowClient(uri).log_artifacts(previous["run_id"], str(out), "export")
+    except Exception as exc:
+        return f"warning: MLflow upload failed ({said(exc, 200)})"
+    return f"uploaded to MLflow run {previous['run_id']} (artifacts: export/)"
