@@ -2,7 +2,7 @@
 
 ``scripts/gpu-check`` runs ``python -m tools.gpu_check`` from the repository root
 (``PYTHON`` picks the interpreter, ``OUT`` the output folder). Stages, each with its own
-time limit (about 5 minutes in all without ``GPU_CHECK_SUITE``):
+time limit (about 7 minutes in all without ``GPU_CHECK_SUITE``):
 
 ======== =====================================================================
 deps     python, torch build, the packages the launcher and worker import
@@ -17,6 +17,9 @@ fsdp     FSDP2 on one GPU with CPU offload and bf16 params (sharded checkpoints)
 dcp      the fsdp run resumed from its sharded checkpoint, saving in the background
 dp       DataParallel with bf16 (autocast inside the replicas' forward)
 compile  torch.compile on the GPU (inductor + triton), 30 steps
+speed    ``bench/throughput.py``: gpt-small's tokens/s, MFU and peak memory in the
+         trainer and in a plain loop, one GPU and all local GPUs (the figures docs
+         and issue notes quote)
 ======== =====================================================================
 
 Results land in ``OUT`` as each stage ends (:mod:`tools.stages`): ``summary.txt``,
@@ -138,6 +141,14 @@ def pytest_note(output: str) -> str:
     return lines[-1].strip("= ") if lines else "no pytest summary"
 
 
+def throughput_note(output: str) -> str:
+    """bench/throughput.py's table, one row per run: tokens/s, MFU, memory, vs plain."""
+    device = first_match(r"(?<=^device: )[^;]*", output)
+    rows = [" ".join(line.split()) for line in output.splitlines()
+            if re.match(r"^(plain loop|trainer) x\d+ ", line)]
+    return f"{device}: " + "; ".join(rows) if rows else "no throughput table"
+
+
 def first_match(pattern: str, output: str) -> str:
     m = re.search(pattern, output, re.M)
     return m.group(0) if m else ""
@@ -228,6 +239,11 @@ GPU_STAGES: tuple[Stage, ...] = (
           expect=lambda c: 2 if c.force_cpu else 0),
     Stage("compile", 120, lambda c: c.train("compile", "compile=true", "train.max_steps=30"),
           lambda c, out: f"compile=true: {loss_note(c.metrics('compile'))}"),
+    # last: the longest, and the others' answers matter more on a short loan
+    Stage("speed", 300, lambda c: [c.python, str(ROOT / "bench/throughput.py"),
+                                   *(["--steps", "6", "--warmup", "2"] if c.force_cpu
+                                     else ["--steps", "40", "--warmup", "10"])],
+          lambda c, out: throughput_note(out), must_say=r"trainer x1 "),
 )
 
 
