@@ -215,6 +215,17 @@ def test_tracking_uris_are_shown_without_credentials(uri, shown):
     assert tracking.shown_uri(uri) == shown
 
 
+def test_any_config_key_becomes_a_param_mlflow_accepts():
+    got = trackers.mlflow_params({"model.args.w<8>": 1, "optim.lr": 3e-4, "x": "v" * 7000,
+                                  "model.args.größe": True})
+    assert got == {"model.args.w_8_": "1", "optim.lr": "0.0003", "x": "v" * 6000,
+                   "model.args.größe": "True"}
+    if installed("mlflow"):  # MLflow's own validation agrees
+        from mlflow.utils.validation import _validate_param
+        for key, value in got.items():
+            _validate_param(key, value)
+
+
 class Flaky:
     name = "Flaky"
 

@@ -30,6 +30,7 @@ import io
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from pathlib import Path
@@ -43,6 +44,17 @@ from train.core.tracking import MLFLOW_URI_VAR, mlflow_uri, said, shown_uri, wan
 log = logging.getLogger("train")
 
 RECORD = "trackers.json"  # in the run directory: which tracker runs this run continues
+# MLflow's limits for a param (mlflow/utils/validation.py): these characters, key 250,
+# value 6000 characters
+PARAM_KEY = re.compile(r"[^\w\-. /]")
+MAX_PARAM_KEY, MAX_PARAM_VALUE = 250, 6000
+
+
+def mlflow_params(params: dict[str, Any]) -> dict[str, str]:
+    """Params as MLflow takes them: allowed characters only, keys and values cut to its
+    limits."""
+    return {PARAM_KEY.sub("_", k)[:MAX_PARAM_KEY]: str(v)[:MAX_PARAM_VALUE]
+            for k, v in params.items()}
 
 
 def read_record(run_dir: Path) -> dict:
@@ -103,10 +115,12 @@ class MlflowRun:
 
     def _log_params(self, params: dict[str, Any], logged: dict[str, str]) -> None:
         """MLflow keeps a param's first value for good: a resume logs only new keys and
-        names the changed ones."""
+        names the changed ones. Keys and values are made to fit MLflow's rules (a custom
+        model's ``model.args`` may hold any name), so that no param can refuse a run."""
         from mlflow.entities import Param
-        new = {k: str(v) for k, v in params.items() if k not in logged}
-        changed = sorted(k for k, v in params.items() if k in logged and logged[k] != str(v))
+        params = mlflow_params(params)
+        new = {k: v for k, v in params.items() if k not in logged}
+        changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
         if changed:
             log.warning("MLflow keeps a param's first value; changed since then: %s",
                         ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else ""))
