@@ -193,7 +193,7 @@ def test_a_tracker_package_that_is_missing_is_exit_3_before_anything_starts(tmp_
     with pytest.raises(CannotRunHere) as raised:
         tracking.check(cfg, str(config), environ={})
     assert "logging.wandb.mode" in str(raised.value)
-    assert "pip install 'trainpod[wandb]'" in str(raised.value)
+    assert "pip install wandb " in str(raised.value)
     with pytest.raises(ConfigError) as raised:
         tracking.check(load_config(config, ["logging.mlflow.enabled=true"]), str(config), {})
     assert raised.value.key == "logging.mlflow.tracking_uri"

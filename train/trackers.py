@@ -1,9 +1,10 @@
 """Experiment trackers beside TensorBoard: MLflow and Weights & Biases, both optional.
 
-Neither is a dependency: ``pip install 'trainpod[mlflow]'`` or ``'trainpod[wandb]'``
-adds one, and the config turns it on (``logging.mlflow.enabled``,
-``logging.wandb.mode``). The launcher checks that the package is there before anything
-starts (exit 3 with the install command), and rank 0 alone talks to the tracker.
+Neither is a dependency: ``pip install mlflow-skinny`` or ``wandb`` (the extras
+``trainpod[mlflow]`` and ``trainpod[wandb]``) adds one, and the config turns it on
+(``logging.mlflow.enabled``, ``logging.wandb.mode``). The launcher checks that the
+package is there before anything starts (exit 3 with the install command), and rank 0
+alone talks to the tracker.
 
 One training run is one tracker run, however often it is resumed: the tracker's run id
 is kept in ``RUN_DIR/trackers.json``, written before the first metric, and a resumed or

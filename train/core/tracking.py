@@ -13,6 +13,8 @@ from train.core.config import Config
 from train.core.errors import CannotRunHere, ConfigError
 
 MLFLOW_URI_VAR = "MLFLOW_TRACKING_URI"
+# what to pip install for each tracker (import name -> distribution): the client alone
+PACKAGES = {"mlflow": "mlflow-skinny", "wandb": "wandb"}
 
 
 def wanted(cfg: Config) -> list[str]:
@@ -38,7 +40,7 @@ def check(cfg: Config, source: str, environ=os.environ) -> None:
             key = "logging.mlflow.enabled=false" if package == "mlflow" \
                 else "logging.wandb.mode=disabled"
             raise CannotRunHere(f"{source}: {key.split('=')[0]}: the {package} package is not "
-                                f"installed here: pip install 'trainpod[{package}]' (in an "
+                                f"installed here: pip install {PACKAGES[package]} (in an "
                                 f"image: a RUN line in your Dockerfile), or set {key}")
 
 

@@ -219,7 +219,7 @@ class CheckpointConfig:
 @dataclass(kw_only=True)
 class MlflowConfig:
     enabled: bool = opt(False, "Log params, metrics, config.yaml and exports to an MLflow "
-                               "server (pip install 'trainpod[mlflow]').")
+                               "server (pip install mlflow-skinny).")
     tracking_uri: str | None = opt(None, "Tracking server, e.g. http://mlflow:5000; default: "
                                          "MLFLOW_TRACKING_URI. Credentials only through "
                                          "MLflow's environment variables, never here.")
@@ -230,7 +230,7 @@ class MlflowConfig:
 @dataclass(kw_only=True)
 class WandbConfig:
     mode: Literal["disabled", "offline", "online"] = opt(  # W&B's own mode names
-        "disabled", "Weights & Biases (pip install 'trainpod[wandb]'): offline writes "
+        "disabled", "Weights & Biases (pip install wandb): offline writes "
                "RUN_DIR/wandb/ for `wandb sync`; online uploads (needs WANDB_API_KEY).")
     project: str | None = opt(None, "W&B project; default: WANDB_PROJECT, else W&B's own.")
 
