@@ -49,17 +49,18 @@ trackers: venv
 quickstart: venv
 	$(PY) entrypoint.py train configs/quickstart.yaml
 
-# `make test`: everything but the slow end-to-end tests (5.5 minutes on 2 cores); `make test-slow`: those (multi-process resumes, FSDP, compile, torchrun
+# `make test`: everything but the slow end-to-end tests (6-7 minutes on 2 cores); `make test-slow`: those (multi-process resumes, FSDP, compile, torchrun
 # signals, simulated nodes); CI runs both.
 # The fast tier runs on every core (pytest-xdist; TEST_WORKERS=0 runs it in this
 # process); each test file stays on one worker so its module fixtures run once. The
-# slow tier stays serial: its tests start several processes each.
+# slow tier stays serial: its tests start several processes each. Both print their
+# slowest tests (--durations), so every CI log says where the time goes.
 TEST_WORKERS ?= auto
 test: venv
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test-slow: venv
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m slow --durations=30
 
 test-all: venv
 	$(PY) -m pytest -q
@@ -75,6 +76,7 @@ bench: venv
 	$(PY) bench/ddp_overhead.py
 	$(PY) bench/startup.py
 	$(PY) bench/throughput.py
+	$(PY) bench/defaults.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,9 +1,11 @@
 """The reference for bench/ddp_overhead.py: a plain hand-written DDP loop.
 
 Same model, data, optimizer and global batch as the trainer would build from the
-config, none of its machinery (no sampler, loader, metrics, checkpoints, stop flag). On
-a GPU (``device`` not cpu): nccl, bf16 autocast when ``precision: bf16``, and
-``torch.compile`` when ``compile: true`` (also bench/throughput.py's reference).
+config, none of its machinery (no sampler, loader, metrics, checkpoints, stop flag), and
+no DDP wrapper on one process (the trainer has none there either). On a GPU (``device``
+not cpu): nccl. bf16 autocast when ``precision: bf16`` and ``torch.compile`` when
+``compile: true``, on any device (also the reference of bench/throughput.py and
+bench/defaults.py).
 Run under torchrun; rank 0 says when the first step is done, and prints the mean step
 time of the timed steps as JSON.
 """
@@ -40,11 +42,11 @@ def main(config: str, warmup: int, *overrides: str) -> None:
     data = build_data(cfg)
     net = build_model(cfg.model, input_shape=data.input_shape,
                       num_classes=data.num_classes).to(device)
-    model = DDP(net, device_ids=[local] if gpu else None)
+    model = DDP(net, device_ids=[local] if gpu else None) if world > 1 else net
     opt = build_optimizer(model, cfg.optim)  # the same optimizer and parameter groups
     forward = torch.compile(model) if cfg.compile else model
     autocast = torch.autocast(device.type, torch.bfloat16,
-                              enabled=cfg.precision == "bf16" and gpu)
+                              enabled=cfg.precision == "bf16")
     per_rank = cfg.train.global_batch_size // world
     n = len(data.train)
     times = []
