@@ -11,11 +11,13 @@ For each, in rounds that alternate the order (machine noise hits every variant a
   CPUs without bf16 matmul units, and only its time per step is compared);
 - the trainer (``entrypoint.py train``) with its defaults.
 
-Per variant: the median time per step after the warm-up, the whole command's wall time
-(start-up, compile, checkpoints and exit included) and CPU time (user + system of every
-process), each as a ratio to plain; the fixed cost (wall - steps x step time), and the
-end-to-end ratio projected to the config's ``train.max_steps`` (fixed + steps x step),
-which says whether a one-off cost such as compiling is paid back over a real run.
+Per variant (medians over the rounds): the time per step after the warm-up (the plain
+loop's mean over its steps, the trainer's median over its 10-step logging intervals,
+which are means themselves), the whole command's wall time (start-up, compile,
+checkpoints and exit included) and CPU time (user + system of every process), each as a
+ratio to plain; the fixed cost (wall - steps x step time), and the end-to-end ratio
+projected to the quick start's ``train.max_steps`` (fixed + 500 x step), which says
+whether a one-off cost such as compiling is paid back over a real run.
 Then the same plain variants (not bf16) in one process, in alternating blocks of steps:
 separate processes on a shared machine swing by 10 % or more between rounds, blocks in
 one process far less, so small per-step differences (an optimizer kernel) show there.
@@ -84,7 +86,7 @@ def shapes(workdir: Path, cpus: int) -> list[Shape]:
 
 def run_variant(shape: Shape, label: str, steps: int, warmup: int, tag: str,
                 workdir: Path) -> tuple[float, float, float]:
-    """(median s per step after the warm-up, wall s of the command, CPU s of its tree)."""
+    """(s per step after the warm-up, wall s of the command, CPU s of its tree)."""
     runner, changes = VARIANTS[label]
     cache = tempfile.mkdtemp(dir=workdir)  # a cold compile cache for every run
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(shape.threads),
