@@ -23,6 +23,7 @@ separate processes on a shared machine swing by 10 % or more between rounds, blo
 one process far less, so small per-step differences (an optimizer kernel) show there.
 Last, a profile of the plain step: the share of its CPU time in matmul and attention
 kernels, which no loop-level choice changes in fp32 (the ceiling on what defaults win).
+These two build their models on the CPU, so they run only where the rounds did (no GPU).
 
     python bench/defaults.py [--rounds 2] [--steps 60] [--warmup 10]
 """
@@ -261,12 +262,19 @@ def main() -> None:
     args = parser.parse_args()
     cpus = max(1, len(os.sched_getaffinity(0)))
     project = load_config(ROOT / "configs" / "quickstart.yaml", []).train.max_steps
+    import torch
+    on_cpu = not torch.cuda.is_available()  # the runs' configs choose the GPU where there is one
     with tempfile.TemporaryDirectory() as tmp:
         for shape in shapes(Path(tmp), cpus):
             print(f"{shape.name}:", flush=True)
             results = measure_shape(shape, args.rounds, args.steps, args.warmup, Path(tmp))
             report(shape, results, project)
-            in_process_report(shape)
+            if on_cpu:
+                in_process_report(shape)
+    if not on_cpu:
+        print("the in-process blocks and the kernel profile measure the CPU: skipped where "
+              "the runs above used a GPU")
+        return
     ms, matmul, attention = kernel_shares(ROOT / "configs" / "quickstart.yaml", cpus)
     print(f"the quick start's plain step under torch.profiler: {ms:.0f} ms of CPU, "
           f"{matmul:.0%} in matmul kernels, {attention:.0%} in attention: fp32 kernels that "
