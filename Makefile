@@ -49,7 +49,7 @@ trackers: venv
 quickstart: venv
 	$(PY) entrypoint.py train configs/quickstart.yaml
 
-# `make test`: everything but the slow end-to-end tests (6-7 minutes on 2 cores); `make test-slow`: those (multi-process resumes, FSDP, compile, torchrun
+# `make test`: everything but the slow end-to-end tests (4.5-7 minutes on 2 cores); `make test-slow`: those (multi-process resumes, FSDP, compile, torchrun
 # signals, simulated nodes); CI runs both.
 # The fast tier runs on every core (pytest-xdist; TEST_WORKERS=0 runs it in this
 # process); each test file stays on one worker so its module fixtures run once. The
