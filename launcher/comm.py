@@ -11,6 +11,7 @@ Each child runs :mod:`train.comm_probe` (it imports torch; this module does not)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -20,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 
-from train.core import reports
+from train.core import protocol
 from train.core.identity import STATUS_DIR_VAR
 
 
@@ -53,12 +54,12 @@ def run(device: str, backend: str, nproc: int, timeout_s: float, base_env: Mappi
 
 def summarise(folder: str, nproc: int, timed_out: list[int], outputs: list[str], device: str,
               backend: str, timeout_s: float) -> dict:
-    found = {r.rank: r for r in reports.read_all(folder, kind="comm")}
+    found = {r.rank: r for r in protocol.read_all(folder, kind=protocol.COMM)}
     ranks = []
     for rank in range(nproc):
         r = found.get(rank)
         rep = {"rank": rank, "stage": r.stage if r else "not started",
-               **({"error": r.error} if r and r.error else {}), **(r.details if r else {}),
+               **({"error": r.error} if r and r.error else {}), **_measured(r),
                "timed_out": rank in timed_out}
         if rep["stage"] != "done" and outputs[rank].strip():
             rep["output_tail"] = outputs[rank].strip().splitlines()[-3:]
@@ -78,3 +79,10 @@ def summarise(folder: str, nproc: int, timed_out: list[int], outputs: list[str],
             "seconds": max((r.get("seconds") or 0 for r in done), default=None),
             "bus_gb_s": min((r["bus_gb_s"] for r in done if r.get("bus_gb_s")), default=None),
             "problems": problems, "ranks": ranks}
+
+
+def _measured(r: protocol.Report | None) -> dict:
+    """The probe's measurements, as the report's JSON shows them."""
+    if r is None or r.probe is None:
+        return {}
+    return {k: v for k, v in dataclasses.asdict(r.probe).items() if v is not None}

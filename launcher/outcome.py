@@ -1,29 +1,39 @@
-"""How a launch ended: the user's exit code and one line, from the child's exit status,
-the signals that arrived and the workers' reports (:mod:`train.core.reports`).
+"""How a launch ended: the user's exit code and one line. Every ending the launcher can
+report is worded here, nowhere else.
+
+:func:`classify` reads the child's exit status, the signals that arrived and the
+workers' reports (:mod:`train.core.protocol`) as an :class:`Ending`, and takes the first
+rule of :data:`RULES` whose condition holds: an ordered table, as torchx maps scheduler
+states, so that which ending wins over which is read from top to bottom.
 
 The first rank to fail is the root cause, except for a hang: a rank that stopped making
 progress makes the others time out in a collective, and they often report first. The
 reports say which rank did not arrive: the one whose hang watchdog found it in its own
 code or in its DataLoader (:mod:`train.watchdog`), or the one whose report stayed at
 "training, step N" because it never got to write another (frozen, SIGSTOPped, killed).
+
+The endings the supervisor decides itself (a lost lease, a static job's vanished node,
+a rendezvous store that did not come back) are worded here too (:func:`lease_lost`,
+:func:`node_lost`, :func:`store_gone`).
 """
 
 from __future__ import annotations
 
 import re
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from launcher.torchrun import STORE_LOST
 from train.core.errors import (
     EXIT_OK,
     EXIT_PEER_STOPPED,
+    EXIT_RUN_DIR_BUSY,
     EXIT_STOPPED_BY_SIGNAL,
     EXIT_STORE_LOST,
     EXIT_TRAINING_FAILED,
-    FINAL_EXIT_CODES,
 )
-from train.core.reports import Report
+from train.core.protocol import Report, restart_can_help
 
 # Workers that stopped with their checkpoint: told to, or with another node that was.
 STOPPED = (EXIT_STOPPED_BY_SIGNAL, EXIT_PEER_STOPPED)
@@ -33,6 +43,45 @@ STOPPED = (EXIT_STOPPED_BY_SIGNAL, EXIT_PEER_STOPPED)
 class Outcome:
     code: int
     message: str | None = None
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What the launcher knows when its child (torchrun, or the worker) has exited."""
+    rc: int                     # the child's exit status (negative: killed by a signal)
+    ended: list[Report]         # reports of workers that ended (an exit code)
+    training: list[Report]      # reports of workers last seen training (no end written)
+    signals: list[int]          # signals the launcher received
+    expected: int               # local workers
+    mode: str                   # direct | torchrun
+    program: str                # train | script (launch)
+
+    @classmethod
+    def of(cls, rc: int, found: list[Report], signals: list[int], expected: int, mode: str,
+           program: str) -> Ending:
+        return cls(rc, [r for r in found if r.exit_code is not None],
+                   [r for r in found if r.exit_code is None], list(signals), expected, mode,
+                   program)
+
+    @property
+    def failed(self) -> list[Report]:
+        """Workers that failed, the first to fail first: usually the root cause, the
+        others failing because it vanished."""
+        failed = [r for r in self.ended if r.exit_code not in (EXIT_OK, *STOPPED)]
+        return sorted(failed, key=lambda r: (r.time, r.rank))
+
+    @property
+    def first_failure(self) -> Report | None:
+        failed = self.failed
+        return failed[0] if failed else None
+
+    @property
+    def stopped(self) -> list[Report]:
+        return [r for r in self.ended if r.exit_code in STOPPED]
+
+
+def _log(r: Report) -> str:
+    return f"its log {r.log_dir}/stderr.log" if r.log_dir else "its output above"
 
 
 # gloo's words for a peer that died (its process, or its whole node), both forms.
@@ -50,116 +99,180 @@ def peer_lost(error: str) -> str | None:
     return None
 
 
-def _timed_out(r: Report) -> bool:
-    """Did this rank fail waiting for the others (its watchdog found it in a collective,
-    or the collective's own timeout fired)?"""
-    return r.details.get("hung") == "ranks" or \
-        re.search(r"timed? ?out", r.error or "", re.IGNORECASE) is not None
+# ------------------------------------------------------------------ the rules' words
+
+def _final(e: Ending) -> Outcome:
+    """Bad input, a machine that cannot run it, divergence: the worker's own one-line
+    message says it all (in direct mode it is already the last line of the output)."""
+    r = e.first_failure
+    if e.mode == "direct":
+        return Outcome(r.exit_code)
+    return Outcome(r.exit_code, r.error or f"error: rank {r.rank} exited {r.exit_code}; "
+                                           "see its output above")
 
 
-def _log(r: Report) -> str:
-    return f"its log {r.log_dir}/stderr.log" if r.log_dir else "its output above"
+def _repeated(e: Ending) -> Outcome:
+    """Ended at once: the failure that came back in two attempts in a row, worded as it
+    first was, naming the rank of the first attempts."""
+    r = e.first_failure
+    first = r.repeated
+    what = f" hung: {r.error}" if first.culprit else f": {r.error}"
+    log = f"its log {first.log_dir}/stderr.log" if first.log_dir else _log(r)
+    return Outcome(EXIT_TRAINING_FAILED,
+                   f"error: training failed: rank {first.rank}{what}; details in {log}")
 
 
-def hang(failed: list[Report], training: list[Report]) -> str | None:
-    """The rank the others waited for, when the reports show one: a rank whose watchdog
-    found it in its own code or its DataLoader, or a rank still "training" (it wrote
-    nothing more) while the others failed waiting."""
-    culprits = [r for r in failed if r.details.get("hung") not in (None, "ranks")]
-    if culprits:
-        r = culprits[0]
-        others = sorted(x.rank for x in failed if x is not r and _timed_out(x))
-        waited = f"; rank(s) {', '.join(map(str, others))} waited for it" if others else ""
-        return (f"error: training failed: rank {r.rank} hung: {r.error}{waited}; every "
-                f"thread's stack is in {_log(r)}")
-    waiting = [r for r in failed if _timed_out(r)]
-    if waiting and training:
-        r = min(training, key=lambda x: (x.details.get("step", 0), x.rank))
-        w = waiting[0]
-        return (f"error: training failed: rank {r.rank} stopped making progress (its last "
-                f"progress report: step {r.details.get('step', 0)}) and wrote nothing more "
-                f"(frozen, stopped or killed; see {_log(r)}); rank {w.rank} timed out "
-                f"waiting for it: {w.error}")
-    return None
+def _hung_rank(e: Ending) -> str | None:
+    """A rank whose watchdog found it in its own code or its DataLoader."""
+    culprits = [r for r in e.failed if r.culprit]
+    if not culprits:
+        return None
+    r = culprits[0]
+    others = sorted(x.rank for x in e.failed if x is not r and x.waited_for_others)
+    waited = f"; rank(s) {', '.join(map(str, others))} waited for it" if others else ""
+    return (f"error: training failed: rank {r.rank} hung: {r.error}{waited}; every thread's "
+            f"stack is in {_log(r)}")
 
 
-def repeated(r: Report) -> str:
-    """The failure that came back in two attempts in a row, worded as it first was."""
-    d = r.details
-    rank = d.get("rank", r.rank)
-    what = f" hung: {r.error}" if d.get("hung") not in (None, "ranks") else f": {r.error}"
-    log = f"its log {d['log_dir']}/stderr.log" if d.get("log_dir") else _log(r)
-    return f"error: training failed: rank {rank}{what}; details in {log}"
+def _silent_rank(e: Ending) -> str | None:
+    """A rank still "training" (it wrote nothing more) while the others failed waiting."""
+    waiting = [r for r in e.failed if r.waited_for_others]
+    if not (waiting and e.training):
+        return None
+    r = min(e.training, key=lambda x: (x.step or 0, x.rank))
+    return (f"error: training failed: rank {r.rank} stopped making progress (its last "
+            f"progress report: step {r.step or 0}) and wrote nothing more (frozen, stopped "
+            f"or killed; see {_log(r)}); rank {waiting[0].rank} timed out waiting for it: "
+            f"{waiting[0].error}")
+
+
+def hang(e: Ending) -> str | None:
+    """The rank the others waited for, when the reports show one."""
+    return _hung_rank(e) or _silent_rank(e)
+
+
+def _failed(e: Ending) -> Outcome:
+    r, failed = e.first_failure, e.failed
+    what = peer_lost(r.error or "") or r.error or f"exit code {r.exit_code}"
+    more = f" ({len(failed) - 1} more rank(s) failed)" if len(failed) > 1 else ""
+    failed_text = "training failed" if e.program == "train" else "the script failed"
+    return Outcome(EXIT_TRAINING_FAILED, f"error: {failed_text}: rank {r.rank}: {what}{more}; "
+                                         f"details in {_log(r)}")
+
+
+def _store_lost(e: Ending) -> Outcome:
+    return Outcome(EXIT_STORE_LOST, "error: torchrun lost its rendezvous store and stopped "
+                                    f"the workers ({len(e.stopped)} of {e.expected} confirmed "
+                                    "their checkpoint); rerun to resume")
+
+
+def _stopped(e: Ending) -> Outcome:
+    name = signal.Signals(e.signals[0]).name if e.signals else (
+        "another node's stop (its workers got a signal)"
+        if all(r.exit_code == EXIT_PEER_STOPPED for r in e.stopped) else "a signal to a worker")
+    if e.program == "script":
+        return Outcome(EXIT_STOPPED_BY_SIGNAL, f"stopped by {name} (forwarded to the script's "
+                                               "processes)")
+    unsure = "" if len(e.stopped) >= e.expected else \
+        f" ({len(e.stopped)} of {e.expected} local worker(s) confirmed their checkpoint)"
+    return Outcome(EXIT_STOPPED_BY_SIGNAL, f"stopped by {name}{unsure}; rerun the same "
+                                           "command to resume from the last checkpoint")
+
+
+def _died(e: Ending) -> Outcome:
+    """The child killed, or ended before any worker reported."""
+    how = (f"was killed by {signal.Signals(-e.rc).name}" if e.rc < 0
+           else f"exited with code {e.rc}")
+    who = "the worker" if e.mode == "direct" else "torchrun"
+    if e.training:
+        why = f" while training (after step {max(r.step or 0 for r in e.training)})"
+    else:
+        why = "" if e.ended else " before any worker reported (startup or rendezvous failure)"
+    hint = ("something outside killed it: out of memory (the kernel's OOM killer: dmesg, "
+            "kubectl describe pod) or a kill -9" if e.rc == -signal.SIGKILL else
+            "a worker killed without a report is often out of memory (dmesg, kubectl "
+            "describe pod)")
+    return Outcome(EXIT_TRAINING_FAILED,
+                   f"error: training failed: {who} {how}{why}; {hint}; see the log above")
+
+
+def _missing(e: Ending) -> Outcome:
+    missing = max(0, e.expected - len(e.ended))
+    return Outcome(EXIT_TRAINING_FAILED,
+                   f"error: training failed: {missing} local worker(s) ended without a report "
+                   f"(killed, e.g. out of memory) and torchrun exited with code {e.rc}; see "
+                   "the log above")
+
+
+# --------------------------------------------------------------------------- rules
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    when: Callable[[Ending], bool]
+    then: Callable[[Ending], Outcome]
+
+
+def _first_failure_is(test: Callable[[Report], bool]) -> Callable[[Ending], bool]:
+    return lambda e: e.first_failure is not None and test(e.first_failure)
+
+
+RULES: tuple[Rule, ...] = (
+    # A worker failed: the first failure decides, unless a hang explains it.
+    Rule("final", _first_failure_is(lambda r: not restart_can_help(r.exit_code)), _final),
+    Rule("repeated", _first_failure_is(lambda r: r.repeated is not None), _repeated),
+    Rule("hang", lambda e: e.first_failure is not None and hang(e) is not None,
+         lambda e: Outcome(EXIT_TRAINING_FAILED, hang(e))),
+    Rule("failed", lambda e: e.first_failure is not None, _failed),
+    # No worker failed.
+    Rule("store lost", lambda e: e.mode == "torchrun" and e.rc == STORE_LOST and not e.signals,
+         _store_lost),
+    Rule("signal after the last step", lambda e: bool(e.signals) and e.rc == 0 and
+         not e.stopped and len(e.ended) >= e.expected, lambda e: Outcome(EXIT_OK)),
+    Rule("stopped", lambda e: bool(e.signals or e.stopped), _stopped),
+    Rule("done", lambda e: e.rc == 0, lambda e: Outcome(EXIT_OK)),
+    Rule("died", lambda e: e.rc < 0 or not e.ended, _died),
+    Rule("reports missing", lambda e: True, _missing),
+)
 
 
 def classify(rc: int, found: list[Report], signals: list[int], expected: int,
              mode: str, program: str = "train") -> Outcome:
     """Map the child's exit status and the workers' reports to the user's exit code.
     program: "train" (workers checkpoint on a signal) or "script" (``launch``)."""
-    training = [r for r in found if r.exit_code is None]  # last seen training, no end
-    found = [r for r in found if r.exit_code is not None]  # how workers ended
-    failed = [r for r in found if r.exit_code not in (EXIT_OK, *STOPPED)]
-    # The first to fail is the root cause; the others usually fail because it vanished.
-    failed.sort(key=lambda r: (r.time, r.rank))
-    if failed:
-        r = failed[0]
-        if r.exit_code in FINAL_EXIT_CODES:  # the worker's own one-line message says it all
-            if mode == "direct":
-                return Outcome(r.exit_code)  # already the last line of its output
-            return Outcome(r.exit_code, r.error or f"error: rank {r.rank} exited "
-                                                   f"{r.exit_code}; see its output above")
-        if r.details.get("repeated"):  # ended at once: name the rank of the first attempts
-            return Outcome(EXIT_TRAINING_FAILED, repeated(r))
-        named = hang(failed, training)
-        if named:
-            return Outcome(EXIT_TRAINING_FAILED, named)
-        code = EXIT_TRAINING_FAILED
-        where = _log(r)
-        what = peer_lost(r.error or "") or r.error or f"exit code {r.exit_code}"
-        more = f" ({len(failed) - 1} more rank(s) failed)" if len(failed) > 1 else ""
-        failed_text = "training failed" if program == "train" else "the script failed"
-        return Outcome(code, f"error: {failed_text}: rank {r.rank}: {what}{more}; "
-                             f"details in {where}")
-    stopped = [r for r in found if r.exit_code in STOPPED]
-    if mode == "torchrun" and rc == STORE_LOST and not signals:
-        return Outcome(EXIT_STORE_LOST, "error: torchrun lost its rendezvous store and stopped "
-                                        f"the workers ({len(stopped)} of {expected} confirmed "
-                                        "their checkpoint); rerun to resume")
-    if signals or stopped:
-        if rc == 0 and not stopped and len(found) >= expected:
-            return Outcome(EXIT_OK)  # the signal came as the last step finished
-        name = signal.Signals(signals[0]).name if signals else (
-            "another node's stop (its workers got a signal)"
-            if all(r.exit_code == EXIT_PEER_STOPPED for r in stopped) else
-            "a signal to a worker")
-        if program == "script":
-            return Outcome(EXIT_STOPPED_BY_SIGNAL, f"stopped by {name} (forwarded to the "
-                                                   "script's processes)")
-        unsure = "" if len(stopped) >= expected else \
-            f" ({len(stopped)} of {expected} local worker(s) confirmed their checkpoint)"
-        return Outcome(EXIT_STOPPED_BY_SIGNAL, f"stopped by {name}{unsure}; rerun the same "
-                                               "command to resume from the last checkpoint")
-    if rc == 0:
-        return Outcome(EXIT_OK)
-    if rc < 0 or not found:
-        how = (f"was killed by {signal.Signals(-rc).name}" if rc < 0
-               else f"exited with code {rc}")
-        who = "the worker" if mode == "direct" else "torchrun"
-        if training:
-            step = max(r.details.get("step", 0) for r in training)
-            why = f" while training (after step {step})"
-        else:
-            why = "" if found else " before any worker reported (startup or rendezvous failure)"
-        hint = ("something outside killed it: out of memory (the kernel's OOM killer: "
-                "dmesg, kubectl describe pod) or a kill -9" if rc == -signal.SIGKILL else
-                "a worker killed without a report is often out of memory (dmesg, kubectl "
-                "describe pod)")
-        return Outcome(EXIT_TRAINING_FAILED,
-                       f"error: training failed: {who} {how}{why}; {hint}; see the log above")
-    missing = max(0, expected - len(found))
-    return Outcome(EXIT_TRAINING_FAILED,
-                   f"error: training failed: {missing} local worker(s) ended without a report "
-                   f"(killed, e.g. out of memory) and torchrun exited with code {rc}; see the "
-                   "log above")
+    ending = Ending.of(rc, found, signals, expected, mode, program)
+    return next(rule.then(ending) for rule in RULES if rule.when(ending))
 
 
+# ----------------------------------------------------- endings the supervisor decides
+
+def _static(convention: str) -> str:
+    return (f"A static rendezvous ({convention}) cannot replace a node: every node stops; "
+            "restart the job (its pods, or resubmit it) and it resumes from the last "
+            "checkpoint")
+
+
+def static_failed(outcome: Outcome, convention: str) -> Outcome:
+    """A static job's worker failed: a lost node cannot rejoin, so the job ends."""
+    return Outcome(outcome.code, f"{outcome.message}. {_static(convention)}")
+
+
+def node_lost(lost: str, convention: str) -> Outcome:
+    """A static job's node vanished (its heartbeat stopped): every node stops, naming it."""
+    return Outcome(EXIT_TRAINING_FAILED, f"error: training failed: {lost}. {_static(convention)}")
+
+
+def lease_lost(reason: str) -> Outcome:
+    return Outcome(EXIT_RUN_DIR_BUSY, f"error: {reason}")
+
+
+def store_gone(store: str, wait_s: float, lost_times: int | None) -> Outcome:
+    """The rendezvous store did not come back within ``wait_s``, or was lost
+    ``lost_times`` times (the most the launcher rejoins)."""
+    why = (f"did not come back within {wait_s} s (distributed.rdzv_store_wait_s)"
+           if lost_times is None else f"was lost {lost_times} times (the most this launcher "
+                                      "rejoins)")
+    return Outcome(EXIT_STORE_LOST, f"error: the rendezvous store {store} {why}; the workers "
+                                    "wrote their checkpoint. Check the rendezvous Deployment "
+                                    "and Service, then restart this pod: it resumes from the "
+                                    "last checkpoint")

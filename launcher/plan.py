@@ -25,7 +25,7 @@ from launcher.conventions import Nodes
 from launcher.environ import Environ
 from launcher.hardware import Hardware, TorchBuild
 from launcher.worker_variables import WorkerVariables, direct_worker_identity
-from train.core import tracking
+from train.core import rundir, tracking
 from train.core.comm_defaults import worker_defaults
 from train.core.config import AUTO, Config, batch_split
 from train.core.config.checks import check_batch_memory, check_model_memory
@@ -272,7 +272,7 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     if direct:
         argv = [python, "-m", *worker]
     else:
-        log_dir = str(cfg.run_dir / "logs")
+        log_dir = str(cfg.run_dir / rundir.LOGS)
         argv = [python, "-m", "launcher.torchrun", *nodes.args, "--nproc-per-node",
                 str(nproc), "--max-restarts", str(max_restarts), "--log-dir", log_dir,
                 "--tee", "3", "-m", *worker]

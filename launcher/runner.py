@@ -287,7 +287,7 @@ def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -
         done = finished_step(cfg.run_dir, cfg.train.max_steps)  # none/a path: train as asked
         if done is not None:  # a late pod of a finished job, or a rerun: nothing to start
             log(f"nothing to do: run {cfg.run.name} finished at step {done} "
-                f"({cfg.run_dir / 'result.json'}); raise train.max_steps to train on")
+                f"({cfg.run_dir / rundir.RESULT}); raise train.max_steps to train on")
             return 0
     # the plan's own warnings, and those of the machine checks (shm, the host's name)
     machine = [f"{f.message}; fix: {f.fix}" for f in p.findings

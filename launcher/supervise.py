@@ -8,8 +8,9 @@ by SIGTERM, so its own code cannot be passed through. The launcher instead:
   parent-death signal, so it never outlives us (kill -9 of the launcher included);
 - forwards SIGTERM/SIGINT to it at once (torchrun forwards to the workers, which
   checkpoint and exit 143);
-- reads each local worker's report (``train.worker``) and decides:
-  0 done, 143 stopped by a signal, 1 failed (naming the first failing rank).
+- reads each local worker's report (``train.worker``) and lets
+  :mod:`launcher.outcome` decide: 0 done, 143 stopped by a signal, 1 failed (naming
+  the first failing rank), ...
 
 For one process, ``distributed.max_restarts`` restarts the worker here, as torchrun
 would. When torchrun loses the standalone rendezvous store (exit
@@ -32,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from launcher import outcome as endings
 from launcher.heartbeat import PeerHeartbeat
 from launcher.outcome import Outcome, classify
 from launcher.plan import Plan
@@ -39,22 +41,17 @@ from launcher.processes import kill_tree, stop_workers, workers_alive
 from launcher.rendezvous import RoundWatcher, reachable
 from launcher.signals import Forwarder
 from launcher.torchrun import LOCAL_ID_VAR, STORE_LOST
-from train.core import reports
-from train.core.errors import (
-    EXIT_RUN_DIR_BUSY,
-    EXIT_STOPPED_BY_SIGNAL,
-    EXIT_STORE_LOST,
-    EXIT_TRAINING_FAILED,
-)
+from train.core import protocol
+from train.core.errors import EXIT_STOPPED_BY_SIGNAL, EXIT_TRAINING_FAILED
 from train.core.files import write_atomic
 from train.core.host import die_with_parent
 from train.core.identity import CONFIG_SNAPSHOT_VAR, RELAUNCH_VAR, STATUS_DIR_VAR
-from train.core.reports import Report
+from train.core.protocol import Report
 
 
 def read_reports(folder: Path) -> list[Report]:
     """The latest report of each rank (elastic restarts renumber ranks: keep the last round)."""
-    return reports.latest_round(reports.read_all(folder))
+    return protocol.latest_round(protocol.read_all(folder))
 
 
 def _child_setup(launcher_pid: int, ignored: int | None = None) -> Callable[[], None]:
@@ -91,55 +88,65 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
     folder = Path(tempfile.mkdtemp(prefix="train-launcher-"))
     env = {**base_env, **plan.env, STATUS_DIR_VAR: str(folder)}
     if config_text is not None:
-        write_atomic(folder / "config.yaml", config_text)
-        env[CONFIG_SNAPSHOT_VAR] = str(folder / "config.yaml")
+        write_atomic(folder / protocol.CONFIG_SNAPSHOT, config_text)
+        env[CONFIG_SNAPSHOT_VAR] = str(folder / protocol.CONFIG_SNAPSHOT)
     if verbose:
         log(f"set {STATUS_DIR_VAR}={folder} (where workers report how they ended)")
     forwarder = forwarder or Forwarder(plan.requeue_signal)
     forwarder.install()
-    restarts = relaunches = 0
-    outcome = Outcome(EXIT_STOPPED_BY_SIGNAL, "stopped by a signal before training started")
     try:
-        while not forwarder.received:
-            if plan.mode == "direct":
-                env["TORCHELASTIC_RESTART_COUNT"] = str(restarts)
-                if verbose or restarts:
-                    log(f"set TORCHELASTIC_RESTART_COUNT={restarts}")
-            rc, ended = _start_and_wait(plan, env, keep_fds, forwarder, log, abort)
-            if ended is not None:  # the lease was lost, or a static job's node vanished
-                outcome = ended
-                break
-            outcome = classify(rc, read_reports(folder), forwarder.received,
-                               plan.nproc_per_node, plan.mode, plan.program)
-            if forwarder.received:
-                break
-            if rc == STORE_LOST and plan.store:
-                if relaunches == MAX_STORE_RELAUNCHES or not _store_returns(plan, forwarder,
-                                                                           log):
-                    outcome = store_lost(plan, relaunches)
-                    break
-                relaunches += 1
-                env[RELAUNCH_VAR] = str(relaunches)
-                log(f"set {RELAUNCH_VAR}={relaunches} (the same run, joining again)")
-                continue
-            if outcome.code == EXIT_TRAINING_FAILED and plan.static_nodes:
-                outcome = Outcome(outcome.code, f"{outcome.message}. With a static rendezvous "
-                                  f"({plan.convention}) a lost node cannot rejoin: every node "
-                                  "stops; restart the job (its pods, or resubmit it) and it "
-                                  "resumes from the last checkpoint")
-            repeated = any(r.details.get("repeated") for r in read_reports(folder))
-            if plan.mode == "direct" and outcome.code == EXIT_TRAINING_FAILED \
-                    and restarts < plan.max_restarts and not repeated:
-                restarts += 1
-                log(f"worker failed; restart {restarts} of {plan.max_restarts}")
-                continue
-            break
+        outcome = _attempts(plan, env, folder, keep_fds, forwarder, log, verbose, abort)
     finally:
         forwarder.restore()
         shutil.rmtree(folder, ignore_errors=True)
     if outcome.message:
         print(outcome.message, file=sys.stderr, flush=True)
     return outcome.code
+
+
+def _attempts(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],
+              forwarder: Forwarder, log: Callable[[str], None], verbose: bool,
+              abort: Callable[[], str | None] | None) -> Outcome:
+    """Start the child until it ends for good: a restart (direct mode, like torchrun's)
+    after a failure a restart can help, a relaunch after the store came back."""
+    restarts = relaunches = 0
+    outcome = Outcome(EXIT_STOPPED_BY_SIGNAL, "stopped by a signal before training started")
+    while not forwarder.received:
+        if plan.mode == "direct":
+            env["TORCHELASTIC_RESTART_COUNT"] = str(restarts)
+            if verbose or restarts:
+                log(f"set TORCHELASTIC_RESTART_COUNT={restarts}")
+        rc, ended = _start_and_wait(plan, env, keep_fds, forwarder, log, abort)
+        if ended is not None:  # the lease was lost, or a static job's node vanished
+            return ended
+        found = read_reports(folder)
+        outcome = classify(rc, found, forwarder.received, plan.nproc_per_node, plan.mode,
+                           plan.program)
+        if forwarder.received:
+            return outcome
+        if rc == STORE_LOST and plan.store:
+            if relaunches == MAX_STORE_RELAUNCHES:
+                return endings.store_gone(plan.store, plan.store_wait_s, relaunches + 1)
+            if not _store_returns(plan, forwarder, log):
+                return endings.store_gone(plan.store, plan.store_wait_s, None)
+            relaunches += 1
+            env[RELAUNCH_VAR] = str(relaunches)
+            log(f"set {RELAUNCH_VAR}={relaunches} (the same run, joining again)")
+            continue
+        if outcome.code == EXIT_TRAINING_FAILED and plan.static_nodes:
+            return endings.static_failed(outcome, plan.convention)
+        if not _restart(plan, outcome, found, restarts):
+            return outcome
+        restarts += 1
+        log(f"worker failed; restart {restarts} of {plan.max_restarts}")
+    return outcome
+
+
+def _restart(plan: Plan, outcome: Outcome, found: list[Report], restarts: int) -> bool:
+    """Direct mode restarts the worker itself, as torchrun would, while a restart can help."""
+    repeated = any(r.repeated is not None for r in found)
+    return plan.mode == "direct" and outcome.code == EXIT_TRAINING_FAILED and \
+        protocol.restart_can_help(outcome.code, repeated) and restarts < plan.max_restarts
 
 
 def _rejoin(torchrun_pid: int, number: int, log: Callable[[str], None]) -> None:
@@ -207,13 +214,10 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                     break
         forwarder.proc = None
         if reason:
-            return rc, Outcome(EXIT_RUN_DIR_BUSY, f"error: {reason}")
+            return rc, endings.lease_lost(reason)
         lost = getattr(watcher, "lost", None) if isinstance(watcher, PeerHeartbeat) else None
         if lost and rc != 0:  # a static job's node vanished: every node stops, naming it
-            return rc, Outcome(EXIT_TRAINING_FAILED, f"error: training failed: {lost}. A "
-                               f"static rendezvous ({plan.convention}) cannot replace a node: "
-                               "every node stops; restart the job (its pods, or resubmit "
-                               "it) and it resumes from the last checkpoint")
+            return rc, endings.node_lost(lost, plan.convention)
         return rc, None
     finally:
         if watcher is not None:
@@ -242,13 +246,3 @@ def _store_returns(plan: Plan, forwarder: Forwarder, log: Callable[[str], None],
             said = time.monotonic()
         time.sleep(poll_s)
     return False
-
-
-def store_lost(plan: Plan, relaunches: int) -> Outcome:
-    why = (f"did not come back within {plan.store_wait_s} s (distributed.rdzv_store_wait_s)"
-           if relaunches < MAX_STORE_RELAUNCHES else
-           f"was lost {relaunches + 1} times (the most this launcher rejoins)")
-    return Outcome(EXIT_STORE_LOST, f"error: the rendezvous store {plan.store} {why}; the "
-                                    "workers wrote their checkpoint. Check the rendezvous "
-                                    "Deployment and Service, then restart this pod: it "
-                                    "resumes from the last checkpoint")

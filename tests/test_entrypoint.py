@@ -197,9 +197,9 @@ def test_doctor_comm_all_reduce_over_two_cpu_processes(tmp_path):
 
 def test_comm_summary_names_the_rank_that_did_not_answer(tmp_path):
     from launcher import comm
-    from train.core import reports
-    reports.write(tmp_path, reports.Report(rank=0, kind="comm", stage="allreduce"))
-    reports.write(tmp_path, reports.Report(rank=1, kind="comm", stage="init"))
+    from train.core import protocol
+    protocol.write(tmp_path, protocol.Report(rank=0, kind="comm", stage="allreduce"))
+    protocol.write(tmp_path, protocol.Report(rank=1, kind="comm", stage="init"))
     result = comm.summarise(str(tmp_path), 3, [0, 1], ["", "", "ImportError: x"], "gpu",
                             "nccl", 30)
     assert not result["ok"]

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, TINY_MLP, clean_env, merge, write_config
 
+from train.core.protocol import Report
+
 pytestmark = pytest.mark.slow
 ENTRY = str(ROOT / "entrypoint.py")
 
@@ -134,8 +136,8 @@ def _progress(pid: int, at_least: int) -> int:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            step = json.loads(report.read_text())["details"].get("step", 0)
-        except (OSError, ValueError, KeyError):
+            step = Report.from_dict(json.loads(report.read_text())).step or 0
+        except (OSError, ValueError, TypeError):
             step = -1
         if step >= at_least:
             return step

@@ -20,7 +20,8 @@ from launcher import environ
 from launcher.hardware import Gpu, Hardware, TorchBuild
 from launcher.plan import plan
 from train.core.config import load_config
-from train.core.errors import FINAL_EXIT_CODES
+from train.core.errors import EXIT_CODES
+from train.core.protocol import restart_can_help
 
 K8S = ROOT / "k8s"
 VERSIONS = [f"1.{minor}" for minor in range(31, 38)]  # docs/kubernetes.md promises 1.31 to 1.37
@@ -40,6 +41,11 @@ VERSION = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(),
 APP_UID = int(re.search(r"ARG APP_UID=(\d+)", (ROOT / "Dockerfile.cpu").read_text())[1])
 LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/part-of",
           "app.kubernetes.io/component")
+
+
+def final_codes() -> list[int]:
+    """The exit codes the launcher's retry rule says a restart cannot change."""
+    return sorted(c for c in EXIT_CODES if not restart_can_help(c))
 
 
 def docs(folder: Path) -> list[dict]:
@@ -188,7 +194,7 @@ def test_the_job_fails_at_once_on_final_exit_codes_and_ignores_disruptions(varia
     rules = s["podFailurePolicy"]["rules"]
     fail = [r for r in rules if r["action"] == "FailJob"]
     assert fail[0]["onExitCodes"] == {"containerName": c["name"], "operator": "In",
-                                      "values": sorted(FINAL_EXIT_CODES)}
+                                      "values": final_codes()}
     ignore = [r for r in rules if r["action"] == "Ignore"]
     assert ignore[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
     assert s["backoffLimitPerIndex"] >= 1
@@ -273,15 +279,16 @@ def test_only_the_jobs_workers_reach_the_store_and_each_other(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_job_fails_at_once_only_on_codes_a_retry_cannot_change(variant):
-    """podFailurePolicy against the exit codes of train/core/errors.py: FailJob on exactly
-    the final codes; every retryable code is retried (counted by backoffLimitPerIndex)."""
+    """podFailurePolicy against the launcher's own retry rule
+    (train.core.protocol.restart_can_help): FailJob on exactly the codes a restart cannot
+    change; every other code is retried (counted by backoffLimitPerIndex)."""
     from train.core import errors
     job = worker(VARIANTS[variant][0])[0]
     rules = job["spec"]["podFailurePolicy"]["rules"]
     fail = [r for r in rules if r["action"] == "FailJob"]
-    assert [r["onExitCodes"]["values"] for r in fail] == [list(errors.FINAL_EXIT_CODES)]
+    assert [r["onExitCodes"]["values"] for r in fail] == [final_codes()]
     retried = {errors.EXIT_TRAINING_FAILED, errors.EXIT_STORE_LOST, errors.EXIT_RUN_DIR_BUSY}
-    assert not retried & set(errors.FINAL_EXIT_CODES)
+    assert not retried & set(final_codes())
     assert job["spec"]["backoffLimitPerIndex"] >= 1
     assert any(r["action"] == "Ignore" and r["onPodConditions"][0]["type"] == "DisruptionTarget"
                for r in rules)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from launcher.supervise import classify
-from train.core.reports import Report
+from train.core.protocol import Report
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE = str(ROOT / "tests" / "fakes" / "fake_worker.py")
@@ -79,9 +79,9 @@ def test_worker_exit_2_or_3_passes_through():
 
 def test_older_restart_rounds_are_ignored(tmp_path):
     from launcher.supervise import read_reports
-    from train.core import reports
+    from train.core import protocol
     for r in (rep(0, 1, "old", restart=0), rep(1, 0, restart=1)):
-        reports.write(tmp_path, r)
+        protocol.write(tmp_path, r)
     (tmp_path / "rank-2.json").write_text("{torn")  # a half-written file is skipped
     assert [r.rank for r in read_reports(tmp_path)] == [1]
 
@@ -165,13 +165,13 @@ def test_the_earliest_failure_is_named_not_the_lowest_rank():
 
 def _training(rank: int, step: int) -> Report:
     """A rank's progress report: last seen training at ``step``, no end written."""
-    return Report(rank=rank, local_rank=rank, stage="training", details={"step": step})
+    return Report(rank=rank, local_rank=rank, stage="training", step=step)
 
 
 def _hung(rank: int, kind: str, at: str, t: float) -> Report:
     return Report(rank=rank, local_rank=rank, exit_code=1, time=t,
                   error=f"no progress for 30 s in step 8: {kind} at {at}",
-                  details={"step": 7, "hung": {"waits": "ranks"}.get(kind, kind)})
+                  step=7, hung={"waits": "ranks"}.get(kind, kind))
 
 
 def test_a_hang_names_the_rank_the_others_waited_for_not_the_first_to_time_out():

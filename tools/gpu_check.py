@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.stages import Recorder, Result, run_limited, stop_group
+from train.core import rundir
 
 ROOT = Path(__file__).resolve().parent.parent
 # Pure-Python packages a bare GPU machine may lack, taken from a carried .venv.
@@ -87,7 +88,7 @@ class Context:
                           *overrides)
 
     def metrics(self, run: str) -> Path:
-        return self.work / "runs" / run / "metrics.jsonl"
+        return self.work / "runs" / run / rundir.METRICS
 
 
 # ------------------------------------------------------------------ notes

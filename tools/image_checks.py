@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from tools.oci import Failed
+from train.core import rundir
 
 
 def check_labels(labels: dict) -> str:
@@ -41,21 +42,23 @@ def check_run_dirs(runs: Path, expected: tuple[tuple[str, int], ...]) -> list[st
     lines = []
     for name, world in expected:
         d = runs / name
-        for f in ("config.yaml", "manifest.json", "metrics.jsonl", "checkpoints/latest", "tb"):
-            if not (d / f).exists():
-                raise Failed(f"{d / f} missing")
-        latest = (d / "checkpoints/latest").read_text().strip()
-        if not (d / "checkpoints" / latest).is_dir():
+        checkpoints = d / rundir.CHECKPOINTS
+        for path in (d / rundir.CONFIG, d / rundir.MANIFEST, d / rundir.METRICS,
+                     checkpoints / rundir.LATEST, d / rundir.BOARD):
+            if not path.exists():
+                raise Failed(f"{path} missing")
+        latest = (checkpoints / rundir.LATEST).read_text().strip()
+        if not (checkpoints / latest).is_dir():
             raise Failed(f"{d}: latest names {latest}, not a directory")
-        m = json.loads((d / "manifest.json").read_text())
+        m = json.loads((d / rundir.MANIFEST).read_text())
         if m["starts"][-1]["world_size"] != world:
             raise Failed(f"{d}: world size {m['starts']}, expected {world}")
         bm = m.get("image_build_manifest") or {}
         if bm.get("flavor") != "cpu" or not bm.get("python_packages"):
-            raise Failed(f"{d}/manifest.json lacks the image build manifest")
-        rows = [ln for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+            raise Failed(f"{d / rundir.MANIFEST} lacks the image build manifest")
+        rows = [ln for ln in (d / rundir.METRICS).read_text().splitlines() if ln.strip()]
         if not rows:
-            raise Failed(f"{d}/metrics.jsonl is empty")
+            raise Failed(f"{d / rundir.METRICS} is empty")
         lines.append(f"{name}: world {world}, {len(rows)} metric rows, latest {latest}, "
                      f"code {m.get('code_version')}")
     return lines

@@ -49,6 +49,7 @@ from tools.image_checks import (
 )
 from tools.locks import pytest_requirements
 from tools.oci import ROOT, Engine, Failed, log, sh
+from train.core import rundir
 
 
 def dockerfile_arg(name: str, file: str = "Dockerfile.cpu") -> str:
@@ -200,8 +201,9 @@ class ImageTest:
                          "(expected 1: its COPY)")
         e.run("--read-only", *e.tmp_flags, "--user", "54321:0", "-v", f"{runs}:/workspace/runs",
               tag)  # its CMD: train /opt/project/config.yaml
-        result = runs / "waves" / "result.json"
-        if not result.is_file() or not (runs / "waves/checkpoints/latest").is_file():
+        result = runs / "waves" / rundir.RESULT
+        latest = runs / "waves" / rundir.CHECKPOINTS / rundir.LATEST
+        if not result.is_file() or not latest.is_file():
             raise Failed("the user's image left no result.json or checkpoint on the host")
         print(f"the user's image trained the custom model: {result.read_text().strip()[:200]}")
         sh(e.name, "rmi", tag, capture=True)

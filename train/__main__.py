@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from train.core import usercode
+from train.core import rundir, usercode
 from train.core.config import check_resume_compatible, load_config, to_yaml
 from train.core.config.loader import dashed_override
 from train.core.config.origins import config_warnings
 from train.core.errors import EXIT_TRAINING_FAILED, UserError, printable
 from train.core.identity import WorkerIdentity, check_environ
+from train.core.protocol import Reporter
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -40,8 +41,10 @@ class _HelpConfig(argparse.Action):
         parser.exit(0)
 
 
-def run(argv: list[str]) -> tuple[int, str | None]:
-    """(exit code, the one-line error printed, if any). train.worker reports both."""
+def run(argv: list[str], reporter: Reporter | None = None) -> tuple[int, str | None]:
+    """(exit code, the one-line error printed, if any). train.worker reports both, with
+    ``reporter``, which learns the run's checkpoint folder here, from the config
+    as loaded once."""
     try:
         for arg in argv:  # --optim.lr=1e-3: an override with dashes, one line, exit 2
             dashed = dashed_override(arg)
@@ -53,6 +56,8 @@ def run(argv: list[str]) -> tuple[int, str | None]:
         # Under the launcher: the config it validated, however often torchrun restarts us
         cfg = load_config(env.config_snapshot or args.config, args.overrides,
                           source=args.config)
+        if reporter is not None:
+            reporter.checkpoints = cfg.run_dir / rundir.CHECKPOINTS
         if env.status_dir is None and env.rank == 0:  # else the launcher printed them
             for warning in config_warnings(cfg):
                 print(f"warning: {printable(warning)}", file=sys.stderr, flush=True)
@@ -62,7 +67,7 @@ def run(argv: list[str]) -> tuple[int, str | None]:
         usercode.check(cfg, args.config, sample=False)  # the dataset is built just below
         check_resume_compatible(cfg, args.config)
         from train.trainer import train  # torch is imported only when training
-        return train(cfg, args.config), None
+        return train(cfg, args.config, reporter=reporter), None
     except UserError as exc:
         print(exc.one_line(), file=sys.stderr)
         return exc.exit_code, exc.one_line()

@@ -4,7 +4,7 @@ it got.
 ``python -m train.comm_probe --device gpu|cpu --backend nccl|gloo|mpi --timeout S``,
 started by :mod:`launcher.comm` with torchrun's variables set by hand. Each stage it
 reaches (start, init, all-reduce, done, or error) is written as a report
-(:mod:`train.core.reports`), so the parent can name the rank that hung and where.
+(:mod:`train.core.protocol`), so the parent can name the rank that hung and where.
 """
 
 from __future__ import annotations
@@ -13,17 +13,10 @@ import argparse
 import sys
 import time
 
-from train.core import reports
-from train.core.identity import WorkerIdentity
+from train.core.protocol import COMM, Probe, Reporter
 
 STAGES = ("start", "init", "allreduce", "done")
 ELEMENTS = {"gpu": 16 * 1024 * 1024, "cpu": 256 * 1024}   # 64 MiB / 1 MiB of float32
-
-
-def _report(folder: str | None, rank: int, stage: str, error: str | None = None,
-            **details: object) -> None:
-    reports.write(folder, reports.Report(rank=rank, kind="comm", stage=stage, error=error,
-                                         details=details))
 
 
 def child(argv: list[str]) -> int:
@@ -32,9 +25,9 @@ def child(argv: list[str]) -> int:
     parser.add_argument("--backend", choices=("nccl", "gloo", "mpi"), required=True)
     parser.add_argument("--timeout", type=float, default=60)
     args = parser.parse_args(argv)
-    ident = WorkerIdentity.from_environ()
-    folder, rank = ident.status_dir, ident.rank
-    _report(folder, rank, "start")
+    reporter = Reporter.from_environ(COMM)
+    ident = reporter.ident
+    reporter.stage("start")
     try:
         import datetime
 
@@ -46,12 +39,12 @@ def child(argv: list[str]) -> int:
             device = torch.device("cuda", ident.local_rank)
             torch.cuda.set_device(device)
             kwargs["device_id"] = device
-        _report(folder, rank, "init")
+        reporter.stage("init")
         dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout),
                                 **kwargs)
         world = dist.get_world_size()
         x = torch.ones(ELEMENTS[args.device], device=device)
-        _report(folder, rank, "allreduce", world_size=world)
+        reporter.stage("allreduce", probe=Probe(world_size=world))
         dist.all_reduce(x)  # warm-up (connects the ring)
         x.fill_(1.0)
         _sync(torch, device)
@@ -62,12 +55,12 @@ def child(argv: list[str]) -> int:
         ok = bool((x == world).all().item())
         nbytes = x.numel() * 4
         busbw = nbytes * 2 * (world - 1) / world / seconds / 1e9 if world > 1 else None
-        _report(folder, rank, "done", ok=ok, world_size=world, seconds=seconds,
-                bytes=nbytes, bus_gb_s=busbw)
+        reporter.stage("done", probe=Probe(world_size=world, ok=ok, seconds=seconds,
+                                           bytes=nbytes, bus_gb_s=busbw))
         dist.destroy_process_group()
         return 0 if ok else 1
     except Exception as exc:
-        _report(folder, rank, "error", error=f"{type(exc).__name__}: {exc}")
+        reporter.stage("error", error=f"{type(exc).__name__}: {exc}")
         return 1
 
 

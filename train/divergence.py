@@ -33,13 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from train.core import rundir
 from train.core.errors import Diverged
 from train.core.files import write_json_atomic
 
 log = logging.getLogger("train")
 
 SCALER_SKIPS_IN_A_ROW = 20
-MARKER = "diverged.json"
+MARKER = rundir.DIVERGED
 
 
 class Guard:

@@ -17,12 +17,13 @@ import os
 import sys
 from pathlib import Path
 
+from train.core import rundir
 from train.core.errors import CannotRunHere, ConfigError, UserError
 from train.core.files import create_new, sha256_file
 from train.trackers import upload_export
 
 # What an export writes; model.json lists them, and a later export replaces only these.
-EXPORT_FILES = ("model.pt", "model.json")
+EXPORT_FILES = (rundir.EXPORT_WEIGHTS, rundir.EXPORT_META)
 
 
 def check_output(run_dir: Path, out: Path) -> None:
@@ -33,18 +34,18 @@ def check_output(run_dir: Path, out: Path) -> None:
     if target == run or target in run.parents:
         raise ConfigError("command line", "--out", f"{out} contains the run directory; "
                                                    f"choose a new or an earlier export directory")
-    if run in target.parents and target.relative_to(run).parts[0] != "export":
-        raise ConfigError("command line", "--out", f"{out} is inside the run's own files; "
-                                                   f"use {run_dir / 'export'} or a path outside")
+    if run in target.parents and target.relative_to(run).parts[0] != rundir.EXPORT:
+        raise ConfigError("command line", "--out", f"{out} is inside the run's own files; use "
+                                                   f"{run_dir / rundir.EXPORT} or a path outside")
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise ConfigError("command line", "--out", f"{out} exists and is not a directory; "
                                                    "choose a new or an earlier export directory")
     if not out.exists():
         return
-    if not (out / "model.json").is_file():
+    if not (out / rundir.EXPORT_META).is_file():
         raise ConfigError("command line", "--out", f"{out} exists and is not an earlier export "
                                                    f"(no model.json); it would be replaced")
-    listed = listed_files(out / "model.json")
+    listed = listed_files(out / rundir.EXPORT_META)
     ours = {*listed, *(temporary_name(f) for f in listed)}  # an interrupted export's too
     foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
     if foreign:
@@ -75,7 +76,7 @@ def load_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, dict]:
     from train.checkpoint import Checkpointer, CheckpointsUnusable
     checkpointer = Checkpointer(run_dir, rank=0, keep_last=1)
     if step is not None:
-        path = checkpointer.dir / f"step-{step}"
+        path = checkpointer.dir / rundir.step_name(step)
         problem = Checkpointer.verify(path) if path.is_dir() else "no such checkpoint"
         if problem:
             raise ConfigError("command line", "--step", f"{path}: {problem}")
@@ -117,7 +118,7 @@ def export(run_dir: Path, out: Path, step: int | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     # Each file is written beside its final name and renamed over it, model.json last:
     # its hash of model.pt tells a torn pair apart. Nothing else in `out` is touched.
-    write_replacing(out / "model.pt", lambda f: torch.save(
+    write_replacing(out / rundir.EXPORT_WEIGHTS, lambda f: torch.save(
         {k: v.contiguous() for k, v in weights.items()}, f))
     model = saved.config["model"]
     load = ("torch.load('model.pt', weights_only=True) -> state dict of "
@@ -126,10 +127,10 @@ def export(run_dir: Path, out: Path, step: int | None = None) -> Path:
                "train.models.build_model(ModelConfig(**model), input_shape=tuple(io["
                "'input_shape']), num_classes=io['num_classes'])"))
     meta = {"model": model, "io": saved.model_io, "checkpoint": str(path), "step": saved.step,
-            "model_pt_sha256": sha256_file(out / "model.pt"), "load": load,
+            "model_pt_sha256": sha256_file(out / rundir.EXPORT_WEIGHTS), "load": load,
             "files": list(EXPORT_FILES)}
     text = (json.dumps(meta, indent=2) + "\n").encode()
-    write_replacing(out / "model.json", lambda f: f.write(text))
+    write_replacing(out / rundir.EXPORT_META, lambda f: f.write(text))
     return out
 
 
@@ -154,12 +155,12 @@ def load_model(export_dir: str | Path):
     from train.core.config import ModelConfig
     from train.models import build_model
     export_dir = Path(export_dir)
-    meta = json.loads((export_dir / "model.json").read_text())
+    meta = json.loads((export_dir / rundir.EXPORT_META).read_text())
     io = meta.get("io") or {}
     model = build_model(ModelConfig(**meta["model"]),
                         input_shape=tuple(io.get("input_shape") or ()),
                         num_classes=io.get("num_classes") or 0, source=str(export_dir))
-    model.load_state_dict(torch.load(export_dir / "model.pt", weights_only=True))
+    model.load_state_dict(torch.load(export_dir / rundir.EXPORT_WEIGHTS, weights_only=True))
     return model.eval()
 
 
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, help="export checkpoints/step-N instead of the newest")
     args = parser.parse_args(argv)
     try:
-        out = export(args.run_dir, args.out or args.run_dir / "export", args.step)
+        out = export(args.run_dir, args.out or args.run_dir / rundir.EXPORT, args.step)
     except UserError as exc:
         print(exc.one_line(), file=sys.stderr)
         return exc.exit_code

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from train.core import rundir
 from train.core.errors import ConfigError, UserError
 
 BYTES = 256
@@ -23,8 +24,8 @@ BYTES = 256
 
 def export_folder(path: Path) -> Path:
     """The export to sample from: ``path`` itself, or the run directory's export/."""
-    for folder in (path, path / "export"):
-        if (folder / "model.json").is_file():
+    for folder in (path, path / rundir.EXPORT):
+        if (folder / rundir.EXPORT_META).is_file():
             return folder
     raise ConfigError("command line", "RUN_DIR", (
         f"{path}: no export here (no model.json in it or in its export/): run "
@@ -33,10 +34,10 @@ def export_folder(path: Path) -> Path:
 
 def check_byte_gpt(folder: Path) -> dict:
     try:
-        meta = json.loads((folder / "model.json").read_text(encoding="utf-8"))
+        meta = json.loads((folder / rundir.EXPORT_META).read_text(encoding="utf-8"))
         kind = meta.get("model", {}).get("kind")
     except (OSError, ValueError, AttributeError) as exc:
-        raise ConfigError("command line", "RUN_DIR", f"{folder / 'model.json'}: not an "
+        raise ConfigError("command line", "RUN_DIR", f"{folder / rundir.EXPORT_META}: not an "
                           f"export's model.json ({type(exc).__name__}); export again") from None
     vocabulary = (meta.get("io") or {}).get("num_classes")
     if kind != "gpt" or vocabulary != BYTES:

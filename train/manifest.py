@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from train import __version__
+from train.core import rundir
 from train.core.config import Config, to_yaml
 from train.core.files import write_json_atomic
 from train.core.host import read_build_manifest
@@ -75,7 +76,7 @@ def update_manifest(run_dir: Path, cfg: Config, *, data_hash: str, data_descript
                     world_size: int, start_step: int, restart_count: int,
                     build_manifest_path: str, explicit_code_version: str | None,
                     user_code: dict[str, str] | None = None) -> dict:
-    path = run_dir / "manifest.json"
+    path = run_dir / rundir.MANIFEST
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError):

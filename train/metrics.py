@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from train.board import Board
 from train.console import Console, format_duration
+from train.core import rundir
 from train.core.config import Config, to_yaml
 from train.core.files import json_text, open_append, write_atomic
 from train.core.identity import COMMAND_VAR
@@ -48,18 +49,18 @@ class MetricsLogger:
 
     def __init__(self, cfg: Config, run_dir: Path, start_step: int, *, throughput_unit: str):
         self.cfg, self.max_steps, self.unit = cfg, cfg.train.max_steps, throughput_unit
-        self.jsonl_path = run_dir / "metrics.jsonl"
+        self.jsonl_path = run_dir / rundir.METRICS
         truncate_jsonl(self.jsonl_path, start_step)
         self.jsonl = open_append(self.jsonl_path)
         style = cfg.logging.progress
         self.console = Console(self.max_steps, throughput_unit,
                                bar=style == "bar" or (style == "auto" and sys.stdout.isatty()))
         self.run_dir, self.started = run_dir, time.monotonic()
-        self.tb = Board(run_dir / "tb", start_step, to_yaml(cfg)) if cfg.logging.tensorboard \
-            else None
+        self.tb = Board(run_dir / rundir.BOARD, start_step, to_yaml(cfg)) \
+            if cfg.logging.tensorboard else None
         self.hparams = _flat_hparams(cfg)
         self.trackers = Trackers(cfg, run_dir, self.hparams)
-        self.trackers.artifact(run_dir / "config.yaml")  # this attempt's resolved config
+        self.trackers.artifact(run_dir / rundir.CONFIG)  # this attempt's resolved config
         self.closed = False
         self.writes_text = cfg.model.kind == "gpt" and cfg.data.kind == "text"  # bytes
 

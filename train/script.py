@@ -3,7 +3,7 @@
 
 torchrun (or the launcher, for one process) starts this in place of the trainer for
 ``entrypoint.py launch``. It runs the script as ``__main__`` (as ``python SCRIPT`` would:
-``sys.argv``, ``sys.path[0]``), and leaves a :class:`~train.core.reports.Report` of how it
+``sys.argv``, ``sys.path[0]``), and leaves a :class:`~train.core.protocol.Report` of how it
 ended, so the launcher can name the failing rank in one line and map the exit codes as
 for training. Like a training worker, it stops when its parent (torchrun or the
 launcher) dies.
@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 
 from train.core.host import die_with_parent
-from train.worker import write_status
+from train.core.protocol import Reporter
 
 
 def run(argv: list[str]) -> tuple[int, str | None]:
@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        write_status(code, error)
+        Reporter.from_environ().ended(code, error)
     return code
 
 

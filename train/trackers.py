@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from train.core import rundir
 from train.core.config import Config
 from train.core.errors import CannotRunHere
 from train.core.files import write_json_atomic
@@ -44,7 +45,7 @@ from train.core.tracking import MLFLOW_URI_VAR, mlflow_uri, said, shown_uri, wan
 
 log = logging.getLogger("train")
 
-RECORD = "trackers.json"  # in the run directory: which tracker runs this run continues
+RECORD = rundir.TRACKERS  # in the run directory: which tracker runs this run continues
 # MLflow's limits for a param (mlflow/utils/validation.py): these characters, key 250,
 # value 6000 characters
 PARAM_KEY = re.compile(r"[^\w\-. /]")
@@ -239,7 +240,7 @@ def upload_export(run_dir: Path, out: Path) -> str | None:
     import yaml
     previous = read_record(run_dir).get("mlflow")
     try:
-        logged = yaml.safe_load((run_dir / "config.yaml").read_text())["logging"]["mlflow"]
+        logged = yaml.safe_load((run_dir / rundir.CONFIG).read_text())["logging"]["mlflow"]
     except (OSError, yaml.YAMLError, KeyError, TypeError):
         logged = None
     if not previous or not logged or not logged.get("enabled"):
@@ -251,7 +252,7 @@ def upload_export(run_dir: Path, out: Path) -> str | None:
                    else "mlflow is not installed here"))
     from mlflow import MlflowClient
     try:
-        MlflowClient(uri).log_artifacts(previous["run_id"], str(out), "export")
+        MlflowClient(uri).log_artifacts(previous["run_id"], str(out), rundir.EXPORT)
     except Exception as exc:
         return f"warning: MLflow upload failed ({said(exc, 200)})"
     return f"uploaded to MLflow run {previous['run_id']} (artifacts: export/)"

@@ -27,11 +27,12 @@ from train import runtime
 from train.checkpoint.policy import Cadence
 from train.checkpointing import resume, save_checkpoint
 from train.components import Components, build, preflight, train_loader
-from train.core import runlock, usercode
+from train.core import rundir, runlock, usercode
 from train.core.config import AUTO, Config, to_yaml
 from train.core.errors import EXIT_OK, EXIT_PEER_STOPPED, EXIT_STOPPED_BY_SIGNAL, Diverged
 from train.core.files import finished_step, write_atomic, write_json_atomic
 from train.core.identity import WorkerIdentity
+from train.core.protocol import Reporter
 from train.data import eval_indices
 from train.divergence import Guard, clear_marker, read_marker, write_marker
 from train.manifest import update_manifest
@@ -138,7 +139,7 @@ def start_logging(c: Components, state: TrainState) -> MetricsLogger | None:
     Rank 0 writes the run's files and gets the metrics logger; other ranks get None."""
     if not c.env.is_main:
         return None
-    write_atomic(c.run_dir / "config.yaml", to_yaml(c.cfg))
+    write_atomic(c.run_dir / rundir.CONFIG, to_yaml(c.cfg))
     update_manifest(c.run_dir, c.cfg, data_hash=c.data.data_hash,
                     data_description=c.data.description, world_size=c.env.world_size,
                     start_step=state.step, restart_count=c.env.restart_count,
@@ -156,21 +157,20 @@ def start_logging(c: Components, state: TrainState) -> MetricsLogger | None:
 def make_guard(c: Components, state: TrainState) -> Guard:
     def last_good() -> Path | None:
         step = c.checkpointer.latest_step()
-        return None if step is None else c.checkpointer.dir / f"step-{step}"
+        return None if step is None else c.checkpointer.dir / rundir.step_name(step)
     return Guard(mode=c.cfg.train.nonfinite, max_skips=c.cfg.train.max_skipped_steps,
                  scaled=c.scaler is not None, skipped=state.skipped_steps, run_dir=c.run_dir,
                  last_good=last_good, grad_clip=c.cfg.optim.grad_clip)
 
 
 def run_loop(c: Components, state: TrainState, stop: StopFlag,
-             metrics: MetricsLogger | None, guard: Guard) -> int:
+             metrics: MetricsLogger | None, guard: Guard, watchdog: Watchdog) -> int:
     cfg, env = c.cfg, c.env
     every_log, every_eval = cfg.logging.every_steps, cfg.train.eval_every_steps
     cadence = Cadence.from_config(cfg)
     samples_per_step = cfg.train.global_batch_size * max(1, c.data.tokens_per_sample)
     batches = iter(train_loader(c, state))
     last_time, last_step = time.perf_counter(), state.step
-    watchdog = Watchdog(cfg.distributed.timeout_s, env)
     while state.step < cfg.train.max_steps:
         watchdog.pet(state.step)
         loss = train_step(c, batches)
@@ -222,7 +222,7 @@ def finish(c: Components, metrics: MetricsLogger | None, step: int) -> None:
     if c.env.is_main:
         metrics.close(final)  # finished: the run's HParams row
         metrics.summary(step, final)
-        write_json_atomic(c.run_dir / "result.json", {"step": step, **final})
+        write_json_atomic(c.run_dir / rundir.RESULT, {"step": step, **final})
 
 
 def log_eval(c: Components, metrics: MetricsLogger | None, step: int) -> dict[str, float]:
@@ -247,9 +247,12 @@ def refuse_a_diverged_restart(c: Components) -> None:
         clear_marker(c.run_dir)
 
 
-def train(cfg: Config, source: str, env: WorkerIdentity | None = None) -> int:
-    """One worker's whole run. ``source``: the config file, named in error messages."""
+def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
+          reporter: Reporter | None = None) -> int:
+    """One worker's whole run. ``source``: the config file, named in error messages;
+    ``reporter``: how the rank tells the launcher its progress and hangs."""
     env = env or WorkerIdentity.from_environ()
+    reporter = reporter or Reporter(env)
     runtime.configure_logging(env.rank)
     faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) shows every stack
     stop = StopFlag()
@@ -265,7 +268,7 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None) -> int:
             if cfg.checkpoint.resume_from == AUTO else None  # none or a path: train as asked
         if done is not None and env.world_size == 1:  # (the launcher checks before starting)
             log.info("nothing to do: run %s finished at step %d (%s); raise train.max_steps "
-                     "to train on", cfg.run.name, done, cfg.run_dir / "result.json")
+                     "to train on", cfg.run.name, done, cfg.run_dir / rundir.RESULT)
             clean = True
             return EXIT_OK
         c = build(cfg, env, source, placed)
@@ -276,13 +279,14 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None) -> int:
         guard = make_guard(c, state)
         if state.step >= cfg.train.max_steps:
             log.info("nothing to do: the run already reached step %d", state.step)
-            if runtime.from_main(not (c.run_dir / "result.json").exists(), env):
+            if runtime.from_main(not (c.run_dir / rundir.RESULT).exists(), env):
                 finish(c, metrics, state.step)
             elif env.is_main:
                 metrics.close()
             code = EXIT_OK
         else:
-            code = run_loop(c, state, stop, metrics, guard)
+            watchdog = Watchdog(cfg.distributed.timeout_s, reporter)
+            code = run_loop(c, state, stop, metrics, guard, watchdog)
         if metrics is not None:  # stopped by a signal, or by another node: resumable
             metrics.close(status="KILLED")
         c.checkpointer.wait()

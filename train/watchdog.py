@@ -1,6 +1,6 @@
 """A step that makes no progress becomes a named hang instead of a silent one.
 
-Each rank's report (:mod:`train.core.reports`) says which step it reached, refreshed at
+Each rank's report (:mod:`train.core.protocol`) says which step it reached, refreshed at
 most every PROGRESS_EVERY_S, so that the launcher can name a rank that stopped arriving
 (frozen, SIGSTOPped) when the others time out waiting for it. When a step makes no
 progress for STEPS_OF_SILENCE times its usual time (at least FLOOR_S, at most
@@ -25,9 +25,12 @@ import threading
 import time
 from pathlib import Path
 
-from train.core import reports
-from train.core.identity import WorkerIdentity
-from train.worker import newest_checkpoint
+from train.core.protocol import (
+    STUCK_IN_OWN_CODE,
+    WAITS_FOR_LOADER,
+    WAITS_FOR_RANKS,
+    Reporter,
+)
 
 STEPS_OF_SILENCE = 20
 FLOOR_S = 120
@@ -49,7 +52,8 @@ def _stdlib(name: str) -> bool:
 
 
 def where(frame) -> tuple[str, str]:
-    """(what the thread waits for: "ranks", "loader" or "own", decided by its innermost
+    """(what the thread waits for: WAITS_FOR_RANKS, WAITS_FOR_LOADER or STUCK_IN_OWN_CODE,
+    decided by its innermost
     frame outside Python's library; "file:line in function" of its innermost frame that
     is neither Python's nor torch's: where a reader looks first)."""
     inner, shown = None, None
@@ -61,24 +65,24 @@ def where(frame) -> tuple[str, str]:
             shown = f"{Path(name).name}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     if inner is not None and any(part in inner for part in _WAITING):
-        kind = "ranks"
+        kind = WAITS_FOR_RANKS
     elif inner is not None and _LOADER in inner:
-        kind = "loader"
+        kind = WAITS_FOR_LOADER
     else:
-        kind = "own"
+        kind = STUCK_IN_OWN_CODE
     return kind, shown or "?"
 
 
-WAITS = {"ranks": "waiting for the other ranks (a collective)",
-         "loader": "waiting for its DataLoader workers (data.num_workers)",
-         "own": "stuck in its own code"}
+WAITS = {WAITS_FOR_RANKS: "waiting for the other ranks (a collective)",
+         WAITS_FOR_LOADER: "waiting for its DataLoader workers (data.num_workers)",
+         STUCK_IN_OWN_CODE: "stuck in its own code"}
 
 
 class Watchdog:
     """pet(step) once per step; pause() around evaluation and checkpoints."""
 
-    def __init__(self, timeout_s: int, env: WorkerIdentity | None = None):
-        self.timeout_s, self.env = timeout_s, env
+    def __init__(self, timeout_s: int, reporter: Reporter | None = None):
+        self.timeout_s, self.reporter = timeout_s, reporter
         self.cap = BEFORE_COLLECTIVES * timeout_s
         self.limit: float = self.cap  # seconds without progress that make a hang
         self.armed_at = self.reported_at = -math.inf
@@ -96,8 +100,8 @@ class Watchdog:
             self._thread = threading.Thread(target=self._watch, name="hang-watchdog",
                                             daemon=True)
             self._thread.start()
-        if self.env is not None and now - self.reported_at >= PROGRESS_EVERY_S:
-            self._report(None, None, {"step": step})
+        if self.reporter is not None and now - self.reported_at >= PROGRESS_EVERY_S:
+            self.reporter.progress(step)
             self.reported_at = now
 
     def pace(self, step_time_s: float) -> None:
@@ -124,22 +128,10 @@ class Watchdog:
                  else f"{STEPS_OF_SILENCE} x its usual step time, at least {FLOOR_S} s")
         error = (f"no progress for {silent_s:.0f} s in step {self.step + 1} ({limit}: "
                  f"{self.limit:.0f} s): {WAITS[kind]} at {at}")
-        if self.env is not None:
-            report = self._report(1, error, {"step": self.step, "hung": kind})
-            # kept like any failure: a hang that recurs from the same checkpoint is not
-            # restarted again and again (train.worker.repeated_failure)
-            reports.record_failure(self.env.status_dir, report)
-        rank = self.env.rank if self.env is not None else 0
+        if self.reporter is not None:
+            self.reporter.hung(self.step, kind, error)
+        rank = self.reporter.ident.rank if self.reporter is not None else 0
         print(f"rank {rank}: hang watchdog: {error}; every thread's stack follows",
               file=sys.stderr, flush=True)
         faulthandler.dump_traceback(all_threads=True)
         os._exit(1)
-
-    def _report(self, code: int | None, error: str | None, details: dict) -> reports.Report:
-        env = self.env
-        report = reports.Report(
-            rank=env.rank, local_rank=env.local_rank, restart=env.restart_count,
-            exit_code=code, error=error, log_dir=env.log_dir, stage="training",
-            details=details, checkpoint=newest_checkpoint(env) if code is not None else None)
-        reports.write(env.status_dir, report)
-        return report

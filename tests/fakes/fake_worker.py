@@ -10,11 +10,12 @@ import signal
 import sys
 import time
 
-from train.core.identity import WorkerIdentity
-from train.worker import write_status
+from train.core.protocol import Reporter
 
 mode = sys.argv[1]
-rank = WorkerIdentity.from_environ().rank
+reporter = Reporter.from_environ()
+rank = reporter.ident.rank
+write_status = reporter.ended
 if mode == "ok":
     write_status(0, None)
     sys.exit(0)

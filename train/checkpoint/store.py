@@ -45,7 +45,7 @@ class Checkpointer:
                  barrier: Callable[[], None] = lambda: None,
                  gather: Callable[[object], list] = lambda value: [value],
                  async_timeout_s: float = 600):
-        self.dir = run_dir / "checkpoints"
+        self.dir = run_dir / rundir.CHECKPOINTS
         self.rank, self.keep_last, self.barrier, self.gather = rank, keep_last, barrier, gather
         self.world_size, self.async_timeout_s = world_size, async_timeout_s
         self._writer: threading.Thread | None = None
@@ -66,9 +66,9 @@ class Checkpointer:
         waits for its writes and returns them): each rank hashes its own, rank 0 lists
         them all.
         """
-        partial = self.dir / f"step-{step}.partial"
-        final = self.dir / f"step-{step}"
-        mine = partial / f"rank-{self.rank}.pt"
+        final = self.dir / rundir.step_name(step)
+        partial = final.with_name(final.name + ".partial")
+        mine = partial / rundir.rank_file(self.rank)
         main = self.rank == 0
         hashed: dict[str, str] = {}
 
@@ -164,8 +164,8 @@ class Checkpointer:
         """pending: the shard writes in flight, when sharded. Each rank's marker holds the
         hashes of its shards."""
         try:
-            with self._writing(partial, partial / f"rank-{self.rank}.pt"):
-                save_file(mine, partial / f"rank-{self.rank}.pt")
+            with self._writing(partial, partial / rundir.rank_file(self.rank)):
+                save_file(mine, partial / rundir.rank_file(self.rank))
             hashed = {}
             if pending is not None:
                 with self._writing(partial, partial / SHARDS_DIR):
@@ -209,7 +209,7 @@ class Checkpointer:
             shutil.rmtree(replaced, ignore_errors=True)
             os.replace(final, replaced)
         os.replace(partial, final)
-        write_atomic(self.dir / "latest", final.name + "\n")
+        write_atomic(self.dir / rundir.LATEST, final.name + "\n")
         fsync_dir(self.dir)
         shutil.rmtree(replaced, ignore_errors=True)
 
@@ -304,7 +304,7 @@ class Checkpointer:
     def load(path: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
         import torch
         shared = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
-        own = path / f"rank-{rank}.pt"
+        own = path / rundir.rank_file(rank)
         mine = torch.load(own, map_location="cpu", weights_only=True) if own.exists() else None
         return shared, mine
 

@@ -18,7 +18,11 @@ EXIT_STOPPED_BY_SIGNAL = 143
 # the workers of another node were told to stop. torchrun restarts it without counting
 # a failure, to train on without that node; the launcher says 143 if the job ends here.
 EXIT_PEER_STOPPED = 144
+# Every exit code a user can see.
+EXIT_CODES = (EXIT_OK, EXIT_TRAINING_FAILED, EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE,
+              EXIT_DIVERGED, EXIT_STORE_LOST, EXIT_RUN_DIR_BUSY, EXIT_STOPPED_BY_SIGNAL)
 # Exit codes a retry cannot change: launchers and Kubernetes should not restart on them.
+# The rule that reads them is train.core.protocol.restart_can_help.
 FINAL_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_DIVERGED)
 
 

@@ -25,6 +25,8 @@ import threading
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
+from train.core import rundir
+
 
 def fsync_file(path: Path) -> None:
     with Path(path).open("rb") as f:
@@ -129,7 +131,7 @@ def finished_step(run_dir: Path, max_steps: int) -> int | None:
     """The step of a finished run (its result.json reaching ``max_steps``), else None:
     the one file that says there is nothing left to do, read before anything is built."""
     try:
-        step = json.loads((Path(run_dir) / "result.json").read_text()).get("step")
+        step = json.loads((Path(run_dir) / rundir.RESULT).read_text()).get("step")
     except (OSError, ValueError, AttributeError):
         return None
     return step if isinstance(step, int) and step >= max_steps else None

@@ -1,12 +1,16 @@
-"""The run directory's checkpoint layout, read the same way by the launcher and the workers.
+"""The run directory's layout: every fixed name in it is defined here, once.
 
+``output.dir/run.name/`` holds what a run keeps (:data:`LAYOUT`, the names
+docs/training.md's table lists: a test holds the two together, and another that no
+product module spells one of these names itself). Its checkpoints are
 ``checkpoints/step-N/`` folders, each complete once its ``checksums.json`` lists every
-file, and ``checkpoints/latest`` naming the newest, beside the run's other files (:data:`RUN_FILES`,
-none of which may be a symbolic link). Here is only what reading needs
-and costs no hashing: which step folders exist, which one ``latest`` names, and
-whether a folder has its files. The launcher asks :func:`usable_problem` before it
-starts any worker (checkpoints there, none whole: exit 2, never a silent start over);
-writing, verifying and loading are :mod:`train.checkpoint`'s.
+file, and ``checkpoints/latest`` naming the newest.
+
+Here is also what reading the checkpoints needs and costs no hashing: which step
+folders exist, which one ``latest`` names, and whether a folder has its files. The
+launcher asks :func:`usable_problem` before it starts any worker (checkpoints there,
+none whole: exit 2, never a silent start over); writing, verifying and loading are
+:mod:`train.checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -18,15 +22,59 @@ from pathlib import Path
 
 log = logging.getLogger("train")
 
-STATE_FILE = "state.pt"
-CHECKSUMS = "checksums.json"
+# In the run directory
+CONFIG = "config.yaml"            # the resolved config
+MANIFEST = "manifest.json"        # versions, hashes and one entry per (re)start
+METRICS = "metrics.jsonl"         # one JSON object per logged step
+BOARD = "tb"                      # TensorBoard events
+RESULT = "result.json"            # final step and validation metrics
+TRACKERS = "trackers.json"        # the experiment trackers' run ids
+WANDB = "wandb"                   # W&B's own offline files
+DIVERGED = "diverged.json"        # the message of a run that diverged
+LOCK = ".lock"                    # the run directory's lease
+FLOCK = ".flock"                  # flock'ed by the run's processes on the holder's host
+LOGS = "logs"                     # torchrun's per-rank logs
+EXPORT = "export"                 # entrypoint.py export's default output
+CHECKPOINTS = "checkpoints"
+# Beside checkpoints/: checkpoints moved aside, never deleted
+REPLACED = "replaced"             # by checkpoint.resume_from: none
+ABANDONED = "abandoned"           # newer than the one a run resumed from
+# In checkpoints/
+LATEST = "latest"                 # the name of the newest sealed checkpoint
 STEP_DIR = re.compile(r"^step-(\d+)$")
+# In checkpoints/step-N/
+STATE_FILE = "state.pt"           # shared state: model, optimizer, schedule, position, config
+CHECKSUMS = "checksums.json"      # every file's SHA-256: written last, it seals the folder
+SHARDS = "model"                  # a sharded checkpoint's model and optimizer (DCP)
+# In an export
+EXPORT_WEIGHTS = "model.pt"
+EXPORT_META = "model.json"
 
+
+def step_name(step: int) -> str:
+    return f"step-{step}"
+
+
+def rank_file(rank: int) -> str:
+    """A checkpoint's per-rank state (RNG streams)."""
+    return f"rank-{rank}.pt"
+
+
+def aside_name(why: str, stamp: str) -> str:
+    """``checkpoints.<why>-<stamp>``: a folder of checkpoints moved out of the way."""
+    return f"{CHECKPOINTS}.{why}-{stamp}"
+
+
+# What a run directory may hold, as docs/training.md's table lists it (a test compares).
+LAYOUT = (CONFIG, MANIFEST, METRICS, f"{BOARD}/train/", f"{BOARD}/val/",
+          f"{CHECKPOINTS}/step-N/", f"{CHECKPOINTS}/{LATEST}",
+          f"{aside_name(REPLACED, '<time>')}/", f"{aside_name(ABANDONED, '<time>')}/", RESULT,
+          TRACKERS, f"{WANDB}/offline-run-<time>-<id>/", DIVERGED, LOCK, FLOCK, f"{LOGS}/",
+          f"{EXPORT}/")
 
 # Files a run writes at fixed names in its directory (checkpoints/ holds fresh step-N
 # folders): none may be a symbolic link, or the run would write where it points.
-RUN_FILES = ("config.yaml", "manifest.json", "metrics.jsonl", "result.json", "diverged.json",
-             ".lock", ".flock", "checkpoints/latest")
+RUN_FILES = (CONFIG, MANIFEST, METRICS, RESULT, DIVERGED, LOCK, FLOCK, f"{CHECKPOINTS}/{LATEST}")
 
 
 def linked_files(run_dir: Path) -> list[str]:
@@ -59,13 +107,13 @@ def latest_name(folder: Path) -> str | None:
     """The step folder ``latest`` names; None when it is missing or unreadable (garbage
     in it is ignored with a warning: the newest verified checkpoint wins)."""
     try:
-        text = (folder / "latest").read_bytes()[:256].decode("utf-8", "replace").strip()
+        text = (folder / LATEST).read_bytes()[:256].decode("utf-8", "replace").strip()
     except OSError:
         return None
     if STEP_DIR.match(text):
         return text
     log.warning("%s is unreadable (%r); ignoring it and using the newest checkpoint that "
-                "verifies", folder / "latest", text[:40])
+                "verifies", folder / LATEST, text[:40])
     return None
 
 
@@ -106,5 +154,5 @@ def none_usable(folder: Path, problems: list[tuple[str, str]]) -> str:
     more = f"; and {len(problems) - 4} more" if len(problems) > 4 else ""
     return (f"{folder}: {len(problems)} checkpoint(s) and none is usable ({listed}{more}); "
             "nothing was changed. To start this run over, set checkpoint.resume_from=none "
-            "(they are moved to checkpoints.replaced-<time>/, not deleted); to resume one, "
+            f"(they are moved to {aside_name(REPLACED, '<time>')}/, not deleted); to resume one, "
             "restore its files")

@@ -44,12 +44,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from train.core import rundir
 from train.core.errors import ConfigError, RunDirBusy
 from train.core.files import LinkRefused, refusing_links, write_atomic
 from train.core.host import process_alive
 
-LOCK_FILE = ".lock"
-FLOCK_FILE = ".flock"
+LOCK_FILE = rundir.LOCK
+FLOCK_FILE = rundir.FLOCK
 
 
 class LeaseTimes(NamedTuple):

@@ -114,7 +114,7 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
         except ConfigError as exc:  # from train.core.datafiles: names the data file itself
             errors.append(exc)
     resume = cfg.checkpoint.resume_from
-    if resume not in (AUTO, "none") and not (Path(resume) / "checksums.json").is_file():
+    if resume not in (AUTO, "none") and not (Path(resume) / rundir.CHECKSUMS).is_file():
         fail("checkpoint.resume_from", f"{resume}: not a checkpoint directory (no "
                                        f"checksums.json); use auto, none or a step-N directory")
     cfg._warnings = warnings
@@ -276,14 +276,14 @@ def check_resume_compatible(cfg: Config, source: str) -> None:
     run_dir = cfg.run_dir
     if cfg.checkpoint.resume_from != AUTO:
         return
-    problem = rundir.usable_problem(run_dir / "checkpoints")
+    problem = rundir.usable_problem(run_dir / rundir.CHECKPOINTS)
     if problem:  # checkpoints there, none whole: never start over silently
         raise ConfigError(source, "checkpoint.resume_from", problem)
-    if not (run_dir / "checkpoints" / "latest").exists():
+    if not (run_dir / rundir.CHECKPOINTS / rundir.LATEST).exists():
         return
     saved, damage = recorded_config(run_dir)
     if damage:
-        _warn(cfg, f"{run_dir / 'config.yaml'}: {damage}; this start rewrites it (the "
+        _warn(cfg, f"{run_dir / rundir.CONFIG}: {damage}; this start rewrites it (the "
                    "checkpoint's own copy of the config is checked instead)")
     if saved is None:
         return
@@ -294,12 +294,12 @@ def check_resume_compatible(cfg: Config, source: str) -> None:
                           f"{origin_note(cfg, k, source)}" for k in changed[:5])
         more = f"; and {len(changed) - 5} more" if len(changed) > 5 else ""
         _warn(cfg, f"{source}: resuming {run_dir} with a config that differs from the one it "
-                   f"ran with ({run_dir / 'config.yaml'}): {shown}{more}")
+                   f"ran with ({run_dir / rundir.CONFIG}): {shown}{more}")
 
 
 def recorded_config(run_dir: Path) -> tuple[dict | None, str | None]:
     """The run's config.yaml as a mapping, or (None, what is wrong with it)."""
-    path = run_dir / "config.yaml"
+    path = run_dir / rundir.CONFIG
     try:
         saved = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
