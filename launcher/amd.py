@@ -181,23 +181,10 @@ def detect(vis: Visibility, path: str, root: str = "/") -> Hardware:
     if not cards and not nodes:
         return Hardware()
     warnings: list[str] = []
-    usable: list[tuple[KfdNode | None, ToolCard]] = []
-    if nodes:
-        for pos, node in enumerate(nodes):
-            present = node.render_minor is not None and \
-                (rootp / f"dev/dri/renderD{node.render_minor}").exists()
-            if present and has_kfd:
-                usable.append((node, _label(node, pos, cards, len(nodes))))
-    elif has_kfd:  # no KFD sysfs (unusual): count the render nodes present
-        renders = sorted((rootp / "dev/dri").glob("renderD*"))
-        usable = [(None, cards[i] if i < len(cards) else ToolCard()) for i in range(len(renders))]
+    usable = _usable(rootp, nodes, cards, has_kfd)
     listed = max(len(cards), len(nodes or []))
     if listed and not usable:
-        warnings.append(
-            f"{source if source != 'none' else 'sysfs'} lists {listed} AMD GPU(s) but this "
-            f"container cannot open them (/dev/kfd {'present' if has_kfd else 'missing'}, no "
-            "/dev/dri/renderD* of theirs): run with --device /dev/kfd --device /dev/dri "
-            "--group-add video --group-add render (Kubernetes: an amd.com/gpu resource)")
+        warnings.append(_unopenable(source, listed, has_kfd))
     chosen, vis_warnings = apply_visibility(usable, vis)
     warnings.extend(vis_warnings)
     gpus = tuple(Gpu(index=i, name=card.name or "AMD GPU", uuid=card.uuid,
@@ -206,6 +193,32 @@ def detect(vis: Visibility, path: str, root: str = "/") -> Hardware:
                  for i, (node, card) in enumerate(chosen))
     return Hardware(vendor="amd", source=source if source != "none" else "sysfs", gpus=gpus,
                     listed=listed, warnings=tuple(warnings))
+
+
+def _usable(rootp: Path, nodes: list[KfdNode] | None, cards: list[ToolCard],
+            has_kfd: bool) -> list[tuple[KfdNode | None, ToolCard]]:
+    """The GPUs this container can open (a KFD node whose render node is present, with
+    /dev/kfd present), each with the tool's card that labels it."""
+    if nodes:
+        usable = []
+        for pos, node in enumerate(nodes):
+            present = node.render_minor is not None and \
+                (rootp / f"dev/dri/renderD{node.render_minor}").exists()
+            if present and has_kfd:
+                usable.append((node, _label(node, pos, cards, len(nodes))))
+        return usable
+    if has_kfd:  # no KFD sysfs (unusual): count the render nodes present
+        renders = sorted((rootp / "dev/dri").glob("renderD*"))
+        return [(None, cards[i] if i < len(cards) else ToolCard()) for i in range(len(renders))]
+    return []
+
+
+def _unopenable(source: str, listed: int, has_kfd: bool) -> str:
+    """The warning for GPUs a tool or sysfs lists that this container cannot open."""
+    return (f"{source if source != 'none' else 'sysfs'} lists {listed} AMD GPU(s) but this "
+            f"container cannot open them (/dev/kfd {'present' if has_kfd else 'missing'}, no "
+            "/dev/dri/renderD* of theirs): run with --device /dev/kfd --device /dev/dri "
+            "--group-add video --group-add render (Kubernetes: an amd.com/gpu resource)")
 
 
 def _pick(items: list, spec: str, var: str, uid=None) -> tuple[list, str | None]:

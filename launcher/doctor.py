@@ -91,53 +91,83 @@ def _gpu_line(g: dict) -> str:
 
 
 def render(report: dict) -> str:
-    """The human-readable report."""
+    """The human-readable report: one line (or a few) for each part, in this order."""
     t, hw = report["torch"], report["hardware"]
-    lines = [f"torch      {t['version']} ({t['kind']}"
-             + (f", CUDA {t['cuda']}" if t.get("cuda") else "")
-             + (f", HIP {t['hip']}" if t.get("hip") else "")
-             + "); backends: " + (", ".join(b for b in ("nccl", "gloo", "mpi") if t.get(b))
-                                  or "none")]
-    if hw.get("vendor"):
-        lines.append(f"gpus       {len(hw['gpus'])} usable of {hw['listed']} listed "
-                     f"({hw['vendor']}, via {hw['source']})"
-                     + (f"; driver {hw['driver_version']} (CUDA <= {hw['cuda_driver_version']})"
-                        if hw.get("driver_version") else ""))
-    else:
-        lines.append("gpus       none found (CPU only)")
-    lines += [_gpu_line(g) for g in hw["gpus"]]
-    vis = {k: v for k, v in report["visibility"].items() if v is not None}
-    lines.append("visibility " + (", ".join(f"{k}={v!r}" for k, v in vis.items()) or "(none set)"))
-    lines.append(f"cpus       {hw['cpus']}")
-    p = report.get("plan")
-    if p:
-        lines.append(f"plan       {p['mode']}: device={p['device']} backend={p['backend']} "
-                     f"nproc_per_node={p['nproc_per_node']} nnodes={p['nnodes'][0]}:"
-                     f"{p['nnodes'][1]} ({p['convention']})")
-        lines += [f"plan note  {n}" for n in p["notes"] if n.startswith("launch convention")]
-    if report.get("slurm"):
-        lines.append("slurm      " + ", ".join(f"{k.removeprefix('SLURM_')}={v}"
-                                                for k, v in report["slurm"].items()))
-    net = report["network"]
-    ifaces = ", ".join(f"{i['name']}={i['ipv4'] or '-'}" for i in net["interfaces"])
-    lines.append(f"network    {net['fqdn']} -> {', '.join(net['fqdn_resolves_to']) or '?'}; "
-                 f"{ifaces}")
-    lines.append(f"rdma       {rdma.line(report['rdma'])}")
-    bm = report["build_manifest"]
-    lines.append(f"image      {bm['path']}: " + (_manifest_line(bm["content"]) if bm["present"]
-                                                  else "not present (not running in the image)"))
-    for note in hw.get("notes", []):
-        lines.append(f"note       {note}")
-    for f in report["findings"]:
-        mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}[f["level"]]
-        lines.append(f"{mark}       {f['message']}" + (f"\n             fix: {f['fix']}"
-                                                       if f.get("fix") else ""))
-    if "comm" in report:
-        lines += _comm_lines(report["comm"])
-    code = report["exit_code"]
-    lines.append("verdict    " + ("ready to train" if code == 0 else
-                                  f"training would fail (exit {code})"))
+    lines = [_torch_line(t),
+             _gpus_line(hw),
+             *(_gpu_line(g) for g in hw["gpus"]),
+             _visibility_line(report["visibility"]),
+             f"cpus       {hw['cpus']}",
+             *_plan_lines(report.get("plan")),
+             *_slurm_lines(report.get("slurm")),
+             _network_line(report["network"]),
+             f"rdma       {rdma.line(report['rdma'])}",
+             _image_line(report["build_manifest"]),
+             *(f"note       {note}" for note in hw.get("notes", [])),
+             *(_finding_line(f) for f in report["findings"]),
+             *(_comm_lines(report["comm"]) if "comm" in report else []),
+             _verdict_line(report["exit_code"])]
     return "\n".join(lines)
+
+
+def _torch_line(t: dict) -> str:
+    return (f"torch      {t['version']} ({t['kind']}"
+            + (f", CUDA {t['cuda']}" if t.get("cuda") else "")
+            + (f", HIP {t['hip']}" if t.get("hip") else "")
+            + "); backends: " + (", ".join(b for b in ("nccl", "gloo", "mpi") if t.get(b))
+                                 or "none"))
+
+
+def _gpus_line(hw: dict) -> str:
+    if not hw.get("vendor"):
+        return "gpus       none found (CPU only)"
+    return (f"gpus       {len(hw['gpus'])} usable of {hw['listed']} listed "
+            f"({hw['vendor']}, via {hw['source']})"
+            + (f"; driver {hw['driver_version']} (CUDA <= {hw['cuda_driver_version']})"
+               if hw.get("driver_version") else ""))
+
+
+def _visibility_line(visibility: dict) -> str:
+    vis = {k: v for k, v in visibility.items() if v is not None}
+    return "visibility " + (", ".join(f"{k}={v!r}" for k, v in vis.items()) or "(none set)")
+
+
+def _plan_lines(p: dict | None) -> list[str]:
+    if not p:
+        return []
+    return [f"plan       {p['mode']}: device={p['device']} backend={p['backend']} "
+            f"nproc_per_node={p['nproc_per_node']} nnodes={p['nnodes'][0]}:"
+            f"{p['nnodes'][1]} ({p['convention']})",
+            *(f"plan note  {n}" for n in p["notes"] if n.startswith("launch convention"))]
+
+
+def _slurm_lines(slurm: dict | None) -> list[str]:
+    if not slurm:
+        return []
+    return ["slurm      " + ", ".join(f"{k.removeprefix('SLURM_')}={v}"
+                                       for k, v in slurm.items())]
+
+
+def _network_line(net: dict) -> str:
+    ifaces = ", ".join(f"{i['name']}={i['ipv4'] or '-'}" for i in net["interfaces"])
+    return (f"network    {net['fqdn']} -> {', '.join(net['fqdn_resolves_to']) or '?'}; "
+            f"{ifaces}")
+
+
+def _image_line(bm: dict) -> str:
+    return f"image      {bm['path']}: " + (_manifest_line(bm["content"]) if bm["present"]
+                                            else "not present (not running in the image)")
+
+
+def _finding_line(f: dict) -> str:
+    mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}[f["level"]]
+    return f"{mark}       {f['message']}" + (f"\n             fix: {f['fix']}"
+                                            if f.get("fix") else "")
+
+
+def _verdict_line(code: int) -> str:
+    return "verdict    " + ("ready to train" if code == 0 else
+                            f"training would fail (exit {code})")
 
 
 def _manifest_line(content: dict | None) -> str:

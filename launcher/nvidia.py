@@ -194,63 +194,96 @@ def _smi_migs(exe: str, phys: list[_Physical]) -> None:
             current.migs.append((mig[1], None))
 
 
+@dataclass
+class _Listing:
+    """Every GPU NVML (or nvidia-smi) lists, before visibility is applied."""
+    phys: list[_Physical]
+    driver: Any
+    cuda: str | None
+    source: str
+    notes: list[str]
+
+
 def detect(vis: Visibility, nvml: Any | None = None, root: str = "/",
            load: bool = True, path: str = "") -> Hardware:
     """NVIDIA hardware visible to this process; no vendor (and a note why) when none.
 
     ``nvml`` is pynvml or a substitute with the same functions (tests inject one).
     """
-    notes: list[str] = []
     if (vis.nvidia_visible_devices or "").strip().lower() in ("none", "void"):
         return Hardware(notes=(f"NVIDIA_VISIBLE_DEVICES={vis.nvidia_visible_devices}: the "
                                "container runtime gave this container no GPUs",))
     if nvml is None and load:
         nvml = load_pynvml()
-    source = "nvml"
-    if nvml is None:
-        smi = smi_physical(path) if path else None
-        if smi is None:
-            return _no_nvml(root, "pynvml (nvidia-ml-py) is not installed")
-        (phys, driver, cuda), source = smi, "nvidia-smi"
-        notes.append("pynvml (nvidia-ml-py) is not installed: read nvidia-smi instead")
-    else:
-        try:
-            nvml.nvmlInit()
-        except nvml.NVMLError as exc:
-            return _no_nvml(root, _init_problem(nvml, exc))
-        try:
-            count = int(nvml.nvmlDeviceGetCount())
-            phys = [_physical(nvml, i) for i in range(count)]
-            driver = _try(nvml, "nvmlSystemGetDriverVersion")
-            cuda = _version(_try(nvml, "nvmlSystemGetCudaDriverVersion"))
-        except nvml.NVMLError as exc:
-            return Hardware(warnings=(f"NVML failed while listing GPUs: {exc}",))
-        finally:
-            _try(nvml, "nvmlShutdown")
-    if not phys:
-        return Hardware(notes=tuple(notes))
+    listing = _list_by_smi(root, path) if nvml is None else _list_by_nvml(nvml, root)
+    if isinstance(listing, Hardware):  # nothing could be listed: the result says why
+        return listing
+    if not listing.phys:
+        return Hardware(notes=tuple(listing.notes))
+    return _visible(listing, vis, root)
+
+
+def _list_by_nvml(nvml: Any, root: str) -> _Listing | Hardware:
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        return _no_nvml(root, _init_problem(nvml, exc))
+    try:
+        count = int(nvml.nvmlDeviceGetCount())
+        phys = [_physical(nvml, i) for i in range(count)]
+        driver = _try(nvml, "nvmlSystemGetDriverVersion")
+        cuda = _version(_try(nvml, "nvmlSystemGetCudaDriverVersion"))
+    except nvml.NVMLError as exc:
+        return Hardware(warnings=(f"NVML failed while listing GPUs: {exc}",))
+    finally:
+        _try(nvml, "nvmlShutdown")
+    return _Listing(phys, driver, cuda, source="nvml", notes=[])
+
+
+def _list_by_smi(root: str, path: str) -> _Listing | Hardware:
+    """Without the pynvml package: nvidia-smi on ``path`` stands in for NVML."""
+    smi = smi_physical(path) if path else None
+    if smi is None:
+        return _no_nvml(root, "pynvml (nvidia-ml-py) is not installed")
+    phys, driver, cuda = smi
+    return _Listing(phys, driver, cuda, source="nvidia-smi",
+                    notes=["pynvml (nvidia-ml-py) is not installed: read nvidia-smi instead"])
+
+
+def _visible(listing: _Listing, vis: Visibility, root: str) -> Hardware:
+    """The listed GPUs CUDA would use here, with notes and warnings on how they were chosen."""
+    phys, notes = listing.phys, list(listing.notes)
     chosen, warnings = select_visible(phys, vis.cuda_visible_devices)
     if vis.cuda_visible_devices is not None:
         notes.append(f"CUDA_VISIBLE_DEVICES={vis.cuda_visible_devices!r} selects "
                      f"{len(chosen)} of {len(phys)} GPU(s) NVML lists")
-    for p in phys:
-        if p.mig_enabled and not p.migs:
-            warnings.append(f"GPU {p.index} ({p.name}) has MIG mode on but no MIG instances: "
-                            f"CUDA cannot use it; create instances or disable MIG")
+    chosen, mig_warnings = _mig_limits(phys, chosen)
+    gpus = tuple(Gpu(index=i, name=p.name + (" (MIG)" if mig else ""), uuid=mig or p.uuid,
+                     memory_bytes=mem, arch=p.arch, physical_index=p.index, mig=bool(mig),
+                     bus_id=p.bus_id, brand=p.brand) for i, (p, mig, mem) in enumerate(chosen))
+    compat = Path(root) / CUDA_COMPAT_LIBCUDA
+    driver = listing.driver
+    return Hardware(vendor="nvidia", source=listing.source, gpus=gpus, listed=len(phys),
+                    driver_version=_s(driver) if driver is not None else None,
+                    cuda_driver_version=listing.cuda, notes=tuple(notes),
+                    warnings=(*warnings, *mig_warnings),
+                    cuda_compat=str(compat.resolve()) if compat.exists() else None)
+
+
+def _mig_limits(phys: list[_Physical], chosen: list
+                ) -> tuple[list[tuple[_Physical, str | None, int | None]], list[str]]:
+    """(the devices one CUDA process can use, warnings): a GPU in MIG mode without
+    instances offers none, and a process uses one MIG instance at most."""
+    warnings = [f"GPU {p.index} ({p.name}) has MIG mode on but no MIG instances: CUDA "
+                "cannot use it; create instances or disable MIG"
+                for p in phys if p.mig_enabled and not p.migs]
     if sum(1 for c in chosen if c[1]) and len(chosen) > 1:
         warnings.append("MIG: one CUDA process uses one MIG instance; only the first is "
                         "counted. Run one process per pod/container, each given one instance "
                         "through CUDA_VISIBLE_DEVICES=MIG-<uuid> (Kubernetes: nvidia.com/mig-* "
                         "resources)")
         chosen = chosen[:1]
-    gpus = tuple(Gpu(index=i, name=p.name + (" (MIG)" if mig else ""), uuid=mig or p.uuid,
-                     memory_bytes=mem, arch=p.arch, physical_index=p.index, mig=bool(mig),
-                     bus_id=p.bus_id, brand=p.brand) for i, (p, mig, mem) in enumerate(chosen))
-    compat = Path(root) / CUDA_COMPAT_LIBCUDA
-    return Hardware(vendor="nvidia", source=source, gpus=gpus, listed=len(phys),
-                    driver_version=_s(driver) if driver is not None else None,
-                    cuda_driver_version=cuda, notes=tuple(notes), warnings=tuple(warnings),
-                    cuda_compat=str(compat.resolve()) if compat.exists() else None)
+    return chosen, warnings
 
 
 def _init_problem(nvml: Any, exc: Exception) -> str:

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from launcher import environ as environ_mod
 from launcher import system
@@ -36,6 +36,10 @@ from launcher.plan import Plan
 from launcher.plan import plan as make_plan
 from train.core import rundir
 from train.core.errors import EXIT_STOPPED_BY_SIGNAL, CannotRunHere, ConfigError, UserError
+
+if TYPE_CHECKING:
+    from launcher.signals import Forwarder
+    from train.core.runlock import RunLock
 
 APP_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -277,19 +281,46 @@ def run(request: Request, log: Callable[[str], None], *, verbose: bool = False) 
 
 
 def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -> int:
-    from launcher import supervise
     from launcher.signals import Forwarder
     from train.core import runlock
-    from train.core.config import to_yaml
-    from train.core.files import finished_step
     plan, cfg = p.plan, p.cfg
-    if p.request.command == "train" and cfg.checkpoint.resume_from == "auto":
-        done = finished_step(cfg.run_dir, cfg.train.max_steps)  # none/a path: train as asked
-        if done is not None:  # a late pod of a finished job, or a rerun: nothing to start
-            log(f"nothing to do: run {cfg.run.name} finished at step {done} "
-                f"({cfg.run_dir / rundir.RESULT}); raise train.max_steps to train on")
-            return 0
-    # the plan's own warnings, and those of the machine checks (shm, the host's name)
+    if _finished_already(p, log):
+        return 0
+    _announce(p, log, verbose=verbose)
+    # One job per run directory; a script's launch writes only its logs there.
+    lock = runlock.acquire(cfg.run_dir, plan.job, runlock.LeaseTimes.of(cfg), log=log) \
+        if plan.program == "train" else None
+    signals = Forwarder(plan.requeue_signal)
+    try:
+        code = _supervise(p, log, lock, signals, verbose=verbose)
+    finally:
+        if lock is not None:
+            lock.release()
+    if signals.requeue_asked and code == EXIT_STOPPED_BY_SIGNAL and plan.requeue:
+        from launcher.requeue import requeue
+        requeue(plan.requeue, log)  # after the release: the next incarnation takes the run
+    return code
+
+
+def _finished_already(p: Prepared, log: Callable[[str], None]) -> bool:
+    """A train resuming a run that already reached train.max_steps has nothing to start."""
+    from train.core.files import finished_step
+    cfg = p.cfg
+    if p.request.command != "train" or cfg.checkpoint.resume_from != "auto":
+        return False  # resume_from none or a path: train as asked
+    done = finished_step(cfg.run_dir, cfg.train.max_steps)
+    if done is None:
+        return False
+    # a late pod of a finished job, or a rerun: nothing to start
+    log(f"nothing to do: run {cfg.run.name} finished at step {done} "
+        f"({cfg.run_dir / rundir.RESULT}); raise train.max_steps to train on")
+    return True
+
+
+def _announce(p: Prepared, log: Callable[[str], None], *, verbose: bool) -> None:
+    """The plan's notes and warnings, and those of the machine checks (shm, the host's
+    name); then the worker variables, one line each with --verbose, else a summary."""
+    plan = p.plan
     machine = [f"{f.message}; fix: {f.fix}" for f in p.findings
                if f.level == "warn" and f.topic in ("shm", "network")]
     warnings = [*plan.warnings, *machine]
@@ -300,27 +331,24 @@ def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -
             log(f"set {name}={value}")
     else:
         log(summarise_env(plan.env))
-    # One job per run directory; a script's launch writes only its logs there.
-    lock = runlock.acquire(cfg.run_dir, plan.job, runlock.LeaseTimes.of(cfg), log=log) \
-        if plan.program == "train" else None
-    signals = Forwarder(plan.requeue_signal)
-    try:
-        log("run " + shlex.join(plan.argv))
-        if plan.rdzv_host:
-            system.wait_for_host(plan.rdzv_host, p.env.dns_wait_s, log)
-        code = supervise.run(plan, p.env.raw, log,
-                             keep_fds=(lock.fd,) if lock is not None and lock.fd else (),
-                             verbose=verbose,
-                             config_text=to_yaml(cfg) if plan.program == "train" else None,
-                             abort=(lambda: lock.lost) if lock is not None else None,
-                             forwarder=signals)
-    finally:
-        if lock is not None:
-            lock.release()
-    if signals.requeue_asked and code == EXIT_STOPPED_BY_SIGNAL and plan.requeue:
-        from launcher.requeue import requeue
-        requeue(plan.requeue, log)  # after the release: the next incarnation takes the run
-    return code
+
+
+def _supervise(p: Prepared, log: Callable[[str], None], lock: RunLock | None,
+               signals: Forwarder, *, verbose: bool) -> int:
+    """Wait for the rendezvous host, then run the plan under :mod:`launcher.supervise`;
+    with the run-directory lock (``train``), stop when the lock is lost."""
+    from launcher import supervise
+    from train.core.config import to_yaml
+    plan, cfg = p.plan, p.cfg
+    log("run " + shlex.join(plan.argv))
+    if plan.rdzv_host:
+        system.wait_for_host(plan.rdzv_host, p.env.dns_wait_s, log)
+    return supervise.run(plan, p.env.raw, log,
+                         keep_fds=(lock.fd,) if lock is not None and lock.fd else (),
+                         verbose=verbose,
+                         config_text=to_yaml(cfg) if plan.program == "train" else None,
+                         abort=(lambda: lock.lost) if lock is not None else None,
+                         forwarder=signals)
 
 
 # What every launch sets (process identity, rendezvous address, Python's own switches):

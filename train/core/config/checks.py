@@ -10,6 +10,7 @@ every failure at once; each model and data kind brings its own rules
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,40 +45,63 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
     the run is shortened to it, with a warning (:func:`~.loader.config_warnings`).
     """
     collect = errors is not None
-    errors = [] if errors is None else errors
-    warnings: list[str] = []
+    report = _Report(cfg, sources, [] if errors is None else errors, bad)
+    # the checks run in this order, and their errors are reported in it
+    _check_run(cfg, report.fail)
+    kinds.check_pairing(cfg, report.fail)
+    _check_lists(cfg, report.fail)
+    _shorten_warmup(cfg, report.warn)
+    _check_batch_and_memory(cfg, report.fail)
+    _check_data_files(cfg, report)
+    _check_resume_from(cfg, report.fail)
+    cfg._warnings = report.warnings
+    if not collect:
+        raise_all(report.errors)
 
-    def is_bad(key: str) -> bool:
-        return any(related(key, b) for b in bad)
 
-    def say(key: str, problem: str, related: tuple[str, ...]) -> ConfigError | None:
+class _Report:
+    """What :func:`validate` found: failures (``errors``) and warnings, each message
+    quoting values with their origins; a check that reads a key in ``bad`` says nothing."""
+
+    def __init__(self, cfg: Config, sources: Sources, errors: list[ConfigError],
+                 bad: set[str]) -> None:
+        self.cfg, self.sources, self.errors, self.bad = cfg, sources, errors, bad
+        self.warnings: list[str] = []
+
+    def is_bad(self, key: str) -> bool:
+        return any(related(key, b) for b in self.bad)
+
+    def fail(self, key: str, problem: str, *related: str) -> None:
+        """related: keys the check reads besides those quoted with ref() / val()."""
+        error = self._say(key, problem, related)
+        if error is not None:
+            self.errors.append(error)
+
+    def warn(self, key: str, problem: str, *related: str) -> bool:
+        error = self._say(key, problem, related)
+        if error is not None:
+            self.warnings.append(str(error))
+        return error is not None
+
+    def _say(self, key: str, problem: str, related: tuple[str, ...]) -> ConfigError | None:
         """The message with each quoted value's origin, or None when it reads a bad key."""
         mentioned = QUOTED.findall(problem)
-        if any(is_bad(k) for k in (key, *related, *(name for _, name in mentioned))):
+        if any(self.is_bad(k) for k in (key, *related, *(name for _, name in mentioned))):
             return None
+        sources = self.sources
         line_source = sources.of(key)
 
         def expand(match) -> str:
             kind, name = match.groups()
             note = (" (default)" if sources.origin(name) == DEFAULT else "") if name == key \
                 else sources.note(name, line_source)
-            shown = _show(_dig(to_dict(cfg), name))
+            shown = _show(_dig(to_dict(self.cfg), name))
             return f"{shown}{note}" if kind == "v" else f"{name}={shown}{note}"
         return ConfigError(line_source, key, QUOTED.sub(expand, problem))
 
-    def fail(key: str, problem: str, *related: str) -> None:
-        """related: keys the check reads besides those quoted with ref() / val()."""
-        error = say(key, problem, related)
-        if error is not None:
-            errors.append(error)
 
-    def warn(key: str, problem: str, *related: str) -> bool:
-        error = say(key, problem, related)
-        if error is not None:
-            warnings.append(str(error))
-        return error is not None
-
-    t = cfg.train
+def _check_run(cfg: Config, fail: kinds.Fail) -> None:
+    """The run's name and lease, and the folder its run directory goes in."""
     name = cfg.run.name
     if not name or "/" in name or name in (".", "..") or not name.isprintable():
         fail("run.name", f"got {short(name)}; a non-empty name without '/' or control "
@@ -88,16 +112,30 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
                                   "the lease")
     if not cfg.output.dir.strip():
         fail("output.dir", "is empty; a directory for run directories, e.g. runs")
-    kinds.check_pairing(cfg, fail)
+
+
+def _check_lists(cfg: Config, fail: kinds.Fail) -> None:
+    """data.shape's sizes and optim.betas' pair."""
     if not cfg.data.shape or any(s < 1 for s in cfg.data.shape):
         fail("data.shape", f"got {cfg.data.shape}; a list of positive sizes")
     if len(cfg.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.optim.betas):
         fail("optim.betas", f"got {cfg.optim.betas}; two numbers in [0, 1)")
+
+
+def _shorten_warmup(cfg: Config, warn: Callable[..., bool]) -> None:
+    """A warmup longer than the run becomes the whole run, with a warning."""
+    t = cfg.train
     if cfg.schedule.warmup_steps > t.max_steps and warn(
             "schedule.warmup_steps", f"{val('schedule.warmup_steps')} exceeds "
                                      f"{ref('train.max_steps')}; warmup shortened to "
                                      f"{t.max_steps} steps (the whole run)"):
         cfg.schedule.warmup_steps = t.max_steps
+
+
+def _check_batch_and_memory(cfg: Config, fail: kinds.Fail) -> None:
+    """The micro-batch against the global batch; the memory options against the model
+    kind and the strategy."""
+    t = cfg.train
     if t.micro_batch_size != AUTO and t.global_batch_size % t.micro_batch_size:
         fail("train.micro_batch_size", f"{val('train.micro_batch_size')} does not divide "
                                        f"{ref('train.global_batch_size')}")
@@ -108,18 +146,25 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
     if cfg.memory.cpu_offload and cfg.distributed.strategy != "fsdp":
         fail("memory.cpu_offload", f"needs distributed.strategy=fsdp, got "
                                    f"{ref('distributed.strategy')}")
-    if not (is_bad("data") or is_bad("model.context_length") or is_bad("model.kind")):
-        try:  # the data files: after any other problem of the data keys is fixed
-            kinds.data_kind(cfg).files(cfg, fail)
-        except ConfigError as exc:  # from train.core.datafiles: names the data file itself
-            errors.append(exc)
+
+
+def _check_data_files(cfg: Config, report: _Report) -> None:
+    """The data files: after any other problem of the data keys is fixed."""
+    if report.is_bad("data") or report.is_bad("model.context_length") or \
+            report.is_bad("model.kind"):
+        return
+    try:
+        kinds.data_kind(cfg).files(cfg, report.fail)
+    except ConfigError as exc:  # from train.core.datafiles: names the data file itself
+        report.errors.append(exc)
+
+
+def _check_resume_from(cfg: Config, fail: kinds.Fail) -> None:
+    """A checkpoint directory given by path must be one (auto and none need nothing)."""
     resume = cfg.checkpoint.resume_from
     if resume not in (AUTO, "none") and not (Path(resume) / rundir.CHECKSUMS).is_file():
         fail("checkpoint.resume_from", f"{resume}: not a checkpoint directory (no "
                                        f"checksums.json); use auto, none or a step-N directory")
-    cfg._warnings = warnings
-    if not collect:
-        raise_all(errors)
 
 
 def _blocked_kinds() -> str:
