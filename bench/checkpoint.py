@@ -5,7 +5,7 @@ copied to CPU memory).
 
 For each model size, one torchrun of 2 processes (gloo, CPU) per format builds the same
 FSDP model of Linear layers with its Adam state, saves a checkpoint with the trainer's
-own functions (train.parallel.full_state + one fsync'ed file, or
+own functions (train.distributed.parallel.full_state + one fsync'ed file, or
 train.checkpoint.sharded) and loads it back into a fresh model. Printed per size, with
 ratios against full: seconds a save blocks its caller, save and load seconds (the
 slowest rank), and each rank's peak RSS during the save and during the load above its
@@ -67,7 +67,7 @@ def _save(fmt: str, model, optimizer, folder: Path, rank: int) -> float:
     """Save; return how long the caller was blocked (training would wait that long)."""
     from train.checkpoint import sharded
     from train.checkpoint.serializer import save_file
-    from train.parallel import full_state
+    from train.distributed.parallel import full_state
     start = time.perf_counter()
     if fmt == "sharded-async":
         finish = sharded.save_in_background(sharded.state_dicts(model, optimizer), folder)
@@ -87,7 +87,7 @@ def _load(fmt: str, model, optimizer, folder: Path) -> None:
     import torch
 
     from train.checkpoint import sharded
-    from train.parallel import load_full_state
+    from train.distributed.parallel import load_full_state
     if fmt.startswith("sharded"):
         sharded.load(model, optimizer, folder)
         return

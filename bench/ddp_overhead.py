@@ -80,13 +80,13 @@ def trainer(config: Path, warmup: int, steps: int, name: str) -> tuple[float, fl
 # The trainer's machinery around forward/backward/optimizer: (label, file, function).
 MACHINERY = (
     ("data (DataLoader, sampler, the batch)", "torch/utils/data/dataloader.py", "__next__"),
-    ("hang watchdog (pet, pause)", "train/watchdog.py", ("pet", "pause")),
-    ("metrics (jsonl, TensorBoard)", "train/metrics.py", ("step", "log")),
-    ("mean loss and step time over ranks", "train/runtime.py", "mean_over_ranks"),
-    ("stop agreement", "train/stopping.py", ("agreed", "pace")),
-    ("divergence guard", "train/divergence.py", ("gradients", "loss")),
+    ("hang watchdog (pet, pause)", "train/guards/watchdog.py", ("pet", "pause")),
+    ("metrics (jsonl, TensorBoard)", "train/observe/metrics.py", ("step", "log")),
+    ("mean loss and step time over ranks", "train/distributed/ranks.py", "mean_over_ranks"),
+    ("stop agreement", "train/guards/stopping.py", ("agreed", "pace")),
+    ("divergence guard", "train/guards/divergence.py", ("gradients", "loss")),
     ("checkpoint cadence", "train/checkpoint/policy.py", "due"),
-    ("sample counter", "train/state.py", "advance"),
+    ("sample counter", "train/checkpoint/state.py", "advance"),
 )
 
 

@@ -174,7 +174,7 @@ def plain_step(config: Path, overrides: list[str], batch: int):
     import torch
     import torch.nn.functional as F
 
-    from train.data import build_data
+    from train.data.builders import build_data
     from train.models import build_model
     from train.optim import build_optimizer
     cfg = load_config(config, overrides)

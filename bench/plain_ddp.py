@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.core.config import load_config
-from train.data import build_data
+from train.data.builders import build_data
 from train.models import build_model
 from train.optim import build_optimizer
 
@@ -70,7 +70,8 @@ def main(config: str, warmup: int, *overrides: str) -> None:
         timed = times[warmup:]
         peak = torch.cuda.max_memory_allocated(device) if gpu else None
         print(json.dumps({"step_time_s": sum(timed) / len(timed), "gpu_peak_bytes": peak}))
-    dist.barrier()  # tearing down gloo while a peer still runs can abort (see train/runtime.py)
+    # tearing down gloo while a peer still runs can abort (see train/distributed/ranks.py)
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -76,7 +76,7 @@ def flops_per_token(model_cfg, parameters: int) -> float:
 
 
 def parameter_count(cfg) -> int:
-    from train.data import build_data
+    from train.data.builders import build_data
     from train.models import build_model
     data = build_data(cfg)
     model = build_model(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes)

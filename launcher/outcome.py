@@ -9,7 +9,7 @@ states, so that which ending wins over which is read from top to bottom.
 The first rank to fail is the root cause, except for a hang: a rank that stopped making
 progress makes the others time out in a collective, and they often report first. The
 reports say which rank did not arrive: the one whose hang watchdog found it in its own
-code or in its DataLoader (:mod:`train.watchdog`), or the one whose report stayed at
+code or in its DataLoader (:mod:`train.guards.watchdog`), or the one whose report stayed at
 "training, step N" because it never got to write another (frozen, SIGSTOPped, killed).
 
 The endings the supervisor decides itself (a lost lease, a static job's vanished node,

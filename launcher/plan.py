@@ -25,7 +25,7 @@ from launcher.conventions import Nodes
 from launcher.environ import Environ
 from launcher.hardware import Hardware, TorchBuild
 from launcher.worker_variables import WorkerVariables, direct_worker_identity
-from train.core import rundir, tracking
+from train.core import rundir, tracker_config
 from train.core.comm_defaults import worker_defaults
 from train.core.config import AUTO, Config, batch_split
 from train.core.config.checks import check_batch_memory, check_model_memory
@@ -250,7 +250,7 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     nproc = resolve_nproc(cfg, hw, device, nodes, source, notes)
     sizes = world_sizes(cfg, nodes, nproc)
     if script is None:
-        tracking.check(cfg, source, environ.raw)
+        tracker_config.check(cfg, source, environ.raw)
         host = hw.memory_available // nproc if hw.memory_available else None
         check_batch_splits(cfg, sizes, nodes, nproc, source, host)
         check_model_memory(cfg, min(sizes), *_state_memory(cfg, hw, device, nproc, host),

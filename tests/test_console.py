@@ -12,8 +12,8 @@ import sys
 import pytest
 from conftest import ROOT, TINY_GPT, clean_env, merge, read_metrics, write_config
 
-from train import console as console_mod
-from train.console import Console, StepRate
+from train.observe import console as console_mod
+from train.observe.console import Console, StepRate
 
 
 class Clock:

@@ -17,14 +17,9 @@ from conftest import ROOT, TINY_GPT, TINY_MLP, merge, worker_env, write_config
 
 from train.core.config import load_config
 from train.core.host import cgroup_cpu_quota
-from train.data import (
-    GlobalOrder,
-    RankBatchSampler,
-    build_data,
-    eval_indices,
-    make_loader,
-    read_text_corpus,
-)
+from train.data.builders import build_data, read_text_corpus
+from train.data.loader import make_loader
+from train.data.order import GlobalOrder, RankBatchSampler, eval_indices
 
 
 def steps_seen(order: GlobalOrder, world: int, micro: int, g: int, start: int, end: int):
@@ -143,7 +138,7 @@ def _alive(pid: int) -> bool:
 STUCK_LOADER = """
 import os, sys, time
 import torch
-from train.data import make_loader
+from train.data.loader import make_loader
 
 class Stuck(torch.utils.data.Dataset):
     def __len__(self):

@@ -212,7 +212,7 @@ def test_the_watchdog_says_what_a_stuck_thread_waits_for():
     import queue
     import threading
 
-    from train.watchdog import Watchdog, where
+    from train.guards.watchdog import Watchdog, where
     caught: dict[str, object] = {}
 
     def grab(name):

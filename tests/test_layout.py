@@ -4,7 +4,11 @@
   ``train`` only the torch-free core, ``train.core``;
 - ``train.core`` imports nothing else of ``train`` and neither torch nor numpy at
   module level; importing any core module, and ``entrypoint.py --help``, load neither;
-- ``train/`` never imports ``launcher/``.
+- ``train/`` never imports ``launcher/``;
+- ``train/`` has rooms (``checkpoint/``, ``data/``, ``distributed/``, ``guards/``,
+  ``observe/``, and ``core/``); nothing in a room imports a top-level entry (the
+  ``python -m`` modules), and no module of ``train/`` imports itself back through
+  others (no import circle).
 
 The static checks read every import statement, including those inside functions (a
 lazy import is still a dependency); the dynamic ones import for real in a fresh
@@ -33,10 +37,14 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path, *, top_level_only: bool = False) -> list[tuple[int, str]]:
+def imports(path: Path, *, top_level_only: bool = False,
+            run_time_only: bool = False) -> list[tuple[int, str]]:
     """(line, module) for every import in ``path``; relative imports resolved.
-    top_level_only: leave out imports inside functions and ``if TYPE_CHECKING:``."""
+    top_level_only: leave out imports inside functions and ``if TYPE_CHECKING:``;
+    run_time_only: leave out those under ``if TYPE_CHECKING:`` (never executed)."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    if run_time_only:
+        tree = _without_type_checking(tree)
     package = module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" \
         else module_name(path)
     nodes = ast.walk(tree) if not top_level_only else _top_level(tree.body)
@@ -52,6 +60,14 @@ def imports(path: Path, *, top_level_only: bool = False) -> list[tuple[int, str]
             found += [(node.lineno, f"{base}.{alias.name}" if node.module is None or
                        _is_package(base) else base) for alias in node.names]
     return found
+
+
+def _without_type_checking(tree: ast.Module) -> ast.Module:
+    class Drop(ast.NodeTransformer):
+        def visit_If(self, node: ast.If):
+            return None if "TYPE_CHECKING" in ast.unparse(node.test) else \
+                self.generic_visit(node)
+    return Drop().visit(tree)
 
 
 def _is_package(name: str) -> bool:
@@ -117,6 +133,75 @@ def test_core_imports_no_torch_numpy_or_rest_of_train():
 def test_train_never_imports_the_launcher():
     found = violations("train", train_rule)
     assert not found, "\n".join(found)
+
+
+# The process entries, run as python -m train.<name> (the launcher, docs and manifests
+# name them): they may import the rooms, never the other way round.
+ENTRIES = ("train", "train.__main__", "train.worker", "train.script", "train.export",
+           "train.generate", "train.comm_probe")
+
+
+def room_rule(name: str) -> str | None:
+    return "a room imports no process entry (python -m train.<entry>)" \
+        if name in ENTRIES else None
+
+
+def test_no_room_imports_a_process_entry():
+    rooms = [p for p in (ROOT / "train").iterdir() if (p / "__init__.py").is_file()]
+    assert {p.name for p in rooms} >= {"checkpoint", "core", "data", "distributed", "guards",
+                                       "observe"}
+    found = [v for room in rooms for v in violations(f"train/{room.name}", room_rule)]
+    assert not found, "\n".join(found)
+
+
+def import_graph(folder: str = "train") -> dict[str, set[str]]:
+    """module -> the modules of ``folder`` it imports (lazy imports included)."""
+    names = {module_name(p) for p in modules(folder)}
+    graph = {}
+    for path in modules(folder):
+        found = set()
+        for _, name in imports(path, run_time_only=True):
+            while name and name not in names:  # train.core.rundir.LATEST -> train.core.rundir
+                name = name.rpartition(".")[0]
+            if name and name != module_name(path):
+                found.add(name)
+        graph[module_name(path)] = found
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import circle once (depth-first search, grey/black marking)."""
+    state, stack, found = {}, [], []
+
+    def visit(node: str) -> None:
+        state[node] = "grey"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "grey":
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "black"
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_train_has_no_import_circle():
+    # a package's __init__ re-exporting its own modules is not a circle of the code
+    graph = {m: {n for n in deps if not (m.startswith(n + ".") and n != "train")}
+             for m, deps in import_graph().items()}
+    graph = {m: {n for n in deps if n != "train"} for m, deps in graph.items()}
+    found = circles(graph)
+    assert not found, "\n".join(" -> ".join(c) for c in found)
+
+
+def test_a_circle_and_a_room_importing_an_entry_are_found():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert room_rule("train.worker") and room_rule("train.__main__")
+    assert room_rule("train.checkpoint.state") is None
 
 
 def test_the_rules_catch_a_violation(tmp_path, monkeypatch):

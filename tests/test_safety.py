@@ -105,7 +105,7 @@ def poisoned_data(tmp_path: Path, row: int = 0) -> Path:
 @pytest.mark.parametrize("mode, code", [("skip_step", 0), ("stop", 4)])
 def test_a_non_finite_step_is_skipped_or_stops_the_run(tmp_path, mode, code):
     """Exactly one of the 15 steps draws the poisoned sample."""
-    from train.data import GlobalOrder
+    from train.data.order import GlobalOrder
     assert 0 in GlobalOrder(244, seed=0).take(0, 15 * 16)  # 244 training samples, seed 0
     data = poisoned_data(tmp_path)
     config = write_config(tmp_path / "p.yaml", merge(TINY_MLP, {

@@ -24,10 +24,10 @@ import yaml
 from conftest import ROOT, TINY_MLP, clean_env, merge, read_metrics, write_config
 from kubesim import free_port
 
-from train import trackers
-from train.core import tracking
+from train.core import tracker_config
 from train.core.config import load_config
 from train.core.errors import CannotRunHere, ConfigError
+from train.observe import trackers
 
 ENTRY = str(ROOT / "entrypoint.py")
 NEEDS = "needs mlflow and wandb: make trackers (CI installs them)"
@@ -189,18 +189,18 @@ def test_a_tracker_package_that_is_missing_is_exit_3_before_anything_starts(tmp_
                                                                               monkeypatch):
     config = write_config(tmp_path / "c.yaml", {"logging": {"wandb": {"mode": "offline"}}})
     cfg = load_config(config)
-    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(tracker_config.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CannotRunHere) as raised:
-        tracking.check(cfg, str(config), environ={})
+        tracker_config.check(cfg, str(config), environ={})
     assert "logging.wandb.mode" in str(raised.value)
     assert "pip install wandb " in str(raised.value)
     with pytest.raises(ConfigError) as raised:
-        tracking.check(load_config(config, ["logging.mlflow.enabled=true"]), str(config), {})
+        tracker_config.check(load_config(config, ["logging.mlflow.enabled=true"]), str(config), {})
     assert raised.value.key == "logging.mlflow.tracking_uri"
     monkeypatch.undo()  # the packages are back: no error
     if not installed("mlflow"):
         return
-    tracking.check(load_config(config, ["logging.mlflow.enabled=true",
+    tracker_config.check(load_config(config, ["logging.mlflow.enabled=true",
                                         "logging.wandb.mode=disabled"]),
                    str(config), {"MLFLOW_TRACKING_URI": "http://mlflow:5000"})
 
@@ -212,7 +212,7 @@ def test_a_tracker_package_that_is_missing_is_exit_3_before_anything_starts(tmp_
     ("databricks", "databricks"),
 ])
 def test_tracking_uris_are_shown_without_credentials(uri, shown):
-    assert tracking.shown_uri(uri) == shown
+    assert tracker_config.shown_uri(uri) == shown
 
 
 def test_any_config_key_becomes_a_param_mlflow_accepts():

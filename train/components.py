@@ -3,7 +3,7 @@ device and process group, data, model (wrapped for its strategy), optimizer,
 schedule, grad scaler, checkpointer and the data loader.
 
 The result is :class:`Components`: built once per attempt and never mutated by the
-loop. Progress lives in :class:`train.state.TrainState`.
+loop. Progress lives in :class:`train.checkpoint.state.TrainState`.
 """
 
 from __future__ import annotations
@@ -17,28 +17,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from train import losses, runtime
+from train import losses
 from train.autobatch import largest_fitting, probe_on_gpu
 from train.checkpoint import Checkpointer
-from train.core import rundir, tracking
+from train.checkpoint.state import TrainState
+from train.core import rundir, tracker_config
 from train.core.config import AUTO, Config, batch_split
 from train.core.config.checks import check_batch_memory
 from train.core.errors import CannotRunHere
 from train.core.host import OUTPUT_DIR_FIX, available_memory, output_dir_problem
 from train.core.identity import WorkerIdentity
-from train.data import DataBundle, GlobalOrder, RankBatchSampler, build_data, make_loader
+from train.data.builders import DataBundle, build_data
+from train.data.loader import make_loader
+from train.data.order import GlobalOrder, RankBatchSampler
+from train.distributed import ranks
+from train.distributed.parallel import apply_activation_checkpointing, check_placement, parallelize
+from train.distributed.precision import autocast, grad_scaler
 from train.models import build_model
 from train.optim import build_optimizer, build_scheduler
-from train.parallel import apply_activation_checkpointing, check_placement, parallelize
-from train.precision import autocast, grad_scaler
-from train.state import TrainState
 
 log = logging.getLogger("train")
 
 
 @dataclass(frozen=True)
 class Components:
-    """What the loop trains with, built once from config plus the runtime."""
+    """What the loop trains with, built once from config plus the ranks."""
     cfg: Config
     source: str                 # the config file, for messages
     env: WorkerIdentity
@@ -79,24 +82,24 @@ def preflight(cfg: Config, env: WorkerIdentity, source: str) -> Placement:
         raise CannotRunHere(f"{problem}; {OUTPUT_DIR_FIX}")
     rundir.check_no_links(cfg.run_dir)
     if env.is_main:
-        tracking.check(cfg, source)
+        tracker_config.check(cfg, source)
     micro, accum = batch_split(cfg, env.world_size, source)
     check_batch_memory(cfg, env.world_size, source,
                        (available_memory() or 0) // env.local_world_size or None)
-    device = runtime.resolve_device(cfg, env)
+    device = ranks.resolve_device(cfg, env)
     check_placement(cfg, env, device, source)
-    return Placement(device, runtime.resolve_backend(cfg, device), micro, accum)
+    return Placement(device, ranks.resolve_backend(cfg, device), micro, accum)
 
 
 def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> Components:
     device, backend, micro, accum = placed.device, placed.backend, placed.micro, placed.accum
-    runtime.apply_comm_env(cfg, env, device, backend)
-    runtime.init_distributed(env, backend, device, cfg.distributed.timeout_s,
+    ranks.apply_comm_env(cfg, env, device, backend)
+    ranks.init_distributed(env, backend, device, cfg.distributed.timeout_s,
                              single_process_group=cfg.distributed.strategy == "fsdp")
     env.check_consistent()
     torch.set_num_threads(env.cpus_per_rank())
-    runtime.set_deterministic(cfg.deterministic)
-    runtime.seed_everything(cfg.seed, env.rank)
+    ranks.set_deterministic(cfg.deterministic)
+    ranks.seed_everything(cfg.seed, env.rank)
     loss_fn = losses.resolve(cfg.train.loss, source)
     data = build_data(cfg, source)
     module = build_model(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes,
@@ -114,8 +117,8 @@ def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> C
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
     checkpointer = Checkpointer(cfg.run_dir, rank=env.rank, keep_last=cfg.checkpoint.keep_last,
-                                world_size=env.world_size, barrier=runtime.barrier(env),
-                                gather=runtime.gather(env),
+                                world_size=env.world_size, barrier=ranks.barrier(env),
+                                gather=ranks.gather(env),
                                 async_timeout_s=cfg.distributed.timeout_s)
     return Components(cfg, source, env, device, data, model, module, optimizer, scheduler,
                       grad_scaler(device.type, cfg.precision), micro, accum, checkpointer,

@@ -20,7 +20,7 @@ from pathlib import Path
 from train.core import rundir
 from train.core.errors import CannotRunHere, ConfigError, UserError
 from train.core.files import create_new, sha256_file
-from train.trackers import upload_export
+from train.observe.trackers import upload_export
 
 # What an export writes; model.json lists them, and a later export replaces only these.
 EXPORT_FILES = (rundir.EXPORT_WEIGHTS, rundir.EXPORT_META)
@@ -99,7 +99,7 @@ def non_finite(model: dict) -> list[str]:
 def export(run_dir: Path, out: Path, step: int | None = None) -> Path:
     import torch
 
-    from train.state import Restored
+    from train.checkpoint.state import Restored
 
     if not run_dir.is_dir():
         raise ConfigError("command line", "RUN_DIR", f"{run_dir}: not a directory")

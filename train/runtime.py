@@ -1,154 +1,29 @@
-"""The worker's process set-up: device, determinism, seeds, the process group, the few
-collectives the trainer needs outside the model, logging.
+"""The API for your own script under ``entrypoint.py launch`` (or plain torchrun):
+set up the device and the process group the way the trainer does, and give your own
+DataLoaders the trainer's handling of stop signals (docs/your-code.md).
 
-What the process is (rank, world size, ...) comes from :class:`~train.core.identity.WorkerIdentity`.
-The placement rules it applies are :mod:`train.core.placement`'s, shared with the launcher.
+    from train import runtime
+    ctx = runtime.init()          # ctx.device, ctx.rank, ctx.world_size
+    loader = DataLoader(..., worker_init_fn=runtime.loader_worker_init())
+
+The worker's own machinery is :mod:`train.distributed.ranks`; this module is what user
+code may rely on.
 """
 
 from __future__ import annotations
 
-import datetime
-import logging
-import random
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from train.core import comm_defaults, placement
-from train.core.config import AUTO, Config
-from train.core.errors import CannotRunHere, printable
+from train.core import placement
+from train.core.config import AUTO
+from train.core.errors import CannotRunHere
 from train.core.identity import WorkerIdentity
+from train.data.loader import loader_worker_init
 
-log = logging.getLogger("train")
-
-
-def resolve_device(cfg: Config, env: WorkerIdentity) -> torch.device:
-    want_gpu = cfg.device == "gpu" or (cfg.device == AUTO and torch.cuda.is_available())
-    if not want_gpu:
-        return torch.device("cpu")
-    if not torch.cuda.is_available():  # CUDA and ROCm builds both answer here
-        raise CannotRunHere("device=gpu but this torch build sees no GPU; use device=cpu or "
-                            "the CUDA/ROCm image with --gpus all (or /dev/kfd, /dev/dri)")
-    index = env.local_rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
-def resolve_backend(cfg: Config, device: torch.device) -> str:
-    backend = placement.resolve_backend(cfg.distributed.backend, device.type == "cuda")
-    built = {"nccl": dist.is_nccl_available(), "gloo": dist.is_gloo_available(),
-             "mpi": dist.is_mpi_available()} if dist.is_available() else {}
-    problem = placement.backend_problem(backend, built, torch.__version__)
-    if problem:
-        raise CannotRunHere(problem)
-    return backend
-
-
-def apply_comm_env(cfg: Config, env: WorkerIdentity, device: torch.device, backend: str) -> None:
-    """The communication variables the launcher would have set (a bare torchrun gets them
-    too); the environment's values win. Before the process group and the first cuBLAS
-    handle exist, which read them."""
-    # vendor=None: CUDA_DEVICE_ORDER only matters before CUDA starts, which it already has
-    # here; the launcher sets it for workers so that CUDA numbers GPUs as NVML does.
-    added = comm_defaults.apply_defaults(comm_defaults.worker_defaults(
-        gpu=device.type == "cuda", backend=backend, vendor=None,
-        deterministic=cfg.deterministic,
-        run_dir=cfg.run_dir, debug=env.debug or cfg.distributed.debug,
-        socket_ifname=env.socket_ifname or cfg.distributed.socket_ifname))
-    if added and env.is_main:
-        log.info("set %s", " ".join(f"{k}={v}" for k, v in added.items()))
-
-
-def seed_everything(seed: int, rank: int) -> None:
-    """Same model init on every rank (seed); per-rank streams for dropout (seed + rank)."""
-    random.seed(seed + rank)
-    np.random.seed((seed + rank) % 2**32)
-    torch.manual_seed(seed)
-
-
-def set_deterministic(enabled: bool) -> None:
-    """cuBLAS also needs CUBLAS_WORKSPACE_CONFIG, set by :func:`apply_comm_env`."""
-    torch.use_deterministic_algorithms(enabled)
-    torch.backends.cudnn.deterministic = enabled
-    torch.backends.cudnn.benchmark = not enabled
-
-
-def init_distributed(env: WorkerIdentity, backend: str, device: torch.device, timeout_s: int,
-                     *, single_process_group: bool = False) -> None:
-    """Join the process group (torchrun's env://). single_process_group: a group of one,
-    for FSDP on a single process (its CPU offload and mixed precision need a group)."""
-    if not (env.distributed or single_process_group):
-        return
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
-    if not env.distributed:  # world size 1: an in-memory store, no address or port needed
-        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            **kwargs)
-
-
-def barrier(env: WorkerIdentity) -> Callable[[], None]:
-    return dist.barrier if env.distributed else (lambda: None)
-
-
-def gather(env: WorkerIdentity) -> Callable[[object], list]:
-    """Every rank's value of a small object, on every rank (alone: its own)."""
-    def everyone(value: object) -> list:
-        if not env.distributed:
-            return [value]
-        out: list = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value)
-        return out
-    return everyone
-
-
-def from_main(value, env: WorkerIdentity):
-    """Rank 0's value on every rank (decisions that must not differ between ranks)."""
-    if not env.distributed:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def mean_over_ranks(values: list[torch.Tensor | float], device: torch.device,
-                    distributed: bool) -> list[float]:
-    """One all-reduce for several scalars (loss, step time, ...)."""
-    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
-                           for v in values])
-    if distributed:
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
-        stacked /= dist.get_world_size()
-    return stacked.tolist()
-
-
-def shutdown_distributed(clean: bool) -> None:
-    """clean: every rank got here normally. The barrier keeps a fast rank from tearing
-    down gloo while a peer is still finishing (seen here: an abort, "terminate called
-    without an active exception", in about 1 of 4 two-process runs without it)."""
-    if dist.is_available() and dist.is_initialized():
-        if clean:
-            dist.barrier()
-        dist.destroy_process_group()
-
-
-class EscapingFormatter(logging.Formatter):
-    """Messages with control characters escaped (a path or name from the config cannot
-    act on the terminal or forge a line); tracebacks keep their lines."""
-
-    def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = printable(record.message)
-        return super().formatMessage(record)
-
-
-def configure_logging(rank: int) -> None:
-    """Every log line carries its rank, so interleaved logs of many ranks stay readable."""
-    logging.basicConfig(level=logging.INFO, force=True)
-    for handler in logging.getLogger().handlers:
-        handler.setFormatter(EscapingFormatter(
-            f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+__all__ = ["Context", "init", "loader_worker_init"]
 
 
 @dataclass(frozen=True)

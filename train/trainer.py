@@ -2,9 +2,9 @@
 
 Runs the same in one plain process and under torchrun (DDP or FSDP over gloo or
 nccl). What it trains with is built by :mod:`train.components`; its progress is a
-:class:`~train.state.TrainState`, saved and restored with the checkpoint. Gradient
+:class:`~train.checkpoint.state.TrainState`, saved and restored with the checkpoint. Gradient
 accumulation keeps ``train.global_batch_size`` whatever the world size, and the data
-order is the global one from :mod:`train.data`, so a run resized or resumed between
+order is the global one from :mod:`train.data.order`, so a run resized or resumed between
 steps continues exactly where it stopped.
 """
 
@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from train import runtime
 from train.checkpoint.policy import Cadence
-from train.checkpointing import resume, save_checkpoint
+from train.checkpoint.session import resume, save_checkpoint
+from train.checkpoint.state import TrainState
 from train.components import Components, build, preflight, train_loader
 from train.core import rundir, runlock, usercode
 from train.core.config import AUTO, Config, to_yaml
@@ -33,14 +33,14 @@ from train.core.errors import EXIT_OK, EXIT_PEER_STOPPED, EXIT_STOPPED_BY_SIGNAL
 from train.core.files import finished_step, write_atomic, write_json_atomic
 from train.core.identity import WorkerIdentity
 from train.core.protocol import Reporter
-from train.data import eval_indices
-from train.divergence import Guard, clear_marker, read_marker, write_marker
-from train.manifest import update_manifest
-from train.metrics import MetricsLogger, gpu_memory_stats
+from train.data.order import eval_indices
+from train.distributed import ranks
+from train.guards.divergence import Guard, clear_marker, read_marker, write_marker
+from train.guards.stopping import StopFlag
+from train.guards.watchdog import Watchdog
 from train.models import count_parameters
-from train.state import TrainState
-from train.stopping import StopFlag
-from train.watchdog import Watchdog
+from train.observe.manifest import update_manifest
+from train.observe.metrics import MetricsLogger, gpu_memory_stats
 
 log = logging.getLogger("train")
 
@@ -131,7 +131,7 @@ def evaluate(c: Components) -> dict[str, float]:
 def prepare_run_dir(c: Components) -> None:
     if c.env.is_main:
         c.run_dir.mkdir(parents=True, exist_ok=True)
-    runtime.barrier(c.env)()
+    ranks.barrier(c.env)()
 
 
 def start_logging(c: Components, state: TrainState) -> MetricsLogger | None:
@@ -184,7 +184,7 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
             metrics.step(step)
         if log_now:
             now = time.perf_counter()
-            loss_value, step_time = runtime.mean_over_ranks(
+            loss_value, step_time = ranks.mean_over_ranks(
                 [loss, (now - last_time) / (step - last_step)], c.device, env.distributed)
             last_time, last_step = now, step
             stop.pace(step_time)
@@ -242,7 +242,7 @@ def refuse_a_diverged_restart(c: Components) -> None:
         message = read_marker(c.run_dir)
         if message:
             raise Diverged(message.removeprefix("error: "))
-    runtime.barrier(c.env)()  # every rank read it before rank 0 may remove it
+    ranks.barrier(c.env)()  # every rank read it before rank 0 may remove it
     if c.env.is_main:
         clear_marker(c.run_dir)
 
@@ -253,7 +253,7 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
     ``reporter``: how the rank tells the launcher its progress and hangs."""
     env = env or WorkerIdentity.from_environ()
     reporter = reporter or Reporter(env)
-    runtime.configure_logging(env.rank)
+    ranks.configure_logging(env.rank)
     faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) shows every stack
     stop = StopFlag()
     stop.install()  # before the slow build, so an early SIGTERM is not lost
@@ -279,7 +279,7 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
         guard = make_guard(c, state)
         if state.step >= cfg.train.max_steps:
             log.info("nothing to do: the run already reached step %d", state.step)
-            if runtime.from_main(not (c.run_dir / rundir.RESULT).exists(), env):
+            if ranks.from_main(not (c.run_dir / rundir.RESULT).exists(), env):
                 finish(c, metrics, state.step)
             elif env.is_main:
                 metrics.close()
@@ -306,6 +306,6 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
             with contextlib.suppress(Exception):
                 metrics.close(status="FAILED")
         sys.stdout.flush()
-        runtime.shutdown_distributed(clean)
+        ranks.shutdown_distributed(clean)
         if lock is not None:
             lock.release()

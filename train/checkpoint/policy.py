@@ -14,12 +14,12 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from train import runtime
 from train.checkpoint.store import Checkpointer, CheckpointsUnusable
 from train.core.config import AUTO, Config
 from train.core.errors import ConfigError
 from train.core.files import describe_load_error
 from train.core.identity import WorkerIdentity
+from train.distributed import ranks
 
 log = logging.getLogger("train")
 
@@ -55,7 +55,7 @@ def choose_checkpoint(checkpointer: Checkpointer, choice: str, env: WorkerIdenti
             moved = checkpointer.set_aside()
             if moved:
                 log.warning("checkpoint.resume_from=none: earlier checkpoints moved to %s", moved)
-        runtime.barrier(env)()
+        ranks.barrier(env)()
         return None, None
     path, loaded, problem = None, None, None
     if env.is_main:
@@ -63,7 +63,7 @@ def choose_checkpoint(checkpointer: Checkpointer, choice: str, env: WorkerIdenti
         path, loaded, problem = _pick(checkpointer, choice)
         if path is not None and path.parent == checkpointer.dir:
             checkpointer.set_aside_newer_than(int(path.name.split("-")[1]))
-    path, problem = runtime.from_main((str(path) if path else None, problem), env)
+    path, problem = ranks.from_main((str(path) if path else None, problem), env)
     if problem:
         raise ConfigError(source, "checkpoint.resume_from", problem)
     return (Path(path) if path else None), loaded

@@ -34,7 +34,7 @@ def state_dicts(model, optimizer) -> dict[str, Any]:
     """This rank's shards (its local pieces under FSDP, full tensors otherwise)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from train.parallel import state_target
+    from train.distributed.parallel import state_target
     model_state, optim_state = get_state_dict(state_target(model), optimizer, options=_options())
     return {"model": model_state, "optimizer": optim_state}
 
@@ -119,7 +119,7 @@ def load(model, optimizer, folder: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from train.parallel import state_target
+    from train.distributed.parallel import state_target
     state = state_dicts(model, optimizer)
     with _one_process():
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)),

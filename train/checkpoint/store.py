@@ -8,7 +8,7 @@ new one, never a torn one. Loading verifies the checksums and falls back to olde
 checkpoints with a warning. Files load with ``torch.load(weights_only=True)``.
 
 The checkpointer is handed the state; it never reaches into the trainer. What the
-state holds is :mod:`train.state`'s business.
+state holds is :mod:`train.checkpoint.state`'s business.
 """
 
 from __future__ import annotations

@@ -11,7 +11,10 @@ both rules.
 - :mod:`.placement`: which backend, how many processes, which settings need a GPU;
 - :mod:`.identity`: a worker's rank, world size and launcher settings, from its
   environment; :mod:`.comm_defaults`: the communication variables a worker needs;
-- :mod:`.reports`: how a worker tells the launcher it ended;
-- :mod:`.runlock`, :mod:`.files`, :mod:`.host`, :mod:`.datafiles`, :mod:`.usercode`:
-  the run directory's lock, atomic files, the machine, data files, the user's code.
+- :mod:`.protocol`: what a worker tells the launcher (its progress, how it ended) and
+  what a restart can fix;
+- :mod:`.rundir`: every name in the run directory, and reading its checkpoints;
+- :mod:`.runlock`, :mod:`.files`, :mod:`.host`, :mod:`.datafiles`, :mod:`.usercode`,
+  :mod:`.tracker_config`: the run directory's lock, atomic files, the machine, data
+  files, the user's code, the experiment trackers' settings.
 """

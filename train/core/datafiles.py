@@ -1,5 +1,5 @@
 """The files behind each ``data.kind``, read and checked the same way by the launcher
-(before any worker starts) and by the worker (:mod:`train.data`). numpy and torch
+(before any worker starts) and by the worker (:mod:`train.data.builders`). numpy and torch
 are imported only when a file of theirs is checked.
 
 Checks are cheap: headers and sizes, labels (small), never the bulk of a large file

@@ -7,7 +7,7 @@ launcher runs before anything starts and the worker runs again. The schema's
 ``Literal`` choices are these names, and :func:`~train.core.config.checks.validate`
 collects every kind's problems without knowing any kind by name.
 
-Adding a kind: a builder (``train/models.py`` or ``train/data.py``), an entry here with
+Adding a kind: a builder (``train/models.py`` or ``train/data/builders.py``), an entry here with
 its rules, then regenerate the config reference.
 
 A rule is ``rules(cfg, fail)``; ``fail(key, problem, *related)`` records one problem of
@@ -179,13 +179,13 @@ def _tensors_files(cfg: Config, fail: Fail) -> None:
 
 TOKEN_MODELS = ("gpt", "custom")
 DATA_KINDS: dict[str, DataKind] = {k.name: k for k in (
-    DataKind("synthetic", "train.data:synthetic", sample_bytes=_synthetic_sample_bytes),
-    DataKind("tensors", "train.data:tensors", files=_tensors_files),
-    DataKind("text", "train.data:text", files=_text_files, models=TOKEN_MODELS,
+    DataKind("synthetic", "train.data.builders:synthetic", sample_bytes=_synthetic_sample_bytes),
+    DataKind("tensors", "train.data.builders:tensors", files=_tensors_files),
+    DataKind("text", "train.data.builders:text", files=_text_files, models=TOKEN_MODELS,
              sample_bytes=_token_sample_bytes),
-    DataKind("tokens", "train.data:tokens", files=_tokens_files, models=TOKEN_MODELS,
+    DataKind("tokens", "train.data.builders:tokens", files=_tokens_files, models=TOKEN_MODELS,
              sample_bytes=_token_sample_bytes),
-    DataKind("custom", "train.data:from_factory", factory=True),
+    DataKind("custom", "train.data.builders:from_factory", factory=True),
 )}
 
 # train.loss names that are no import path (their functions: train/losses.py)

@@ -1,5 +1,5 @@
 """Stopping cleanly: a signal becomes the same stop step on every rank (a step that
-makes no progress: :mod:`train.watchdog`).
+makes no progress: :mod:`train.guards.watchdog`).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from train.core import rundir
 from train.core.config import Config
 from train.core.errors import CannotRunHere
 from train.core.files import write_json_atomic
-from train.core.tracking import MLFLOW_URI_VAR, mlflow_uri, said, shown_uri, wanted
+from train.core.tracker_config import MLFLOW_URI_VAR, mlflow_uri, said, shown_uri, wanted
 
 log = logging.getLogger("train")
 

@@ -19,7 +19,7 @@ from train.core.config import Config
 from train.core.errors import CannotRunHere, ConfigError
 from train.core.identity import WorkerIdentity
 from train.core.placement import check_gpu_only, one_process_problem, runs_one_process
-from train.precision import autocast_dtype
+from train.distributed.precision import autocast_dtype
 
 log = logging.getLogger("train")
 

@@ -2,7 +2,7 @@
 rank's own shards) and how a start resumes from the checkpoint rank 0 chose.
 
 The file protocol is :mod:`train.checkpoint.store`'s, what a checkpoint holds
-:mod:`train.state`'s, which one to resume :mod:`train.checkpoint.policy`'s.
+:mod:`train.checkpoint.state`'s, which one to resume :mod:`train.checkpoint.policy`'s.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import torch
 
 from train.checkpoint import Checkpointer, sharded
 from train.checkpoint.policy import choose_checkpoint
+from train.checkpoint.state import Restored, TrainState, payload, rank_payload, set_rng_state
 from train.components import Components
 from train.core.config import check_checkpoint_config, to_dict
-from train.divergence import Guard
-from train.parallel import full_state, load_full_state
-from train.state import Restored, TrainState, payload, rank_payload, set_rng_state
+from train.distributed.parallel import full_state, load_full_state
+from train.guards.divergence import Guard
 
 log = logging.getLogger("train")
 

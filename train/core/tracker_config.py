@@ -1,5 +1,5 @@
 """Which experiment trackers a config turns on, and the checks the launcher makes
-before anything starts (train/trackers.py runs them; this part imports neither tracker
+before anything starts (train/observe/trackers.py runs them; this part imports neither tracker
 nor torch, so the launcher's parent process stays light)."""
 
 from __future__ import annotations

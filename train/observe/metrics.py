@@ -1,5 +1,5 @@
 """Rank-0 metrics: console (live bar on a terminal, plain lines otherwise), metrics.jsonl,
-TensorBoard and the optional trackers (train/trackers.py: MLflow, W&B).
+TensorBoard and the optional trackers (train/observe/trackers.py: MLflow, W&B).
 
 After a resume at step s, rows and events from step s on are dropped before new ones
 are written (metrics.jsonl rewritten, TensorBoard's ``purge_step``), so every step
@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from train.board import Board
-from train.console import Console, format_duration
 from train.core import rundir
 from train.core.config import Config, to_yaml
 from train.core.files import json_text, open_append, write_atomic
 from train.core.identity import COMMAND_VAR
-from train.trackers import Trackers
+from train.observe.board import Board
+from train.observe.console import Console, format_duration
+from train.observe.trackers import Trackers
 
 if TYPE_CHECKING:
     import torch

@@ -1,4 +1,5 @@
-"""Data-loading worker processes and stop signals.
+"""The DataLoader a rank iterates (:func:`make_loader`), and its worker processes'
+stop signals.
 
 systemd, SLURM's scancel, `timeout`, a terminal's Ctrl-C and torchrun (which signals
 each rank's process group) send SIGTERM/SIGINT to every process of the group, the
@@ -24,7 +25,8 @@ import os
 import signal
 from contextlib import contextmanager
 
-from torch.utils.data import DataLoader
+import torch
+from torch.utils.data import DataLoader, Dataset
 
 from train.core.host import die_with_parent, process_alive
 
@@ -70,3 +72,22 @@ def loader_worker_init(user_init=None):
     DataLoader of your own, e.g. in a script under ``entrypoint.py launch``). Create the
     DataLoader in the process that iterates it; ``user_init(worker_id)`` runs after."""
     return functools.partial(worker_init, os.getpid(), user_init)
+
+
+def already_batched(batch):
+    """collate_fn for datasets whose __getitems__ returns a whole batch."""
+    return batch
+
+
+def make_loader(dataset: Dataset, batch_sampler, *, num_workers: int, pin_memory: bool,
+                persistent_workers: bool, prefetch_factor: int, seed: int,
+                worker_init_fn=None) -> DataLoader:
+    """``worker_init_fn(worker_id)``: runs in each worker after the signal setup of
+    this module."""
+    extra = {}
+    if num_workers > 0:
+        extra = {"persistent_workers": persistent_workers, "prefetch_factor": prefetch_factor,
+                 "worker_init_fn": loader_worker_init(worker_init_fn)}
+    return Loader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
+                  pin_memory=pin_memory, collate_fn=already_batched,
+                  generator=torch.Generator().manual_seed(seed), **extra)
