@@ -9,8 +9,9 @@ error of its exit code (2 bad input, 3 cannot run here). So the commands cannot 
 apart: the same environment and config give the same findings and the same plan
 whichever command asks (``tests/test_runner.py``).
 
-:func:`execute` runs a prepared plan: the notes and warnings, the run-directory lock
-(``train``), the wait for the rendezvous host, then :mod:`launcher.supervise`.
+:mod:`launcher.execute` runs a prepared plan: the notes and warnings, the
+run-directory lock (``train``), the wait for the rendezvous host, then
+:mod:`launcher.supervise`.
 A new launch convention touches :mod:`launcher.conventions` only; a new check is one
 stage here, and every command gets it.
 """
@@ -18,8 +19,6 @@ stage here, and every command gets it.
 from __future__ import annotations
 
 import os
-import re
-import shlex
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -35,11 +34,10 @@ from launcher.hardware import Finding, Hardware, TorchBuild
 from launcher.plan import Plan
 from launcher.plan import plan as make_plan
 from train.core import rundir
-from train.core.errors import EXIT_STOPPED_BY_SIGNAL, CannotRunHere, ConfigError, UserError
+from train.core.errors import CannotRunHere, ConfigError, UserError
 
 if TYPE_CHECKING:
-    from launcher.signals import Forwarder
-    from train.core.runlock import RunLock
+    pass
 
 APP_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -277,91 +275,5 @@ def run(request: Request, log: Callable[[str], None], *, verbose: bool = False) 
     if request.dry_run:
         print(prepared.plan.render())
         return 0
+    from launcher.execute import execute
     return execute(prepared, log, verbose=verbose)
-
-
-def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -> int:
-    from launcher.signals import Forwarder
-    from train.core import runlock
-    plan, cfg = p.plan, p.cfg
-    if _finished_already(p, log):
-        return 0
-    _announce(p, log, verbose=verbose)
-    # One job per run directory; a script's launch writes only its logs there.
-    lock = runlock.acquire(cfg.run_dir, plan.job, runlock.LeaseTimes.of(cfg), log=log) \
-        if plan.program == "train" else None
-    signals = Forwarder(plan.requeue_signal)
-    try:
-        code = _supervise(p, log, lock, signals, verbose=verbose)
-    finally:
-        if lock is not None:
-            lock.release()
-    if signals.requeue_asked and code == EXIT_STOPPED_BY_SIGNAL and plan.requeue:
-        from launcher.requeue import requeue
-        requeue(plan.requeue, log)  # after the release: the next incarnation takes the run
-    return code
-
-
-def _finished_already(p: Prepared, log: Callable[[str], None]) -> bool:
-    """A train resuming a run that already reached train.max_steps has nothing to start."""
-    from train.core.files import finished_step
-    cfg = p.cfg
-    if p.request.command != "train" or cfg.checkpoint.resume_from != "auto":
-        return False  # resume_from none or a path: train as asked
-    done = finished_step(cfg.run_dir, cfg.train.max_steps)
-    if done is None:
-        return False
-    # a late pod of a finished job, or a rerun: nothing to start
-    log(f"nothing to do: run {cfg.run.name} finished at step {done} "
-        f"({cfg.run_dir / rundir.RESULT}); raise train.max_steps to train on")
-    return True
-
-
-def _announce(p: Prepared, log: Callable[[str], None], *, verbose: bool) -> None:
-    """The plan's notes and warnings, and those of the machine checks (shm, the host's
-    name); then the worker variables, one line each with --verbose, else a summary."""
-    plan = p.plan
-    machine = [f"{f.message}; fix: {f.fix}" for f in p.findings
-               if f.level == "warn" and f.topic in ("shm", "network")]
-    warnings = [*plan.warnings, *machine]
-    for line in [*(f"note: {n}" for n in plan.notes), *(f"warning: {w}" for w in warnings)]:
-        log(line)
-    if verbose:
-        for name, value in plan.env.items():
-            log(f"set {name}={value}")
-    else:
-        log(summarise_env(plan.env))
-
-
-def _supervise(p: Prepared, log: Callable[[str], None], lock: RunLock | None,
-               signals: Forwarder, *, verbose: bool) -> int:
-    """Wait for the rendezvous host, then run the plan under :mod:`launcher.supervise`;
-    with the run-directory lock (``train``), stop when the lock is lost."""
-    from launcher import supervise
-    from train.core.config import to_yaml
-    plan, cfg = p.plan, p.cfg
-    log("run " + shlex.join(plan.argv))
-    if plan.rdzv_host:
-        system.wait_for_host(plan.rdzv_host, p.env.dns_wait_s, log)
-    return supervise.run(plan, p.env.raw, log,
-                         keep_fds=(lock.fd,) if lock is not None and lock.fd else (),
-                         verbose=verbose,
-                         config_text=to_yaml(cfg) if plan.program == "train" else None,
-                         abort=(lambda: lock.lost) if lock is not None else None,
-                         forwarder=signals)
-
-
-# What every launch sets (process identity, rendezvous address, Python's own switches):
-# counted in the summary line, listed only with --verbose or --dry-run.
-PLUMBING = re.compile(r"^((LOCAL_|GROUP_|ROLE_)?(RANK|WORLD_SIZE)|MASTER_(ADDR|PORT)|"
-                      r"TORCHELASTIC_.*|PYTHON(PATH|UNBUFFERED|FAULTHANDLER))$")
-
-
-def summarise_env(values: dict[str, str]) -> str:
-    """One line for the variables a launch sets: the tuning ones by value."""
-    shown = [f"{k}={v}" for k, v in values.items() if not PLUMBING.match(k)]
-    rest = len(values) - len(shown)
-    return (f"set {len(values)} worker variables: {', '.join(shown) or 'none for tuning'}"
-            f"{f' and {rest} for process identity' if rest else ''} (--verbose or --dry-run "
-            "lists them all)")
-

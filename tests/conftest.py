@@ -179,12 +179,13 @@ class SlowSave(importlib.abc.MetaPathFinder):
         run = spec.loader.exec_module
         def exec_module(module):
             run(module)
-            real = module.save_file
-            def slow(obj, path):
-                real(obj, path)
-                if path.name == "state.pt":
+            real = module.save_object
+            def slow(storage, name, obj):
+                digest = real(storage, name, obj)
+                if name.endswith("/state.pt"):
                     time.sleep({seconds})
-            module.save_file = slow
+                return digest
+            module.save_object = slow
         spec.loader.exec_module = exec_module
         return spec
 

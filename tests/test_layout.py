@@ -264,3 +264,12 @@ def test_the_build_read_from_torchs_files_is_what_torch_says():
     assert light is not None
     for field in ("version", "cuda", "hip", "gloo", "nccl", "importable"):
         assert getattr(light, field) == getattr(full, field), field
+
+
+MOST_LINES = 350  # a module longer than this has usually grown a second concern
+
+
+def test_no_module_of_the_launcher_or_the_trainer_is_over_350_lines():
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in modules("launcher") + modules("train")
+            if (n := len(p.read_text().splitlines())) > MOST_LINES]
+    assert not long, "split by concern:\n" + "\n".join(long)

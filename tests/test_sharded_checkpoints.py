@@ -23,6 +23,7 @@ import torch
 from conftest import ROOT, TINY_GPT, losses, merge, run_train, worker_env, write_config
 
 from train.checkpoint import Checkpointer, sharded
+from train.core import rundir
 
 pytestmark = pytest.mark.slow
 STEPS = 8
@@ -189,7 +190,7 @@ def test_kill_9_of_one_rank_mid_save_leaves_a_whole_checkpoint(tmp_path):
         found = Checkpointer(run, rank=0, keep_last=2).newest_loadable(rank=0)
         assert found is not None, f"attempt {attempt}: nothing loadable"
         path, shared, _ = found
-        weights = sharded.full_model_state(path / sharded.SHARDS_DIR)
+        weights = sharded.full_model_state(path / rundir.SHARDS)
         assert sorted(weights) == ["w0", "w1"], path
         assert all(torch.all(w == float(shared["step"])) for w in weights.values()), path
 
@@ -204,9 +205,9 @@ def test_background_shard_writes_make_the_same_checkpoints(fsdp_run, tmp_path):
         folder = tmp_path / "bg" / "checkpoints" / f"step-{step}"
         assert Checkpointer.verify(folder) is None
         assert "model/__1_0.distcp" in json.loads((folder / "checksums.json").read_text())
-        got = sharded.full_model_state(folder / sharded.SHARDS_DIR)
+        got = sharded.full_model_state(folder / rundir.SHARDS)
         want = sharded.full_model_state(fsdp_run / "checkpoints" / f"step-{step}" /
-                                        sharded.SHARDS_DIR)
+                                        rundir.SHARDS)
         assert sorted(got) == sorted(want)
         assert all(torch.equal(got[k], want[k]) for k in want), step
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from train import losses
 from train.autobatch import largest_fitting, probe_on_gpu
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, formats
 from train.checkpoint.state import TrainState
 from train.core import rundir, tracker_config
 from train.core.config import AUTO, Config, batch_split
@@ -55,6 +55,7 @@ class Components:
     micro: int                  # samples per forward pass on this rank
     accum: int                  # micro-batches per optimizer step
     checkpointer: Checkpointer
+    checkpoint_format: formats.Format   # full or sharded, chosen once from the config
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     @property
@@ -122,7 +123,7 @@ def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> C
                                 async_timeout_s=cfg.distributed.timeout_s)
     return Components(cfg, source, env, device, data, model, module, optimizer, scheduler,
                       grad_scaler(device.type, cfg.precision), micro, accum, checkpointer,
-                      loss_fn)
+                      formats.for_config(cfg), loss_fn)
 
 
 def auto_micro_batch(cfg: Config, env: WorkerIdentity, module: nn.Module, data: DataBundle,

@@ -73,17 +73,17 @@ def listed_files(meta_path: Path) -> list[str]:
 
 def load_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, dict]:
     """The newest checkpoint that verifies and loads, or step-N when asked for."""
-    from train.checkpoint import Checkpointer, CheckpointsUnusable
-    checkpointer = Checkpointer(run_dir, rank=0, keep_last=1)
+    from train.checkpoint import reader
+    checkpoints = run_dir / rundir.CHECKPOINTS
     if step is not None:
-        path = checkpointer.dir / rundir.step_name(step)
-        problem = Checkpointer.verify(path) if path.is_dir() else "no such checkpoint"
+        path = checkpoints / rundir.step_name(step)
+        problem = reader.verify(path) if path.is_dir() else "no such checkpoint"
         if problem:
             raise ConfigError("command line", "--step", f"{path}: {problem}")
-        return path, Checkpointer.load(path, 0)[0]
+        return path, reader.load(path, 0)[0]
     try:
-        found = checkpointer.newest_loadable(rank=0)
-    except CheckpointsUnusable as exc:
+        found = reader.newest_loadable(checkpoints, rank=0)
+    except reader.CheckpointsUnusable as exc:
         raise ConfigError("command line", "RUN_DIR", str(exc)) from None
     if found is None:
         raise CannotRunHere(f"{run_dir}: no valid checkpoint under checkpoints/; train first")
@@ -108,7 +108,7 @@ def export(run_dir: Path, out: Path, step: int | None = None) -> Path:
     weights = saved.model
     if saved.sharded:  # consolidated here, in this process alone: no process group
         from train.checkpoint import sharded
-        weights = sharded.full_model_state(path / sharded.SHARDS_DIR)
+        weights = sharded.full_model_state(path / rundir.SHARDS)
     bad = non_finite(weights)
     if bad:  # a checkpoint of a diverged run (written before the divergence guard)
         raise ConfigError("command line", "RUN_DIR", f"{path} holds non-finite weights "

@@ -14,7 +14,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.checkpoint.store import Checkpointer, CheckpointsUnusable
+from train.checkpoint import reader, retention
+from train.checkpoint.reader import CheckpointsUnusable
+from train.checkpoint.store import Checkpointer
+from train.core import rundir
 from train.core.config import AUTO, Config
 from train.core.errors import ConfigError
 from train.core.files import describe_load_error
@@ -52,17 +55,17 @@ def choose_checkpoint(checkpointer: Checkpointer, choice: str, env: WorkerIdenti
         choice = AUTO  # a restart of this attempt continues it instead of starting over
     if choice == "none":
         if env.is_main:
-            moved = checkpointer.set_aside()
+            moved = retention.set_aside(checkpointer.storage)
             if moved:
                 log.warning("checkpoint.resume_from=none: earlier checkpoints moved to %s", moved)
         ranks.barrier(env)()
         return None, None
     path, loaded, problem = None, None, None
     if env.is_main:
-        checkpointer.remove_leftovers()
+        retention.remove_leftovers(checkpointer.storage)
         path, loaded, problem = _pick(checkpointer, choice)
         if path is not None and path.parent == checkpointer.dir:
-            checkpointer.set_aside_newer_than(int(path.name.split("-")[1]))
+            retention.set_aside_newer_than(checkpointer.storage, rundir.step_of(path))
     path, problem = ranks.from_main((str(path) if path else None, problem), env)
     if problem:
         raise ConfigError(source, "checkpoint.resume_from", problem)
@@ -79,10 +82,10 @@ def _pick(checkpointer: Checkpointer, choice: str
             return None, None, str(exc)
         return (found[0], found[1:], None) if found else (None, None, None)
     path = Path(choice)
-    problem = Checkpointer.verify(path)
+    problem = reader.verify(path)
     if problem:
         return None, None, f"{choice}: {problem}"
     try:
-        return path, Checkpointer.load(path, 0), None
+        return path, reader.load(path, 0), None
     except Exception as exc:  # verified bytes torch cannot read back
         return None, None, f"{choice}: cannot be loaded: {describe_load_error(exc)}"

@@ -1,21 +1,24 @@
 """What a rank writes for a checkpoint, and the words for a write that failed.
 
-``save_file``: torch.save into a new file, never through a link, fsync'ed. ``snapshot``:
-a CPU copy that training can no longer change (for a write in the background).
-``write_error``: one line for a failed write (a full disk, a read-only file system),
-with the free space and the size a checkpoint takes.
+``save_object``: torch.save into a new file of a storage (durable, hashed while
+written). ``snapshot``: a CPU copy that training can no longer change (for a write in
+the background). ``writing``: a failed write (a full disk, a read-only file system)
+becomes one line, :func:`write_error`, with the free space and the size a checkpoint
+takes, and the partial checkpoint goes with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+from train.checkpoint.storage import LocalStorage
+from train.core import rundir
 from train.core.errors import CannotRunHere
-from train.core.files import create_new
 
 
 class CheckpointWriteError(CannotRunHere):
@@ -24,12 +27,40 @@ class CheckpointWriteError(CannotRunHere):
     previous one is intact; a restart of the same attempt ends at once (train.worker)."""
 
 
-def save_file(obj: Any, path: Path) -> None:
+def save_object(storage: LocalStorage, name: str, obj: Any) -> str:
+    """torch.save ``obj`` as ``name``; its SHA-256."""
     import torch
-    with create_new(path) as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    return storage.write(name, lambda f: torch.save(obj, f))
+
+
+def save_file(obj: Any, path: Path) -> str:
+    """torch.save ``obj`` to ``path``, durably, never through a link; its SHA-256."""
+    return save_object(LocalStorage(Path(path).parent), Path(path).name, obj)
+
+
+@contextlib.contextmanager
+def writing(storage: LocalStorage, partial: str, name: str):
+    """A failed write of ``name`` (in the checkpoint ``partial``) is one
+    CheckpointWriteError; the partial checkpoint goes with it (left behind, it would
+    keep a full disk full)."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        if isinstance(exc, CheckpointWriteError):
+            raise
+        needed = _latest_size(storage)
+        storage.delete(partial)
+        raise write_error(exc, storage.path(name), needed,
+                          storage.path(rundir.CHECKPOINTS)) from exc
+
+
+def _latest_size(storage: LocalStorage) -> int | None:
+    """About how many bytes a checkpoint takes: the newest one's."""
+    name = rundir.latest_name(storage.path(rundir.CHECKPOINTS))
+    try:
+        return storage.size(f"{rundir.CHECKPOINTS}/{name}") if name else None
+    except OSError:
+        return None
 
 
 def write_error(exc: BaseException, path: Path, needed: int | None = None,

@@ -1,8 +1,9 @@
-"""The trainer's checkpoints: what a save gathers (full tensors on rank 0, or each
-rank's own shards) and how a start resumes from the checkpoint rank 0 chose.
+"""The trainer's checkpoints: what a save gathers (in the run's format: full tensors on
+rank 0, or each rank's own shards) and how a start resumes from the checkpoint rank 0
+chose.
 
-The file protocol is :mod:`train.checkpoint.store`'s, what a checkpoint holds
-:mod:`train.checkpoint.state`'s, which one to resume :mod:`train.checkpoint.policy`'s.
+The file protocol is :mod:`.store`'s, the formats :mod:`.formats`', what a checkpoint
+holds :mod:`.state`'s, which one to resume :mod:`.policy`'s.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ import logging
 
 import torch
 
-from train.checkpoint import Checkpointer, sharded
+from train.checkpoint import formats, reader
 from train.checkpoint.policy import choose_checkpoint
 from train.checkpoint.state import Restored, TrainState, payload, rank_payload, set_rng_state
 from train.components import Components
 from train.core.config import check_checkpoint_config, to_dict
-from train.distributed.parallel import full_state, load_full_state
 from train.guards.divergence import Guard
 
 log = logging.getLogger("train")
@@ -29,20 +29,15 @@ def save_checkpoint(c: Components, state: TrainState, guard: Guard, *,
     stops the run instead."""
     guard.weights(state.step, c.model, c.env.distributed)
     state.skipped_steps = guard.skipped
-    shards = None
-    if c.cfg.sharded_checkpoints:  # every rank writes its own shards: nothing gathered
-        tensors = sharded.state_dicts(c.model, c.optimizer)
-        model_state = optim_state = None
-        write = sharded.save_in_background if background else sharded.save
-        shards = lambda folder: write(tensors, folder)  # noqa: E731
-    else:
-        model_state, optim_state = full_state(c.model, c.optimizer)
+    model_state, optim_state, shards = c.checkpoint_format.collect(c.model, c.optimizer,
+                                                                   background)
     shared = payload(state, world_size=c.env.world_size, model=model_state,
                      optimizer=optim_state, scheduler=c.scheduler.state_dict(),
                      scaler=c.scaler.state_dict() if c.scaler else None,
                      config=to_dict(c.cfg),
                      model_io={"input_shape": list(c.data.input_shape),
-                               "num_classes": c.data.num_classes})
+                               "num_classes": c.data.num_classes},
+                     format=c.checkpoint_format.name)
     path = c.checkpointer.save(state.step, shared, rank_payload(c.env.rank),
                                background=background, shards=shards)
     if c.env.is_main:
@@ -55,13 +50,12 @@ def resume(c: Components) -> TrainState:
                                      c.source)
     if path is None:
         return TrainState()
-    shared, mine = loaded if loaded is not None else Checkpointer.load(path, c.env.rank)
+    shared, mine = loaded if loaded is not None else reader.load(path, c.env.rank)
     saved = Restored(shared)
     check_checkpoint_config(c.cfg, saved.config, path, c.source)
-    if saved.sharded:  # each rank reads what its shards need, at any world size
-        sharded.load(c.model, c.optimizer, path / sharded.SHARDS_DIR)
-    else:
-        load_full_state(c.model, c.optimizer, saved.model, saved.optimizer)
+    # in the format it was saved in: sharded reads what this rank's shards need, at any
+    # world size
+    formats.of_checkpoint(saved).load(c.model, c.optimizer, saved, path)
     c.scheduler.load_state_dict(saved.scheduler)
     if c.scaler and saved.scaler:
         c.scaler.load_state_dict(saved.scaler)
@@ -73,5 +67,3 @@ def resume(c: Components) -> TrainState:
     log.info("resumed from %s at step %d, sample %d (saved with world size %s, now %d)", path,
              state.step, state.samples_consumed, saved.world_size, c.env.world_size)
     return state
-
-

@@ -1,8 +1,8 @@
 """Sharded checkpoints: each rank writes its own shards of the model and optimizer state
 with torch.distributed.checkpoint (DCP), so that no rank ever holds the full state.
 
-The shards go into ``step-N.partial/model/`` (``__<rank>_0.distcp`` per rank, and the
-``.metadata`` index rank 0 writes) under the same protocol as everything else
+The shards go into ``step-N.partial/model/`` (``rundir.SHARDS``: ``__<rank>_0.distcp``
+per rank, and the ``.metadata`` index rank 0 writes) under the same protocol as everything else
 (:mod:`.store`): each rank fsyncs and hashes its own files, rank 0 lists every hash in
 ``checksums.json`` and renames the folder into place. The rest of the checkpoint (step,
 data position, scheduler, config) stays in ``state.pt``, the RNG in ``rank-<r>.pt``.
@@ -21,7 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SHARDS_DIR = "model"
 MODEL_PREFIX = "model."
 
 

@@ -58,12 +58,11 @@ class TrainState:
 
 def payload(state: TrainState, *, world_size: int, model: dict | None,
             optimizer: dict | None, scheduler: dict, scaler: dict | None, config: dict,
-            model_io: dict[str, Any]) -> dict[str, Any]:
+            model_io: dict[str, Any], format: str) -> dict[str, Any]:
     """The contents of state.pt (model and optimizer None: sharded, beside it)."""
     return {**state.state_dict(), "world_size": world_size, "model": model,
             "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
-            "config": config, "model_io": model_io,
-            "format": "full" if model is not None else "sharded"}
+            "config": config, "model_io": model_io, "format": format}
 
 
 @dataclass(frozen=True)
@@ -85,8 +84,12 @@ class Restored:
         return self.raw.get("world_size")
 
     @property
+    def format(self) -> str:
+        return self.raw.get("format", "full")
+
+    @property
     def sharded(self) -> bool:
-        return self.raw.get("format") == "sharded"
+        return self.format == "sharded"
 
     @property
     def model(self) -> dict[str, torch.Tensor]:

@@ -15,8 +15,9 @@ wrong and what is allowed; a config's problems are reported all at once
 than the run): :func:`~.origins.config_warnings`.
 """
 
-from train.core.config.checks import batch_split, check_checkpoint_config, check_resume_compatible
+from train.core.config.checks import batch_split
 from train.core.config.loader import load_config, parse_override, to_yaml
+from train.core.config.resume import check_checkpoint_config, check_resume_compatible
 from train.core.config.schema import (
                                  AUTO,
                                  CheckpointConfig,

@@ -9,6 +9,7 @@ and the launch plan read them back from the loaded config.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -98,3 +99,18 @@ def ref(key: str) -> str:
 
 def val(key: str) -> str:
     return f"\x00v:{key}\x00"
+
+
+MISSING = object()
+
+
+def dig(tree: dict, dotted: str) -> Any:
+    """The value at a dotted key of a nested mapping, or :data:`MISSING`."""
+    for part in dotted.split("."):
+        tree = tree.get(part, MISSING) if isinstance(tree, dict) else MISSING
+    return tree
+
+
+def show(value: Any) -> str:
+    """A value as a message quotes it: strings as they are, the rest as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)

@@ -1,0 +1,132 @@
+"""Where a checkpoint's bytes live: the few operations the store needs, behind one seam.
+
+The store (:mod:`.store`) speaks of names relative to a root ("checkpoints/step-4/
+state.pt", "checkpoints/latest"), never of paths, so that one protocol (a partial
+folder, every file durable and hashed, ``checksums.json`` written last, ``latest``
+replaced atomically) holds whatever keeps the bytes. :class:`LocalStorage`, a folder on
+a file system, is the first implementation; an object store (S3 and alike) is meant to
+be a second one, used by a tier that mirrors sealed checkpoints, not a special case in
+the store.
+
+:class:`Storage` is what any implementation provides. A file system adds what only it
+can do: rename a folder atomically (:meth:`LocalStorage.move`: how a partial checkpoint
+is sealed) and give a library a real path to write into (:meth:`LocalStorage.path`:
+torch.distributed.checkpoint writes its shards itself).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+from train.core.files import create_new, fsync_dir, sha256_file, write_atomic
+
+
+class Storage(Protocol):
+    def write(self, name: str, fill: Callable[[BinaryIO], None]) -> str:
+        """A new file: ``fill`` writes its bytes; complete and durable when this returns.
+        Returns its SHA-256, computed while writing (no second pass over the bytes)."""
+
+    def replace(self, name: str, data: bytes) -> None:
+        """A small file replaced in one step, durably: a reader sees the old or the new."""
+
+    def open(self, name: str) -> BinaryIO:
+        """A stored file, to read."""
+
+    def digest(self, name: str) -> str:
+        """The SHA-256 of a stored file, read back."""
+
+    def names(self, folder: str = "") -> list[str]:
+        """What a folder holds (names relative to it); none when it does not exist."""
+
+    def exists(self, name: str) -> bool: ...
+
+    def delete(self, name: str) -> None:
+        """A file, or a folder with all it holds; nothing when it is not there."""
+
+
+class _Hashing:
+    """A writable file that hashes what passes through it."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+class LocalStorage:
+    """A folder on a file system. No file is written through a symbolic link (a new
+    file replaces a link at its name); folders may be links (checkpoints on another
+    disk)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def path(self, name: str = "") -> Path:
+        return self.root / name if name else self.root
+
+    def write(self, name: str, fill: Callable[[BinaryIO], None]) -> str:
+        path = self.path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with create_new(path) as f:
+            hashing = _Hashing(f)
+            fill(hashing)
+            f.flush()
+            os.fsync(f.fileno())
+        return hashing.sha.hexdigest()
+
+    def replace(self, name: str, data: bytes) -> None:
+        write_atomic(self.path(name), data)
+        fsync_dir(self.path(name).parent)  # the rename itself survives a power cut
+
+    def open(self, name: str) -> BinaryIO:
+        return self.path(name).open("rb")
+
+    def read_text(self, name: str) -> str:
+        return self.path(name).read_text(encoding="utf-8")
+
+    def digest(self, name: str) -> str:
+        return sha256_file(self.path(name))
+
+    def names(self, folder: str = "") -> list[str]:
+        path = self.path(folder)
+        return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+
+    def exists(self, name: str) -> bool:
+        return self.path(name).exists()
+
+    def is_folder(self, name: str) -> bool:
+        return self.path(name).is_dir()
+
+    def size(self, name: str) -> int:
+        """Bytes of a file, or of a folder's files (not recursing)."""
+        path = self.path(name)
+        if path.is_dir():
+            return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        return path.stat().st_size
+
+    def delete(self, name: str) -> None:
+        path = self.path(name)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.is_symlink() or path.exists():
+            path.unlink(missing_ok=True)
+
+    def move(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst`` (a file or a folder) atomically, durably."""
+        self.path(dst).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.path(src), self.path(dst))
+        fsync_dir(self.path(dst).parent)
+
+    def folder(self, name: str) -> LocalStorage:
+        """The storage of a subfolder (a checkpoint's own files)."""
+        return LocalStorage(self.path(name))
