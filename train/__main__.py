@@ -16,6 +16,7 @@ from train.core.config import check_resume_compatible, load_config, to_yaml
 from train.core.config.loader import dashed_override
 from train.core.config.origins import config_warnings
 from train.core.errors import EXIT_TRAINING_FAILED, UserError, printable
+from train.core.host import exit_now
 from train.core.identity import WorkerIdentity, check_environ
 from train.core.protocol import Reporter
 
@@ -95,4 +96,4 @@ def record_for_torchrun(exc: BaseException) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -14,7 +14,7 @@ import signal
 import sys
 
 from train.core.errors import EXIT_TRAINING_FAILED
-from train.core.host import die_with_parent
+from train.core.host import die_with_parent, exit_now
 from train.core.protocol import Reporter
 
 
@@ -63,4 +63,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

@@ -7,10 +7,13 @@ Torch-free and side-effect free, so the launcher can call it before any worker s
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 # Written by scripts/build-manifest when the image is built; TRAIN_BUILD_MANIFEST
 # points elsewhere (tests, a checkout).
@@ -129,6 +132,21 @@ def die_with_parent(signum: int, parent: int | None = None) -> None:
         return
     if parent is not None and os.getppid() != parent:
         os.kill(os.getpid(), signum)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a worker with ``code`` once its work is done and its report written, without
+    the interpreter's finalisation: there, the destructors of torch's C++ threads of a
+    gloo process group aborted a rank now and then ("terminate called without an active
+    exception", exit -6) after a run had finished and saved, which read as a failure.
+    Logs and output are flushed first; nothing of a run relies on atexit."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def read_build_manifest(path: str | Path) -> dict | None:
