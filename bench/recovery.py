@@ -1,14 +1,14 @@
 """Recovery time: from losing a worker or a node to the next training step.
 
 Three measurements with the real entrypoint on 127.0.0.1 (simulated nodes from
-tests/multinode.py: each node in its own PID namespace where the kernel allows, pinned
+tests/harness/multinode.py: each node in its own PID namespace where the kernel allows, pinned
 to its own CPU):
 
 - single node, 2 processes: kill -9 one worker -> torchrun restarts both -> next step;
 - two nodes (``TRAIN_NNODES=1:2``, the standalone store): kill one node -> the
   survivor's next step;
 - a replacement node started -> the next step at world size 2;
-- two nodes on hosts of their own (tests/netns.py, where this machine allows network
+- two nodes on hosts of their own (tests/harness/netns.py, where this machine allows network
   namespaces): one host vanishes (its link down: no connection is closed) -> the
   survivor notices it, and -> trains again (its next step).
 
@@ -32,11 +32,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
-import netns  # noqa: E402
-from conftest import clean_env  # noqa: E402
-from multinode import ENTRY, Cluster, Process, descendants  # noqa: E402
+from tests.harness import netns  # noqa: E402
+from tests.harness.multinode import ENTRY, Cluster, Process  # noqa: E402
+from tests.harness.procs import cmdline, descendants  # noqa: E402
+from tests.harness.runs import clean_env  # noqa: E402
 
 SMALL = [str(ROOT / "configs" / "quickstart.yaml"), "model.depth=1", "model.width=32",
          "model.heads=4", "model.context_length=32", "train.global_batch_size=8",
@@ -63,8 +64,7 @@ def single_node(work: Path) -> float:
                    clean_env(), work).start()
     try:
         first([node], r"\]:step 30/")
-        workers = [p for p in descendants(node.proc.pid)
-                   if b"train.worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        workers = [p for p in descendants(node.proc.pid) if "train.worker" in cmdline(p)]
         start = time.monotonic()
         os.kill(max(workers), signal.SIGKILL)
         first([node], r"resumed from (.|\n)*" + STEP)

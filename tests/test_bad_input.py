@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, TINY_MLP, clean_env, merge, worker_env, write_config
+
+from tests.harness.runs import ROOT, TINY_GPT, TINY_MLP, clean_env, merge, worker_env, write_config
 
 ENTRY = str(ROOT / "entrypoint.py")
 

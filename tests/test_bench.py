@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from tests.harness.runs import ROOT
 from train.core.config import load_config
 from train.models import build_model
 

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+
+from tests.harness.procs import children
+from tests.harness.runs import (
     ROOT,
     TINY_GPT,
     losses,
@@ -26,7 +28,6 @@ from conftest import (
     worker_env,
     write_config,
 )
-
 from train.checkpoint import Checkpointer
 
 STEPS = 20
@@ -202,11 +203,6 @@ def test_async_save_on_two_processes_writes_complete_checkpoints(tmp_path):
     assert losses(tmp_path / "a") == ref
 
 
-def _children(pid: int) -> list[int]:
-    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    return [int(c) for c in text.split()]
-
-
 @pytest.mark.slow
 def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
@@ -218,7 +214,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     for line in agent.stdout:
         if line.startswith("step 3/"):
             break
-    workers = _children(agent.pid)
+    workers = children(agent.pid)
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGTERM)  # one rank only, as when one process is signalled
     _, err = agent.communicate(timeout=120)

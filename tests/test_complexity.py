@@ -5,11 +5,10 @@ chain of decisions to split into helpers whose names say what each part decides.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from radon.complexity import cc_visit
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.harness.runs import ROOT
+
 FOLDERS = ("launcher", "train")
 MOST = 20  # radon's grade C ends here
 

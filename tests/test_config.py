@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, TINY_GPT, TINY_MLP, merge, worker_env, write_config
 
+from tests.harness.runs import ROOT, TINY_GPT, TINY_MLP, merge, worker_env, write_config
 from train.core.config import AUTO, Config, batch_split, load_config, parse_override, reference
 from train.core.errors import ConfigError
 

@@ -21,8 +21,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, TINY_GPT, clean_env, merge, read_metrics, worker_env, write_config
 
+from tests.harness.runs import (
+    ROOT,
+    TINY_GPT,
+    clean_env,
+    merge,
+    read_metrics,
+    worker_env,
+    write_config,
+)
 from train.core.config import Config, types
 
 ENTRY = str(ROOT / "entrypoint.py")

@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TINY_GPT, clean_env, merge, read_metrics, write_config
 
+from tests.harness.runs import ROOT, TINY_GPT, clean_env, merge, read_metrics, write_config
 from train.observe import console as console_mod
 from train.observe.console import Console, StepRate
 

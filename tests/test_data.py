@@ -8,13 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, TINY_MLP, merge, worker_env, write_config
 
+from tests.harness.procs import alive
+from tests.harness.runs import ROOT, TINY_GPT, TINY_MLP, merge, worker_env, write_config
 from train.core.config import load_config
 from train.core.host import cgroup_cpu_quota
 from train.data.builders import build_data, read_text_corpus
@@ -128,13 +128,6 @@ def test_loader_workers_leave_stop_signals_to_the_main_process():
     assert not signal.pthread_sigmask(signal.SIG_BLOCK, []) & {signal.SIGTERM, signal.SIGINT}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-    except OSError:
-        return False
-
-
 STUCK_LOADER = """
 import os, sys, time
 import torch
@@ -169,7 +162,7 @@ def test_loader_workers_die_with_a_killed_main_process(tmp_path):
     left = workers
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = {p for p in workers if _alive(p)}
+        left = {p for p in workers if alive(p)}
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, "loader workers outlived the main process"

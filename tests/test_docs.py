@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.harness.runs import ROOT
+
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 

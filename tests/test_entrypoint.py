@@ -18,14 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import clean_env
+
+from tests.harness.runs import FAKES, ROOT, clean_env
 
 TORCH_IS_ROCM = bool(__import__("torch").version.hip)
 TORCH_KIND = "rocm" if TORCH_IS_ROCM else "cuda" if __import__("torch").version.cuda else "cpu"
 
-ROOT = Path(__file__).resolve().parent.parent
 ENTRY = str(ROOT / "entrypoint.py")
-FAKES = Path(__file__).parent / "fakes"
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 # Small enough that 20 steps on 2 ranks take seconds on a 2-core machine.
 SMALL = ["model.depth=1", "model.width=32", "model.heads=4", "model.context_length=32",
@@ -159,7 +158,7 @@ def test_doctor_reports_a_bad_config_with_exit_2(tmp_path):
 
 @pytest.mark.skipif(TORCH_IS_ROCM, reason="this torch can drive the fake AMD GPU")
 def test_doctor_with_amd_gpus_and_a_non_rocm_torch_exits_3(tmp_path):
-    from test_launcher_detect import kfd_tree
+    from tests.harness.plans import kfd_tree
     kfd_tree(tmp_path / "hw", {7: (31896, 128, 90010)}, present=[128])
     env = clean_env(PATH=f"{FAKES}:{os.environ['PATH']}", TRAIN_HW_ROOT=str(tmp_path / "hw"),
                     FAKE_ROCM_SMI_OUTPUT=str(FAKES / "outputs" /

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, merge, run_train, worker_env, write_config
 
+from tests.harness.runs import ROOT, TINY_GPT, merge, run_train, worker_env, write_config
 from train.core.config import ModelConfig
 from train.core.errors import ConfigError
 from train.export import check_output

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, TINY_MLP, merge, run_train, worker_env, write_config
 
+from tests.harness.runs import ROOT, TINY_GPT, TINY_MLP, merge, run_train, worker_env, write_config
 from train.export import load_model
 
 

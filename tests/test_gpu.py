@@ -10,7 +10,17 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TINY_GPT, clean_env, losses, merge, run_train, usable_gpus, write_config
+
+from tests.harness.runs import (
+    ROOT,
+    TINY_GPT,
+    clean_env,
+    losses,
+    merge,
+    run_train,
+    usable_gpus,
+    write_config,
+)
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,8 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, TINY_GPT, clean_env, merge, slow_state_writes, write_config
+
+from tests.harness.runs import ROOT, TINY_GPT, clean_env, merge, slow_state_writes, write_config
 
 # Every process imports this first (PYTHONPATH): the rank-0 state file of a checkpoint
 # takes 40 s more to write.

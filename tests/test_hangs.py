@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_MLP, clean_env, merge, write_config
 
+from tests.harness.procs import below, cmdline, environ, pids
+from tests.harness.runs import ROOT, TINY_MLP, clean_env, merge, write_config
 from train.core.protocol import Report
 
 pytestmark = pytest.mark.slow
@@ -130,8 +131,7 @@ def test_a_frozen_rank_is_named_by_its_last_progress(tmp_path):
 
 def _progress(pid: int, at_least: int) -> int:
     """Wait until the worker's report says it reached ``at_least`` steps; that step."""
-    env = dict(e.split("=", 1) for e in
-               Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
+    env = environ(pid)
     report = Path(env["TRAIN_LAUNCHER_STATUS_DIR"]) / f"rank-{env['LOCAL_RANK']}.json"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -147,27 +147,8 @@ def _progress(pid: int, at_least: int) -> int:
 
 def _rank_process(launcher: int, rank: str) -> int:
     """The worker process below the launcher whose RANK is ``rank``."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-            argv = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"train.worker" in argv and \
-                _below(int(entry.name), launcher):
-            return int(entry.name)
+    for pid in pids():
+        if environ(pid).get("RANK") == rank and "train.worker" in cmdline(pid) and \
+                below(pid, launcher):
+            return pid
     raise AssertionError(f"no worker of rank {rank} below {launcher}")
-
-
-def _below(pid: int, ancestor: int) -> bool:
-    while pid > 1:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            return False
-        pid = int(stat.rsplit(")", 1)[1].split()[1])
-        if pid == ancestor:
-            return True
-    return False

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import lock_pins
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.harness.runs import ROOT, lock_pins
+
 DOCKERFILES = {"cpu": "Dockerfile.cpu", "cuda": "Dockerfile.cuda", "rocm": "Dockerfile.rocm"}
 DEFAULT_VARIANT = {"cpu": "cpu", "cuda": "cu130", "rocm": "rocm7.2"}
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, clean_env
+
+from tests.harness.runs import ROOT, clean_env
 
 pytestmark = pytest.mark.slow
 

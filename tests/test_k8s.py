@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT
 
 from launcher import environ
 from launcher.hardware import Gpu, Hardware, TorchBuild
 from launcher.plan import plan
+from tests.harness.runs import ROOT
 from train.core.config import load_config
 from train.core.errors import EXIT_CODES
 from train.core.protocol import restart_can_help

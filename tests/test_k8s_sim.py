@@ -17,9 +17,10 @@ import time
 
 import pytest
 import yaml
-from conftest import ROOT, read_metrics, slow_state_writes
-from kubesim import Cluster
-from multinode import Process
+
+from tests.harness.kubesim import Cluster
+from tests.harness.multinode import Process
+from tests.harness.runs import ROOT, read_metrics, slow_state_writes
 
 CPU = ROOT / "k8s" / "cpu"
 JOB = "train-workers"

@@ -3,19 +3,16 @@ fake amd-smi/rocm-smi executables printing real outputs, and fake /dev + sysfs t
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pynvml
 import pytest
 
 from launcher import amd, compat, detect, environ, nvidia
 from launcher.hardware import Gpu, Hardware, TorchBuild
+from tests.fakes.fake_nvml import FakeNvml, h100s
+from tests.harness.plans import kfd_tree
+from tests.harness.runs import FAKES
 
-FAKES = Path(__file__).parent / "fakes"
 OUTPUTS = FAKES / "outputs"
-sys.path.insert(0, str(FAKES))
-from fake_nvml import FakeNvml, h100s  # noqa: E402
 
 
 def env_of(**values: str) -> environ.Environ:
@@ -132,27 +129,6 @@ def test_detect_without_gpus_is_cpu_only_with_a_note(tmp_path):
 
 
 # ------------------------------------------------------------------------------- AMD
-
-def kfd_tree(root: Path, nodes: dict[int, tuple[int, int, int]], present: list[int],
-             kfd: bool = True) -> Path:
-    """nodes: KFD node -> (gpu_id, render minor, gfx_target_version); node 0 is a CPU."""
-    base = root / "sys/class/kfd/kfd/topology/nodes"
-    (base / "0").mkdir(parents=True)
-    (base / "0" / "gpu_id").write_text("0\n")
-    (base / "0" / "properties").write_text("cpu_cores_count 64\nsimd_count 0\n")
-    for node, (gpu_id, minor, gfx) in nodes.items():
-        d = base / str(node)
-        d.mkdir()
-        (d / "gpu_id").write_text(f"{gpu_id}\n")
-        (d / "properties").write_text(f"simd_count 440\ndrm_render_minor {minor}\n"
-                                      f"gfx_target_version {gfx}\nunique_id {0xabc0 + node}\n")
-    (root / "dev/dri").mkdir(parents=True)
-    if kfd:
-        (root / "dev/kfd").touch()
-    for minor in present:
-        (root / f"dev/dri/renderD{minor}").touch()
-    return root
-
 
 def amd_env(monkeypatch, rocm: str | None = None, amd_list: str | None = None) -> str:
     if rocm:

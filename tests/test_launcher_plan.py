@@ -7,73 +7,26 @@ environment mapping.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-import yaml
 
 from launcher import environ
 from launcher.hardware import Gpu, Hardware, TorchBuild
-from launcher.plan import plan
+from tests.harness.plans import (
+    BASE_ENV,
+    CPU_HW,
+    CPU_TORCH,
+    CUDA_TORCH,
+    NCCL_ENV,
+    PY,
+    ROCM_TORCH,
+    SHUTDOWN,
+    gpus,
+    make,
+    torchrun,
+)
 from train.core.config import load_config
 from train.core.errors import CannotRunHere, ConfigError
-
-PY = "/opt/venv/bin/python"
-APP = "/app"
-CPU_HW = Hardware(cpus=8)
-CPU_TORCH = TorchBuild(version="2.13.0+cpu", gloo=True)
-CUDA_TORCH = TorchBuild(version="2.13.0+cu130", cuda="13.0", nccl=True, gloo=True,
-                        arch_list=("sm_80", "sm_90"))
-ROCM_TORCH = TorchBuild(version="2.13.0+rocm7.2", hip="7.2", nccl=True, gloo=True,
-                        arch_list=("gfx90a", "gfx942"))
-
-
-def gpus(n: int, vendor: str = "nvidia", arch: str = "sm_90") -> Hardware:
-    return Hardware(vendor=vendor, source="test", listed=n, cpus=32,
-                    driver_version="580.65.06" if vendor == "nvidia" else None,
-                    cuda_driver_version="13.0" if vendor == "nvidia" else None,
-                    gpus=tuple(Gpu(index=i, name="G", arch=arch) for i in range(n)))
-
-
-@pytest.fixture
-def cfg_file(tmp_path: Path):
-    def make(**tree) -> str:
-        base = {"model": {"kind": "mlp", "depth": 1, "width": 8},
-                "data": {"kind": "synthetic", "num_samples": 64, "shape": [4]},
-                "train": {"global_batch_size": 48, "max_steps": 5},
-                "output": {"dir": "/runs"}}
-        for key, value in tree.items():
-            base.setdefault(key, {}).update(value)
-        path = tmp_path / "job.yaml"
-        path.write_text(yaml.safe_dump(base))
-        return str(path)
-    return make
-
-
-def make(cfg_path: str, overrides=(), hw=CPU_HW, tb=CPU_TORCH, env=None):
-    cfg = load_config(cfg_path, list(overrides))
-    return plan(cfg, hw, tb, environ.read({"PATH": "/usr/bin", **(env or {})}),
-                config_path=cfg_path, overrides=list(overrides), python=PY, app_root=APP,
-                master_port=29511)
-
-
-BASE_ENV = {"PYTHONPATH": APP, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_FR_DUMP_TEMP_FILE": "/runs/job/nccl-flight-recorder-rank-",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/runs/job/nccl-flight-recorder-rank-",
-            "NCCL_DEBUG": "WARN"}
-
-
-# torchrun's SIGTERM-to-SIGKILL wait: distributed.grace_period_s (120) - 5
-SHUTDOWN = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "115"}
-
-
-def torchrun(*rdzv: str, nproc: int, restarts: int = 3) -> list[str]:
-    return [PY, "-m", "launcher.torchrun", *rdzv, "--nproc-per-node", str(nproc),
-            "--max-restarts", str(restarts), "--log-dir", "/runs/job/logs", "--tee", "3",
-            "-m", "train.worker"]
-
 
 # ------------------------------------------------------------------------ golden plans
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from launcher.supervise import classify
+from tests.harness.runs import FAKES, ROOT
 from train.core.protocol import Report
 
-ROOT = Path(__file__).resolve().parent.parent
-FAKE = str(ROOT / "tests" / "fakes" / "fake_worker.py")
-RUN_PLAN = str(ROOT / "tests" / "fakes" / "run_plan.py")
+FAKE = str(FAKES / "fake_worker.py")
+RUN_PLAN = str(FAKES / "run_plan.py")
 
 
 def rep(rank: int, code: int, error: str | None = None, restart: int = 0,

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.harness.runs import ROOT
+
 HEAVY = ("torch", "numpy")
 
 

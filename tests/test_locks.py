@@ -8,7 +8,8 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import ROOT, lock_pins
+
+from tests.harness.runs import ROOT, lock_pins
 
 MAKEFILE = (ROOT / "Makefile").read_text()
 SUPPORTED = re.search(r"^SUPPORTED_PYTHONS := (.+)$", MAKEFILE, re.M)[1].split()

@@ -16,11 +16,11 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, clean_env
-from multinode import ENTRY, Cluster, Process, pid_namespaces
 
 from launcher.rdzv_state import Round, describe
 from launcher.rendezvous import RoundWatcher
+from tests.harness.multinode import ENTRY, Cluster, Process, pid_namespaces
+from tests.harness.runs import ROOT, clean_env
 
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 # A constant schedule: a reference run stopped at any step saw the same learning rates.

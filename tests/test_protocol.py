@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, clean_env
 
 from launcher.outcome import RULES, Ending, classify
+from tests.harness.runs import ROOT, clean_env
 from train.core import protocol
 from train.core.errors import EXIT_CODES, FINAL_EXIT_CODES
 from train.core.identity import STATUS_DIR_VAR, WorkerIdentity

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
 
 from launcher import rdma
+from tests.harness.runs import ROOT, clean_env
 
 
 def fabric(root: Path, ports: dict[str, tuple[str, str]], device_files: bool = True) -> str:

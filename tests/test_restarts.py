@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, clean_env, merge, write_config
+
+from tests.harness.runs import ROOT, TINY_GPT, clean_env, merge, write_config
 
 ENTRY = str(ROOT / "entrypoint.py")
 

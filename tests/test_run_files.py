@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, clean_env, merge, write_config
 
+from tests.harness.procs import children, cmdline
+from tests.harness.runs import ROOT, TINY_GPT, clean_env, merge, write_config
 from train.core import files, rundir
 from train.core.errors import ConfigError
 
@@ -90,9 +91,7 @@ def test_the_write_helpers_never_write_through_a_link(tmp_path):
 # ------------------------------------------------------------------ the config read again
 
 def worker_pids(launcher_pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(launcher_pid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()
-            if "train.worker" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+    return [p for p in children(launcher_pid) if "train.worker" in cmdline(p)]
 
 
 @pytest.mark.slow

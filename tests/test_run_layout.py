@@ -8,9 +8,9 @@ import re
 import sys
 from pathlib import Path
 
+from tests.harness.runs import ROOT
 from train.core import rundir
 
-ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("train", "launcher", "tools")
 OWNER = ROOT / "train" / "core" / "rundir.py"
 # Names distinctive anywhere: spelled as a string in product code, they are a second owner.

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY_GPT, clean_env, merge, write_config
 
+from tests.harness.runs import ROOT, TINY_GPT, clean_env, merge, write_config
 from train.core import runlock
 from train.core.errors import EXIT_RUN_DIR_BUSY, RunDirBusy
 

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+
+from tests.harness.procs import alive, cmdline, descendants, environ, group
+from tests.harness.runs import (
     ROOT,
     TINY_GPT,
     TINY_MLP,
@@ -27,7 +29,6 @@ from conftest import (
     worker_env,
     write_config,
 )
-
 from train.checkpoint import Checkpointer
 from train.core.files import sha256_file
 
@@ -213,30 +214,6 @@ def test_a_checkpoint_that_verifies_but_cannot_load_falls_back(finished, tmp_pat
 
 # ---------------------------------------------------------------- supervision
 
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-    except OSError:
-        return False
-
-
 def wait_for(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -277,19 +254,6 @@ def test_workers_never_outlive_the_launcher(tmp_path, nproc):
     assert rerun.returncode == 0 and "nothing to do" in rerun.stdout + rerun.stderr
 
 
-def group_members(pgid: int) -> set[int]:
-    """Every live process of process group ``pgid`` (from /proc)."""
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue
-        if int(group) == pgid and state != "Z":
-            found.add(int(stat.parent.name))
-    return found
-
-
 def signal_the_group(proc: subprocess.Popen, sig: int, out: Path, err: Path,
                      at: str = "step 3/") -> set[int]:
     """As systemd, SLURM's scancel, `timeout` or a terminal's Ctrl-C do: ``sig`` to every
@@ -302,8 +266,8 @@ def signal_the_group(proc: subprocess.Popen, sig: int, out: Path, err: Path,
         below = descendants(proc.pid)
         os.killpg(proc.pid, sig)
         proc.wait(timeout=90)
-        wait_for(lambda: not group_members(proc.pid) and not any(alive(p) for p in below), 10,
-                 f"processes left behind: {sorted(group_members(proc.pid))} "
+        wait_for(lambda: not group(proc.pid) and not any(alive(p) for p in below), 10,
+                 f"processes left behind: {sorted(group(proc.pid))} "
                  f"{sorted(p for p in below if alive(p))}")
     finally:
         if proc.poll() is None:
@@ -379,11 +343,7 @@ def test_sigterm_to_the_launchers_process_group_checkpoints_with_loader_workers(
 
 
 def is_local_rank_1(pid: int) -> bool:
-    try:
-        return ("train.worker" in Path(f"/proc/{pid}/cmdline").read_text()
-                and "\0LOCAL_RANK=1\0" in "\0" + Path(f"/proc/{pid}/environ").read_text())
-    except OSError:
-        return False
+    return "train.worker" in cmdline(pid) and environ(pid).get("LOCAL_RANK") == "1"
 
 
 @pytest.mark.slow

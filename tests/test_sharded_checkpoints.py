@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY_GPT, losses, merge, run_train, worker_env, write_config
 
+from tests.harness.procs import alive
+from tests.harness.runs import ROOT, TINY_GPT, losses, merge, run_train, worker_env, write_config
 from train.checkpoint import Checkpointer, sharded
 from train.core import rundir
 
@@ -151,11 +152,7 @@ def _kill(pid: int) -> None:
         return
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:  # reaped
-            return
-        if "State:\tZ" in status:  # dead, waiting for torchrun to reap it
+        if not alive(pid):  # reaped, or dead and waiting for torchrun to reap it
             return
         time.sleep(0.02)
 

@@ -24,8 +24,19 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import NO_GPU, ROOT, TINY_MLP, clean_env, losses, merge, read_metrics, write_config
-from slurmcluster import SlurmCluster, wait_for_text
+
+from tests.harness.procs import cmdline, environ, pids
+from tests.harness.runs import (
+    NO_GPU,
+    ROOT,
+    TINY_MLP,
+    clean_env,
+    losses,
+    merge,
+    read_metrics,
+    write_config,
+)
+from tests.harness.slurmcluster import SlurmCluster, wait_for_text
 
 pytestmark = pytest.mark.slow
 
@@ -257,20 +268,11 @@ def processes_of(job: int, node: str) -> list[int]:
     """This job's processes on ``node`` (the task's launcher and everything it started),
     found by the variables slurm gave them."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        try:
-            python = b"python" in (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if python and f"SLURM_JOB_ID={job}".encode() in env and \
-                f"SLURMD_NODENAME={node}".encode() in env:
-            found.append(int(entry.name))
+    for pid in pids():
+        env = environ(pid)
+        if "python" in cmdline(pid) and env.get("SLURM_JOB_ID") == str(job) and \
+                env.get("SLURMD_NODENAME") == node:
+            found.append(pid)
     return found
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from slurmcluster import SlurmCluster, wait_for_text
+
+from tests.harness.slurmcluster import SlurmCluster, wait_for_text
 
 pytestmark = pytest.mark.slow
 

@@ -10,18 +10,9 @@ from __future__ import annotations
 import signal
 
 import pytest
-from test_launcher_plan import (
-    BASE_ENV,
-    CUDA_TORCH,
-    PY,
-    SHUTDOWN,
-    cfg_file,  # noqa: F401  (a fixture)
-    gpus,
-    make,
-    torchrun,
-)
 
 from launcher.conventions.slurm_hostlist import expand
+from tests.harness.plans import BASE_ENV, CUDA_TORCH, PY, SHUTDOWN, gpus, make, torchrun
 from train.core.errors import ConfigError
 
 
@@ -63,7 +54,7 @@ def test_malformed_hostlists_say_what_is_wrong(hostlist, why):
     assert why in str(err.value)
 
 
-def test_one_task_per_node_runs_torchrun_for_the_nodes_gpus(cfg_file):  # noqa: F811
+def test_one_task_per_node_runs_torchrun_for_the_nodes_gpus(cfg_file):
     path = cfg_file()
     p = make(path, hw=gpus(4), tb=CUDA_TORCH, env=step(2, 1, procid=1))
     port = 15000 + 2 * (4242 % 5000)
@@ -77,7 +68,7 @@ def test_one_task_per_node_runs_torchrun_for_the_nodes_gpus(cfg_file):  # noqa: 
     assert p.requeue_signal == signal.SIGUSR1
 
 
-def test_one_task_per_gpu_makes_each_task_one_worker(cfg_file):  # noqa: F811
+def test_one_task_per_gpu_makes_each_task_one_worker(cfg_file):
     path = cfg_file()
     p = make(path, hw=gpus(4), tb=CUDA_TORCH, env=step(2, 4, procid=6))
     port = 15000 + 2 * (4242 % 5000)
@@ -92,21 +83,21 @@ def test_one_task_per_gpu_makes_each_task_one_worker(cfg_file):  # noqa: F811
     assert p.heartbeat == ("gpu07", port + 1, 6) and p.rdzv_host == "gpu07"
 
 
-def test_task_zero_requeues_and_an_incarnation_has_its_own_lease(cfg_file):  # noqa: F811
+def test_task_zero_requeues_and_an_incarnation_has_its_own_lease(cfg_file):
     first = make(cfg_file(), env=step(2, 1, procid=0))
     again = make(cfg_file(), env=step(2, 1, procid=0, SLURM_RESTART_COUNT="1"))
     assert first.requeue == ("scontrol", "requeue", "4242") and first.rdzv_host is None
     assert first.job == "slurm-4242.0" and again.job == "slurm-4242.0-requeue1"
 
 
-def test_jobs_sharing_a_node_meet_at_different_ports(cfg_file):  # noqa: F811
+def test_jobs_sharing_a_node_meet_at_different_ports(cfg_file):
     ports = {make(cfg_file(), env=step(2, 1, job=str(j))).heartbeat[1] for j in (1, 2, 3)}
     assert len(ports) == 3 and all(15000 <= p < 25000 for p in ports)
     fixed = make(cfg_file(), env=step(2, 1, MASTER_PORT="31000", MASTER_ADDR="head"))
     assert fixed.heartbeat == ("head", 31001, 0)
 
 
-def test_a_one_node_batch_script_trains_without_srun(cfg_file):  # noqa: F811
+def test_a_one_node_batch_script_trains_without_srun(cfg_file):
     env = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "gpu01",
            "SLURMD_NODENAME": "gpu01", "SLURM_PROCID": "0"}
     p = make(cfg_file(), hw=gpus(2), tb=CUDA_TORCH, env=env)
@@ -121,7 +112,7 @@ def test_a_one_node_batch_script_trains_without_srun(cfg_file):  # noqa: F811
     assert p.env["PYTHONPATH"] == BASE_ENV["PYTHONPATH"]
 
 
-def test_variables_set_for_torchrun_win_inside_a_slurm_job(cfg_file):  # noqa: F811
+def test_variables_set_for_torchrun_win_inside_a_slurm_job(cfg_file):
     env = {**step(2, 1), "PET_NNODES": "2", "PET_RDZV_ENDPOINT": "head:29400",
            "PET_RDZV_ID": "mine"}
     assert make(cfg_file(), env=env).convention == "torchrun-env"
@@ -129,7 +120,7 @@ def test_variables_set_for_torchrun_win_inside_a_slurm_job(cfg_file):  # noqa: F
     assert make(cfg_file(), env=env).convention == "slurm"
 
 
-def test_the_requeue_signal_is_configurable(cfg_file):  # noqa: F811
+def test_the_requeue_signal_is_configurable(cfg_file):
     p = make(cfg_file(), env=step(1, 1, nodelist="n1", TRAIN_REQUEUE_SIGNAL="SIGUSR2"))
     assert p.requeue_signal == signal.SIGUSR2
     p = make(cfg_file(), env=step(1, 1, nodelist="n1", TRAIN_REQUEUE_SIGNAL="none"))
@@ -149,7 +140,7 @@ def test_the_requeue_signal_is_configurable(cfg_file):  # noqa: F811
      "expected one of USR1"),
     (step(2, 1, job="12a"), None, "SLURM_JOB_ID", "the job's number"),
 ])
-def test_an_allocation_the_plan_cannot_use_is_one_line(cfg_file, env, hw, key,  # noqa: F811
+def test_an_allocation_the_plan_cannot_use_is_one_line(cfg_file, env, hw, key,
                                                        words):
     with pytest.raises(ConfigError) as err:
         make(cfg_file(), hw=hw or gpus(4), tb=CUDA_TORCH, env=env)

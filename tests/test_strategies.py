@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import TINY_GPT, losses, merge, run_train, write_config
+
+from tests.harness.runs import TINY_GPT, losses, merge, run_train, write_config
 
 STEPS = 8
 
@@ -76,7 +77,7 @@ def test_strategies_this_machine_cannot_run_exit_3(tmp_path, strategy, nproc, fr
 
 @pytest.mark.slow
 def test_compiled_model_matches_eager_and_its_checkpoint_loads_without_compile(tmp_path):
-    from conftest import TINY_MLP
+    from tests.harness.runs import TINY_MLP
     tree = merge(TINY_MLP, {"output": {"dir": str(tmp_path)}, "train": {"max_steps": 5}})
     config = write_config(tmp_path / "m.yaml", tree)
     assert run_train(config, "run.name=eager").returncode == 0

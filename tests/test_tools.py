@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
 
+from tests.harness.procs import alive
+from tests.harness.runs import ROOT, clean_env
 from tools import gpu_check, image_checks, image_test, locks, stages
 
 # ------------------------------------------------------------------ stages
@@ -30,10 +31,9 @@ def test_a_stage_past_its_limit_is_stopped_with_its_whole_process_group(tmp_path
     assert time.monotonic() - t0 < 60
     child = int(pidfile.read_text())
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+    while alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)  # reaped by init once killed
-    assert not Path(f"/proc/{child}").exists() or \
-        Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
+    assert not alive(child)
 
 
 def test_each_result_is_on_disk_as_soon_as_it_is_recorded(tmp_path):

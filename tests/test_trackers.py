@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, TINY_MLP, clean_env, merge, read_metrics, write_config
-from kubesim import free_port
 
+from tests.harness.kubesim import free_port
+from tests.harness.runs import ROOT, TINY_MLP, clean_env, merge, read_metrics, write_config
 from train.core import tracker_config
 from train.core.config import load_config
 from train.core.errors import CannotRunHere, ConfigError
@@ -98,7 +98,8 @@ def test_one_tracker_run_per_training_run_through_a_resume_and_an_export(tmp_pat
     if not installed("wandb"):
         pytest.skip(NEEDS)
     from mlflow import MlflowClient
-    from wandbfile import history, run_info
+
+    from tests.harness.wandbfile import history, run_info
     runs = tmp_path / "runs"
     config = write_config(tmp_path / "tracked.yaml", merge(TINY_MLP, {
         "output": {"dir": str(runs)}, "checkpoint": {"every_steps": 3},

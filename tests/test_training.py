@@ -8,7 +8,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, TINY_GPT, TINY_MLP, losses, merge, read_metrics, run_train, write_config
+
+from tests.harness.runs import (
+    ROOT,
+    TINY_GPT,
+    TINY_MLP,
+    losses,
+    merge,
+    read_metrics,
+    run_train,
+    write_config,
+)
 
 STEPS = 20
 

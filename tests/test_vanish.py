@@ -19,10 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-import netns
 import pytest
-from conftest import ROOT, clean_env
-from multinode import ENTRY, Process
+
+from tests.harness import netns
+from tests.harness.multinode import ENTRY, Process
+from tests.harness.runs import ROOT, clean_env
 
 pytestmark = pytest.mark.slow
 

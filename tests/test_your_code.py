@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT, clean_env, losses
+
+from tests.harness.runs import ROOT, clean_env, losses
 
 ENTRY = str(ROOT / "entrypoint.py")
 EXAMPLE = ROOT / "examples" / "custom_model"

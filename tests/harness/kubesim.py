@@ -8,7 +8,7 @@ manifests' own pods (tests/test_k8s_sim.py):
   manifest's args: ``python3 /app/entrypoint.py ARGS`` becomes this checkout's
   entrypoint.py, under the image's ``tini --`` as the PID namespace's first process
   (when tini is installed), so a pod's signals reach the launcher through it;
-- a network per pod where the machine allows (root: tests/netns.py): each pod is a host
+- a network per pod where the machine allows (root: tests/harness/netns.py): each pod is a host
   of its own with its own address (its ``status.podIP``) and hostname; a Deployment's
   pods keep their host across restarts and each Service that selects them resolves to
   it (a Service's stable address); :meth:`Cluster.vanish` cuts a pod's link, the way a
@@ -46,10 +46,11 @@ import sys
 import uuid
 from pathlib import Path
 
-import netns
 import yaml
-from conftest import clean_env
-from multinode import ROOT, Process, pid_namespaces
+
+from tests.harness import netns
+from tests.harness.multinode import Process, pid_namespaces
+from tests.harness.runs import ROOT, clean_env
 
 ENTRY = str(ROOT / "entrypoint.py")
 

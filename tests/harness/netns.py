@@ -8,7 +8,7 @@ packet leaves this machine. A host sees the others by name (its own /etc/hosts, 
 mounted in its mount namespace) and has its own hostname. Needs root (or
 CAP_NET_ADMIN + CAP_SYS_ADMIN); :func:`available` says why not, for a skip.
 
-Beside tests/multinode.py (simulated nodes on 127.0.0.1 in PID namespaces): that one
+Beside tests/harness/multinode.py (simulated nodes on 127.0.0.1 in PID namespaces): that one
 shows what a process dying does; this one what a host disappearing does.
 """
 
@@ -18,7 +18,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from multinode import Process
+from tests.harness.multinode import Process
 
 SUBNET = "198.18.0"
 

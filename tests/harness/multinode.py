@@ -24,7 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.harness.procs import alive, children, descendants
+from tests.harness.runs import ROOT
+
 ENTRY = str(ROOT / "entrypoint.py")
 
 
@@ -56,37 +58,6 @@ def _unshare_prefix(hosts: Path | None = None) -> list[str]:
     return [*plain, "sh", "-c", f'mount --bind "{hosts}" /etc/hosts && exec "$@"', "sh"]
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie, or a pid no longer there, is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
 class Process:
     """A long-lived child whose output goes to a file, with bounded waits on it."""
 
@@ -94,7 +65,7 @@ class Process:
                  cpus: set[int] | None = None, namespace: bool = False,
                  hosts: Path | None = None, wrap: list[str] | None = None) -> None:
         """wrap: a command prefix that starts a PID namespace of its own (a host of
-        tests/netns.py); instead of ``namespace``."""
+        tests/harness/netns.py); instead of ``namespace``."""
         self.name, self.argv, self.env, self.cwd = name, argv, env, cwd
         self.cpus, self.hosts, self.wrap = cpus, hosts, wrap
         self.namespace = namespace or wrap is not None
@@ -158,10 +129,10 @@ class Process:
             return
         target = self.proc.pid
         if self.namespace:  # below unshare (and the sh that binds /etc/hosts, if any)
-            children = _children(self.proc.pid)
-            if not children:
+            below = children(self.proc.pid)
+            if not below:
                 return
-            target = children[0]
+            target = below[0]
         os.kill(target, signum)
 
     def kill(self) -> None:
@@ -177,7 +148,7 @@ class Process:
                 pass
         self.proc.wait(timeout=30)
         deadline = time.monotonic() + 30
-        while any(_alive(p) for p in tree) and time.monotonic() < deadline:
+        while any(alive(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.05)
 
     @property

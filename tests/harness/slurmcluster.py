@@ -1,6 +1,6 @@
 """A real SLURM cluster on this one machine, for tests of what the launcher does under
 ``srun`` and ``sbatch``: one slurmctld and N slurmd, each on a host of its own
-(tests/netns.py: network, PID, UTS and mount namespaces on one bridge in 198.18.0.0/24),
+(tests/harness/netns.py: network, PID, UTS and mount namespaces on one bridge in 198.18.0.0/24),
 so that ``srun -N2 hostname`` runs on two hosts with two hostnames over a real (virtual)
 network, and signals, requeue and cancellation are slurm's own, not a simulation.
 
@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import netns
-from multinode import Process
+from tests.harness import netns
+from tests.harness.multinode import Process
 
 PROGRAMS = ("slurmctld", "slurmd", "munged", "srun", "sbatch", "scontrol", "sinfo")
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
