@@ -35,15 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.harness import netns  # noqa: E402
-from tests.harness.multinode import ENTRY, Cluster, Process  # noqa: E402
+from tests.harness.multinode import SMALL_JOB, Cluster, Process  # noqa: E402
 from tests.harness.procs import cmdline, descendants  # noqa: E402
-from tests.harness.runs import clean_env  # noqa: E402
+from tests.harness.runs import ENTRY, clean_env  # noqa: E402
 
-SMALL = [str(ROOT / "configs" / "quickstart.yaml"), "model.depth=1", "model.width=32",
-         "model.heads=4", "model.context_length=32", "train.global_batch_size=8",
-         "data.max_bytes=200000", "data.num_workers=0", "schedule.name=constant",
-         "schedule.warmup_steps=2", "train.eval_batches=1", "logging.every_steps=1",
-         "logging.progress=plain", "checkpoint.every_steps=20", "train.max_steps=100000"]
 STEP = r"\]:step \d+/"
 
 
@@ -59,7 +54,7 @@ def first(nodes: list[Process], pattern: str, timeout: float = 240) -> Process:
 
 
 def single_node(work: Path) -> float:
-    node = Process("single", [sys.executable, ENTRY, "train", *SMALL,
+    node = Process("single", [sys.executable, ENTRY, "train", *SMALL_JOB,
                               "distributed.nproc_per_node=2", f"output.dir={work / 'runs'}"],
                    clean_env(), work).start()
     try:
@@ -75,7 +70,7 @@ def single_node(work: Path) -> float:
 
 def two_nodes(work: Path) -> tuple[float, float]:
     cluster = Cluster(work, clean_env(), nnodes="1:2")
-    args = [*SMALL, f"output.dir={work / 'runs'}"]
+    args = [*SMALL_JOB, f"output.dir={work / 'runs'}"]
     try:
         cluster.start_store()
         nodes = [cluster.node(i, args).start() for i in range(2)]
@@ -108,7 +103,7 @@ def host_vanished(work: Path) -> tuple[float, float]:
             env = clean_env(JOB_COMPLETION_INDEX=str(i), TRAIN_NNODES="1:2",
                             TRAIN_RDZV_ID="job-1", TRAIN_RDZV_ENDPOINT="store:29400",
                             TRAIN_LOCAL_ADDR=h.addr, TRAIN_SOCKET_IFNAME="eth0")
-            procs.append(h.process("train", [sys.executable, ENTRY, "train", *SMALL,
+            procs.append(h.process("train", [sys.executable, ENTRY, "train", *SMALL_JOB,
                                              f"output.dir={work / 'runs'}"], env, work).start())
         main = procs[1]
         first([main], r"world size 2(.|\n)*\]:step 30/")

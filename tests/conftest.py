@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.checkpoints import reference_run
+from tests.harness.examples import copy_project
 from tests.harness.plans import plan_config
 from tests.harness.runs import TINY_GPT, TINY_MLP, merge, usable_gpus, write_config
 
@@ -35,11 +37,35 @@ def tiny_mlp(tmp_path: Path) -> Path:
     return write_config(tmp_path / "mlp.yaml", merge(TINY_MLP, runs))
 
 
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(config, run directory) of a finished 20-step run with a checkpoint every 5 steps
+    (tests/harness/checkpoints.py), trained once per test module; copy it before changing it."""
+    return reference_run(tmp_path_factory.mktemp("ckpt"))
+
+
 @pytest.fixture
 def cfg_file(tmp_path: Path):
     """``cfg_file(**sections)``: a small config file for golden plans
     (tests/harness/plans.py), its path."""
     return lambda **tree: plan_config(tmp_path, **tree)
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """examples/custom_model copied (tests/harness/examples.py): the user's folder, the
+    working directory."""
+    return copy_project(tmp_path)
+
+
+@pytest.fixture
+def sim(tmp_path):
+    """The k8s/cpu manifests' objects, ready to start their pods
+    (tests/harness/kubesim.py); every pod is gone after the test."""
+    from tests.harness.kubesim import CPU_VARIANT, Cluster
+    cluster = Cluster(CPU_VARIANT, tmp_path)
+    yield cluster
+    cluster.close()
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness.runs import ROOT, TINY_GPT, TINY_MLP, clean_env, merge, worker_env, write_config
-
-ENTRY = str(ROOT / "entrypoint.py")
+from tests.harness.runs import (
+    ENTRY,
+    ROOT,
+    TINY_GPT,
+    TINY_MLP,
+    clean_env,
+    merge,
+    worker_env,
+    write_config,
+)
 
 
 def alias_bomb() -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.harness.checkpoints import STEPS, rewind
 from tests.harness.procs import children
 from tests.harness.runs import (
     ROOT,
@@ -30,34 +31,10 @@ from tests.harness.runs import (
 )
 from train.checkpoint import Checkpointer
 
-STEPS = 20
 
-
-def rewind(run_dir: Path, to_step: int) -> None:
-    """Simulate a crash right after `to_step`'s checkpoint: later checkpoints never happened."""
-    ckpts = run_dir / "checkpoints"
-    for path in ckpts.glob("step-*"):
-        if int(path.name.split("-")[1]) > to_step:
-            shutil.rmtree(path)
-    (ckpts / "latest").write_text(f"step-{to_step}\n")
-    (run_dir / "result.json").unlink(missing_ok=True)  # it never finished
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    base = tmp_path_factory.mktemp("ckpt")
-    tree = merge(TINY_GPT, {"output": {"dir": str(base)}, "model": {"dropout": 0.1},
-                            "train": {"max_steps": STEPS}, "checkpoint": {"every_steps": 5,
-                                                                          "keep_last": 10}})
-    config = write_config(base / "ref.yaml", tree)
-    proc = run_train(config)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return config, base / "ref"
-
-
-def test_resumed_equals_uninterrupted_bitwise(reference, tmp_path):
+def test_resumed_equals_uninterrupted_bitwise(checkpointed_run, tmp_path):
     """Dropout on: RNG states, optimizer, scheduler and data position must all be restored."""
-    config, ref_dir = reference
+    config, ref_dir = checkpointed_run
     run_dir = tmp_path / "ref"
     shutil.copytree(ref_dir, run_dir)
     rewind(run_dir, 10)
@@ -87,8 +64,8 @@ def test_resume_on_two_processes_continues_the_trajectory(tmp_path):
         assert math.isclose(ref[step], got[step], rel_tol=1e-5), (step, ref[step], got[step])
 
 
-def test_corrupt_newest_checkpoint_falls_back_with_a_warning(reference, tmp_path, caplog):
-    _, ref_dir = reference
+def test_corrupt_newest_checkpoint_falls_back_with_a_warning(checkpointed_run, tmp_path, caplog):
+    _, ref_dir = checkpointed_run
     run_dir = tmp_path / "run"
     shutil.copytree(ref_dir, run_dir)
     newest = run_dir / "checkpoints" / f"step-{STEPS}" / "state.pt"
@@ -99,8 +76,8 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(reference, tmp_path
     assert "unusable" in caplog.text
 
 
-def test_latest_naming_a_missing_directory_still_loads(reference, tmp_path):
-    _, ref_dir = reference
+def test_latest_naming_a_missing_directory_still_loads(checkpointed_run, tmp_path):
+    _, ref_dir = checkpointed_run
     run_dir = tmp_path / "run"
     shutil.copytree(ref_dir, run_dir)
     (run_dir / "checkpoints" / "latest").write_text("step-999\n")
@@ -166,8 +143,8 @@ def test_sigterm_checkpoints_and_exits_143_then_resumes(tmp_path):
     assert sorted(losses(run_dir)) == list(range(1, stopped_at + 3))
 
 
-def test_resume_from_none_starts_fresh(reference, tmp_path):
-    config, ref_dir = reference
+def test_resume_from_none_starts_fresh(checkpointed_run, tmp_path):
+    config, ref_dir = checkpointed_run
     shutil.copytree(ref_dir, tmp_path / "ref")
     proc = run_train(config, f"output.dir={tmp_path}", "checkpoint.resume_from=none",
                      "train.max_steps=3")
@@ -228,9 +205,9 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert (latest.parent / f"step-{step}" / "rank-1.pt").exists()
 
 
-def test_resuming_with_a_different_model_is_bad_input(reference, tmp_path):
+def test_resuming_with_a_different_model_is_bad_input(checkpointed_run, tmp_path):
     """Through the entrypoint: the parent refuses before any worker starts."""
-    config, ref_dir = reference
+    config, ref_dir = checkpointed_run
     shutil.copytree(ref_dir, tmp_path / "ref")
     before = sorted(p.name for p in (tmp_path / "ref" / "checkpoints").iterdir())
     proc = subprocess.run([sys.executable, "entrypoint.py", "train", str(config),
@@ -296,8 +273,8 @@ def test_a_larger_global_batch_on_resume_continues_at_the_next_sample(tmp_path):
     assert state["samples_consumed"] == 40 + 2 * 16
 
 
-def test_a_rerun_after_the_final_checkpoint_finishes_the_run(reference, tmp_path):
-    config, ref_dir = reference
+def test_a_rerun_after_the_final_checkpoint_finishes_the_run(checkpointed_run, tmp_path):
+    config, ref_dir = checkpointed_run
     shutil.copytree(ref_dir, tmp_path / "ref")
     (tmp_path / "ref" / "result.json").unlink()  # killed after the last checkpoint
     proc = run_train(config, f"output.dir={tmp_path}")
@@ -305,8 +282,8 @@ def test_a_rerun_after_the_final_checkpoint_finishes_the_run(reference, tmp_path
     assert "val/loss" in (tmp_path / "ref" / "result.json").read_text()
 
 
-def test_logged_lr_is_the_rate_the_update_used(reference):
-    _, ref_dir = reference
+def test_logged_lr_is_the_rate_the_update_used(checkpointed_run):
+    _, ref_dir = checkpointed_run
     rows = {r["step"]: r for r in read_metrics(ref_dir) if "lr" in r}
     peak = TINY_GPT["optim"]["lr"]
     assert math.isclose(rows[1]["lr"], peak / 2) and math.isclose(rows[2]["lr"], peak)
@@ -341,10 +318,11 @@ def test_a_rank_that_cannot_load_the_chosen_checkpoint_fails_instead_of_divergin
 
 
 @pytest.mark.slow
-def test_worker_refuses_a_checkpoint_of_another_shape_and_leaves_config_yaml(reference, tmp_path):
+def test_worker_refuses_a_checkpoint_of_another_shape_and_leaves_config_yaml(checkpointed_run,
+                                                                            tmp_path):
     """Explicit resume_from skips the parent's config.yaml check; the worker compares the
     checkpoint's own config, and writes nothing before the resume succeeded."""
-    config, ref_dir = reference
+    config, ref_dir = checkpointed_run
     shutil.copytree(ref_dir, tmp_path / "ref")
     saved = (tmp_path / "ref" / "config.yaml").read_text()
     ckpt = tmp_path / "ref" / "checkpoints" / "step-10"

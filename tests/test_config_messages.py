@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from tests.harness.runs import (
+    ENTRY,
     ROOT,
     TINY_GPT,
     clean_env,
@@ -33,7 +34,6 @@ from tests.harness.runs import (
 )
 from train.core.config import Config, types
 
-ENTRY = str(ROOT / "entrypoint.py")
 QUICKSTART = "configs/quickstart.yaml"
 
 

@@ -7,36 +7,25 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.harness.runs import FAKES, ROOT, clean_env
+from tests.harness.runs import ENTRY, FAKES, QUICKSTART, ROOT, clean_env, entry, read_until
 
 TORCH_IS_ROCM = bool(__import__("torch").version.hip)
 TORCH_KIND = "rocm" if TORCH_IS_ROCM else "cuda" if __import__("torch").version.cuda else "cpu"
 
-ENTRY = str(ROOT / "entrypoint.py")
-QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 # Small enough that 20 steps on 2 ranks take seconds on a 2-core machine.
 SMALL = ["model.depth=1", "model.width=32", "model.heads=4", "model.context_length=32",
          "train.global_batch_size=8", "data.max_bytes=200000", "data.num_workers=0",
          "schedule.warmup_steps=2", "train.eval_batches=1", "logging.every_steps=5",
          "logging.progress=plain", "checkpoint.every_steps=0"]
-
-
-def entry(*args: str, cwd: Path, env: dict | None = None, timeout: float = 120
-          ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, ENTRY, *args], cwd=cwd, env=env or clean_env(),
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def one_error_line(err: str) -> str:
@@ -59,12 +48,13 @@ def test_help_imports_nothing_heavy(tmp_path):
 
 
 def test_no_arguments_prints_help(tmp_path):
-    out = entry(cwd=tmp_path)
+    out = entry(cwd=tmp_path, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("usage: entrypoint.py")
 
 
 def test_dry_run_prints_a_runnable_plan(tmp_path):
-    out = entry("train", QUICKSTART, "distributed.nproc_per_node=2", "--dry-run", cwd=tmp_path)
+    out = entry("train", QUICKSTART, "distributed.nproc_per_node=2", "--dry-run", cwd=tmp_path,
+                timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[1].startswith("# mode=torchrun device=cpu backend=gloo nproc_per_node=2")
@@ -92,7 +82,7 @@ def test_dry_run_prints_a_runnable_plan(tmp_path):
     (["rendezvous", "--port", "http"], {}, "error: command line: rendezvous: argument --port"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, env, start):
-    out = entry(*args, cwd=tmp_path, env=clean_env(**env))
+    out = entry(*args, cwd=tmp_path, env=clean_env(**env), timeout=120)
     assert out.returncode == 2, out.stderr
     assert one_error_line(out.stderr).startswith(start)
     assert not (tmp_path / "runs").exists()
@@ -105,7 +95,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, env, start):
     (["distributed.strategy=dp"], "dp needs GPUs"),
 ])
 def test_not_runnable_here_exits_3_with_one_line(tmp_path, overrides, words):
-    out = entry("train", QUICKSTART, *overrides, cwd=tmp_path)
+    out = entry("train", QUICKSTART, *overrides, cwd=tmp_path, timeout=120)
     assert out.returncode == 3, out.stderr
     assert words in one_error_line(out.stderr)
 
@@ -114,13 +104,13 @@ def test_unwritable_output_dir_exits_3(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     for dry in ([], ["--dry-run"]):
         out = entry("train", QUICKSTART, f"output.dir={tmp_path / 'file' / 'runs'}", *dry,
-                    cwd=tmp_path)
+                    cwd=tmp_path, timeout=120)
         assert out.returncode == 3, out.stderr
         assert "is not writable" in one_error_line(out.stderr)
 
 
 def test_other_commands_are_executed(tmp_path):
-    out = entry("python", "-c", "import sys; print('hi'); sys.exit(5)", cwd=tmp_path)
+    out = entry("python", "-c", "import sys; print('hi'); sys.exit(5)", cwd=tmp_path, timeout=120)
     assert out.returncode == 5 and out.stdout == "hi\n"
 
 
@@ -130,7 +120,8 @@ def test_doctor_here_is_ready_on_cpu(tmp_path):
     manifest = tmp_path / "m.json"
     manifest.write_text(json.dumps({"flavor": "cpu", "base_image": "debian:12",
                                     "torch": {"version": "9.9.9"}}))
-    out = entry("doctor", cwd=tmp_path, env=clean_env(TRAIN_BUILD_MANIFEST=str(manifest)))
+    out = entry("doctor", cwd=tmp_path, env=clean_env(TRAIN_BUILD_MANIFEST=str(manifest)),
+                timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "gpus       none found (CPU only)" in out.stdout
     assert "NVIDIA_VISIBLE_DEVICES=void" in out.stdout and "/dev/shm" in out.stdout
@@ -140,7 +131,7 @@ def test_doctor_here_is_ready_on_cpu(tmp_path):
 
 
 def test_doctor_json(tmp_path):
-    out = entry("doctor", "--json", cwd=tmp_path)
+    out = entry("doctor", "--json", cwd=tmp_path, timeout=120)
     report = json.loads(out.stdout)
     assert out.returncode == report["exit_code"] == 0
     assert report["torch"]["kind"] == TORCH_KIND and report["hardware"]["vendor"] is None
@@ -152,7 +143,7 @@ def test_doctor_json(tmp_path):
 
 
 def test_doctor_reports_a_bad_config_with_exit_2(tmp_path):
-    out = entry("doctor", QUICKSTART, "model.width=7", cwd=tmp_path)
+    out = entry("doctor", QUICKSTART, "model.width=7", cwd=tmp_path, timeout=120)
     assert out.returncode == 2 and "FAIL" in out.stdout and "model.heads" in out.stdout
 
 
@@ -164,23 +155,23 @@ def test_doctor_with_amd_gpus_and_a_non_rocm_torch_exits_3(tmp_path):
                     FAKE_ROCM_SMI_OUTPUT=str(FAKES / "outputs" /
                                              "rocm-smi-showproductname-mi250x.json"),
                     ROCR_VISIBLE_DEVICES="0", HIP_VISIBLE_DEVICES="0")
-    out = entry("doctor", cwd=tmp_path, env=env)
+    out = entry("doctor", cwd=tmp_path, env=env, timeout=120)
     assert out.returncode == 3, out.stdout
     assert "1 usable of 1 listed (amd, via rocm-smi)" in out.stdout
     assert "AMD INSTINCT MI200" in out.stdout and "gfx90a" in out.stdout
     assert re.search(r"(CPU-only|CUDA) build and cannot use the 1 AMD GPU", out.stdout)
     assert "use the ROCm image" in out.stdout
     assert "both ROCR_VISIBLE_DEVICES='0' and HIP_VISIBLE_DEVICES='0'" in out.stdout
-    train = entry("train", QUICKSTART, cwd=tmp_path, env=env)
+    train = entry("train", QUICKSTART, cwd=tmp_path, env=env, timeout=120)
     assert train.returncode == 3 and "use the ROCm image" in one_error_line(train.stderr)
-    cpu = entry("train", QUICKSTART, "device=cpu", "--dry-run", cwd=tmp_path, env=env)
+    cpu = entry("train", QUICKSTART, "device=cpu", "--dry-run", cwd=tmp_path, env=env, timeout=120)
     assert cpu.returncode == 0 and "ignoring 1 GPU" in cpu.stdout
 
 
 def test_doctor_sees_listed_but_unusable_amd_gpus(tmp_path):
     env = clean_env(PATH=f"{FAKES}:{os.environ['PATH']}", TRAIN_HW_ROOT=str(tmp_path),
                     FAKE_ROCM_SMI_OUTPUT=str(FAKES / "outputs" / "rocm-smi-7900xt-2cards.json"))
-    out = entry("doctor", cwd=tmp_path, env=env)
+    out = entry("doctor", cwd=tmp_path, env=env, timeout=120)
     assert out.returncode == 0  # trains on the CPU, with the warning
     assert "0 usable of 2 listed" in out.stdout and "--device /dev/kfd" in out.stdout
 
@@ -209,36 +200,6 @@ def test_comm_summary_names_the_rank_that_did_not_answer(tmp_path):
 
 
 # --------------------------------------------------------------------- rendezvous
-
-_STDERR_LINES: dict[int, queue.Queue] = {}
-
-
-def read_until(proc: subprocess.Popen, pattern: str, timeout: float = 30) -> re.Match:
-    """The next stderr line of a long-lived process matching pattern, with a real timeout
-    (a bare readline() blocks forever on a server that stays silent)."""
-    lines = _STDERR_LINES.get(proc.pid)
-    if lines is None:
-        lines = _STDERR_LINES[proc.pid] = queue.Queue()
-
-        def pump() -> None:
-            for line in proc.stderr:
-                lines.put(line)
-            lines.put(None)
-
-        threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while (remaining := deadline - time.monotonic()) > 0:
-        try:
-            line = lines.get(timeout=remaining)
-        except queue.Empty:
-            break
-        if line is None:
-            raise AssertionError(f"exited before a line matching {pattern!r}")
-        m = re.search(pattern, line)
-        if m:
-            return m
-    raise AssertionError(f"no line matching {pattern!r} within {timeout} s")
-
 
 def test_rendezvous_store_serves_clients_and_stops_on_sigterm(tmp_path):
     proc = subprocess.Popen([sys.executable, ENTRY, "rendezvous", "--port", "0"], cwd=tmp_path,

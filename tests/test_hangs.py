@@ -15,12 +15,10 @@ from pathlib import Path
 import pytest
 
 from tests.harness.procs import below, cmdline, environ, pids
-from tests.harness.runs import ROOT, TINY_MLP, clean_env, merge, write_config
+from tests.harness.runs import ENTRY, TINY_MLP, clean_env, merge, write_config
 from train.core.protocol import Report
 
 pytestmark = pytest.mark.slow
-ENTRY = str(ROOT / "entrypoint.py")
-
 SLEEPY = '''\
 import os, time
 import torch

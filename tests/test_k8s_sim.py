@@ -9,21 +9,17 @@ that many steps with the same learning rates."""
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
 
-from tests.harness.kubesim import Cluster
-from tests.harness.multinode import Process
+from tests.harness.kubesim import JOB, Cluster
+from tests.harness.multinode import Process, first
 from tests.harness.runs import ROOT, read_metrics, slow_state_writes
 
-CPU = ROOT / "k8s" / "cpu"
-JOB = "train-workers"
 # The CPU variant's config, shortened: a tiny model, many quick steps.
 SHORT = ["model.depth=1", "model.width=32", "model.heads=4", "model.context_length=32",
          "data.max_bytes=200000", "data.num_workers=0", "schedule.name=constant",
@@ -31,16 +27,6 @@ SHORT = ["model.depth=1", "model.width=32", "model.heads=4", "model.context_leng
          "train.eval_batches=1", "logging.every_steps=1", "logging.progress=plain",
          "checkpoint.every_steps=20"]
 STEP = r"\]:step \d+/"
-
-
-def first(pods: list[Process], pattern: str, timeout: float = 180) -> Process:
-    deadline = time.monotonic() + timeout
-    while True:
-        for pod in pods:
-            if re.search(pattern, pod.text()):
-                return pod
-        assert time.monotonic() < deadline, f"no {pattern!r}:\n" + pods[0].text()[-2000:]
-        time.sleep(0.1)
 
 
 def runs(sim: Cluster):
@@ -52,13 +38,6 @@ def steps_once(sim: Cluster) -> dict[int, float]:
     steps = [r["step"] for r in rows]
     assert steps == list(range(1, len(steps) + 1)), "every step exactly once"
     return {r["step"]: r["loss"] for r in rows}
-
-
-@pytest.fixture
-def sim(tmp_path):
-    cluster = Cluster(CPU, tmp_path)
-    yield cluster
-    cluster.close()
 
 
 def start(sim: Cluster, steps: int, indices=(0, 1)) -> tuple[Process, list[Process]]:

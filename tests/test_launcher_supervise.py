@@ -3,22 +3,15 @@ worker under real torchrun (gloo-free, so a few seconds each)."""
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from launcher.supervise import classify
-from tests.harness.runs import FAKES, ROOT
+from tests.harness.supervision import start, wait_ready
 from train.core.protocol import Report
-
-FAKE = str(FAKES / "fake_worker.py")
-RUN_PLAN = str(FAKES / "run_plan.py")
 
 
 def rep(rank: int, code: int, error: str | None = None, restart: int = 0,
@@ -87,29 +80,6 @@ def test_older_restart_rounds_are_ignored(tmp_path):
 
 
 # -------------------------------------------------------------------- real processes
-
-def start(mode: str, nproc: int, tmp_path: Path, restarts: int = 0) -> subprocess.Popen:
-    if nproc == 1:
-        argv, plan_mode = [sys.executable, FAKE, mode], "direct"
-    else:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                "--nproc-per-node", str(nproc), "--max-restarts", "0", FAKE, mode]
-        plan_mode = "torchrun"
-    plan = {"mode": plan_mode, "argv": argv, "env": {"OMP_NUM_THREADS": "1"}, "device": "cpu",
-            "backend": "gloo", "nproc_per_node": nproc, "nnodes": [1, 1],
-            "world_sizes": [nproc], "max_restarts": restarts, "convention": "single"}
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FAKE_READY_DIR": str(tmp_path)}
-    return subprocess.Popen([sys.executable, RUN_PLAN, json.dumps(plan)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_ready(tmp_path: Path, n: int, proc: subprocess.Popen, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while len(list(tmp_path.glob("ready-*"))) < n:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "workers never became ready"
-        time.sleep(0.05)
-
 
 @pytest.mark.slow
 def test_torchrun_worker_failure_is_1_naming_rank_1(tmp_path):

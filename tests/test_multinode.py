@@ -13,35 +13,16 @@ import re
 import signal
 import socket
 import sys
-import time
 
 import pytest
 
 from launcher.rdzv_state import Round, describe
 from launcher.rendezvous import RoundWatcher
-from tests.harness.multinode import ENTRY, Cluster, Process, pid_namespaces
-from tests.harness.runs import ROOT, clean_env
+from tests.harness.multinode import SMALL_JOB, Cluster, Process, first, pid_namespaces
+from tests.harness.runs import ENTRY, clean_env
 
-QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+
 # A constant schedule: a reference run stopped at any step saw the same learning rates.
-SMALL = [QUICKSTART, "model.depth=1", "model.width=32", "model.heads=4",
-         "model.context_length=32", "train.global_batch_size=8", "data.max_bytes=200000",
-         "data.num_workers=0", "schedule.name=constant", "schedule.warmup_steps=2",
-         "train.eval_batches=1", "logging.every_steps=1", "logging.progress=plain",
-         "checkpoint.every_steps=20", "train.max_steps=100000"]
-
-
-def first(nodes: list[Process], pattern: str, timeout: float = 180) -> Process:
-    """The first node whose output matches (ranks are assigned by the rendezvous)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        for node in nodes:
-            if re.search(pattern, node.text()):
-                return node
-        assert time.monotonic() < deadline, f"no {pattern!r}: " + nodes[0].text()[-2000:]
-        time.sleep(0.1)
-
-
 def stop_all(nodes: list[Process]) -> list[int]:
     for node in nodes:
         node.signal(signal.SIGTERM)
@@ -62,7 +43,7 @@ def test_static_rendezvous_loses_a_node_exits_promptly_and_resumes_after_restart
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = [*SMALL, f"output.dir={tmp_path / 'runs'}"]
+    args = [*SMALL_JOB, f"output.dir={tmp_path / 'runs'}"]
     namespaces = pid_namespaces()
 
     def pod(rank: int) -> Process:
@@ -95,7 +76,7 @@ def test_nodes_with_the_same_address_and_pid_stay_two_nodes(cluster, tmp_path):
     identity they merged into one participant and hung."""
     if not cluster.namespaces:
         pytest.skip("needs PID namespaces (unshare) to give two nodes the same pid")
-    args = [*SMALL, f"output.dir={tmp_path / 'runs'}", "train.max_steps=40"]
+    args = [*SMALL_JOB, f"output.dir={tmp_path / 'runs'}", "train.max_steps=40"]
     cluster.nnodes = "2"
     cluster.start_store()
     nodes = [cluster.node(i, args).start() for i in range(2)]
@@ -108,7 +89,7 @@ def test_nodes_with_the_same_address_and_pid_stay_two_nodes(cluster, tmp_path):
 
 @pytest.mark.slow
 def test_a_store_that_does_not_come_back_ends_the_node_with_exit_5(cluster, tmp_path):
-    args = [*SMALL, f"output.dir={tmp_path / 'runs'}", "distributed.rdzv_store_wait_s=3"]
+    args = [*SMALL_JOB, f"output.dir={tmp_path / 'runs'}", "distributed.rdzv_store_wait_s=3"]
     cluster.nnodes = "1"
     cluster.start_store()
     node = cluster.node(0, args).start()
@@ -227,7 +208,7 @@ def test_a_node_leaving_on_purpose_costs_the_others_no_restart(cluster):
     with every rank; the other node trains on at the smaller world size. With
     distributed.max_restarts=0 it could not if the departure counted as its failure."""
     cluster.start_store()
-    nodes = [cluster.node(i, [*SMALL, "distributed.max_restarts=0"]).start() for i in range(2)]
+    nodes = [cluster.node(i, [*SMALL_JOB, "distributed.max_restarts=0"]).start() for i in range(2)]
     main = first(nodes, r"world size 2(.|\n)*\]:step 25/")
     leaving = nodes[1] if main is nodes[0] else nodes[0]
     leaving.signal(signal.SIGTERM)

@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.runs import ROOT, TINY_GPT, clean_env, merge, write_config
-
-ENTRY = str(ROOT / "entrypoint.py")
+from tests.harness.runs import ENTRY, TINY_GPT, clean_env, merge, write_config
 
 # A dataset whose sample 5 cannot be read (a corrupt record): the same step fails on
 # every attempt. Every build is counted in builds.txt (the launcher's check builds it

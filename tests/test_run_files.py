@@ -25,23 +25,19 @@ from pathlib import Path
 import pytest
 
 from tests.harness.procs import children, cmdline
-from tests.harness.runs import ROOT, TINY_GPT, clean_env, merge, write_config
+from tests.harness.runs import (
+    ENTRY,
+    TINY_GPT,
+    clean_env,
+    entry,
+    merge,
+    tiny_run_config,
+    write_config,
+)
 from train.core import files, rundir
 from train.core.errors import ConfigError
 
-ENTRY = str(ROOT / "entrypoint.py")
 VICTIM_TEXT = "a file outside the run directory\n"
-
-
-def entry(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, ENTRY, *args], cwd=cwd, env=clean_env(),
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def tiny(tmp_path: Path, **train) -> Path:
-    return write_config(tmp_path / "run.yaml", merge(TINY_GPT, {
-        "output": {"dir": str(tmp_path / "runs")}, "train": train,
-        "checkpoint": {"every_steps": 2}}))
 
 
 # ------------------------------------------------------------------ links
@@ -55,7 +51,7 @@ def test_no_run_file_is_written_through_a_link(tmp_path, name):
     run_dir = tmp_path / "runs" / "run"
     (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
     (run_dir / name).symlink_to(victim)
-    out = entry("train", str(tiny(tmp_path, max_steps=2)), cwd=tmp_path)
+    out = entry("train", str(tiny_run_config(tmp_path, max_steps=2)), cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines()[-1] == (
         f"error: {run_dir}: {name}: is a symbolic link; the run writes no file through a "
@@ -99,7 +95,7 @@ def test_a_restart_trains_the_config_its_launch_validated(tmp_path):
     """The config file edited mid-run, then the worker killed: the launcher's restart
     trains the run that started (its max_steps, its evaluation); a later rerun of the
     edited file resumes and names each changed key."""
-    config = tiny(tmp_path, max_steps=30, eval_every_steps=10)
+    config = tiny_run_config(tmp_path, max_steps=30, eval_every_steps=10)
     log = (tmp_path / "out.log").open("w")
     launcher = subprocess.Popen([sys.executable, ENTRY, "train", str(config),
                                  "distributed.max_restarts=1", "logging.every_steps=1"],
@@ -135,7 +131,7 @@ def test_a_restart_trains_the_config_its_launch_validated(tmp_path):
 
 
 def test_a_damaged_run_config_is_one_warning_not_a_traceback(tmp_path):
-    config = tiny(tmp_path, max_steps=2)
+    config = tiny_run_config(tmp_path, max_steps=2)
     assert entry("train", str(config), cwd=tmp_path).returncode == 0
     recorded = tmp_path / "runs" / "run" / "config.yaml"
     recorded.write_bytes(recorded.read_bytes()[:40] + b"\xff\xfe" + recorded.read_bytes()[40:])
@@ -165,7 +161,7 @@ def test_a_full_disk_is_one_line_and_no_futile_restart(tmp_path, strategy):
     """2 processes under torchrun (which restarts workers whatever their exit code): the
     checkpoint cannot be written on a 128 KiB disk; one line names the free space, the
     partial checkpoint is gone, the restarts end at once, exit 3."""
-    config = tiny(tmp_path, max_steps=4)
+    config = tiny_run_config(tmp_path, max_steps=4)
     checkpoints = tmp_path / "runs" / "run" / "checkpoints"
     checkpoints.mkdir(parents=True)
     out = in_mount_namespace(
@@ -187,7 +183,7 @@ def test_a_checkpoint_folder_turned_read_only_is_one_line(tmp_path):
     """The folder turns read-only between two saves (or while one has begun: a partial the
     read-only disk will not let go of may stay). One line, exit 3; once writable again,
     the run resumes from the newest sealed checkpoint and the partial goes."""
-    config = tiny(tmp_path, max_steps=200)
+    config = tiny_run_config(tmp_path, max_steps=200)
     checkpoints = tmp_path / "runs" / "run" / "checkpoints"
     checkpoints.mkdir(parents=True)
     log, resumed = tmp_path / "out.log", tmp_path / "resumed.log"

@@ -11,28 +11,36 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.harness.procs import alive, cmdline, descendants, environ, group
+from tests.harness.procs import alive, cmdline, descendants, environ
 from tests.harness.runs import (
+    ENTRY,
     ROOT,
+    SMALL,
     TINY_GPT,
     TINY_MLP,
     clean_env,
+    entry,
+    last_line,
     losses,
     merge,
     run_train,
+    wait_for,
     worker_env,
     write_config,
+)
+from tests.harness.stops import (
+    assert_one_clean_stop,
+    signal_the_group,
+    sigterm_to_the_launchers_group,
 )
 from train.checkpoint import Checkpointer
 from train.core.files import sha256_file
 
-ENTRY = str(ROOT / "entrypoint.py")
 # SGD at lr 10 without clipping: the loss explodes and turns NaN within a few steps.
 EXPLODES = {"optim": {"name": "sgd", "lr": 10.0, "grad_clip": 0.0},
             "schedule": {"warmup_steps": 0},
@@ -44,15 +52,6 @@ def strict_json_lines(path: Path) -> list[dict]:
     def refuse(word):
         raise ValueError(f"{path}: {word} is not JSON")
     return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
-
-
-def last_line(text: str) -> str:
-    return text.strip().splitlines()[-1]
-
-
-def entry(*args: str, cwd: Path, env: dict | None = None, timeout: float = 240):
-    return subprocess.run([sys.executable, ENTRY, *args], cwd=cwd, env=env or clean_env(),
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def all_finite(state_pt: Path) -> bool:
@@ -176,7 +175,7 @@ def test_no_verifiable_checkpoint_is_exit_2_and_nothing_changes(finished, tmp_pa
         sums.unlink()
     before = tree_state(run)
     more = ["train.max_steps=8", f"output.dir={tmp_path}"]
-    proc = (entry("train", str(config), *more, cwd=tmp_path) if how == "entrypoint"
+    proc = (entry("train", str(config), *more, cwd=tmp_path, timeout=240) if how == "entrypoint"
             else run_train(config, *more))
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = last_line(proc.stderr)
@@ -214,19 +213,6 @@ def test_a_checkpoint_that_verifies_but_cannot_load_falls_back(finished, tmp_pat
 
 # ---------------------------------------------------------------- supervision
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
-
-
-SMALL = ["model.depth=1", "model.width=32", "model.heads=4", "model.context_length=32",
-         "train.global_batch_size=8", "data.max_bytes=200000", "data.num_workers=0",
-         "schedule.warmup_steps=2", "train.eval_batches=1", "logging.every_steps=1",
-         "logging.progress=plain"]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_workers_never_outlive_the_launcher(tmp_path, nproc):
@@ -250,46 +236,8 @@ def test_workers_never_outlive_the_launcher(tmp_path, nproc):
     assert (tmp_path / "runs" / "quickstart" / "checkpoints" / "latest").exists()
     rerun = entry("train", str(ROOT / "configs" / "quickstart.yaml"), *SMALL,
                   f"distributed.nproc_per_node={nproc}", "train.max_steps=2",
-                  f"output.dir={tmp_path / 'runs'}", cwd=tmp_path)
+                  f"output.dir={tmp_path / 'runs'}", cwd=tmp_path, timeout=240)
     assert rerun.returncode == 0 and "nothing to do" in rerun.stdout + rerun.stderr
-
-
-def signal_the_group(proc: subprocess.Popen, sig: int, out: Path, err: Path,
-                     at: str = "step 3/") -> set[int]:
-    """As systemd, SLURM's scancel, `timeout` or a terminal's Ctrl-C do: ``sig`` to every
-    process of the run's group (it was started with start_new_session) once training runs;
-    wait for the end and for every process below it to be gone. Returns those processes."""
-    text = lambda: out.read_text() + err.read_text()  # noqa: E731
-    below: set[int] = set()
-    try:
-        wait_for(lambda: at in text(), 180, "no training")
-        below = descendants(proc.pid)
-        os.killpg(proc.pid, sig)
-        proc.wait(timeout=90)
-        wait_for(lambda: not group(proc.pid) and not any(alive(p) for p in below), 10,
-                 f"processes left behind: {sorted(group(proc.pid))} "
-                 f"{sorted(p for p in below if alive(p))}")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in [p for p in below if alive(p)]:
-            os.kill(pid, signal.SIGKILL)
-    return below
-
-
-def assert_one_clean_stop(err: str, sig: int, ranks: int = 1) -> int:
-    """One "received SIG..." line per rank (none from data-loading workers), no worker
-    killed, no traceback; returns the step every rank stopped at."""
-    name = signal.Signals(sig).name
-    assert "killed by signal" not in err and "Traceback" not in err, err[-3000:]
-    assert err.count(f"received {name}") == ranks, err[-3000:]
-    for rank in range(ranks):
-        assert err.count(f"[rank {rank}] WARNING received {name}") == 1, err[-3000:]
-    stops = {int(line.split("stopped at step ")[1].split()[0]) for line in err.splitlines()
-             if "stopped at step " in line}
-    assert len(stops) == 1, err[-3000:]
-    return stops.pop()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -320,26 +268,7 @@ def test_sigterm_to_the_launchers_process_group_checkpoints_with_loader_workers(
                                                                                 nproc):
     """kill -TERM -- -PGID of `entrypoint.py train` with data-loading workers; with two
     processes torchrun passes it on to each rank's whole group, loader workers included."""
-    out, err = tmp_path / "out.log", tmp_path / "err.log"
-    with out.open("w") as o, err.open("w") as e:
-        launcher = subprocess.Popen(
-            [sys.executable, ENTRY, "train", str(ROOT / "configs" / "quickstart.yaml"), *SMALL,
-             "data.num_workers=2", f"distributed.nproc_per_node={nproc}",
-             "train.max_steps=100000", f"output.dir={tmp_path / 'runs'}"],
-            cwd=tmp_path, env=clean_env(), stdout=o, stderr=e, start_new_session=True)
-    below = signal_the_group(launcher, signal.SIGTERM, out, err)
-    # the worker(s), 2 loader workers each, and torchrun for two
-    assert len(below) >= 3 * nproc + (nproc > 1), sorted(below)
-    text = out.read_text() + err.read_text()
-    assert launcher.returncode == 143, text[-3000:]
-    step = assert_one_clean_stop(text, signal.SIGTERM, ranks=nproc)
-    assert last_line(err.read_text()).startswith("stopped by SIGTERM; rerun")
-    # torchrun's own account of the stop is said once, by launcher.torchrun
-    assert "death signal" not in text and "closing signal" not in text, text[-3000:]
-    found = Checkpointer(tmp_path / "runs" / "quickstart", rank=0,
-                         keep_last=3).newest_loadable(rank=0)
-    assert found is not None and found[0].name == f"step-{step}"
-    assert (found[0] / f"rank-{nproc - 1}.pt").exists()
+    sigterm_to_the_launchers_group(tmp_path, nproc)
 
 
 def is_local_rank_1(pid: int) -> bool:
@@ -352,7 +281,7 @@ def test_two_process_node_recovers_from_a_lost_worker_bitwise(tmp_path):
     and the run ends with the losses of an uninterrupted one."""
     args = [str(ROOT / "configs" / "quickstart.yaml"), *SMALL, "distributed.nproc_per_node=2",
             "train.max_steps=40", "checkpoint.every_steps=10"]
-    reference = entry("train", *args, f"output.dir={tmp_path / 'ref'}", cwd=tmp_path)
+    reference = entry("train", *args, f"output.dir={tmp_path / 'ref'}", cwd=tmp_path, timeout=240)
     assert reference.returncode == 0, reference.stderr[-3000:]
     log = (tmp_path / "out.log").open("w")
     launcher = subprocess.Popen([sys.executable, ENTRY, "train", *args,
@@ -382,7 +311,7 @@ def test_a_second_launch_of_a_running_run_waits_then_exits_6(tmp_path):
                              env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: "step 2/" in (tmp_path / "out.log").read_text(), 180, "no training")
-        second = entry("train", *args, "seed=2", "run.lock_wait_s=2", cwd=tmp_path)
+        second = entry("train", *args, "seed=2", "run.lock_wait_s=2", cwd=tmp_path, timeout=240)
         assert second.returncode == 6
         assert "is in use by job launch-" in last_line(second.stderr)
         assert "still after 2 s (run.lock_wait_s)" in last_line(second.stderr)

@@ -27,6 +27,7 @@ import pytest
 
 from tests.harness.procs import cmdline, environ, pids
 from tests.harness.runs import (
+    ENTRY,
     NO_GPU,
     ROOT,
     TINY_MLP,
@@ -40,7 +41,6 @@ from tests.harness.slurmcluster import SlurmCluster, wait_for_text
 
 pytestmark = pytest.mark.slow
 
-ENTRY = str(ROOT / "entrypoint.py")
 STEPS = 60
 SLOW_MODEL = '''
 import time

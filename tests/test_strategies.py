@@ -6,15 +6,7 @@ import math
 
 import pytest
 
-from tests.harness.runs import TINY_GPT, losses, merge, run_train, write_config
-
-STEPS = 8
-
-
-def _config(tmp_path, **extra):
-    tree = merge(TINY_GPT, {"output": {"dir": str(tmp_path)}, "train": {"max_steps": STEPS},
-                            "checkpoint": {"every_steps": 4}, **extra})
-    return write_config(tmp_path / "c.yaml", tree)
+from tests.harness.runs import losses, merge, run_train, strategy_config, write_config
 
 
 def _assert_close(a: dict, b: dict, rel: float = 1e-5) -> None:
@@ -25,7 +17,7 @@ def _assert_close(a: dict, b: dict, rel: float = 1e-5) -> None:
 
 @pytest.mark.slow
 def test_fsdp_on_two_processes_matches_one_process_and_resumes(tmp_path):
-    config = _config(tmp_path)
+    config = strategy_config(tmp_path)
     assert run_train(config, "run.name=one").returncode == 0
     single = run_train(config, "run.name=fsdp1", "distributed.strategy=fsdp")  # a group of one
     assert single.returncode == 0, single.stderr[-3000:]
@@ -53,7 +45,7 @@ def test_fsdp_on_two_processes_matches_one_process_and_resumes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full", "every_n"])
 def test_activation_checkpointing_does_not_change_the_math(tmp_path, mode):
-    config = _config(tmp_path, model={"depth": 2})
+    config = strategy_config(tmp_path, model={"depth": 2})
     assert run_train(config, "run.name=plain").returncode == 0
     proc = run_train(config, "run.name=ac", f"memory.activation_checkpointing={mode}")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -66,7 +58,7 @@ def test_activation_checkpointing_does_not_change_the_math(tmp_path, mode):
     ("single", 2, "runs one process"),
 ])
 def test_strategies_this_machine_cannot_run_exit_3(tmp_path, strategy, nproc, fragment):
-    proc = run_train(_config(tmp_path), f"distributed.strategy={strategy}", nproc=nproc)
+    proc = run_train(strategy_config(tmp_path), f"distributed.strategy={strategy}", nproc=nproc)
     assert fragment in proc.stderr
     if nproc == 1:
         assert proc.returncode == 3

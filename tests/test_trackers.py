@@ -23,19 +23,21 @@ import pytest
 import yaml
 
 from tests.harness.kubesim import free_port
-from tests.harness.runs import ROOT, TINY_MLP, clean_env, merge, read_metrics, write_config
+from tests.harness.runs import (
+    ENTRY,
+    TINY_MLP,
+    clean_env,
+    installed,
+    merge,
+    read_metrics,
+    write_config,
+)
 from train.core import tracker_config
 from train.core.config import load_config
 from train.core.errors import CannotRunHere, ConfigError
 from train.observe import trackers
 
-ENTRY = str(ROOT / "entrypoint.py")
 NEEDS = "needs mlflow and wandb: make trackers (CI installs them)"
-
-
-def installed(*packages: str) -> bool:
-    import importlib.util
-    return all(importlib.util.find_spec(p) is not None for p in packages)
 
 
 @pytest.fixture(scope="module")

@@ -15,25 +15,8 @@ import pytest
 import torch
 import yaml
 
-from tests.harness.runs import ROOT, clean_env, losses
-
-ENTRY = str(ROOT / "entrypoint.py")
-EXAMPLE = ROOT / "examples" / "custom_model"
-SCRIPT = ROOT / "examples" / "ddp_script" / "train_ddp.py"
-FAST = ["train.max_steps=40", "checkpoint.every_steps=10", "train.eval_every_steps=0",
-        "logging.every_steps=1", "logging.progress=plain", "schedule.warmup_steps=2"]
-
-
-@pytest.fixture
-def project(tmp_path) -> Path:
-    """The example project, copied: the user's folder, the working directory."""
-    shutil.copytree(EXAMPLE, tmp_path / "project", ignore=shutil.ignore_patterns("runs"))
-    return tmp_path / "project"
-
-
-def entry(*args: str, cwd: Path, timeout: float = 300, **env: str):
-    return subprocess.run([sys.executable, ENTRY, *args], cwd=cwd, env=clean_env(**env),
-                          capture_output=True, text=True, timeout=timeout)
+from tests.harness.examples import FAST, SCRIPT
+from tests.harness.runs import ENTRY, ROOT, clean_env, entry, losses
 
 
 def test_your_model_data_and_loss_train_resume_and_export(project):

@@ -50,9 +50,10 @@ import yaml
 
 from tests.harness import netns
 from tests.harness.multinode import Process, pid_namespaces
-from tests.harness.runs import ROOT, clean_env
+from tests.harness.runs import ENTRY, ROOT, clean_env
 
-ENTRY = str(ROOT / "entrypoint.py")
+CPU_VARIANT = ROOT / "k8s" / "cpu"  # the manifests of the CPU variant
+JOB = "train-workers"  # their Indexed Job
 
 
 def image_entrypoint(dockerfile: Path = ROOT / "Dockerfile.cpu") -> list[str]:
@@ -218,7 +219,7 @@ class Cluster:
     def terminate(self, pod: Process, template: dict | None = None) -> int:
         """The kubelet's stop: SIGTERM, then SIGKILL when the grace period ends; the exit
         code (137 for a kill, as the container runtime reports it)."""
-        spec = (template or self.get("Job", "train-workers")["spec"]["template"])["spec"]
+        spec = (template or self.get("Job", JOB)["spec"]["template"])["spec"]
         grace = spec.get("terminationGracePeriodSeconds", 30)
         pod.signal(signal.SIGTERM)
         try:

@@ -25,9 +25,16 @@ import time
 from pathlib import Path
 
 from tests.harness.procs import alive, children, descendants
-from tests.harness.runs import ROOT
+from tests.harness.runs import ENTRY, QUICKSTART
 
-ENTRY = str(ROOT / "entrypoint.py")
+# `entrypoint.py train`'s arguments for a job of simulated nodes: the quick start shrunk,
+# trained until stopped, a checkpoint every 20 steps; a constant schedule, so that a
+# reference run stopped at any step saw the same learning rates.
+SMALL_JOB = [QUICKSTART, "model.depth=1", "model.width=32", "model.heads=4",
+             "model.context_length=32", "train.global_batch_size=8", "data.max_bytes=200000",
+             "data.num_workers=0", "schedule.name=constant", "schedule.warmup_steps=2",
+             "train.eval_batches=1", "logging.every_steps=1", "logging.progress=plain",
+             "checkpoint.every_steps=20", "train.max_steps=100000"]
 
 
 def pid_namespaces() -> bool:
@@ -154,6 +161,18 @@ class Process:
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+
+def first(processes: list[Process], pattern: str, timeout: float = 180) -> Process:
+    """The first of ``processes`` whose output matches (nodes and pods: ranks are assigned
+    by the rendezvous, so which one gets there first is not known in advance)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in processes:
+            if re.search(pattern, p.text()):
+                return p
+        assert time.monotonic() < deadline, f"no {pattern!r}: " + processes[0].text()[-2000:]
+        time.sleep(0.1)
 
 
 class Cluster:

@@ -14,17 +14,29 @@ slow or loaded machine.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKES = ROOT / "tests" / "fakes"
+ENTRY = str(ROOT / "entrypoint.py")
+QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
+# The quick start shrunk to a tiny model on a little data: seconds per run, also on 2 ranks.
+SMALL = ["model.depth=1", "model.width=32", "model.heads=4", "model.context_length=32",
+         "train.global_batch_size=8", "data.max_bytes=200000", "data.num_workers=0",
+         "schedule.warmup_steps=2", "train.eval_batches=1", "logging.every_steps=1",
+         "logging.progress=plain"]
 
 # A GPT small enough that a run of 20 steps takes a couple of seconds on one core.
 TINY_GPT = {
@@ -111,12 +123,87 @@ def run_train(config: Path, *overrides: str, nproc: int = 1, timeout: int = 240,
                           text=True, timeout=timeout)
 
 
+def entry(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300
+          ) -> subprocess.CompletedProcess:
+    """``entrypoint.py ARGS`` as a user runs it, in ``cwd``, with :func:`clean_env` unless
+    ``env`` is given."""
+    return subprocess.run([sys.executable, ENTRY, *args], cwd=cwd, env=env or clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def last_line(text: str) -> str:
+    return text.strip().splitlines()[-1]
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    """Until ``predicate()`` is true; fails saying ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+_STDERR_LINES: dict[int, queue.Queue] = {}
+
+
+def read_until(proc: subprocess.Popen, pattern: str, timeout: float = 30) -> re.Match:
+    """The next stderr line of a long-lived process matching pattern, with a real timeout
+    (a bare readline() blocks forever on a server that stays silent)."""
+    lines = _STDERR_LINES.get(proc.pid)
+    if lines is None:
+        lines = _STDERR_LINES[proc.pid] = queue.Queue()
+
+        def pump() -> None:
+            for line in proc.stderr:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=remaining)
+        except queue.Empty:
+            break
+        if line is None:
+            raise AssertionError(f"exited before a line matching {pattern!r}")
+        m = re.search(pattern, line)
+        if m:
+            return m
+    raise AssertionError(f"no line matching {pattern!r} within {timeout} s")
+
+
+def installed(*packages: str) -> bool:
+    """Can this interpreter import every one of ``packages``?"""
+    return all(importlib.util.find_spec(p) is not None for p in packages)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def losses(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
+
+
+def tiny_run_config(tmp_path: Path, **train) -> Path:
+    """TINY_GPT with ``train`` overrides and a checkpoint every 2 steps, its runs in
+    ``tmp_path``/runs; the config file (the run-file tests')."""
+    return write_config(tmp_path / "run.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path / "runs")}, "train": train,
+        "checkpoint": {"every_steps": 2}}))
+
+
+STRATEGY_STEPS = 8
+
+
+def strategy_config(tmp_path: Path, **extra) -> Path:
+    """TINY_GPT for STRATEGY_STEPS steps, a checkpoint every 4, its runs in ``tmp_path``;
+    ``extra`` sections on top. The config file (the parallel strategies' tests)."""
+    tree = merge(TINY_GPT, {"output": {"dir": str(tmp_path)},
+                            "train": {"max_steps": STRATEGY_STEPS},
+                            "checkpoint": {"every_steps": 4}, **extra})
+    return write_config(tmp_path / "c.yaml", tree)
 
 
 def lock_pins(path: Path) -> dict[str, tuple[str, int]]:
