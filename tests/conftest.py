@@ -1,5 +1,7 @@
 """pytest's hooks and fixtures for the whole suite; what tests share otherwise lives in
-tests/harness (tests/harness/runs.py: configs, environments, real runs).
+tests/harness (tests/harness/runs.py: configs, environments, real runs). The tiers are
+folders: tests/static, tests/unit (``make test``) and tests/e2e (``make test-slow``);
+see tests/README.md.
 
 Tests marked ``gpu`` need a usable GPU and are skipped without one; scripts/gpu-check
 runs them on GPU machines.
@@ -14,7 +16,30 @@ import pytest
 from tests.harness.checkpoints import reference_run
 from tests.harness.examples import copy_project
 from tests.harness.plans import plan_config
-from tests.harness.runs import TINY_GPT, TINY_MLP, merge, usable_gpus, write_config
+from tests.harness.runs import ROOT, TINY_GPT, TINY_MLP, merge, usable_gpus, write_config
+
+E2E = ROOT / "tests" / "e2e"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """The path decides the tier: every test under tests/e2e/ is marked ``slow`` (so that
+    ``-m slow`` and ``-m "not slow"`` still select the tiers), and a test elsewhere that
+    says ``slow`` fails its file's collection: a slow test belongs in tests/e2e/."""
+    report = yield
+    if not report.passed:
+        return report
+    items = [node for node in report.result if isinstance(node, pytest.Item)]
+    if E2E in collector.path.resolve().parents:
+        for item in items:
+            item.add_marker(pytest.mark.slow)
+    elif misplaced := [item.name for item in items if item.get_closest_marker("slow")]:
+        report.outcome = "failed"
+        report.longrepr = (f"{collector.nodeid}: marked slow outside tests/e2e/ (the slow tier "
+                           f"is a path: move them there, or drop the mark): "
+                           f"{', '.join(misplaced)}")
+        report.result = []
+    return report
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,7 @@
 run as local processes with the commands, arguments and environment the manifests give.
 
 There is no cluster on these machines, so this plays one just far enough to run the
-manifests' own pods (tests/test_k8s_sim.py):
+manifests' own pods (tests/unit/test_k8s_sim.py, tests/e2e/test_k8s_sim_runs.py):
 
 - a container runs the image's ENTRYPOINT (read from the Dockerfile) with the
   manifest's args: ``python3 /app/entrypoint.py ARGS`` becomes this checkout's
@@ -31,7 +31,7 @@ manifests' own pods (tests/test_k8s_sim.py):
 
 What it does not play: scheduling, resources, probes, security contexts (the static
 tests check those against the image's contract), restarts (a test restarts an index
-itself, as the Job controller would), NetworkPolicies (tests/test_k8s.py reads them).
+itself, as the Job controller would), NetworkPolicies (tests/static/test_k8s.py reads them).
 """
 
 from __future__ import annotations

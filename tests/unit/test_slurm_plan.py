@@ -2,7 +2,7 @@
 GPU), the batch script, SLURM's hostlist syntax, and the allocations it refuses.
 
 The variables are those a task of ``srun`` sees on slurm-wlm 22.05 (the real cluster
-of tests/test_slurm.py prints them); plan() is pure, so the machines are made up.
+of tests/e2e/test_slurm.py prints them); plan() is pure, so the machines are made up.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """The supervisor: exit-code mapping, signal forwarding, restarts — with a stand-in
-worker under real torchrun (gloo-free, so a few seconds each)."""
+worker (tests/harness/supervision.py; gloo-free, so a few seconds each). Two workers
+under real torchrun: tests/e2e/test_launcher_supervise_runs.py."""
 
 from __future__ import annotations
 
 import signal
 import sys
 import time
-
-import pytest
 
 from launcher.supervise import classify
 from tests.harness.supervision import start, wait_ready
@@ -80,28 +79,6 @@ def test_older_restart_rounds_are_ignored(tmp_path):
 
 
 # -------------------------------------------------------------------- real processes
-
-@pytest.mark.slow
-def test_torchrun_worker_failure_is_1_naming_rank_1(tmp_path):
-    proc = start("fail-rank-1", 2, tmp_path)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1, err
-    last = err.strip().splitlines()[-1]
-    assert last == ("error: training failed: rank 1: RuntimeError: boom on rank 1; details in "
-                    "its output above")
-
-
-@pytest.mark.slow
-def test_sigterm_reaches_torchrun_workers_and_exits_143(tmp_path):
-    proc = start("sigterm", 2, tmp_path)
-    wait_ready(tmp_path, 2, proc)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err
-    # Both workers saw SIGTERM and reported 143 (torchrun's SIGKILL would leave no report).
-    assert err.strip().splitlines()[-1] == ("stopped by SIGTERM; rerun the same command to "
-                                            "resume from the last checkpoint")
-
 
 def test_sigint_in_direct_mode_is_143(tmp_path):
     proc = start("sigterm", 1, tmp_path)
@@ -178,7 +155,7 @@ def test_torchrun_killed_during_training_is_not_called_a_startup_failure():
 
 
 def test_the_watchdog_says_what_a_stuck_thread_waits_for():
-    """From real stacks (a collective's: tests/test_hangs.py); the limit it watches."""
+    """From real stacks (a collective's: tests/e2e/test_hangs.py); the limit it watches."""
     import queue
     import threading
 

@@ -12,13 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.harness.procs import below, cmdline, environ, pids
 from tests.harness.runs import ENTRY, TINY_MLP, clean_env, merge, write_config
 from train.core.protocol import Report
 
-pytestmark = pytest.mark.slow
 SLEEPY = '''\
 import os, time
 import torch

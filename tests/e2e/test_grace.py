@@ -13,15 +13,12 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from tests.harness.runs import ROOT, TINY_GPT, clean_env, merge, slow_state_writes, write_config
 
 # Every process imports this first (PYTHONPATH): the rank-0 state file of a checkpoint
 # takes 40 s more to write.
 
 
-@pytest.mark.slow
 def test_a_40_s_stop_checkpoint_survives_sigterm_under_torchrun(tmp_path):
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(slow_state_writes(40))

@@ -1,7 +1,8 @@
 """The k8s/ manifests' own pods, run by a stand-in kubelet and Job controller
-(tests/kubesim.py): the CPU variant's rendezvous Deployment and Indexed Job, with the
-manifests' commands, arguments and environment, through pod loss, scale-up, the loss
-of the rendezvous pod, a drain, completion, a late pod and a broken config.
+(tests/harness/kubesim.py): the CPU variant's rendezvous Deployment and Indexed Job, with
+the manifests' commands, arguments and environment, through pod loss, scale-up, the
+loss of the rendezvous pod, a drain, completion and a late pod; a recreated Job waits
+for its predecessor's last checkpoint. A broken config: tests/unit/test_k8s_sim.py.
 
 The constant schedule (an override) lets a run's length be decided as it goes: the
 last stage finishes 20 steps after the drain, and the uninterrupted reference runs
@@ -12,9 +13,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-
-import pytest
-import yaml
 
 from tests.harness.kubesim import JOB, Cluster
 from tests.harness.multinode import Process, first
@@ -47,7 +45,6 @@ def start(sim: Cluster, steps: int, indices=(0, 1)) -> tuple[Process, list[Proce
     return store, pods
 
 
-@pytest.mark.slow
 def test_the_job_through_pod_loss_scale_up_store_loss_and_a_drain(sim, tmp_path):
     """One job's life, as a cluster would live it; each stage waits for the last."""
     big = [*SHORT, "train.max_steps=100000"]
@@ -119,25 +116,9 @@ def test_the_job_through_pod_loss_scale_up_store_loss_and_a_drain(sim, tmp_path)
     assert abs(mean(got) - mean(want)) < 0.03 * mean(want)
 
 
-def test_a_broken_config_fails_every_pod_with_an_exit_code_that_fails_the_job(sim):
-    config = sim.configmap("train-config") / "config.yaml"
-    tree = yaml.safe_load(config.read_text())
-    tree["model"]["widht"] = 64  # a typo
-    config.write_text(yaml.safe_dump(tree))
-    store = sim.start_deployment("train-rendezvous")
-    store.wait_for(r"listening on", 60)
-    pods = [sim.start_index(JOB, i) for i in (0, 1)]
-    codes = [p.wait(120) for p in pods]
-    assert codes == [2, 2] and [sim.judge(JOB, c) for c in codes] == ["FailJob", "FailJob"]
-    for p in pods:
-        last = p.text().strip().splitlines()[-1]
-        assert last.endswith("model.widht: unknown key; did you mean model.width?"), last
-
-
 # The old pod's stop checkpoint takes 15 s more to write (a slow shared volume).
 
 
-@pytest.mark.slow
 def test_a_recreated_job_waits_for_its_predecessors_last_checkpoint(sim, tmp_path):
     """`kubectl delete job` + `apply` while the old pod still writes its SIGTERM
     checkpoint: the new Job's pod (a new uid, so another job) waits for the old lease,

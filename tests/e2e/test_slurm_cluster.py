@@ -1,4 +1,4 @@
-"""The SLURM cluster of tests/slurmcluster.py works: jobs land on two hosts with their
+"""The SLURM cluster of tests/harness/slurmcluster.py works: jobs land on two hosts with their
 own hostnames, tasks are numbered as slurm numbers them, batch scripts run and write
 their output, and scancel reaches a task as SIGTERM. One cluster for the module; the
 tests of the launcher under slurm build on what these show.
@@ -11,8 +11,6 @@ import os
 import pytest
 
 from tests.harness.slurmcluster import SlurmCluster, wait_for_text
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ from tests.harness.runs import ROOT, TINY_GPT, losses, merge, run_train, worker_
 from train.checkpoint import Checkpointer, sharded
 from train.core import rundir
 
-pytestmark = pytest.mark.slow
 STEPS = 8
 
 

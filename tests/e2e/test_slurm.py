@@ -1,4 +1,4 @@
-"""The launcher under a real SLURM cluster (tests/slurmcluster.py: slurmctld and two
+"""The launcher under a real SLURM cluster (tests/harness/slurmcluster.py: slurmctld and two
 slurmd, each node a host of its own): ``srun`` in both layouts trains as the same world
 size does on one node; the shipped sbatch template runs; ``scancel`` stops with one
 checkpoint and a resubmission resumes; the requeue signal checkpoints, requeues and the
@@ -38,8 +38,6 @@ from tests.harness.runs import (
     write_config,
 )
 from tests.harness.slurmcluster import SlurmCluster, wait_for_text
-
-pytestmark = pytest.mark.slow
 
 STEPS = 60
 SLOW_MODEL = '''
@@ -293,7 +291,7 @@ def test_a_node_whose_tasks_are_killed_ends_the_job_naming_it(cluster, reference
     assert state == "FAILED", text[-3000:]
     failed = [line for line in text.splitlines() if "error: training failed" in line]
     # a killed process closes its connections: gloo names its address at once; a node
-    # that goes silent instead is named by the heartbeat (tests/test_vanish.py)
+    # that goes silent instead is named by the heartbeat (tests/e2e/test_vanish.py)
     assert failed and any("lost node 1 (" in line or "198.18.0.3" in line for line in failed), \
         text[-3000:]
     again = cluster.sbatch(script, env=task_env())

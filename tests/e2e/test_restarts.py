@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.harness.runs import ENTRY, TINY_GPT, clean_env, merge, write_config
 
 # A dataset whose sample 5 cannot be read (a corrupt record): the same step fails on
@@ -44,7 +42,6 @@ def run(tmp_path: Path, config: Path, *args: str) -> subprocess.CompletedProcess
                           env=clean_env(), capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.slow
 def test_a_loss_that_cannot_compare_is_exit_2_and_torchrun_does_not_retry_it(tmp_path):
     config = write_config(tmp_path / "run.yaml", merge(TINY_GPT, {
         "output": {"dir": str(tmp_path / "runs")}, "train": {"loss": "mse"}}))
@@ -56,7 +53,6 @@ def test_a_loss_that_cannot_compare_is_exit_2_and_torchrun_does_not_retry_it(tmp
     assert "not restarting: rank" in out.stderr  # the restarts ended at once
 
 
-@pytest.mark.slow
 def test_a_failure_that_repeats_is_restarted_once_and_then_no_more(tmp_path):
     (tmp_path / "broken.py").write_text(BROKEN_DATA)
     config = write_config(tmp_path / "run.yaml", {

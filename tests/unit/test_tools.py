@@ -1,5 +1,6 @@
 """The project tooling behind scripts/ (tools/): stage recording with real time limits,
-the GPU check's notes and its stages on the CPU, the image test's checks, lock reading.
+the GPU check's notes, the image test's checks, lock reading. The GPU check's stages
+run on the CPU: tests/e2e/test_tools_runs.py.
 
 The image test's engine runs are exercised by `make image-test` itself; here are the
 decisions it makes from what the engine returns.
@@ -64,25 +65,6 @@ def test_gpu_check_notes_read_real_outputs(tmp_path):
     assert gpu_check.doctor_summary("Traceback ...")[0] is None
     assert gpu_check.pytest_note("...\n3 passed, 2 skipped in 4.20s\n") == \
         "3 passed, 2 skipped in 4.20s"
-
-
-@pytest.mark.slow
-def test_gpu_check_runs_its_stop_and_speed_stages_on_the_cpu(tmp_path):
-    """GPU_CHECK_FORCE_CPU runs the GPU stages' own code on this machine: a SIGTERM mid-run
-    must end in 143 with a checkpoint, and the throughput bench must give its table, both
-    recorded as ok (so a GPU loan is not spent finding a broken stage)."""
-    out = subprocess.run([str(ROOT / "scripts/gpu-check")], cwd=tmp_path, timeout=480,
-                         env=clean_env(PYTHON=sys.executable, OUT=str(tmp_path / "out"),
-                                       GPU_CHECK_FORCE_CPU="1", GPU_CHECK_ONLY="stop,speed"),
-                         capture_output=True, text=True)
-    rows = [json.loads(x) for x in (tmp_path / "out/stages.jsonl").read_text().splitlines()]
-    assert [r["name"] for r in rows] == ["deps", "doctor", "stop", "speed"], \
-        out.stdout + out.stderr
-    stop, speed = rows[-2:]
-    assert stop["ok"] and stop["rc"] == 143 and "checkpoint step-" in stop["note"], stop
-    assert speed["ok"] and speed["note"].startswith("CPU, "), speed
-    assert "plain loop x1 " in speed["note"] and "trainer x1 " in speed["note"], speed
-    assert out.returncode == 0
 
 
 # ------------------------------------------------------------------ image test

@@ -1,16 +1,11 @@
-"""Nothing lost: what a run writes, and what it reads again.
-
-- no file of the run directory is written through a symbolic link (per file the run
-  writes: the launcher refuses before starting, the write helpers refuse or replace);
-- restarts within one launch train the config the launch validated, however the file
-  changes; a rerun with an edited config says which keys changed;
-- a damaged ``RUN_DIR/config.yaml`` is one warning, not a traceback;
-- a full disk or a checkpoint folder turned read-only mid-run: one line, the partial
-  checkpoint removed, no futile restart (exit 3).
+"""Nothing lost, with real runs: restarts within one launch train the config the launch
+validated, however the file changes, and a rerun with an edited config says which keys
+changed; a full disk or a checkpoint folder turned read-only mid-run: one line, the
+partial checkpoint removed, no futile restart (exit 3).
 
 Real processes and real files; the disk is a real tmpfs mounted in a mount namespace of
-the test's own (skipped where the machine gives no rights for one).
-"""
+the test's own (skipped where the machine gives no rights for one). Links and a damaged
+config.yaml: tests/unit/test_run_files.py."""
 
 from __future__ import annotations
 
@@ -34,55 +29,7 @@ from tests.harness.runs import (
     tiny_run_config,
     write_config,
 )
-from train.core import files, rundir
-from train.core.errors import ConfigError
-
-VICTIM_TEXT = "a file outside the run directory\n"
-
-
-# ------------------------------------------------------------------ links
-
-@pytest.mark.parametrize("name", rundir.RUN_FILES)
-def test_no_run_file_is_written_through_a_link(tmp_path, name):
-    """A link planted at any file name the run writes: exit 2 naming it, before anything
-    is written; the file it points at is untouched."""
-    victim = tmp_path / "victim.txt"
-    victim.write_text(VICTIM_TEXT)
-    run_dir = tmp_path / "runs" / "run"
-    (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
-    (run_dir / name).symlink_to(victim)
-    out = entry("train", str(tiny_run_config(tmp_path, max_steps=2)), cwd=tmp_path)
-    assert out.returncode == 2, out.stderr
-    assert out.stderr.strip().splitlines()[-1] == (
-        f"error: {run_dir}: {name}: is a symbolic link; the run writes no file through a "
-        "link (it would overwrite what the link points at): remove it")
-    assert victim.read_text() == VICTIM_TEXT
-    assert sorted(p.name for p in run_dir.iterdir()) == sorted({name.split("/")[0]})
-
-
-def test_the_write_helpers_never_write_through_a_link(tmp_path):
-    """The same at the moment of writing (a link made after the launcher looked)."""
-    victim = tmp_path / "victim.txt"
-    victim.write_text(VICTIM_TEXT)
-    target = tmp_path / "config.yaml"
-    target.symlink_to(victim)
-    (tmp_path / "config.yaml.tmp").symlink_to(victim)  # its temporary name too
-    files.write_atomic(target, "new: 1\n")
-    assert not target.is_symlink() and target.read_text() == "new: 1\n"
-    (tmp_path / "metrics.jsonl").symlink_to(victim)
-    with pytest.raises(files.LinkRefused, match=r"metrics\.jsonl is a symbolic link"):
-        files.open_append(tmp_path / "metrics.jsonl")
-    (tmp_path / "state.pt").symlink_to(victim)
-    with files.create_new(tmp_path / "state.pt") as f:
-        f.write(b"tensor bytes")
-    assert victim.read_text() == VICTIM_TEXT
-    from train.core import runlock
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / ".lock").symlink_to(victim)
-    with pytest.raises(ConfigError, match=r"\.lock: .* is a symbolic link"):
-        runlock.acquire(tmp_path / "run")
-    assert victim.read_text() == VICTIM_TEXT
-
+from train.core import rundir
 
 # ------------------------------------------------------------------ the config read again
 
@@ -90,7 +37,6 @@ def worker_pids(launcher_pid: int) -> list[int]:
     return [p for p in children(launcher_pid) if "train.worker" in cmdline(p)]
 
 
-@pytest.mark.slow
 def test_a_restart_trains_the_config_its_launch_validated(tmp_path):
     """The config file edited mid-run, then the worker killed: the launcher's restart
     trains the run that started (its max_steps, its evaluation); a later rerun of the
@@ -130,19 +76,6 @@ def test_a_restart_trains_the_config_its_launch_validated(tmp_path):
     assert "train.max_steps 30 -> 40" in warning and "train.eval_every_steps 10 -> 3" in warning
 
 
-def test_a_damaged_run_config_is_one_warning_not_a_traceback(tmp_path):
-    config = tiny_run_config(tmp_path, max_steps=2)
-    assert entry("train", str(config), cwd=tmp_path).returncode == 0
-    recorded = tmp_path / "runs" / "run" / "config.yaml"
-    recorded.write_bytes(recorded.read_bytes()[:40] + b"\xff\xfe" + recorded.read_bytes()[40:])
-    again = entry("train", str(config), "train.max_steps=4", cwd=tmp_path)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "Traceback" not in again.stderr
-    warnings = [ln for ln in again.stderr.splitlines() if "config.yaml: not UTF-8" in ln]
-    assert len(warnings) == 1 and "this start rewrites it" in warnings[0]
-    recorded.read_text(encoding="utf-8")  # rewritten whole
-
-
 # ------------------------------------------------------------------ the disk
 
 def in_mount_namespace(script: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -155,7 +88,6 @@ def in_mount_namespace(script: str, timeout: float = 300) -> subprocess.Complete
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: each rank writes its shards
 def test_a_full_disk_is_one_line_and_no_futile_restart(tmp_path, strategy):
     """2 processes under torchrun (which restarts workers whatever their exit code): the
@@ -178,7 +110,6 @@ def test_a_full_disk_is_one_line_and_no_futile_restart(tmp_path, strategy):
     assert out.stderr.count("not restarting: rank") >= 1, out.stderr[-3000:]
 
 
-@pytest.mark.slow
 def test_a_checkpoint_folder_turned_read_only_is_one_line(tmp_path):
     """The folder turns read-only between two saves (or while one has begun: a partial the
     read-only disk will not let go of may stay). One line, exit 3; once writable again,

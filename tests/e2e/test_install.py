@@ -12,12 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.harness.runs import ROOT, clean_env
-
-pytestmark = pytest.mark.slow
 
 
 def _run(argv: list, cwd: Path, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:

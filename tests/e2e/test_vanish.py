@@ -1,6 +1,6 @@
 """Hosts that vanish: power loss, a kernel panic, a partitioned switch. No connection is
 closed, so nothing tells the other nodes but silence. Each node is a host of its own
-(tests/netns.py: network, PID, UTS and mount namespaces on one bridge); a host vanishes
+(tests/harness/netns.py: network, PID, UTS and mount namespaces on one bridge); a host vanishes
 when its link goes down, its processes untouched, and may come back.
 
 What must hold (time bounds are generous limits for a loaded 2-core machine, not
@@ -24,8 +24,6 @@ import pytest
 from tests.harness import netns
 from tests.harness.multinode import ENTRY, Process
 from tests.harness.runs import ROOT, clean_env
-
-pytestmark = pytest.mark.slow
 
 SMALL = [str(ROOT / "configs" / "quickstart.yaml"), "model.depth=1", "model.width=32",
          "model.heads=4", "model.context_length=32", "train.global_batch_size=12",

@@ -1,14 +1,13 @@
 """Your own model, data and loss trained by config, and your own script under the
-launcher: the two projects in examples/, run through the real CLI from their folders."""
+launcher: the two projects in examples/, run through the real CLI from their folders.
+Across processes and signals: tests/e2e/test_your_code_runs.py."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 import yaml
 
 from tests.harness.examples import FAST, SCRIPT
-from tests.harness.runs import ENTRY, ROOT, clean_env, entry, losses
+from tests.harness.runs import ROOT, clean_env, entry, losses
 
 
 def test_your_model_data_and_loss_train_resume_and_export(project):
@@ -53,26 +52,6 @@ print(type(model).__name__, same, float(((model(x[None]) - y) ** 2).mean()))
         timeout=120)
     name, same, err = check.stdout.split()
     assert (name, same) == ("ResidualMLP", "True") and float(err) < 0.2, check.stderr
-
-
-@pytest.mark.slow
-def test_your_model_on_two_processes_follows_one(project):
-    one = entry("train", "config.yaml", *FAST, "train.max_steps=20", "run.name=one",
-                cwd=project)
-    two = entry("train", "config.yaml", *FAST, "train.max_steps=20", "run.name=two",
-                "distributed.nproc_per_node=2", cwd=project)
-    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
-    a, b = losses(project / "runs" / "one"), losses(project / "runs" / "two")
-    assert all(abs(a[s] - b[s]) < 1e-5 for s in a)
-
-
-@pytest.mark.slow
-def test_fsdp_and_activation_checkpointing_use_the_models_blocks(project):
-    out = entry("train", "config.yaml", *FAST, "train.max_steps=10", "run.name=fsdp",
-                "distributed.strategy=fsdp", "memory.activation_checkpointing=full",
-                cwd=project)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "activation checkpointing on 2 blocks" in out.stderr
 
 
 def broken(project: Path, name: str) -> None:
@@ -147,26 +126,3 @@ def test_launch_plans_like_train_and_refuses_bad_input(tmp_path):
                             "nccl needs GPUs")):
         out = entry("launch", *args, cwd=tmp_path)
         assert out.returncode == 2 and fragment in out.stderr.strip().splitlines()[-1], args
-
-
-@pytest.mark.slow
-def test_a_signal_reaches_your_script_which_stops_with_143(tmp_path):
-    log = (tmp_path / "out.log").open("w")
-    proc = subprocess.Popen([sys.executable, ENTRY, "launch", "distributed.nproc_per_node=2",
-                             str(SCRIPT), "--steps", "1000000", "--out", str(tmp_path / "m.pt")],
-                            cwd=tmp_path, env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while "step 20 " not in (tmp_path / "out.log").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "out.log").read_text()[-2000:]
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 143
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = (tmp_path / "out.log").read_text()
-    assert "saved " in text and (tmp_path / "m.pt").exists()  # the script's own clean stop
-    assert text.strip().splitlines()[-1] == "stopped by SIGTERM (forwarded to the script's " \
-                                            "processes)"
