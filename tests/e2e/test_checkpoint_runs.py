@@ -23,6 +23,7 @@ from tests.harness.procs import children
 from tests.harness.runs import (
     ROOT,
     TINY_GPT,
+    limit,
     losses,
     merge,
     run_train,
@@ -116,7 +117,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     workers = children(agent.pid)
     assert len(workers) == 2
     os.kill(workers[1], signal.SIGTERM)  # one rank only, as when one process is signalled
-    _, err = agent.communicate(timeout=120)
+    _, err = agent.communicate(timeout=limit(120))
     assert err.count("stopped at step") == 2, err[-3000:]
     stopped = set(re.findall(r"stopped at step (\d+)", err))
     assert len(stopped) == 1, "both ranks must stop after the same step"

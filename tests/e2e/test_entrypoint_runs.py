@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from tests.harness.runs import ENTRY, QUICKSTART, clean_env, entry, read_until
+from tests.harness.runs import ENTRY, QUICKSTART, clean_env, entry, limit, read_until
 
 # Small enough that 20 steps on 2 ranks take seconds on a 2-core machine.
 SMALL = ["model.depth=1", "model.width=32", "model.heads=4", "model.context_length=32",
@@ -54,7 +54,7 @@ def test_sigterm_during_training_checkpoints_and_exits_143(tmp_path):
     try:
         read_until_stdout(proc, r"step 3/")
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=limit(60))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -66,7 +66,7 @@ def test_sigterm_during_training_checkpoints_and_exits_143(tmp_path):
 
 
 def read_until_stdout(proc: subprocess.Popen, pattern: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + limit(timeout)
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
@@ -90,14 +90,14 @@ def test_two_nodes_join_the_standalone_store_as_an_indexed_job(tmp_path):
                 [sys.executable, ENTRY, "train", QUICKSTART, "train.max_steps=6", *SMALL],
                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 text=True))
-        outs = [n.communicate(timeout=240)[0] for n in nodes]
+        outs = [n.communicate(timeout=limit(240))[0] for n in nodes]
         assert [n.returncode for n in nodes] == [0, 0], outs
         m = read_until(store, r"round 0 complete: (\d) node")
     finally:
         for p in [*nodes, store]:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-                p.wait(timeout=30)
+                p.wait(timeout=limit(30))
     assert "is_host=false" in outs[0] and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in outs[0]
     assert "world size 2" in "".join(outs)
     assert m[1] == "2"

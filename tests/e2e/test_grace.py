@@ -13,7 +13,15 @@ import subprocess
 import sys
 import time
 
-from tests.harness.runs import ROOT, TINY_GPT, clean_env, merge, slow_state_writes, write_config
+from tests.harness.runs import (
+    ROOT,
+    TINY_GPT,
+    clean_env,
+    limit,
+    merge,
+    slow_state_writes,
+    write_config,
+)
 
 # Every process imports this first (PYTHONPATH): the rank-0 state file of a checkpoint
 # takes 40 s more to write.
@@ -32,12 +40,12 @@ def test_a_40_s_stop_checkpoint_survives_sigterm_under_torchrun(tmp_path):
         env=clean_env(PYTHONPATH=f"{tmp_path / 'site'}:{ROOT}"))
     text = lambda: (tmp_path / "out.log").read_text()  # noqa: E731
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + limit(180)
         while "step 3/" not in text() and time.monotonic() < deadline:
             time.sleep(0.2)
         t0 = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(timeout=150) == 143, text()[-3000:]
+        assert launcher.wait(timeout=limit(150)) == 143, text()[-3000:]
         took = time.monotonic() - t0
     finally:
         if launcher.poll() is None:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from tests.harness.procs import below, cmdline, environ, pids
-from tests.harness.runs import ENTRY, TINY_MLP, clean_env, merge, write_config
+from tests.harness.runs import ENTRY, TINY_MLP, clean_env, limit, merge, write_config
 from train.core.protocol import Report
 
 SLEEPY = '''\
@@ -56,7 +56,7 @@ def _config(tmp_path: Path, max_restarts: int = 0, **data) -> Path:
 
 
 def _last_line(proc: subprocess.Popen, timeout: float) -> str:
-    _, err = proc.communicate(timeout=timeout)
+    _, err = proc.communicate(timeout=limit(timeout))
     assert proc.returncode == 1, err[-3000:]
     return err.strip().splitlines()[-1]
 
@@ -109,7 +109,7 @@ def test_a_frozen_rank_is_named_by_its_last_progress(tmp_path):
     os.kill(frozen, signal.SIGSTOP)  # no watchdog of its own can run now
     try:
         proc.stdout.read()  # to its end
-        assert proc.wait(timeout=240) == 1, log.read_text()[-3000:]
+        assert proc.wait(timeout=limit(240)) == 1, log.read_text()[-3000:]
         last = log.read_text().strip().splitlines()[-1]
     finally:
         try:
@@ -128,7 +128,7 @@ def _progress(pid: int, at_least: int) -> int:
     """Wait until the worker's report says it reached ``at_least`` steps; that step."""
     env = environ(pid)
     report = Path(env["TRAIN_LAUNCHER_STATUS_DIR"]) / f"rank-{env['LOCAL_RANK']}.json"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + limit(120)
     while time.monotonic() < deadline:
         try:
             step = Report.from_dict(json.loads(report.read_text())).step or 0

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from tests.harness.runs import ROOT, clean_env
+from tests.harness.runs import ROOT, clean_env, limit
 
 
 def _run(argv: list, cwd: Path, env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=limit(timeout))
 
 
 def test_the_wheel_gives_a_command_that_trains_a_project_from_its_own_folder(tmp_path):

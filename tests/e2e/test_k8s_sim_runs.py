@@ -16,7 +16,7 @@ import sys
 
 from tests.harness.kubesim import JOB, Cluster
 from tests.harness.multinode import Process, first
-from tests.harness.runs import ROOT, read_metrics, slow_state_writes
+from tests.harness.runs import ROOT, limit, read_metrics, slow_state_writes
 
 # The CPU variant's config, shortened: a tiny model, many quick steps.
 SHORT = ["model.depth=1", "model.width=32", "model.heads=4", "model.context_length=32",
@@ -107,7 +107,7 @@ def test_the_job_through_pod_loss_scale_up_store_loss_and_a_drain(sim, tmp_path)
     ref = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "train", str(cfg),
                           *SHORT, f"train.max_steps={steps}", f"output.dir={tmp_path / 'ref'}"],
                          cwd=tmp_path, env=sim.base_env, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=limit(600))
     assert ref.returncode == 0, ref.stderr[-2000:]
     want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "ref" / "train-demo")
             if "loss" in r}

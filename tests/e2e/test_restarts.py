@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.harness.runs import ENTRY, TINY_GPT, clean_env, merge, write_config
+from tests.harness.runs import ENTRY, TINY_GPT, clean_env, limit, merge, write_config
 
 # A dataset whose sample 5 cannot be read (a corrupt record): the same step fails on
 # every attempt. Every build is counted in builds.txt (the launcher's check builds it
@@ -39,7 +39,7 @@ def make():
 
 def run(tmp_path: Path, config: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, ENTRY, "train", str(config), *args], cwd=tmp_path,
-                          env=clean_env(), capture_output=True, text=True, timeout=600)
+                          env=clean_env(), capture_output=True, text=True, timeout=limit(600))
 
 
 def test_a_loss_that_cannot_compare_is_exit_2_and_torchrun_does_not_retry_it(tmp_path):

@@ -25,6 +25,7 @@ from tests.harness.runs import (
     TINY_GPT,
     clean_env,
     entry,
+    limit,
     merge,
     tiny_run_config,
     write_config,
@@ -49,7 +50,7 @@ def test_a_restart_trains_the_config_its_launch_validated(tmp_path):
                                 stderr=subprocess.STDOUT)
     text = lambda: (tmp_path / "out.log").read_text()  # noqa: E731
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + limit(180)
         while "checkpoint saved" not in text() and time.monotonic() < deadline:
             time.sleep(0.2)
         edited = json.loads(json.dumps(merge(TINY_GPT, {
@@ -58,7 +59,7 @@ def test_a_restart_trains_the_config_its_launch_validated(tmp_path):
         write_config(config, edited)
         for pid in worker_pids(launcher.pid):
             os.kill(pid, signal.SIGKILL)
-        assert launcher.wait(timeout=240) == 0, text()[-3000:]
+        assert launcher.wait(timeout=limit(240)) == 0, text()[-3000:]
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -85,7 +86,7 @@ def in_mount_namespace(script: str, timeout: float = 300) -> subprocess.Complete
         pytest.skip("no rights for a mount namespace (unshare --mount): "
                     f"{probe.stderr.decode().strip()}")
     return subprocess.run(["unshare", "--mount", "bash", "-c", script], env=clean_env(),
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=limit(timeout))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: each rank writes its shards

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from tests.harness.runs import ROOT, TINY_GPT, clean_env, merge, write_config
+from tests.harness.runs import ROOT, TINY_GPT, clean_env, limit, merge, write_config
 from train.core.errors import EXIT_RUN_DIR_BUSY
 
 
@@ -27,12 +27,12 @@ def test_a_launch_whose_lease_was_taken_over_stops_without_writing(tmp_path):
     text = lambda: (tmp_path / "out.log").read_text()  # noqa: E731
     lease = tmp_path / "runs" / "run" / ".lock"
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + limit(180)
         while "checkpoint saved" not in text() and time.monotonic() < deadline:
             time.sleep(0.2)
         lease.write_text(json.dumps({"job": "job-intruder", "host": "elsewhere", "pid": 7,
                                      "renewed": time.time(), "renewals": 0, "nonce": "n"}))
-        assert launcher.wait(timeout=60) == EXIT_RUN_DIR_BUSY, text()[-3000:]
+        assert launcher.wait(timeout=limit(60)) == EXIT_RUN_DIR_BUSY, text()[-3000:]
     finally:
         if launcher.poll() is None:
             launcher.kill()

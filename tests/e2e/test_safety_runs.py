@@ -20,6 +20,7 @@ from tests.harness.runs import (
     clean_env,
     entry,
     last_line,
+    limit,
     losses,
     wait_for,
 )
@@ -75,7 +76,7 @@ def test_two_process_node_recovers_from_a_lost_worker_bitwise(tmp_path):
         rank1 = [p for p in descendants(launcher.pid) if is_local_rank_1(p)]
         assert len(rank1) == 1
         os.kill(rank1[0], signal.SIGKILL)
-        assert launcher.wait(timeout=240) == 0, text()[-3000:]
+        assert launcher.wait(timeout=limit(240)) == 0, text()[-3000:]
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -96,7 +97,7 @@ def test_a_second_launch_of_a_running_run_waits_then_exits_6(tmp_path):
         assert "is in use by job launch-" in last_line(second.stderr)
         assert "still after 2 s (run.lock_wait_s)" in last_line(second.stderr)
         first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=60) == 143
+        assert first.wait(timeout=limit(60)) == 143
     finally:
         if first.poll() is None:
             first.kill()

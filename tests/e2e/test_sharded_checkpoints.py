@@ -22,7 +22,16 @@ import pytest
 import torch
 
 from tests.harness.procs import alive
-from tests.harness.runs import ROOT, TINY_GPT, losses, merge, run_train, worker_env, write_config
+from tests.harness.runs import (
+    ROOT,
+    TINY_GPT,
+    limit,
+    losses,
+    merge,
+    run_train,
+    worker_env,
+    write_config,
+)
 from train.checkpoint import Checkpointer, sharded
 from train.core import rundir
 
@@ -109,7 +118,7 @@ def test_export_consolidates_the_shards_into_the_full_weights(fsdp_run, tmp_path
                                                             tmp_path / "from-full")):
         done = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "export", str(run),
                                "--out", str(out)], cwd=ROOT, env=worker_env(),
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=limit(300))
         assert done.returncode == 0 and done.stderr == "", done.stderr[-3000:]
     a = torch.load(tmp_path / "from-shards" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "from-full" / "model.pt", weights_only=True)
@@ -149,7 +158,7 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         return
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + limit(30)
     while time.monotonic() < deadline:
         if not alive(pid):  # reaped, or dead and waiting for torchrun to reap it
             return
@@ -219,7 +228,7 @@ def test_a_stop_waits_for_the_background_write_and_exits_143_with_it_sealed(tmp_
             if "checkpoint writing" in line and "step-6" in line:
                 break  # a background write was just handed to the writers
         proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=180)[0]
+        out = proc.communicate(timeout=limit(180))[0]
     finally:
         proc.kill()
     assert proc.returncode == 143, out[-3000:]

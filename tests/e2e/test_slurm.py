@@ -32,6 +32,7 @@ from tests.harness.runs import (
     ROOT,
     TINY_MLP,
     clean_env,
+    limit,
     losses,
     merge,
     read_metrics,
@@ -86,7 +87,7 @@ def reference(cluster) -> dict[int, float]:
     path = config(cluster.work, "reference")
     done = subprocess.run([sys.executable, ENTRY, "train", str(path),
                            "distributed.nproc_per_node=2"], cwd=cluster.work, env=task_env(),
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=limit(600))
     assert done.returncode == 0, done.stderr[-3000:]
     return losses(cluster.work / "runs" / "reference")
 

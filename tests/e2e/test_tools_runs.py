@@ -7,14 +7,14 @@ import json
 import subprocess
 import sys
 
-from tests.harness.runs import ROOT, clean_env
+from tests.harness.runs import ROOT, clean_env, limit
 
 
 def test_gpu_check_runs_its_stop_and_speed_stages_on_the_cpu(tmp_path):
     """GPU_CHECK_FORCE_CPU runs the GPU stages' own code on this machine: a SIGTERM mid-run
     must end in 143 with a checkpoint, and the throughput bench must give its table, both
     recorded as ok (so a GPU loan is not spent finding a broken stage)."""
-    out = subprocess.run([str(ROOT / "scripts/gpu-check")], cwd=tmp_path, timeout=480,
+    out = subprocess.run([str(ROOT / "scripts/gpu-check")], cwd=tmp_path, timeout=limit(480),
                          env=clean_env(PYTHON=sys.executable, OUT=str(tmp_path / "out"),
                                        GPU_CHECK_FORCE_CPU="1", GPU_CHECK_ONLY="stop,speed"),
                          capture_output=True, text=True)

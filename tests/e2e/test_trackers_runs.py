@@ -28,6 +28,7 @@ from tests.harness.runs import (
     TINY_MLP,
     clean_env,
     installed,
+    limit,
     merge,
     read_metrics,
     write_config,
@@ -52,11 +53,11 @@ def mlflow_server(tmp_path_factory):
         env=clean_env())
     uri = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300  # the first start migrates the store: ~30 s here
+        deadline = time.monotonic() + limit(300)  # the first start migrates the store: ~30 s here
         while True:
             assert server.poll() is None, (home / "server.log").read_text()[-3000:]
             try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=5) as answer:
+                with urllib.request.urlopen(f"{uri}/health", timeout=limit(5)) as answer:
                     if answer.status == 200:
                         break
             except OSError:
@@ -67,7 +68,7 @@ def mlflow_server(tmp_path_factory):
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
-            server.wait(timeout=30)
+            server.wait(timeout=limit(30))
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
@@ -77,7 +78,7 @@ def mlflow_server(tmp_path_factory):
 def train(config: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, ENTRY, "train", str(config), *overrides],
                           cwd=config.parent, env=clean_env(**(env or {})), capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=limit(300))
 
 
 def leaves(tree: dict, prefix: str = "") -> dict:
@@ -110,7 +111,7 @@ def test_one_tracker_run_per_training_run_through_a_resume_and_an_export(tmp_pat
     second = train(config, "train.max_steps=10")  # resumes from step 6 and trains on
     assert second.returncode == 0, second.stderr[-3000:]
     exported = subprocess.run([sys.executable, ENTRY, "export", str(run_dir)], cwd=tmp_path,
-                              env=clean_env(), capture_output=True, text=True, timeout=300)
+                              env=clean_env(), capture_output=True, text=True, timeout=limit(300))
     assert exported.returncode == 0, exported.stderr[-3000:]
     record = json.loads((run_dir / "trackers.json").read_text())
     assert record == first_record, "the resume continued the same tracker runs"

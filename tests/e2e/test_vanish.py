@@ -23,7 +23,7 @@ import pytest
 
 from tests.harness import netns
 from tests.harness.multinode import ENTRY, Process
-from tests.harness.runs import ROOT, clean_env
+from tests.harness.runs import ROOT, clean_env, limit
 
 SMALL = [str(ROOT / "configs" / "quickstart.yaml"), "model.depth=1", "model.width=32",
          "model.heads=4", "model.context_length=32", "train.global_batch_size=12",
@@ -85,7 +85,7 @@ def test_elastic_survivors_train_again_without_a_vanished_node_which_rejoins(net
     nodes[0].wait_for(r"left the job \(.*its host is down or cut off\)", 60)
     noticed = time.monotonic() - cut
     resumed = nodes[0].wait_for(r"resumed from .* now 2\)", 120)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + limit(60)
     while not steps_after(nodes[0], resumed[0]) and time.monotonic() < deadline:
         time.sleep(0.2)
     trains_again = time.monotonic() - cut
@@ -96,7 +96,7 @@ def test_elastic_survivors_train_again_without_a_vanished_node_which_rejoins(net
     time.sleep(max(0.0, 60 - (time.monotonic() - cut)))  # a partition of a minute, then heal
     net.heal(hosts[2])
     healed = time.monotonic()
-    deadline = healed + 240
+    deadline = healed + limit(240)
     def worlds_of_3() -> int:  # the trainer's start line, once per world it trains in
         return len(re.findall(r"\| world size 3 \|", nodes[0].text()))
     while time.monotonic() < deadline:

@@ -10,7 +10,7 @@ import sys
 import time
 
 from tests.harness.examples import FAST, SCRIPT
-from tests.harness.runs import ENTRY, clean_env, entry, losses
+from tests.harness.runs import ENTRY, clean_env, entry, limit, losses
 
 
 def test_your_model_on_two_processes_follows_one(project):
@@ -37,13 +37,13 @@ def test_a_signal_reaches_your_script_which_stops_with_143(tmp_path):
                              str(SCRIPT), "--steps", "1000000", "--out", str(tmp_path / "m.pt")],
                             cwd=tmp_path, env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + limit(120)
         while "step 20 " not in (tmp_path / "out.log").read_text():
             assert proc.poll() is None and time.monotonic() < deadline, \
                 (tmp_path / "out.log").read_text()[-2000:]
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 143
+        assert proc.wait(limit(60)) == 143
     finally:
         if proc.poll() is None:
             proc.kill()

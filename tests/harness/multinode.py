@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from tests.harness.procs import alive, children, descendants
-from tests.harness.runs import ENTRY, QUICKSTART
+from tests.harness.runs import ENTRY, QUICKSTART, limit
 
 # `entrypoint.py train`'s arguments for a job of simulated nodes: the quick start shrunk,
 # trained until stopped, a checkpoint every 20 steps; a constant schedule, so that a
@@ -44,7 +44,7 @@ def pid_namespaces() -> bool:
     for extra in ([], ["--user", "--map-root-user"]):
         try:
             ok = subprocess.run(["unshare", *extra, "--pid", "--fork", "--kill-child", "true"],
-                                capture_output=True, timeout=10).returncode == 0
+                                capture_output=True, timeout=limit(10)).returncode == 0
         except (OSError, subprocess.SubprocessError):
             ok = False
         if ok:
@@ -58,7 +58,8 @@ def _unshare_prefix(hosts: Path | None = None) -> list[str]:
     namespace (so a pod's Service names resolve as the manifests write them)."""
     flags = ["--pid", "--fork", "--kill-child", "--mount-proc"]
     plain = ["unshare", *flags]
-    if subprocess.run([*plain, "true"], capture_output=True, timeout=10).returncode != 0:
+    if subprocess.run([*plain, "true"], capture_output=True,
+                      timeout=limit(10)).returncode != 0:
         plain = ["unshare", "--user", "--map-root-user", *flags]
     if hosts is None:
         return plain
@@ -107,6 +108,7 @@ class Process:
             return ""
 
     def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        timeout = limit(timeout)
         deadline = time.monotonic() + timeout
         while True:
             m = re.search(pattern, self.text())
@@ -124,6 +126,7 @@ class Process:
             time.sleep(0.1)
 
     def wait(self, timeout: float) -> int:
+        timeout = limit(timeout)
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -153,8 +156,8 @@ class Process:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.proc.wait(timeout=30)
-        deadline = time.monotonic() + 30
+        self.proc.wait(timeout=limit(30))
+        deadline = time.monotonic() + limit(30)
         while any(alive(p) for p in tree) and time.monotonic() < deadline:
             time.sleep(0.05)
 
@@ -166,7 +169,7 @@ class Process:
 def first(processes: list[Process], pattern: str, timeout: float = 180) -> Process:
     """The first of ``processes`` whose output matches (nodes and pods: ranks are assigned
     by the rendezvous, so which one gets there first is not known in advance)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + limit(timeout)
     while True:
         for p in processes:
             if re.search(pattern, p.text()):

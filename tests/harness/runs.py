@@ -8,7 +8,8 @@ The suite passes on any host. Subprocesses see no GPU unless a test asks for one
 
 Time limits that guard against a hang (subprocess timeouts, waits, polling deadlines)
 go through :func:`limit`, which scales them by ``TEST_TIME_SCALE`` (default 1) on a
-slow or loaded machine.
+slow or loaded machine. A helper of the harness that takes a ``timeout`` scales it
+itself: its callers pass plain seconds.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKES = ROOT / "tests" / "fakes"
+# How much longer than on the 2-core development machine this one may take: every time
+# limit that guards against a hang is multiplied by it (limit()); never the sleeps a
+# test's story needs, nor durations given to the product as config.
+TIME_SCALE = float(os.environ.get("TEST_TIME_SCALE", "1"))
 ENTRY = str(ROOT / "entrypoint.py")
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 # The quick start shrunk to a tiny model on a little data: seconds per run, also on 2 ranks.
@@ -58,6 +63,11 @@ TINY_MLP = {
     "train": {"max_steps": 10, "global_batch_size": 16, "eval_batches": 2},
     "logging": {"every_steps": 1, "progress": "plain"},
 }
+
+
+def limit(seconds: float) -> float:
+    """A time limit that guards against a hang, scaled to this machine (TEST_TIME_SCALE)."""
+    return seconds * TIME_SCALE
 
 
 def merge(base: dict, extra: dict) -> dict:
@@ -105,7 +115,8 @@ def usable_gpus() -> int:
     try:
         count = "import torch; print(torch.cuda.device_count())"
         out = subprocess.run([sys.executable, "-c", count],
-                             capture_output=True, text=True, timeout=120, env=clean_env(gpu=True))
+                             capture_output=True, text=True, timeout=limit(120),
+                             env=clean_env(gpu=True))
         return int(out.stdout.strip() or 0)
     except (subprocess.SubprocessError, ValueError):
         return 0
@@ -120,7 +131,7 @@ def run_train(config: Path, *overrides: str, nproc: int = 1, timeout: int = 240,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", "-m", "train", str(config), *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=worker_env(env, gpu=gpu), capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=limit(timeout))
 
 
 def entry(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300
@@ -128,7 +139,7 @@ def entry(*args: str, cwd: Path, env: dict | None = None, timeout: float = 300
     """``entrypoint.py ARGS`` as a user runs it, in ``cwd``, with :func:`clean_env` unless
     ``env`` is given."""
     return subprocess.run([sys.executable, ENTRY, *args], cwd=cwd, env=env or clean_env(),
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=limit(timeout))
 
 
 def last_line(text: str) -> str:
@@ -137,7 +148,7 @@ def last_line(text: str) -> str:
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
     """Until ``predicate()`` is true; fails saying ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + limit(timeout)
     while not predicate():
         assert time.monotonic() < deadline, what
         time.sleep(0.2)
@@ -159,6 +170,7 @@ def read_until(proc: subprocess.Popen, pattern: str, timeout: float = 30) -> re.
             lines.put(None)
 
         threading.Thread(target=pump, daemon=True).start()
+    timeout = limit(timeout)
     deadline = time.monotonic() + timeout
     while (remaining := deadline - time.monotonic()) > 0:
         try:

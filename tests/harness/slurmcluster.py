@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tests.harness import netns
 from tests.harness.multinode import Process
+from tests.harness.runs import limit
 
 PROGRAMS = ("slurmctld", "slurmd", "munged", "srun", "sbatch", "scontrol", "sinfo")
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
@@ -66,6 +67,7 @@ def _stop(p: Process, grace: float = 30) -> None:
 
 def wait_for_text(path: Path, text: str, timeout: float) -> str:
     """Until the file (a job's output, written on its node) holds ``text``; the file."""
+    timeout = limit(timeout)
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -157,7 +159,7 @@ class SlurmCluster:
             _binary("munged"), "-F", "--force", f"--socket={self.munge_socket}",
             f"--key-file={key}", f"--pid-file={self.work / 'munged.pid'}",
             f"--seed-file={self.work / 'munged.seed'}", "--num-threads=4"])
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + limit(60)
         while not self.munge_socket.exists():
             if time.monotonic() > deadline or not self.daemons[-1].running:
                 raise RuntimeError(f"munged did not start:\n{self.daemons[-1].text()[-3000:]}")
@@ -211,6 +213,7 @@ TmpFS={w}
 
     def wait_idle(self, timeout: float) -> None:
         """Until every node is idle; raises with the daemons' logs if not in time."""
+        timeout = limit(timeout)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             dead = [p.name for p in self.daemons if not p.running]
@@ -251,7 +254,7 @@ TmpFS={w}
         InactiveLimit (120 s)."""
         return subprocess.run([*self.ctl.wrap(), *argv], env=self.env(env),
                               cwd=cwd or self.work, capture_output=True, text=True,
-                              timeout=timeout, check=check)
+                              timeout=limit(timeout), check=check)
 
     def sbatch(self, script: Path, *args: str, env: dict | None = None,
                script_args: tuple[str, ...] = ()) -> int:
@@ -274,6 +277,7 @@ TmpFS={w}
 
     def wait_job(self, job_id: int, timeout: float, states: set[str] = FINISHED) -> str:
         """Until the job is in one of ``states`` (finished, by default); that state."""
+        timeout = limit(timeout)
         deadline = time.monotonic() + timeout
         while True:
             state = self.state(job_id)

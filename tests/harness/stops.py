@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from tests.harness.procs import alive, descendants, group
-from tests.harness.runs import ENTRY, ROOT, SMALL, clean_env, last_line, wait_for
+from tests.harness.runs import ENTRY, ROOT, SMALL, clean_env, last_line, limit, wait_for
 from train.checkpoint import Checkpointer
 
 
@@ -26,7 +26,7 @@ def signal_the_group(proc: subprocess.Popen, sig: int, out: Path, err: Path,
         wait_for(lambda: at in text(), 180, "no training")
         below = descendants(proc.pid)
         os.killpg(proc.pid, sig)
-        proc.wait(timeout=90)
+        proc.wait(timeout=limit(90))
         wait_for(lambda: not group(proc.pid) and not any(alive(p) for p in below), 10,
                  f"processes left behind: {sorted(group(proc.pid))} "
                  f"{sorted(p for p in below if alive(p))}")

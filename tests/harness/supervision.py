@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.harness.runs import FAKES, ROOT
+from tests.harness.runs import FAKES, ROOT, limit
 
 FAKE = str(FAKES / "fake_worker.py")
 RUN_PLAN = str(FAKES / "run_plan.py")
@@ -38,7 +38,7 @@ def start(mode: str, nproc: int, tmp_path: Path, restarts: int = 0) -> subproces
 
 def wait_ready(tmp_path: Path, n: int, proc: subprocess.Popen, timeout: float = 60) -> None:
     """Until ``n`` stand-in workers said they are ready (their files in ``tmp_path``)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + limit(timeout)
     while len(list(tmp_path.glob("ready-*"))) < n:
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "workers never became ready"

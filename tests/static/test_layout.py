@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.runs import ROOT
+from tests.harness.runs import ROOT, limit
 
 HEAVY = ("torch", "numpy")
 
@@ -224,7 +224,7 @@ def _loaded_after(code: str) -> set[str]:
     out = subprocess.run(
         [sys.executable, "-c", code + "\nimport sys\nprint(' '.join(sorted(m for m in "
          "sys.modules if m.split('.')[0] in ('torch', 'numpy'))))"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        cwd=ROOT, capture_output=True, text=True, timeout=limit(120))
     assert out.returncode == 0, out.stderr
     return set(out.stdout.split())
 

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.harness.runs import ROOT, lock_pins
+from tests.harness.runs import ROOT, limit, lock_pins
 
 MAKEFILE = (ROOT / "Makefile").read_text()
 SUPPORTED = re.search(r"^SUPPORTED_PYTHONS := (.+)$", MAKEFILE, re.M)[1].split()
@@ -53,7 +53,7 @@ def test_make_names_the_supported_pythons_for_any_other(tmp_path, version):
     fake.chmod(0o755)
     venv = tmp_path / "venv"
     out = subprocess.run(["make", "-s", "-C", str(ROOT), "quickstart", f"PYTHON={fake}",
-                          f"VENV={venv}"], capture_output=True, text=True, timeout=60)
+                          f"VENV={venv}"], capture_output=True, text=True, timeout=limit(60))
     assert out.returncode == 2
     first = out.stderr.splitlines()[0]
     assert f"is Python {version}, which has no lock file" in first

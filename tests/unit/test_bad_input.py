@@ -19,6 +19,7 @@ from tests.harness.runs import (
     TINY_GPT,
     TINY_MLP,
     clean_env,
+    limit,
     merge,
     worker_env,
     write_config,
@@ -136,7 +137,7 @@ def test_bad_input_is_one_line_from_the_parent(tmp_path, name, tree, text, overr
               write_config(tmp_path / "c.yaml", merge(tree, {"output": {"dir": str(runs)}})))
     proc = subprocess.run([sys.executable, ENTRY, "train", str(config),
                            *resolve(overrides, files)], cwd=tmp_path, env=clean_env(**env),
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=limit(60))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == code, proc.stderr[-2000:]
     assert len(lines) == 1 and len(lines[0]) < 600, proc.stderr[-2000:]
@@ -171,7 +172,7 @@ def test_the_bare_worker_gives_the_same_answers(tmp_path, overrides, env, code, 
     config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {"output": {"dir": str(tmp_path /
                                                                                       "runs")}}))
     proc = subprocess.run([sys.executable, "-m", "train", str(config), *overrides], cwd=ROOT,
-                          env=worker_env(env), capture_output=True, text=True, timeout=120)
+                          env=worker_env(env), capture_output=True, text=True, timeout=limit(120))
     assert proc.returncode == code, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert fragment in proc.stderr.strip().splitlines()[-1]
@@ -189,7 +190,7 @@ def test_a_config_that_is_no_file_is_refused_not_read_forever(tmp_path, make_con
     """/dev/zero would be read until memory runs out; a FIFO would wait for a writer."""
     config = make_config(tmp_path)
     proc = subprocess.run([sys.executable, ENTRY, "train", str(config)], cwd=tmp_path,
-                          env=clean_env(), capture_output=True, text=True, timeout=60)
+                          env=clean_env(), capture_output=True, text=True, timeout=limit(60))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip() == (f"error: {config}: <file>: not a regular file (a device, "
                                    "FIFO or socket); name a YAML file")
@@ -213,7 +214,7 @@ def test_command_line_mistakes_are_one_line(tmp_path, args, fragment):
     proc = subprocess.run([sys.executable, ENTRY, *args, f"output.dir={tmp_path / 'runs'}"]
                           if args[0] == "launch" and fragment else [sys.executable, ENTRY, *args],
                           cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                          timeout=120)
+                          timeout=limit(120))
     if fragment is None:  # the module found from the working directory, as the workers do
         assert proc.returncode == 0 and "ran mymod" in proc.stdout, proc.stderr[-2000:]
         return

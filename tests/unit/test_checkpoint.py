@@ -16,6 +16,7 @@ from tests.harness.checkpoints import STEPS, rewind
 from tests.harness.runs import (
     ROOT,
     TINY_GPT,
+    limit,
     losses,
     merge,
     read_metrics,
@@ -71,7 +72,7 @@ def test_sigterm_checkpoints_and_exits_143_then_resumes(tmp_path):
         if line.startswith("step 3/"):
             break
     os.kill(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=limit(60))
     assert proc.returncode == 143, err[-2000:]
     assert "stopped at step" in err
     run_dir = tmp_path / "c"
@@ -107,7 +108,7 @@ def test_resuming_with_a_different_model_is_bad_input(checkpointed_run, tmp_path
     before = sorted(p.name for p in (tmp_path / "ref" / "checkpoints").iterdir())
     proc = subprocess.run([sys.executable, "entrypoint.py", "train", str(config),
                            f"output.dir={tmp_path}", "model.width=64"], cwd=ROOT,
-                          env=worker_env(), capture_output=True, text=True, timeout=120)
+                          env=worker_env(), capture_output=True, text=True, timeout=limit(120))
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: {config}: model.width: differs from the run being resumed")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.harness.runs import ROOT, TINY_GPT, TINY_MLP, merge, worker_env, write_config
+from tests.harness.runs import ROOT, TINY_GPT, TINY_MLP, limit, merge, worker_env, write_config
 from train.core.config import AUTO, Config, batch_split, load_config, parse_override, reference
 from train.core.errors import ConfigError
 
@@ -60,7 +60,7 @@ ERROR_CASES = [
 
 def _run(config: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "train", str(config), *args], cwd=ROOT,
-                          env=worker_env(env), capture_output=True, text=True, timeout=120)
+                          env=worker_env(env), capture_output=True, text=True, timeout=limit(120))
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, source: str, key: str,

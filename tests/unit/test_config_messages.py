@@ -27,6 +27,7 @@ from tests.harness.runs import (
     ROOT,
     TINY_GPT,
     clean_env,
+    limit,
     merge,
     read_metrics,
     worker_env,
@@ -39,12 +40,12 @@ QUICKSTART = "configs/quickstart.yaml"
 
 def entry(*args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, ENTRY, *args], cwd=cwd, env=clean_env(),
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=limit(timeout))
 
 
 def worker(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "train", *args], cwd=cwd, env=worker_env(),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=limit(120))
 
 
 def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
@@ -169,7 +170,7 @@ HINT = "error: command line: --optim.lr=1e-3: overrides are written optim.lr=1e-
 ], ids=["train", "train-first", "doctor", "launch", "python-m-train"])
 def test_an_override_with_dashes_gets_a_one_line_hint(command):
     proc = subprocess.run(command, cwd=ROOT, env=worker_env(), capture_output=True, text=True,
-                          timeout=120)
+                          timeout=limit(120))
     assert error_lines(proc) == [HINT]
 
 
@@ -192,7 +193,7 @@ def test_options_that_are_not_config_keys_are_unchanged():
 ], ids=["entrypoint", "python-m-train"])
 def test_help_config_lists_every_schema_key(command):
     proc = subprocess.run(command, cwd=ROOT, env=worker_env(), capture_output=True, text=True,
-                          timeout=60)
+                          timeout=limit(60))
     assert proc.returncode == 0, proc.stderr[-2000:]
     listed = {m.group(1): m.group(2) for m in
               re.finditer(r"^  (\S+)  .*\(default (.*)\)$", proc.stdout, re.M)}

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.harness.runs import ROOT, TINY_GPT, clean_env, merge, read_metrics, write_config
+from tests.harness.runs import ROOT, TINY_GPT, clean_env, limit, merge, read_metrics, write_config
 from train.observe import console as console_mod
 from train.observe.console import Console, StepRate
 
@@ -106,7 +106,7 @@ def test_a_run_logs_step_one_summarises_its_variables_and_closes_with_a_summary(
     entry = [sys.executable, str(ROOT / "entrypoint.py"), "train", str(config)]
     env = clean_env()
     first = subprocess.run(entry, cwd=tmp_path, env=env, capture_output=True, text=True,
-                           timeout=240)
+                           timeout=limit(240))
     assert first.returncode == 0, first.stderr[-3000:]
     set_lines = [ln for ln in first.stderr.splitlines() if ln.startswith("entrypoint: set ")]
     assert len(set_lines) == 1 and "OMP_NUM_THREADS=" in set_lines[0], set_lines
@@ -117,14 +117,14 @@ def test_a_run_logs_step_one_summarises_its_variables_and_closes_with_a_summary(
     assert "tensorboard --logdir runs" in done
 
     more = subprocess.run([*entry, "train.max_steps=12", "--verbose"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=limit(240))
     assert more.returncode == 0, more.stderr[-3000:]
     verbose = [ln for ln in more.stderr.splitlines() if ln.startswith("entrypoint: set ")]
     assert len(verbose) > 5 and any(ln.startswith("entrypoint: set WORLD_SIZE=") for ln in verbose)
 
     again = subprocess.run([sys.executable, "-m", "train", str(config), "train.max_steps=12"],
                            cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)},
-                           capture_output=True, text=True, timeout=240)
+                           capture_output=True, text=True, timeout=limit(240))
     assert again.returncode == 0, again.stderr[-3000:]
     assert "nothing to do" in again.stderr
     assert "parameters" not in again.stderr  # decided before the model and data were built

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.harness.procs import alive
-from tests.harness.runs import ROOT, TINY_GPT, TINY_MLP, merge, worker_env, write_config
+from tests.harness.runs import ROOT, TINY_GPT, TINY_MLP, limit, merge, worker_env, write_config
 from train.core.config import load_config
 from train.core.host import cgroup_cpu_quota
 from train.data.builders import build_data, read_text_corpus
@@ -158,7 +158,7 @@ def test_loader_workers_die_with_a_killed_main_process(tmp_path):
         proc.kill()
         proc.wait()
         proc.stdout.close()
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + limit(3)
     left = workers
     while left and time.monotonic() < deadline:
         time.sleep(0.05)

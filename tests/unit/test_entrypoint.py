@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.harness.runs import ENTRY, FAKES, QUICKSTART, ROOT, clean_env, entry, read_until
+from tests.harness.runs import ENTRY, FAKES, QUICKSTART, ROOT, clean_env, entry, limit, read_until
 
 TORCH_IS_ROCM = bool(__import__("torch").version.hip)
 TORCH_KIND = "rocm" if TORCH_IS_ROCM else "cuda" if __import__("torch").version.cuda else "cpu"
@@ -32,7 +32,7 @@ def one_error_line(err: str) -> str:
 
 def test_help_imports_nothing_heavy(tmp_path):
     out = subprocess.run([sys.executable, "-X", "importtime", ENTRY, "--help"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=30)
+                         capture_output=True, text=True, timeout=limit(30))
     assert out.returncode == 0, out.stderr
     assert "train CONFIG" in out.stdout and "rendezvous" in out.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()}
@@ -194,11 +194,11 @@ def test_rendezvous_store_serves_clients_and_stops_on_sigterm(tmp_path):
 
         import torch.distributed as dist
         client = dist.TCPStore("127.0.0.1", port, is_master=False,
-                               timeout=datetime.timedelta(seconds=10))
+                               timeout=datetime.timedelta(seconds=limit(10)))
         client.set("some/key", "v")
         assert client.get("some/key") == b"v"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
+        assert proc.wait(timeout=limit(20)) == 0
         read_until(proc, "stopping")
     finally:
         if proc.poll() is None:
@@ -208,7 +208,7 @@ def test_rendezvous_store_serves_clients_and_stops_on_sigterm(tmp_path):
 def test_gpu_check_reports_no_gpu_cleanly_here(tmp_path):
     out = subprocess.run([str(ROOT / "scripts" / "gpu-check")], cwd=tmp_path,
                          env=clean_env(PYTHON=sys.executable, OUT=str(tmp_path / "out")),
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=limit(120))
     assert out.returncode == 3, out.stdout + out.stderr
     summary = (tmp_path / "out" / "summary.txt").read_text()
     assert "deps     ok" in summary and "doctor   ok" in summary
@@ -247,7 +247,7 @@ def test_a_python_without_the_dependencies_gets_one_line_and_exit_3(tmp_path, mi
     code = (f"import sys; sys.modules[{missing!r}] = None; sys.path.insert(0, {str(ROOT)!r}); "
             "from launcher.cli import main; sys.exit(main(sys.argv[1:]))")
     out = subprocess.run([sys.executable, "-c", code, "train", QUICKSTART], cwd=tmp_path,
-                         env=clean_env(), capture_output=True, text=True, timeout=120)
+                         env=clean_env(), capture_output=True, text=True, timeout=limit(120))
     line = one_error_line(out.stderr)
     assert out.returncode == 3, out.stderr
     assert missing in line and ".venv" in line, line

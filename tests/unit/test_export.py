@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tests.harness.runs import ROOT, TINY_GPT, merge, run_train, worker_env, write_config
+from tests.harness.runs import ROOT, TINY_GPT, limit, merge, run_train, worker_env, write_config
 from train.core.config import ModelConfig
 from train.core.errors import ConfigError
 from train.export import check_output
@@ -22,7 +22,7 @@ def test_export_rebuilds_the_trained_model(tmp_path):
     assert run_train(config).returncode == 0
     run_dir = tmp_path / "e"
     proc = subprocess.run([sys.executable, "entrypoint.py", "export", str(run_dir)], cwd=ROOT,
-                          env=worker_env(), capture_output=True, text=True, timeout=120)
+                          env=worker_env(), capture_output=True, text=True, timeout=limit(120))
     assert proc.returncode == 0, proc.stderr
     meta = json.loads((run_dir / "export" / "model.json").read_text())
     assert meta["step"] == 4 and meta["io"] == {"input_shape": [16], "num_classes": 256}
@@ -36,7 +36,7 @@ def test_export_rebuilds_the_trained_model(tmp_path):
 
 def test_export_without_checkpoint_is_exit_3(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "train.export", str(tmp_path)], cwd=ROOT,
-                          env=worker_env(), capture_output=True, text=True, timeout=60)
+                          env=worker_env(), capture_output=True, text=True, timeout=limit(60))
     assert proc.returncode == 3
     assert proc.stderr.strip() == f"error: {tmp_path}: no valid checkpoint under checkpoints/; " \
                                   "train first"
@@ -77,7 +77,7 @@ def trained(tmp_path_factory):
 def export_to(run_dir, out):
     return subprocess.run([sys.executable, "entrypoint.py", "export", str(run_dir), "--out",
                            str(out)], cwd=ROOT, env=worker_env(), capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=limit(120))
 
 
 def test_export_never_deletes_a_users_file_beside_a_model_json(trained, tmp_path):

@@ -8,14 +8,23 @@ import sys
 import pytest
 import torch
 
-from tests.harness.runs import ROOT, TINY_GPT, TINY_MLP, merge, run_train, worker_env, write_config
+from tests.harness.runs import (
+    ROOT,
+    TINY_GPT,
+    TINY_MLP,
+    limit,
+    merge,
+    run_train,
+    worker_env,
+    write_config,
+)
 from train.export import load_model
 
 
 def command(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "entrypoint.py", "generate", *map(str, args)],
                           cwd=ROOT, env=worker_env(), capture_output=True, text=True,
-                          timeout=120)
+                          timeout=limit(120))
 
 
 def trained_export(root, tree) -> object:
@@ -23,7 +32,8 @@ def trained_export(root, tree) -> object:
                                                        "train": {"max_steps": 3}}))
     assert run_train(config).returncode == 0
     out = subprocess.run([sys.executable, "entrypoint.py", "export", str(root / "g")],
-                         cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, env=worker_env(), capture_output=True, text=True,
+                         timeout=limit(120))
     assert out.returncode == 0, out.stderr
     return root / "g"
 

@@ -15,6 +15,7 @@ from tests.harness.runs import (
     ROOT,
     TINY_GPT,
     clean_env,
+    limit,
     losses,
     merge,
     run_train,
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.gpu
 def test_detection_agrees_with_torch_and_plans_nccl(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "doctor", "--json"],
                          cwd=tmp_path, env=clean_env(gpu=True), capture_output=True, text=True,
-                         timeout=120)
+                         timeout=limit(120))
     report = json.loads(out.stdout)
     assert out.returncode == 0, out.stdout + out.stderr
     hw, plan = report["hardware"], report["plan"]

@@ -9,6 +9,7 @@ import sys
 import time
 
 from launcher.supervise import classify
+from tests.harness.runs import limit
 from tests.harness.supervision import start, wait_ready
 from train.core.protocol import Report
 
@@ -84,13 +85,13 @@ def test_sigint_in_direct_mode_is_143(tmp_path):
     proc = start("sigterm", 1, tmp_path)
     wait_ready(tmp_path, 1, proc)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=limit(30))
     assert proc.returncode == 143, err
 
 
 def test_direct_mode_restarts_then_fails(tmp_path):
     proc = start("crash", 1, tmp_path, restarts=2)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=limit(60))
     assert proc.returncode == 1
     assert "restart 1 of 2" in err and "restart 2 of 2" in err and "restart 3" not in err
     assert "exited with code 7" in err.strip().splitlines()[-1]
@@ -98,7 +99,7 @@ def test_direct_mode_restarts_then_fails(tmp_path):
 
 def test_direct_mode_success_is_0(tmp_path):
     proc = start("ok", 1, tmp_path, restarts=2)
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=limit(30))
     assert proc.returncode == 0
     assert "error" not in err and "restart" not in err.replace("RESTART_COUNT", "")
 

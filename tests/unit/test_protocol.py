@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from launcher.outcome import RULES, Ending, classify
-from tests.harness.runs import ROOT, clean_env
+from tests.harness.runs import ROOT, clean_env, limit
 from train.core import protocol
 from train.core.errors import EXIT_CODES, FINAL_EXIT_CODES
 from train.core.identity import STATUS_DIR_VAR, WorkerIdentity
@@ -93,7 +93,7 @@ def test_a_restarted_worker_refuses_to_train_after_a_final_ending(tmp_path):
     env = clean_env(PYTHONPATH=str(ROOT), **{STATUS_DIR_VAR: str(tmp_path)},
                     TORCHELASTIC_RESTART_COUNT="1", RANK="0", WORLD_SIZE="2")
     out = subprocess.run([sys.executable, "-m", "train.worker", "no-such-config.yaml"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit(120))
     assert out.returncode == 4, out.stderr
     assert "rank 0: not restarting: rank 1 ended with exit 4" in out.stderr
     mine = [r for r in protocol.read_all(tmp_path) if r.rank == 0]

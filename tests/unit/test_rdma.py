@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher import rdma
-from tests.harness.runs import ROOT, clean_env
+from tests.harness.runs import ROOT, clean_env, limit
 
 
 def fabric(root: Path, ports: dict[str, tuple[str, str]], device_files: bool = True) -> str:
@@ -74,7 +74,7 @@ def test_doctor_reports_the_fabric(tmp_path):
     root = fabric(tmp_path / "host", {"mlx5_0": ("4: ACTIVE", "Ethernet")})
     out = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "doctor"], cwd=tmp_path,
                          env=clean_env(TRAIN_HW_ROOT=root), capture_output=True, text=True,
-                         timeout=120)
+                         timeout=limit(120))
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("rdma"))
     assert "mlx5_0/1 ACTIVE Ethernet" in line and "uverbs0" in line
     verbs = "found" if rdma.verbs_loadable() else "missing"

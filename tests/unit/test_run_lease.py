@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.runs import ROOT, clean_env
+from tests.harness.runs import ROOT, clean_env, limit
 from train.core import runlock
 from train.core.errors import EXIT_RUN_DIR_BUSY, RunDirBusy
 
@@ -51,7 +51,7 @@ def holder(run: Path, job: str, hold_s: float = 120, prefix: list[str] = ()) -> 
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.wait(timeout=limit(30))
 
 
 def test_a_live_lease_of_another_job_makes_a_launch_wait_then_exit_6(tmp_path):
@@ -179,7 +179,7 @@ def test_two_hundred_simultaneous_starts_of_one_job_never_refuse(tmp_path):
         for r in range(1, rounds + 1):
             time.sleep(0.5)
             Path(f"{go}.{r}").touch()
-        outputs = [p.communicate(timeout=120)[0] for p in starters]
+        outputs = [p.communicate(timeout=limit(120))[0] for p in starters]
     finally:
         done.set()
         reader.join()

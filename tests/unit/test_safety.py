@@ -24,6 +24,7 @@ from tests.harness.runs import (
     clean_env,
     entry,
     last_line,
+    limit,
     losses,
     merge,
     run_train,
@@ -131,12 +132,12 @@ def test_export_refuses_non_finite_weights(tmp_path):
                 "config": {"model": {}}, "model_io": {}}, {})
     out = subprocess.run([sys.executable, "-m", "train.export", str(run)], cwd=ROOT,
                          env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-                         timeout=120)
+                         timeout=limit(120))
     assert out.returncode == 2 and "non-finite weights (w)" in last_line(out.stderr)
     assert "--step" in last_line(out.stderr) and not (run / "export").exists()
     ok = subprocess.run([sys.executable, "-m", "train.export", str(run), "--step", "1"],
                         cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True,
-                        text=True, timeout=120)
+                        text=True, timeout=limit(120))
     assert ok.returncode == 0, ok.stderr
     assert json.loads((run / "export" / "model.json").read_text())["step"] == 1
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.procs import alive
-from tests.harness.runs import ROOT, clean_env
+from tests.harness.runs import ROOT, clean_env, limit
 from tools import gpu_check, image_checks, image_test, locks, stages
 
 # ------------------------------------------------------------------ stages
@@ -31,7 +31,7 @@ def test_a_stage_past_its_limit_is_stopped_with_its_whole_process_group(tmp_path
     assert rc == stages.TIMED_OUT and "started" in out and "limit" in out
     assert time.monotonic() - t0 < 60
     child = int(pidfile.read_text())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + limit(10)
     while alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)  # reaped by init once killed
     assert not alive(child)
@@ -59,7 +59,7 @@ def test_gpu_check_notes_read_real_outputs(tmp_path):
     assert gpu_check.loss_note(tmp_path / "none.jsonl") == "no metrics written"
     doctor = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "doctor", "--json"],
                             cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
-                            timeout=120)
+                            timeout=limit(120))
     gpus, note = gpu_check.doctor_summary(doctor.stdout)
     assert gpus == 0 and note.startswith("no GPU: ")
     assert gpu_check.doctor_summary("Traceback ...")[0] is None
@@ -94,7 +94,7 @@ def test_run_directories_are_checked_as_the_host_sees_them(tmp_path, tiny_gpt):
     run = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "train",
                           str(tiny_gpt), "train.max_steps=2", "checkpoint.every_steps=2",
                           "run.name=quick"], cwd=tmp_path, env=clean_env(),
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=limit(300))
     assert run.returncode == 0, run.stderr
     runs = tiny_gpt.parent / "runs"
     with pytest.raises(image_checks.Failed, match="image build manifest"):
@@ -175,7 +175,7 @@ def _install_torch(tmp_path: Path, index: str, retries: int) -> subprocess.Compl
         [sys.executable, str(ROOT / "tools" / "install_torch.py"), sys.executable,
          str(tmp_path / "pip.log"), "torch==2.13.0+cpu", index, "--no-deps",
          "--target", str(tmp_path / "site")], env=env, capture_output=True, text=True,
-        timeout=300)
+        timeout=limit(300))
 
 
 @pytest.mark.parametrize("retries", [1, 0], ids=["pip says it", "pip is silent"])

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from tests.harness.examples import FAST, SCRIPT
-from tests.harness.runs import ROOT, clean_env, entry, losses
+from tests.harness.runs import ROOT, clean_env, entry, limit, losses
 
 
 def test_your_model_data_and_loss_train_resume_and_export(project):
@@ -49,7 +49,7 @@ state = torch.load("runs/waves/checkpoints/step-40/state.pt", weights_only=True)
 same = all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
 print(type(model).__name__, same, float(((model(x[None]) - y) ** 2).mean()))
 """], cwd=project, env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-        timeout=120)
+        timeout=limit(120))
     name, same, err = check.stdout.split()
     assert (name, same) == ("ResidualMLP", "True") and float(err) < 0.2, check.stderr
 
