@@ -74,11 +74,12 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/shellcheck $(SHELL_SCRIPTS)
 
+# The benchmarks are modules of the bench package, run from the repository root.
 bench: venv
-	$(PY) bench/ddp_overhead.py
-	$(PY) bench/startup.py
-	$(PY) bench/throughput.py
-	$(PY) bench/defaults.py
+	$(PY) -m bench.ddp_overhead
+	$(PY) -m bench.startup
+	$(PY) -m bench.throughput
+	$(PY) -m bench.defaults
 
 clean:
 	rm -rf $(VENV) runs

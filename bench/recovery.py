@@ -16,7 +16,7 @@ Each is the median of ``--runs`` runs, printed in seconds and as a ratio to the
 single-node restart. Every wait is bounded; nothing is left running, and every process
 is gone before its files are removed.
 
-    python bench/recovery.py [--runs 3]
+    python -m bench.recovery [--runs 3]
 """
 
 from __future__ import annotations
@@ -31,13 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.harness import netns  # noqa: E402
-from tests.harness.multinode import SMALL_JOB, Cluster, Process  # noqa: E402
-from tests.harness.procs import cmdline, descendants  # noqa: E402
-from tests.harness.runs import ENTRY, clean_env  # noqa: E402
+from tests.harness import netns
+from tests.harness.multinode import SMALL_JOB, Cluster, Process
+from tests.harness.procs import cmdline, descendants
+from tests.harness.runs import ENTRY, clean_env
 
 STEP = r"\]:step \d+/"
 

@@ -17,7 +17,7 @@ fsdp     FSDP2 on one GPU with CPU offload and bf16 params (sharded checkpoints)
 dcp      the fsdp run resumed from its sharded checkpoint, saving in the background
 dp       DataParallel with bf16 (autocast inside the replicas' forward)
 compile  torch.compile on the GPU (inductor + triton), 30 steps
-speed    ``bench/throughput.py``: gpt-small's tokens/s, MFU and peak memory in the
+speed    ``python -m bench.throughput``: gpt-small's tokens/s, MFU and peak memory in the
          trainer and in a plain loop, one GPU and all local GPUs (the figures docs
          and issue notes quote)
 ======== =====================================================================
@@ -240,7 +240,7 @@ GPU_STAGES: tuple[Stage, ...] = (
     Stage("compile", 120, lambda c: c.train("compile", "compile=true", "train.max_steps=30"),
           lambda c, out: f"compile=true: {loss_note(c.metrics('compile'))}"),
     # last: the longest, and the others' answers matter more on a short loan
-    Stage("speed", 300, lambda c: [c.python, str(ROOT / "bench/throughput.py"),
+    Stage("speed", 300, lambda c: [c.python, "-m", "bench.throughput",  # ROOT on PYTHONPATH
                                    *(["--steps", "6", "--warmup", "2"] if c.force_cpu
                                      else ["--steps", "40", "--warmup", "10"])],
           lambda c, out: throughput_note(out), must_say=r"trainer x1 "),

@@ -3,32 +3,20 @@ torch's FLOP counter on a real forward and backward, and its GPU peak lookup."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from bench import throughput
 from tests.harness.runs import ROOT
 from train.core.config import load_config
 from train.models import build_model
 
 
-def _throughput():
-    if str(ROOT / "bench") not in sys.path:
-        sys.path.insert(0, str(ROOT / "bench"))  # as `python bench/throughput.py` has it
-    spec = importlib.util.spec_from_file_location("throughput", ROOT / "bench/throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("depth,width,heads,context", [(2, 64, 4, 32), (3, 96, 6, 48)])
 def test_flops_per_token_match_torchs_count_of_a_forward_and_backward(depth, width, heads,
                                                                        context):
-    bench = _throughput()
     cfg = load_config(ROOT / "configs/gpt-small.yaml", [
         "device=cpu", f"model.depth={depth}", f"model.width={width}", f"model.heads={heads}",
         f"model.context_length={context}"])
@@ -40,15 +28,14 @@ def test_flops_per_token_match_torchs_count_of_a_forward_and_backward(depth, wid
         model(x).float().sum().backward()
     counted = counter.get_total_flops() / x.numel()
     parameters = sum(p.numel() for p in model.parameters())
-    estimate = bench.flops_per_token(cfg.model, parameters)
+    estimate = throughput.flops_per_token(cfg.model, parameters)
     # the estimate also counts biases and norms (no matmul): a few percent at most
     assert counted <= estimate <= counted * 1.05, (counted, estimate)
 
 
 def test_gpu_peaks_take_the_most_specific_name():
-    bench = _throughput()
-    assert bench.gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
-    assert bench.gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert bench.gpu_peak_flops("NVIDIA L40S") == 362e12
-    assert bench.gpu_peak_flops("AMD Instinct MI300X") == 1307e12
-    assert bench.gpu_peak_flops("Some Future GPU") is None
+    assert throughput.gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert throughput.gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert throughput.gpu_peak_flops("NVIDIA L40S") == 362e12
+    assert throughput.gpu_peak_flops("AMD Instinct MI300X") == 1307e12
+    assert throughput.gpu_peak_flops("Some Future GPU") is None
