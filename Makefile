@@ -51,7 +51,7 @@ quickstart: venv
 	$(PY) entrypoint.py train configs/quickstart.yaml
 
 # The tiers are folders (tests/README.md). `make test`: tests/static (the repository's
-# files) and tests/unit (the fast tier), 4-6 minutes on 2 cores; `make test-slow`:
+# files) and tests/unit (the fast tier), about 4 minutes on 2 cores; `make test-slow`:
 # tests/e2e (multi-process resumes, FSDP, compile, torchrun signals, simulated nodes,
 # pods and a SLURM cluster); `make test-all`: one, then the other. CI runs both.
 # The fast tier runs on every core (pytest-xdist; TEST_WORKERS=0 runs it in this
