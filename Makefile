@@ -39,8 +39,9 @@ $(STAMP): $(wildcard $(LOCK)) Makefile
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 
-# The optional trackers (mlflow with its server, wandb) for tests/test_trackers.py, on top of
-# the dev set (Python 3.11 only; elsewhere those tests skip). CI runs it before test-slow.
+# The optional trackers (mlflow with its server, wandb) for tests/e2e/test_trackers_runs.py,
+# on top of the dev set (Python 3.11 only; elsewhere those tests skip). CI runs it before
+# test-slow.
 TRACKERS_LOCK := requirements/trackers-py311.lock
 trackers: venv
 	@test "$(PYVER)" = py311 || { echo "make trackers: $(TRACKERS_LOCK) is for Python 3.11; the trackers' tests skip on $(PYVER:py3%=3.%)" >&2; exit 0; }
@@ -49,21 +50,22 @@ trackers: venv
 quickstart: venv
 	$(PY) entrypoint.py train configs/quickstart.yaml
 
-# `make test`: everything but the slow end-to-end tests (4.5-7 minutes on 2 cores); `make test-slow`: those (multi-process resumes, FSDP, compile, torchrun
-# signals, simulated nodes); CI runs both.
+# The tiers are folders (tests/README.md). `make test`: tests/static (the repository's
+# files) and tests/unit (the fast tier), about 4 minutes on 2 cores; `make test-slow`:
+# tests/e2e (multi-process resumes, FSDP, compile, torchrun signals, simulated nodes,
+# pods and a SLURM cluster); `make test-all`: one, then the other. CI runs both.
 # The fast tier runs on every core (pytest-xdist; TEST_WORKERS=0 runs it in this
 # process); each test file stays on one worker so its module fixtures run once. The
 # slow tier stays serial: its tests start several processes each. Both print their
 # slowest tests (--durations), so every CI log says where the time goes.
 TEST_WORKERS ?= auto
 test: venv
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests/static tests/unit
 
 test-slow: venv
-	$(PY) -m pytest -q -m slow --durations=30
+	$(PY) -m pytest -q --durations=30 tests/e2e
 
-test-all: venv
-	$(PY) -m pytest -q
+test-all: test test-slow
 
 # ruff (settings in pyproject.toml: scripts/ without a .py suffix included) and shellcheck,
 # both pinned in the dev locks; every shell script of the repository.
@@ -72,11 +74,12 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/shellcheck $(SHELL_SCRIPTS)
 
+# The benchmarks are modules of the bench package, run from the repository root.
 bench: venv
-	$(PY) bench/ddp_overhead.py
-	$(PY) bench/startup.py
-	$(PY) bench/throughput.py
-	$(PY) bench/defaults.py
+	$(PY) -m bench.ddp_overhead
+	$(PY) -m bench.startup
+	$(PY) -m bench.throughput
+	$(PY) -m bench.defaults
 
 clean:
 	rm -rf $(VENV) runs

@@ -12,7 +12,7 @@ slowest rank), and each rank's peak RSS during the save and during the load abov
 RSS when that began. What rank 0 must hold in the full format grows with the whole
 model; in a sharded save with its own part.
 
-    python bench/checkpoint.py [--widths 1448,2896] [--layers 8] [--rounds 2]
+    python -m bench.checkpoint [--widths 1448,2896] [--layers 8] [--rounds 2]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ logging, the stop agreement, the watchdog, the divergence guard...), as a share 
 step. cProfile slows Python code more than torch's kernels, so the shares are upper
 bounds.
 
-    python bench/ddp_overhead.py [--rounds 3] [--steps 160] [--short 20]
+    python -m bench.ddp_overhead [--rounds 3] [--steps 160] [--short 20]
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import tempfile
 from pathlib import Path
 
 import yaml
-from measure import measured
+
+from bench.measure import measured
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = {"kind": "gpt", "depth": 2, "width": 128, "heads": 4, "context_length": 64}

@@ -25,7 +25,7 @@ Last, a profile of the plain step: the share of its CPU time in matmul and atten
 kernels, which no loop-level choice changes in fp32 (the ceiling on what defaults win).
 These two build their models on the CPU, so they run only where the rounds did (no GPU).
 
-    python bench/defaults.py [--rounds 2] [--steps 60] [--warmup 10]
+    python -m bench.defaults [--rounds 2] [--steps 60] [--warmup 10]
 """
 
 from __future__ import annotations
@@ -41,12 +41,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddp_overhead import bench_config
-from measure import measured
+from bench.ddp_overhead import bench_config
+from bench.measure import measured
+from train.core.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from train.core.config import load_config  # noqa: E402
 
 HAND_WRITTEN = ("optim.fused=false", "compile=false", "precision=fp32")
 VARIANTS = {  # label -> (runner, overrides on top of HAND_WRITTEN)

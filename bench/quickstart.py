@@ -8,7 +8,7 @@ when the losses drift (the config or the training changed) or the time is off by
 than 1.5x either way on a machine like the recorded one (`--record` rewrites the record
 instead, after a deliberate change; update the README's numbers with it).
 
-    python bench/quickstart.py [--record]
+    python -m bench.quickstart [--record]
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Recovery time: from losing a worker or a node to the next training step.
 
 Three measurements with the real entrypoint on 127.0.0.1 (simulated nodes from
-tests/multinode.py: each node in its own PID namespace where the kernel allows, pinned
+tests/harness/multinode.py: each node in its own PID namespace where the kernel allows, pinned
 to its own CPU):
 
 - single node, 2 processes: kill -9 one worker -> torchrun restarts both -> next step;
 - two nodes (``TRAIN_NNODES=1:2``, the standalone store): kill one node -> the
   survivor's next step;
 - a replacement node started -> the next step at world size 2;
-- two nodes on hosts of their own (tests/netns.py, where this machine allows network
+- two nodes on hosts of their own (tests/harness/netns.py, where this machine allows network
   namespaces): one host vanishes (its link down: no connection is closed) -> the
   survivor notices it, and -> trains again (its next step).
 
@@ -16,7 +16,7 @@ Each is the median of ``--runs`` runs, printed in seconds and as a ratio to the
 single-node restart. Every wait is bounded; nothing is left running, and every process
 is gone before its files are removed.
 
-    python bench/recovery.py [--runs 3]
+    python -m bench.recovery [--runs 3]
 """
 
 from __future__ import annotations
@@ -31,18 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+from tests.harness import netns
+from tests.harness.multinode import SMALL_JOB, Cluster, Process
+from tests.harness.procs import cmdline, descendants
+from tests.harness.runs import ENTRY, clean_env
 
-import netns  # noqa: E402
-from conftest import clean_env  # noqa: E402
-from multinode import ENTRY, Cluster, Process, descendants  # noqa: E402
-
-SMALL = [str(ROOT / "configs" / "quickstart.yaml"), "model.depth=1", "model.width=32",
-         "model.heads=4", "model.context_length=32", "train.global_batch_size=8",
-         "data.max_bytes=200000", "data.num_workers=0", "schedule.name=constant",
-         "schedule.warmup_steps=2", "train.eval_batches=1", "logging.every_steps=1",
-         "logging.progress=plain", "checkpoint.every_steps=20", "train.max_steps=100000"]
 STEP = r"\]:step \d+/"
 
 
@@ -58,13 +51,12 @@ def first(nodes: list[Process], pattern: str, timeout: float = 240) -> Process:
 
 
 def single_node(work: Path) -> float:
-    node = Process("single", [sys.executable, ENTRY, "train", *SMALL,
+    node = Process("single", [sys.executable, ENTRY, "train", *SMALL_JOB,
                               "distributed.nproc_per_node=2", f"output.dir={work / 'runs'}"],
                    clean_env(), work).start()
     try:
         first([node], r"\]:step 30/")
-        workers = [p for p in descendants(node.proc.pid)
-                   if b"train.worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        workers = [p for p in descendants(node.proc.pid) if "train.worker" in cmdline(p)]
         start = time.monotonic()
         os.kill(max(workers), signal.SIGKILL)
         first([node], r"resumed from (.|\n)*" + STEP)
@@ -75,7 +67,7 @@ def single_node(work: Path) -> float:
 
 def two_nodes(work: Path) -> tuple[float, float]:
     cluster = Cluster(work, clean_env(), nnodes="1:2")
-    args = [*SMALL, f"output.dir={work / 'runs'}"]
+    args = [*SMALL_JOB, f"output.dir={work / 'runs'}"]
     try:
         cluster.start_store()
         nodes = [cluster.node(i, args).start() for i in range(2)]
@@ -108,7 +100,7 @@ def host_vanished(work: Path) -> tuple[float, float]:
             env = clean_env(JOB_COMPLETION_INDEX=str(i), TRAIN_NNODES="1:2",
                             TRAIN_RDZV_ID="job-1", TRAIN_RDZV_ENDPOINT="store:29400",
                             TRAIN_LOCAL_ADDR=h.addr, TRAIN_SOCKET_IFNAME="eth0")
-            procs.append(h.process("train", [sys.executable, ENTRY, "train", *SMALL,
+            procs.append(h.process("train", [sys.executable, ENTRY, "train", *SMALL_JOB,
                                              f"output.dir={work / 'runs'}"], env, work).start())
         main = procs[1]
         first([main], r"world size 2(.|\n)*\]:step 30/")

@@ -8,7 +8,7 @@ split where its output shows them: the launcher's checks up to "entrypoint: run"
 workers' start (torchrun, imports, rendezvous, data, model) up to "model ...", then the
 first step. Prints medians and the ratio trainer/plain (target: at most 1.2).
 
-    python bench/startup.py [--rounds 3]
+    python -m bench.startup [--rounds 3]
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_overhead import ROOT, bench_config
+from bench.ddp_overhead import ROOT, bench_config
 
 MARKS = {"launcher checks": r"^entrypoint: run ", "workers start": r"INFO model ",
          "first step": r"step 1/"}

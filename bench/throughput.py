@@ -11,7 +11,7 @@ tensor figure for the GPU torch names (PEAKS_TFLOPS), or, on a CPU, measured her
 best of a few fp32 matmuls on the threads the run gets. On a CPU the model is shrunk
 (CPU_SHAPE) so the bench runs in a minute; its MFU is against that measured peak.
 
-    python bench/throughput.py [--steps 40] [--warmup 10] [overrides...]
+    python -m bench.throughput [--steps 40] [--warmup 10] [overrides...]
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 
 import torch
-from measure import measured
+
+from bench.measure import measured
+from train.core.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from train.core.config import load_config  # noqa: E402
 
 CONFIG = ROOT / "configs" / "gpt-small.yaml"
 CPU_SHAPE = ("device=cpu", "precision=fp32", "model.depth=2", "model.width=128",

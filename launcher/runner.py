@@ -7,7 +7,7 @@ read the environment -> load and check the config -> detect GPUs -> the torch bu
 reports them; the other commands stop at the first failure, raised as the one-line
 error of its exit code (2 bad input, 3 cannot run here). So the commands cannot drift
 apart: the same environment and config give the same findings and the same plan
-whichever command asks (``tests/test_runner.py``).
+whichever command asks (``tests/unit/test_runner.py``).
 
 :mod:`launcher.execute` runs a prepared plan: the notes and warnings, the
 run-directory lock (``train``), the wait for the rendezvous host, then

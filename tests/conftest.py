@@ -1,100 +1,45 @@
-"""Shared test harness: write configs, run real worker processes, read run directories.
+"""pytest's hooks and fixtures for the whole suite; what tests share otherwise lives in
+tests/harness (tests/harness/runs.py: configs, environments, real runs). The tiers are
+folders: tests/static, tests/unit (``make test``) and tests/e2e (``make test-slow``);
+see tests/README.md.
 
-Everything runs for real: `python -m train` as a subprocess, torchrun with gloo on
-127.0.0.1 for more than one process.
-
-The suite passes on any host. Subprocesses see no GPU unless a test asks for one
-(:data:`NO_GPU`): tests that mean "a machine without GPUs" get one, also on a GPU host.
 Tests marked ``gpu`` need a usable GPU and are skipped without one; scripts/gpu-check
 runs them on GPU machines.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.harness.checkpoints import reference_run
+from tests.harness.examples import copy_project
+from tests.harness.plans import plan_config
+from tests.harness.runs import ROOT, TINY_GPT, TINY_MLP, merge, usable_gpus, write_config
 
-# A GPT small enough that a run of 20 steps takes a couple of seconds on one core.
-TINY_GPT = {
-    "seed": 0,
-    "model": {"kind": "gpt", "depth": 1, "width": 32, "heads": 2, "context_length": 16},
-    "data": {"kind": "text", "max_bytes": 60_000, "num_workers": 0},
-    "optim": {"lr": 3.0e-3},
-    "schedule": {"warmup_steps": 2},
-    "train": {"max_steps": 10, "global_batch_size": 8, "eval_batches": 2},
-    "logging": {"every_steps": 1, "progress": "plain"},
-}
-
-TINY_MLP = {
-    "seed": 0,
-    "model": {"kind": "mlp", "depth": 2, "width": 32},
-    "data": {"kind": "synthetic", "num_samples": 512, "shape": [16], "num_classes": 4,
-             "num_workers": 0},
-    "optim": {"lr": 1.0e-2},
-    "train": {"max_steps": 10, "global_batch_size": 16, "eval_batches": 2},
-    "logging": {"every_steps": 1, "progress": "plain"},
-}
+E2E = ROOT / "tests" / "e2e"
 
 
-def merge(base: dict, extra: dict) -> dict:
-    out = json.loads(json.dumps(base))
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def write_config(path: Path, tree: dict) -> Path:
-    path.write_text(yaml.safe_dump(tree))
-    return path
-
-
-# What a machine without GPUs looks like to the launcher and to torch, on any host:
-# the container runtime gave no NVIDIA GPUs, and CUDA/HIP see none.
-NO_GPU = {"NVIDIA_VISIBLE_DEVICES": "void", "CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
-# Variables of the host that would change what a test means.
-HOST_PREFIXES = ("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "PET_", "TORCHELASTIC",
-                 "JOB_COMPLETION", "TRAIN_", "CUDA_VISIBLE", "NVIDIA_VISIBLE", "ROCR_", "HIP_",
-                 "OMP_NUM", "MLFLOW_", "WANDB_")
-
-
-def clean_env(gpu: bool = False, **extra: str) -> dict:
-    """The host's environment without launch or visibility variables; no GPU unless asked."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(HOST_PREFIXES)}
-    if not gpu:
-        env.update(NO_GPU)
-    env.update(extra)
-    return env
-
-
-def worker_env(extra: dict | None = None, gpu: bool = False) -> dict:
-    env = clean_env(gpu, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    env.update(extra or {})
-    return env
-
-
-@functools.cache
-def usable_gpus() -> int:
-    """GPUs torch can use here, asked in a subprocess (this process never starts CUDA)."""
-    try:
-        count = "import torch; print(torch.cuda.device_count())"
-        out = subprocess.run([sys.executable, "-c", count],
-                             capture_output=True, text=True, timeout=120, env=clean_env(gpu=True))
-        return int(out.stdout.strip() or 0)
-    except (subprocess.SubprocessError, ValueError):
-        return 0
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """The path decides the tier: every test under tests/e2e/ is marked ``slow`` (so that
+    ``-m slow`` and ``-m "not slow"`` still select the tiers), and a test elsewhere that
+    says ``slow`` fails its file's collection: a slow test belongs in tests/e2e/."""
+    report = yield
+    if not report.passed:
+        return report
+    items = [node for node in report.result if isinstance(node, pytest.Item)]
+    if E2E in collector.path.resolve().parents:
+        for item in items:
+            item.add_marker(pytest.mark.slow)
+    elif misplaced := [item.name for item in items if item.get_closest_marker("slow")]:
+        report.outcome = "failed"
+        report.longrepr = (f"{collector.nodeid}: marked slow outside tests/e2e/ (the slow tier "
+                           f"is a path: move them there, or drop the mark): "
+                           f"{', '.join(misplaced)}")
+        report.result = []
+    return report
 
 
 def pytest_collection_modifyitems(config, items):
@@ -103,26 +48,6 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a usable GPU (scripts/gpu-check runs these)")
         for item in gpu_tests:
             item.add_marker(skip)
-
-
-def run_train(config: Path, *overrides: str, nproc: int = 1, timeout: int = 240,
-              env: dict | None = None, gpu: bool = False) -> subprocess.CompletedProcess:
-    """`python -m train` for one process, torchrun (gloo, 127.0.0.1) for more."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "train", str(config), *overrides]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", "-m", "train", str(config), *overrides]
-    return subprocess.run(cmd, cwd=ROOT, env=worker_env(env, gpu=gpu), capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
 
 
 @pytest.fixture
@@ -137,57 +62,45 @@ def tiny_mlp(tmp_path: Path) -> Path:
     return write_config(tmp_path / "mlp.yaml", merge(TINY_MLP, runs))
 
 
-def lock_pins(path: Path) -> dict[str, tuple[str, int]]:
-    """name -> (version, number of hashes) for every requirement in a pip-compile lock."""
-    text = path.read_text()
-    pins = {}
-    pin = r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)((?:[ \t]*\\\n[ \t]+--hash=sha256:[0-9a-f]{64})*)"
-    for m in re.finditer(pin,
-                         text, re.M):
-        pins[m.group(1).lower()] = (m.group(2), m.group(3).count("--hash="))
-    requirement_lines = [ln for ln in text.splitlines() if re.match(r"^[A-Za-z0-9]", ln)]
-    assert len(requirement_lines) == len(pins), f"{path.name}: unparsed requirement lines"
-    return pins
+@pytest.fixture(scope="module")
+def checkpointed_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(config, run directory) of a finished 20-step run with a checkpoint every 5 steps
+    (tests/harness/checkpoints.py), trained once per test module; copy it before changing it."""
+    return reference_run(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture
+def cfg_file(tmp_path: Path):
+    """``cfg_file(**sections)``: a small config file for golden plans
+    (tests/harness/plans.py), its path."""
+    return lambda **tree: plan_config(tmp_path, **tree)
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """examples/custom_model copied (tests/harness/examples.py): the user's folder, the
+    working directory."""
+    return copy_project(tmp_path)
+
+
+@pytest.fixture
+def sim(tmp_path):
+    """The k8s/cpu manifests' objects, ready to start their pods
+    (tests/harness/kubesim.py); every pod is gone after the test."""
+    from tests.harness.kubesim import CPU_VARIANT, Cluster
+    cluster = Cluster(CPU_VARIANT, tmp_path)
+    yield cluster
+    cluster.close()
 
 
 @pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory):
-    """A real SLURM cluster (tests/slurmcluster.py), one per test module; a skip saying
-    why where this machine cannot run one."""
-    import slurmcluster
+    """A real SLURM cluster (tests/harness/slurmcluster.py), one per test module; a skip
+    saying why where this machine cannot run one."""
+    from tests.harness import slurmcluster
     why = slurmcluster.available()
     if why:
         pytest.skip(f"a SLURM cluster on this machine needs slurm, munge and root: {why}")
     with slurmcluster.SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2,
                                    cpus_per_node=2) as cluster:
         yield cluster
-
-
-def slow_state_writes(seconds: int) -> str:
-    """A sitecustomize.py (its folder put first on PYTHONPATH) that makes every write of
-    a checkpoint's state.pt take ``seconds`` longer, in every process that imports the
-    checkpoint store: a stop checkpoint that needs its grace period."""
-    return f'''
-import importlib.abc, importlib.util, sys, time
-
-class SlowSave(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "train.checkpoint.store":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-        def exec_module(module):
-            run(module)
-            real = module.save_object
-            def slow(storage, name, obj):
-                digest = real(storage, name, obj)
-                if name.endswith("/state.pt"):
-                    time.sleep({seconds})
-                return digest
-            module.save_object = slow
-        spec.loader.exec_module = exec_module
-        return spec
-
-sys.meta_path.insert(0, SlowSave())
-'''

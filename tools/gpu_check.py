@@ -11,13 +11,13 @@ comm     ``doctor --comm`` (all-reduce over the GPUs, nccl)
 train    quickstart, bf16, one GPU, nccl, 60 steps
 stop     the same run, SIGTERM after a few steps: exit 143 with a checkpoint
 tests    the suite's GPU-marked tests (``pytest -m gpu``)
-suite    ``GPU_CHECK_SUITE=1`` only: the suite but the slow and image tests
+suite    ``GPU_CHECK_SUITE=1`` only: tests/static and tests/unit but the image tests
 savers   fp16 + GradScaler, activation checkpointing, micro_batch_size=auto
 fsdp     FSDP2 on one GPU with CPU offload and bf16 params (sharded checkpoints)
 dcp      the fsdp run resumed from its sharded checkpoint, saving in the background
 dp       DataParallel with bf16 (autocast inside the replicas' forward)
 compile  torch.compile on the GPU (inductor + triton), 30 steps
-speed    ``bench/throughput.py``: gpt-small's tokens/s, MFU and peak memory in the
+speed    ``python -m bench.throughput``: gpt-small's tokens/s, MFU and peak memory in the
          trainer and in a plain loop, one GPU and all local GPUs (the figures docs
          and issue notes quote)
 ======== =====================================================================
@@ -211,11 +211,10 @@ GPU_STAGES: tuple[Stage, ...] = (
     Stage("tests", 240, lambda c: [c.python, "-m", "pytest", "-q", "-m", "gpu", "-p",
                                    "no:cacheprovider", str(ROOT / "tests")],
           lambda c, out: f"gpu-marked tests: {pytest_note(out)}"),
-    Stage("suite", 540, lambda c: [c.python, "-m", "pytest", "-q", "-m", "not slow", "-p",
-                                   "no:cacheprovider",
-                                   f"--ignore={ROOT / 'tests/test_images_static.py'}",
-                                   str(ROOT / "tests")],
-          lambda c, out: f"suite without slow/image tests: {pytest_note(out)}",
+    Stage("suite", 540, lambda c: [c.python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                   f"--ignore={ROOT / 'tests/static/test_images_static.py'}",
+                                   str(ROOT / "tests/static"), str(ROOT / "tests/unit")],
+          lambda c, out: f"static and unit tiers without the image tests: {pytest_note(out)}",
           when=lambda c: c.env.get("GPU_CHECK_SUITE") == "1"),
     Stage("savers", 90, lambda c: c.train("savers", "precision=fp16", "schedule.warmup_steps=2",
                                           "train.micro_batch_size=auto",
@@ -241,7 +240,7 @@ GPU_STAGES: tuple[Stage, ...] = (
     Stage("compile", 120, lambda c: c.train("compile", "compile=true", "train.max_steps=30"),
           lambda c, out: f"compile=true: {loss_note(c.metrics('compile'))}"),
     # last: the longest, and the others' answers matter more on a short loan
-    Stage("speed", 300, lambda c: [c.python, str(ROOT / "bench/throughput.py"),
+    Stage("speed", 300, lambda c: [c.python, "-m", "bench.throughput",  # ROOT on PYTHONPATH
                                    *(["--steps", "6", "--warmup", "2"] if c.force_cpu
                                      else ["--steps", "40", "--warmup", "10"])],
           lambda c, out: throughput_note(out), must_say=r"trainer x1 "),

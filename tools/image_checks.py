@@ -1,6 +1,6 @@
 """What the image test concludes from what an image shows: labels, build manifests,
 run directories on the host, two builds compared. Pure functions of the engine's
-answers, so each is unit-tested (tests/test_tools.py)."""
+answers, so each is unit-tested (tests/unit/test_tools.py)."""
 
 from __future__ import annotations
 

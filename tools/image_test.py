@@ -315,7 +315,7 @@ PYTEST = """set -e
 PIP_CONSTRAINT= pip install --quiet --no-index --find-links /wheelhouse --require-hashes \
   --no-deps --target /tmp/pytest -r /tmp/pytest-req.txt
 cd /app && PYTHONPATH=/tmp/pytest:/app python3 -m pytest -q -p no:cacheprovider \
-  -m "not slow and not gpu" tests/test_config.py tests/test_data.py -k "not docs"
+  -m "not gpu" tests/unit/test_config.py tests/unit/test_data.py -k "not docs"
 """
 ANY_UID_WRITES = ('set -e; touch "$HOME/.probe" /workspace/.probe /tmp/.probe; '
                   'echo "uid $(id -u) can write HOME, /workspace, /tmp"')

@@ -11,7 +11,7 @@ The first module in :data:`ORDER` whose ``detect`` is true wins; :mod:`.single` 
 node, nothing special) is the fallback. Each module reads its own variables, from the
 frozen :class:`~launcher.environ.Environ` mapping. Adding a convention (MPI, a
 JobSet) means one module, one entry in ORDER and one golden plan test
-(tests/test_launcher_plan.py).
+(tests/unit/test_launcher_plan.py).
 """
 
 from __future__ import annotations

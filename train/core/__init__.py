@@ -3,7 +3,7 @@
 The launcher (``launcher/``, the parent process) imports nothing from ``train`` but
 this package, and nothing here imports torch or numpy at module level, so the parent
 validates a config, checks the run directory and plans a launch in a fraction of a
-second, and ``entrypoint.py --help`` answers at once. ``tests/test_layout.py`` holds
+second, and ``entrypoint.py --help`` answers at once. ``tests/static/test_layout.py`` holds
 both rules.
 
 - :mod:`.errors`: exit codes and the one-line errors behind them;

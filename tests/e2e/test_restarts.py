@@ -1,0 +1,71 @@
+"""Restart only what a restart can fix. Real launches, real torchrun.
+
+- a loss that cannot compare the model's outputs with the targets fails on the first
+  batch with exit 2, one line naming both shapes, and torchrun's restarts end at once;
+- a failure that repeats (the same error, from the same checkpoint) is restarted once,
+  then no more: one line says so.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.harness.runs import ENTRY, TINY_GPT, clean_env, limit, merge, write_config
+
+# A dataset whose sample 5 cannot be read (a corrupt record): the same step fails on
+# every attempt. Every build is counted in builds.txt (the launcher's check builds it
+# once too).
+BROKEN_DATA = '''
+import torch
+
+class Broken(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i == 5:
+            raise RuntimeError("record 5 is corrupt")
+        return torch.full((4,), float(i % 3)), i % 3
+
+
+def make():
+    with open("builds.txt", "a") as f:
+        f.write("built\\n")
+    return Broken()
+'''
+
+
+def run(tmp_path: Path, config: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, ENTRY, "train", str(config), *args], cwd=tmp_path,
+                          env=clean_env(), capture_output=True, text=True, timeout=limit(600))
+
+
+def test_a_loss_that_cannot_compare_is_exit_2_and_torchrun_does_not_retry_it(tmp_path):
+    config = write_config(tmp_path / "run.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path / "runs")}, "train": {"loss": "mse"}}))
+    out = run(tmp_path, config, "distributed.nproc_per_node=2", "distributed.max_restarts=3")
+    assert out.returncode == 2, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {config}: train.loss: mse cannot compare the model's "
+                           "outputs [4, 16, 256] float32 with the targets [4, 16] int64"), last
+    assert "not restarting: rank" in out.stderr  # the restarts ended at once
+
+
+def test_a_failure_that_repeats_is_restarted_once_and_then_no_more(tmp_path):
+    (tmp_path / "broken.py").write_text(BROKEN_DATA)
+    config = write_config(tmp_path / "run.yaml", {
+        "seed": 0, "model": {"kind": "mlp", "depth": 1, "width": 8},
+        "data": {"kind": "custom", "factory": "broken:make", "num_classes": 3,
+                 "num_workers": 0},
+        "train": {"max_steps": 30, "global_batch_size": 8, "eval_batches": 0},
+        "checkpoint": {"every_steps": 1}, "distributed": {"max_restarts": 3},
+        "logging": {"progress": "plain"}, "output": {"dir": str(tmp_path / "runs")}})
+    out = run(tmp_path, config)
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert "record 5 is corrupt" in last and "not restarted again" in last, last
+    # the launcher's check, the first attempt, the one restart; none after
+    assert (tmp_path / "builds.txt").read_text().count("built") == 3
+    assert out.stderr.count("worker failed; restart") == 2  # the second ends at once

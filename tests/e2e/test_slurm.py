@@ -1,0 +1,335 @@
+"""The launcher under a real SLURM cluster (tests/harness/slurmcluster.py: slurmctld and two
+slurmd, each node a host of its own): ``srun`` in both layouts trains as the same world
+size does on one node; the shipped sbatch template runs; ``scancel`` stops with one
+checkpoint and a resubmission resumes; the requeue signal checkpoints, requeues and the
+job's next incarnation finishes, every step trained once; a node whose tasks are
+killed ends the job promptly, naming it; a multi-node batch script without srun is one
+line, exit 2.
+
+Training runs a small MLP; the runs that must be stopped mid-way use the same model
+with a pause in its forward pass (``slowmlp``, written into the work folder), which
+changes no number, so every run is compared with one uninterrupted reference run of
+world size 2 on this host. Timeouts are generous bounds for a loaded 2-core machine;
+the times printed are the measurements.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.harness.procs import cmdline, environ, pids
+from tests.harness.runs import (
+    ENTRY,
+    NO_GPU,
+    ROOT,
+    TINY_MLP,
+    clean_env,
+    limit,
+    losses,
+    merge,
+    read_metrics,
+    write_config,
+)
+from tests.harness.slurmcluster import SlurmCluster, wait_for_text
+
+STEPS = 60
+SLOW_MODEL = '''
+import time
+import torch
+
+class Pause(torch.nn.Module):
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return x
+
+def build(inputs, outputs, width, seconds):
+    return torch.nn.Sequential(torch.nn.Linear(inputs, width), torch.nn.ReLU(),
+                               Pause(seconds), torch.nn.Linear(width, outputs))
+'''
+
+
+@pytest.fixture(scope="module")
+def cluster(slurm_cluster):
+    (slurm_cluster.work / "slowmlp.py").write_text(SLOW_MODEL)
+    return slurm_cluster
+
+
+def config(work: Path, name: str, pause_s: float = 0.0) -> Path:
+    tree = merge(TINY_MLP, {
+        "run": {"name": name}, "output": {"dir": str(work / "runs")},
+        "model": {"kind": "custom", "factory": "slowmlp:build",
+                  "args": {"inputs": 16, "outputs": 4, "width": 32, "seconds": pause_s}},
+        "train": {"max_steps": STEPS, "eval_every_steps": 0},
+        "checkpoint": {"every_steps": 10}})
+    return write_config(work / f"{name}.yaml", tree)
+
+
+def task_env() -> dict:
+    """What srun passes on to the tasks: no GPU, no launch variables of this host."""
+    return {**clean_env(), **NO_GPU, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def reference(cluster) -> dict[int, float]:
+    """An uninterrupted run of world size 2 on this host, without SLURM."""
+    path = config(cluster.work, "reference")
+    done = subprocess.run([sys.executable, ENTRY, "train", str(path),
+                           "distributed.nproc_per_node=2"], cwd=cluster.work, env=task_env(),
+                          capture_output=True, text=True, timeout=limit(600))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return losses(cluster.work / "runs" / "reference")
+
+
+def train_step(*srun_args: str, cfg: Path) -> list[str]:
+    return ["srun", "--label", *srun_args, sys.executable, ENTRY, "train", str(cfg)]
+
+
+def assert_same_losses(got: dict[int, float], want: dict[int, float], rel: float = 1e-5):
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step, value in want.items():
+        assert got[step] == pytest.approx(value, rel=rel), f"step {step}"
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    return [row["step"] for row in read_metrics(run_dir) if "loss" in row]
+
+
+def batch_script(cluster: SlurmCluster, name: str, body: str, *sbatch: str) -> Path:
+    script = cluster.work / f"{name}.sbatch"
+    lines = [f"#SBATCH {s}" for s in sbatch]
+    script.write_text("#!/bin/bash\n" + "\n".join(lines) + f"\n#SBATCH -o {name}.out\n"
+                      "#SBATCH --open-mode=append\nset -euo pipefail\n" + body + "\n")
+    return script
+
+
+def test_one_task_per_node_trains_as_the_same_world_size_on_one_node(cluster, reference):
+    cfg = config(cluster.work, "per-node")
+    done = cluster.run(train_step("-N2", "--ntasks-per-node=1", cfg=cfg), env=task_env(),
+                       timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "SLURM step" in done.stderr and "one task per node: 2 nodes" in done.stderr
+    assert "this is node 1 (node2)" in done.stderr
+    assert_same_losses(losses(cluster.work / "runs" / "per-node"), reference, rel=1e-6)
+
+
+def test_one_task_per_gpu_is_one_worker_per_task(cluster, reference):
+    """Four tasks on two nodes: world size 4, the same losses (the data order and the
+    trajectory do not depend on the world size, up to reduction order)."""
+    cfg = config(cluster.work, "per-task")
+    done = cluster.run(train_step("-N2", "--ntasks-per-node=2", cfg=cfg), env=task_env(),
+                       timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "one task per GPU: 4 tasks on 2 node(s)" in done.stderr
+    assert "world size 4" in done.stdout + done.stderr
+    assert_same_losses(losses(cluster.work / "runs" / "per-task"), reference)
+
+
+def template(cluster: SlurmCluster, name: str, shipped: str = "train.sbatch") -> Path:
+    """A shipped template of slurm/, for this cluster: no GPUs, 1 CPU per task, its
+    output here."""
+    text = (ROOT / "slurm" / shipped).read_text()
+    text = text.replace("#SBATCH --gpus-per-node=8\n", "")
+    text = text.replace("--cpus-per-task=32", "--cpus-per-task=1")
+    text = text.replace("--output=%x-%j.out", f"--output={name}.out")
+    assert "#SBATCH --requeue" in text and "#SBATCH --signal=" in text
+    script = cluster.work / f"{name}.sbatch"
+    script.write_text(text)
+    return script
+
+
+def test_the_template_requeues_itself_on_its_signal_and_finishes(cluster, reference):
+    """USR1 (what `#SBATCH --signal=USR1@300` sends before the time limit, to every
+    process of the step): one checkpoint, `scontrol requeue` by task 0, and the next
+    incarnation resumes from it and finishes; every step trained once."""
+    name = "requeued"
+    cfg = config(cluster.work, name, pause_s=0.1)
+    env = {**task_env(), "REPO": str(ROOT), "RUNS": str(cluster.work / "runs")}
+    job = cluster.sbatch(template(cluster, name), env=env, script_args=(str(cfg),))
+    out = cluster.work / f"{name}.out"
+    wait_for_text(out, "checkpoint saved", 300)
+    signalled = time.monotonic()
+    cluster.scancel(job, signal="USR1")
+    text = wait_for_text(out, "requeued the job", 120)
+    assert "stopped by SIGUSR1" in text
+    resumed = wait_for_text(out, "resumed from", 300)
+    first_step = time.monotonic() - signalled
+    assert cluster.wait_job(job, 600) == "COMPLETED", cluster.job(job)
+    assert cluster.job(job).get("Restarts") == "1"
+    run = cluster.work / "runs" / name
+    assert steps_logged(run) == list(range(1, STEPS + 1)), "each step trained once"
+    assert_same_losses(losses(run), reference, rel=1e-6)
+    assert resumed.count("requeued the job") == 1
+    print(f"requeue signal -> the next incarnation resumed: {first_step:.1f} s")
+
+
+# `apptainer exec FLAGS --bind SRC:DST ... IMAGE CMD...` as far as the template's flow
+# needs it: CMD runs with this checkout at /app and SRC at DST, and without SLURM's
+# commands on its PATH, as inside a container.
+FAKE_APPTAINER = """#!/bin/bash
+set -euo pipefail
+[ "$1" = exec ] && shift
+src= dst=
+while [ $# -gt 0 ]; do
+    case $1 in
+        --bind) src=${2%%:*}; dst=${2#*:}; shift 2 ;;
+        --pwd) shift 2 ;;
+        --*) shift ;;
+        *) shift; break ;;  # the image
+    esac
+done
+args=() app=/app/
+for a in "$@"; do
+    a=${a/#python3/%(python)s}; a=${a//$app/%(root)s/}; a=${a//$dst/$src}; args+=("$a")
+done
+PATH=/nonexistent exec "${args[@]}"
+"""
+
+
+def test_the_container_template_requeues_from_its_batch_shell(cluster, reference):
+    """slurm/train-apptainer.sbatch (apptainer faked, see above): `--signal=B:USR1`
+    signals the batch shell only, which passes it on to the step and, once the run
+    stopped with its checkpoint, requeues the job itself (no scontrol in a container)."""
+    name = "container"
+    bin_dir = cluster.work / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "apptainer"
+    fake.write_text(FAKE_APPTAINER % {"python": sys.executable, "root": ROOT})
+    fake.chmod(0o755)
+    cfg = config(cluster.work, name, pause_s=0.1)
+    env = {**task_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "IMAGE": "train.sif",
+           "RUNS": str(cluster.work / "runs")}
+    script = template(cluster, name, "train-apptainer.sbatch")
+    job = cluster.sbatch(script, env=env, script_args=(str(cfg),))
+    out = cluster.work / f"{name}.out"
+    wait_for_text(out, "checkpoint saved", 300)
+    cluster.scancel(job, signal="USR1", batch=True)  # what B:USR1@N does at its time
+    wait_for_text(out, "resumed from", 300)
+    assert cluster.wait_job(job, 600) == "COMPLETED", out.read_text()[-3000:]
+    text = out.read_text()
+    assert cluster.job(job).get("Restarts") == "1"
+    assert "stopped by SIGUSR1" in text and "note: no scontrol here" in text
+    run = cluster.work / "runs" / name
+    assert steps_logged(run) == list(range(1, STEPS + 1))
+    assert_same_losses(losses(run), reference, rel=1e-6)
+
+
+def training_job(cluster: SlurmCluster, name: str) -> tuple[Path, int, Path]:
+    """A two-node job (one task per node) of the paused model, once it has written its
+    first checkpoint: (its script, its id, its output)."""
+    cfg = config(cluster.work, name, pause_s=0.1)
+    script = batch_script(cluster, name, f"srun {sys.executable} {ENTRY} train {cfg}",
+                          "-N2", "--ntasks-per-node=1")
+    job = cluster.sbatch(script, env=task_env())
+    out = cluster.work / f"{name}.out"
+    wait_for_text(out, "checkpoint saved", 300)
+    return script, job, out
+
+
+def test_scancel_stops_with_one_checkpoint_and_a_resubmission_resumes(cluster, reference):
+    name = "cancelled"
+    script, job, out = training_job(cluster, name)
+    cancelled = time.monotonic()
+    cluster.scancel(job)
+    wait_for_text(out, "task 1: Exited with exit code 143", 120)
+    wait_for_text(out, "task 0: Exited with exit code 143", 60)
+    stopped_s = time.monotonic() - cancelled
+    assert cluster.wait_job(job, 120) == "CANCELLED"
+    text = out.read_text()
+    assert text.count("stopped by SIGTERM; rerun the same command to resume from the last "
+                      "checkpoint") == 2, text[-3000:]
+    assert "training failed" not in text
+    run = cluster.work / "runs" / name
+    saved = (run / "checkpoints" / "latest").read_text().strip()
+    stopped_at = int(saved.split("-")[1])
+    assert 0 < stopped_at < STEPS
+    again = cluster.sbatch(script, env=task_env())
+    assert cluster.wait_job(again, 600) == "COMPLETED", out.read_text()[-3000:]
+    assert f"resumed from {run / 'checkpoints' / saved}" in out.read_text() or \
+        re.search(rf"resumed from .*{saved}", out.read_text())
+    assert_same_losses(losses(run), reference, rel=1e-6)
+    assert steps_logged(run) == list(range(1, STEPS + 1))
+    print(f"scancel -> every task stopped with its checkpoint: {stopped_s:.1f} s")
+
+
+def processes_of(job: int, node: str) -> list[int]:
+    """This job's processes on ``node`` (the task's launcher and everything it started),
+    found by the variables slurm gave them."""
+    found = []
+    for pid in pids():
+        env = environ(pid)
+        if "python" in cmdline(pid) and env.get("SLURM_JOB_ID") == str(job) and \
+                env.get("SLURMD_NODENAME") == node:
+            found.append(pid)
+    return found
+
+
+def test_a_node_whose_tasks_are_killed_ends_the_job_naming_it(cluster, reference):
+    name = "lost-node"
+    script, job, out = training_job(cluster, name)
+    victims = processes_of(job, "node2")
+    assert victims, "the task on node2 runs"
+    killed = time.monotonic()
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    state = cluster.wait_job(job, 120)
+    noticed_s = time.monotonic() - killed
+    text = out.read_text()
+    assert state == "FAILED", text[-3000:]
+    failed = [line for line in text.splitlines() if "error: training failed" in line]
+    # a killed process closes its connections: gloo names its address at once; a node
+    # that goes silent instead is named by the heartbeat (tests/e2e/test_vanish.py)
+    assert failed and any("lost node 1 (" in line or "198.18.0.3" in line for line in failed), \
+        text[-3000:]
+    again = cluster.sbatch(script, env=task_env())
+    assert cluster.wait_job(again, 600) == "COMPLETED", out.read_text()[-3000:]
+    assert "resumed from" in out.read_text()
+    assert_same_losses(losses(cluster.work / "runs" / name), reference, rel=1e-6)
+    print(f"a node's tasks killed -> the other node named it and stopped: {noticed_s:.1f} s")
+
+
+def test_a_multi_node_batch_script_without_srun_is_one_line(cluster):
+    name = "no-srun"
+    cfg = config(cluster.work, name)
+    script = batch_script(cluster, name, f"{sys.executable} {ENTRY} train {cfg}", "-N2")
+    job = cluster.sbatch(script, env=task_env())
+    assert cluster.wait_job(job, 300) == "FAILED"
+    assert cluster.job(job).get("ExitCode") == "2:0"
+    text = (cluster.work / f"{name}.out").read_text()
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert errors == ["error: environment: SLURM_STEP_ID: not set: this is the batch script "
+                      "of a job on 2 nodes, which runs on the first node only; start the "
+                      "launcher with srun (one task per node, or one per GPU)"]
+    assert not (cluster.work / "runs" / name).exists()
+
+
+def test_without_requeue_the_signal_still_stops_with_a_checkpoint_and_says_so(cluster):
+    name = "not-requeueable"
+    cfg = config(cluster.work, name, pause_s=0.1)
+    script = batch_script(cluster, name, f"srun {sys.executable} {ENTRY} train {cfg}",
+                          "-N2", "--ntasks-per-node=1", "--no-requeue")
+    job = cluster.sbatch(script, env=task_env())
+    out = cluster.work / f"{name}.out"
+    wait_for_text(out, "checkpoint saved", 300)
+    cluster.scancel(job, signal="USR1")
+    assert cluster.wait_job(job, 180) == "FAILED"
+    assert cluster.job(job).get("ExitCode") == "143:0" and cluster.job(job)["Restarts"] == "0"
+    text = out.read_text()
+    warned = [line for line in text.splitlines() if "was not requeued" in line]
+    assert len(warned) == 1 and "scontrol requeue" in warned[0], text[-3000:]
+    assert "sbatch --requeue" in warned[0]
+    assert (cluster.work / "runs" / name / "checkpoints" / "latest").exists()

@@ -1,0 +1,53 @@
+"""Your own code across processes (examples/): your model on two processes follows one,
+FSDP and activation checkpointing over your model's blocks, and a signal reaching your
+own script, which stops with 143. One process: tests/unit/test_your_code.py."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from tests.harness.examples import FAST, SCRIPT
+from tests.harness.runs import ENTRY, clean_env, entry, limit, losses
+
+
+def test_your_model_on_two_processes_follows_one(project):
+    one = entry("train", "config.yaml", *FAST, "train.max_steps=20", "run.name=one",
+                cwd=project)
+    two = entry("train", "config.yaml", *FAST, "train.max_steps=20", "run.name=two",
+                "distributed.nproc_per_node=2", cwd=project)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    a, b = losses(project / "runs" / "one"), losses(project / "runs" / "two")
+    assert all(abs(a[s] - b[s]) < 1e-5 for s in a)
+
+
+def test_fsdp_and_activation_checkpointing_use_the_models_blocks(project):
+    out = entry("train", "config.yaml", *FAST, "train.max_steps=10", "run.name=fsdp",
+                "distributed.strategy=fsdp", "memory.activation_checkpointing=full",
+                cwd=project)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "activation checkpointing on 2 blocks" in out.stderr
+
+
+def test_a_signal_reaches_your_script_which_stops_with_143(tmp_path):
+    log = (tmp_path / "out.log").open("w")
+    proc = subprocess.Popen([sys.executable, ENTRY, "launch", "distributed.nproc_per_node=2",
+                             str(SCRIPT), "--steps", "1000000", "--out", str(tmp_path / "m.pt")],
+                            cwd=tmp_path, env=clean_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + limit(120)
+        while "step 20 " not in (tmp_path / "out.log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "out.log").read_text()[-2000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(limit(60)) == 143
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = (tmp_path / "out.log").read_text()
+    assert "saved " in text and (tmp_path / "m.pt").exists()  # the script's own clean stop
+    assert text.strip().splitlines()[-1] == "stopped by SIGTERM (forwarded to the script's " \
+                                            "processes)"

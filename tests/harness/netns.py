@@ -1,0 +1,116 @@
+"""Hosts on a network of their own: each a network, PID, UTS and mount namespace, all on
+one bridge, so that a host can *vanish* the way a machine does on power loss or a
+partition (its link goes down: no FIN, no RST, its processes live on) and come back.
+
+The bridge and every host live in network namespaces this harness creates and deletes
+(``ip netns``), in the range set aside for benchmarking, 198.18.0.0/24 (RFC 2544): no
+packet leaves this machine. A host sees the others by name (its own /etc/hosts, bind
+mounted in its mount namespace) and has its own hostname. Needs root (or
+CAP_NET_ADMIN + CAP_SYS_ADMIN); :func:`available` says why not, for a skip.
+
+Beside tests/harness/multinode.py (simulated nodes on 127.0.0.1 in PID namespaces): that one
+shows what a process dying does; this one what a host disappearing does.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+
+from tests.harness.multinode import Process
+
+SUBNET = "198.18.0"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def available() -> str | None:
+    """None when this machine can make such hosts, else why not."""
+    name = f"trn-probe-{uuid.uuid4().hex[:6]}"
+    try:
+        made = _ip("netns", "add", name, check=False)
+    except FileNotFoundError:
+        return "no `ip` command (iproute2)"
+    if made.returncode:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    _ip("netns", "del", name, check=False)
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--uts", "--mount", "true"],
+                           capture_output=True, text=True)
+    if probe.returncode:
+        return f"cannot create PID/UTS/mount namespaces: {probe.stderr.strip()}"
+    return None
+
+
+class Host:
+    """One machine: its namespace, its address, its name."""
+
+    def __init__(self, net: Network, name: str, index: int) -> None:
+        self.net, self.name, self.index = net, name, index
+        self.netns = f"{net.prefix}-{name}"
+        self.addr = f"{SUBNET}.{index}"
+        self.port = f"{net.prefix}-p{index}"     # its end on the bridge
+
+    def wrap(self) -> list[str]:
+        """The command prefix that runs a program on this host."""
+        return ["nsenter", f"--net=/run/netns/{self.netns}", "unshare", "--pid", "--fork",
+                "--kill-child", "--uts", "--mount-proc", "sh", "-c",
+                f'hostname {self.name} && mount --bind "{self.net.hosts}" /etc/hosts && '
+                'exec "$@"', "sh"]
+
+    def process(self, label: str, argv: list[str], env: dict, cwd: Path) -> Process:
+        return Process(f"{self.name}-{label}", argv, env, cwd, wrap=self.wrap())
+
+
+class Network:
+    """A bridge and the hosts on it; :meth:`close` deletes every namespace it made."""
+
+    def __init__(self, work: Path) -> None:
+        self.prefix = f"trn{uuid.uuid4().hex[:6]}"
+        self.switch = f"{self.prefix}-sw"
+        self.hosts = work / "etc-hosts"
+        self.hosts.write_text("127.0.0.1 localhost\n")
+        self.members: list[Host] = []
+        self.aliases: dict[str, Host] = {}  # more names of a host (a Service's name)
+        _ip("netns", "add", self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+
+    def host(self, name: str) -> Host:
+        h = Host(self, name, len(self.members) + 1)
+        _ip("netns", "add", h.netns)
+        _ip("link", "add", "eth0", "netns", h.netns, "type", "veth", "peer", "name", h.port,
+            "netns", self.switch)
+        _ip("-n", self.switch, "link", "set", h.port, "master", "br0")
+        _ip("-n", self.switch, "link", "set", h.port, "up")
+        _ip("-n", h.netns, "addr", "add", f"{h.addr}/24", "dev", "eth0")
+        _ip("-n", h.netns, "link", "set", "eth0", "up")
+        _ip("-n", h.netns, "link", "set", "lo", "up")
+        self.members.append(h)
+        self._write_hosts()
+        return h
+
+    def alias(self, name: str, host: Host) -> None:
+        """``name`` resolves to ``host``'s address on every host from now on."""
+        self.aliases[name] = host
+        self._write_hosts()
+
+    def _write_hosts(self) -> None:
+        # rewritten in place: the hosts' bind mounts of this file see the new text
+        self.hosts.write_text("127.0.0.1 localhost\n" + "".join(
+            f"{m.addr} {m.name}{''.join(' ' + a for a, h in self.aliases.items() if h is m)}\n"
+            for m in self.members))
+
+    def cut(self, host: Host) -> None:
+        """The host vanishes from the network: its link goes down, nothing is sent."""
+        _ip("-n", self.switch, "link", "set", host.port, "down")
+
+    def heal(self, host: Host) -> None:
+        _ip("-n", self.switch, "link", "set", host.port, "up")
+
+    def close(self) -> None:
+        for h in self.members:
+            _ip("netns", "del", h.netns, check=False)
+        _ip("netns", "del", self.switch, check=False)

