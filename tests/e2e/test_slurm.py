@@ -9,8 +9,10 @@ line, exit 2.
 Training runs a small MLP; the runs that must be stopped mid-way use the same model
 with a pause in its forward pass (``slowmlp``, written into the work folder), which
 changes no number, so every run is compared with one uninterrupted reference run of
-world size 2 on this host. Timeouts are generous bounds for a loaded 2-core machine;
-the times printed are the measurements.
+world size 2 on this host. A run that a test stops holds after its first checkpoint
+until the test has seen the stop arrive (:func:`held`), so a loaded machine that delays
+the signal cannot let the run finish first. Timeouts are generous bounds for a loaded
+2-core machine; the times printed are the measurements.
 """
 
 from __future__ import annotations
@@ -41,22 +43,32 @@ from tests.harness.runs import (
 from tests.harness.slurmcluster import SlurmCluster, wait_for_text
 
 STEPS = 60
+HOLD_AFTER = 12  # training steps before a held run waits (its first checkpoint is step 10)
 SLOW_MODEL = '''
+import os
 import time
 import torch
 
 class Pause(torch.nn.Module):
-    def __init__(self, seconds):
+    """Sleeps in every forward; with ``hold``, from training step ``after`` on it also
+    waits while that file exists (a signal handler still runs)."""
+    def __init__(self, seconds, hold=None, after=0):
         super().__init__()
-        self.seconds = seconds
+        self.seconds, self.hold, self.after, self.steps = seconds, hold, after, 0
 
     def forward(self, x):
         time.sleep(self.seconds)
+        if self.training:
+            self.steps += 1
+            deadline = time.monotonic() + 900
+            while self.hold and self.steps > self.after and os.path.exists(self.hold) \\
+                    and time.monotonic() < deadline:
+                time.sleep(0.05)
         return x
 
-def build(inputs, outputs, width, seconds):
+def build(inputs, outputs, width, seconds, hold=None, after=0):
     return torch.nn.Sequential(torch.nn.Linear(inputs, width), torch.nn.ReLU(),
-                               Pause(seconds), torch.nn.Linear(width, outputs))
+                               Pause(seconds, hold, after), torch.nn.Linear(width, outputs))
 '''
 
 
@@ -66,14 +78,28 @@ def cluster(slurm_cluster):
     return slurm_cluster
 
 
-def config(work: Path, name: str, pause_s: float = 0.0) -> Path:
+def config(work: Path, name: str, pause_s: float = 0.0, hold: Path | None = None) -> Path:
+    """``hold``: a file the run waits on after HOLD_AFTER steps while it exists."""
+    args = {"inputs": 16, "outputs": 4, "width": 32, "seconds": pause_s}
+    if hold is not None:
+        hold.touch()
+        args.update(hold=str(hold), after=HOLD_AFTER)
     tree = merge(TINY_MLP, {
         "run": {"name": name}, "output": {"dir": str(work / "runs")},
-        "model": {"kind": "custom", "factory": "slowmlp:build",
-                  "args": {"inputs": 16, "outputs": 4, "width": 32, "seconds": pause_s}},
+        "model": {"kind": "custom", "factory": "slowmlp:build", "args": args},
         "train": {"max_steps": STEPS, "eval_every_steps": 0},
         "checkpoint": {"every_steps": 10}})
     return write_config(work / f"{name}.yaml", tree)
+
+
+def held(work: Path, name: str) -> Path:
+    return work / f"{name}.hold"
+
+
+def release(out: Path, hold: Path, after: str = "received SIGTERM") -> None:
+    """Once the run's output shows ``after`` (the stop reached its workers), let it go on."""
+    wait_for_text(out, after, 120)
+    hold.unlink()
 
 
 def task_env() -> dict:
@@ -154,13 +180,14 @@ def test_the_template_requeues_itself_on_its_signal_and_finishes(cluster, refere
     process of the step): one checkpoint, `scontrol requeue` by task 0, and the next
     incarnation resumes from it and finishes; every step trained once."""
     name = "requeued"
-    cfg = config(cluster.work, name, pause_s=0.1)
+    cfg = config(cluster.work, name, pause_s=0.1, hold=held(cluster.work, name))
     env = {**task_env(), "REPO": str(ROOT), "RUNS": str(cluster.work / "runs")}
     job = cluster.sbatch(template(cluster, name), env=env, script_args=(str(cfg),))
     out = cluster.work / f"{name}.out"
     wait_for_text(out, "checkpoint saved", 300)
     signalled = time.monotonic()
     cluster.scancel(job, signal="USR1")
+    release(out, held(cluster.work, name))
     text = wait_for_text(out, "requeued the job", 120)
     assert "stopped by SIGUSR1" in text
     resumed = wait_for_text(out, "resumed from", 300)
@@ -207,7 +234,7 @@ def test_the_container_template_requeues_from_its_batch_shell(cluster, reference
     fake = bin_dir / "apptainer"
     fake.write_text(FAKE_APPTAINER % {"python": sys.executable, "root": ROOT})
     fake.chmod(0o755)
-    cfg = config(cluster.work, name, pause_s=0.1)
+    cfg = config(cluster.work, name, pause_s=0.1, hold=held(cluster.work, name))
     env = {**task_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "IMAGE": "train.sif",
            "RUNS": str(cluster.work / "runs")}
     script = template(cluster, name, "train-apptainer.sbatch")
@@ -215,6 +242,7 @@ def test_the_container_template_requeues_from_its_batch_shell(cluster, reference
     out = cluster.work / f"{name}.out"
     wait_for_text(out, "checkpoint saved", 300)
     cluster.scancel(job, signal="USR1", batch=True)  # what B:USR1@N does at its time
+    release(out, held(cluster.work, name))
     wait_for_text(out, "resumed from", 300)
     assert cluster.wait_job(job, 600) == "COMPLETED", out.read_text()[-3000:]
     text = out.read_text()
@@ -227,8 +255,8 @@ def test_the_container_template_requeues_from_its_batch_shell(cluster, reference
 
 def training_job(cluster: SlurmCluster, name: str) -> tuple[Path, int, Path]:
     """A two-node job (one task per node) of the paused model, once it has written its
-    first checkpoint: (its script, its id, its output)."""
-    cfg = config(cluster.work, name, pause_s=0.1)
+    first checkpoint, held after it (:func:`release`): (its script, its id, its output)."""
+    cfg = config(cluster.work, name, pause_s=0.1, hold=held(cluster.work, name))
     script = batch_script(cluster, name, f"srun {sys.executable} {ENTRY} train {cfg}",
                           "-N2", "--ntasks-per-node=1")
     job = cluster.sbatch(script, env=task_env())
@@ -242,6 +270,7 @@ def test_scancel_stops_with_one_checkpoint_and_a_resubmission_resumes(cluster, r
     script, job, out = training_job(cluster, name)
     cancelled = time.monotonic()
     cluster.scancel(job)
+    release(out, held(cluster.work, name))
     wait_for_text(out, "task 1: Exited with exit code 143", 120)
     wait_for_text(out, "task 0: Exited with exit code 143", 60)
     stopped_s = time.monotonic() - cancelled
@@ -286,6 +315,7 @@ def test_a_node_whose_tasks_are_killed_ends_the_job_naming_it(cluster, reference
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    held(cluster.work, name).unlink()  # node1 trains on into the lost node
     state = cluster.wait_job(job, 120)
     noticed_s = time.monotonic() - killed
     text = out.read_text()
@@ -319,13 +349,14 @@ def test_a_multi_node_batch_script_without_srun_is_one_line(cluster):
 
 def test_without_requeue_the_signal_still_stops_with_a_checkpoint_and_says_so(cluster):
     name = "not-requeueable"
-    cfg = config(cluster.work, name, pause_s=0.1)
+    cfg = config(cluster.work, name, pause_s=0.1, hold=held(cluster.work, name))
     script = batch_script(cluster, name, f"srun {sys.executable} {ENTRY} train {cfg}",
                           "-N2", "--ntasks-per-node=1", "--no-requeue")
     job = cluster.sbatch(script, env=task_env())
     out = cluster.work / f"{name}.out"
     wait_for_text(out, "checkpoint saved", 300)
     cluster.scancel(job, signal="USR1")
+    release(out, held(cluster.work, name))
     assert cluster.wait_job(job, 180) == "FAILED"
     assert cluster.job(job).get("ExitCode") == "143:0" and cluster.job(job)["Restarts"] == "0"
     text = out.read_text()
