@@ -1,89 +1,260 @@
-"""The nodes of a static job watch each other, so a vanished node is named in seconds.
+"""The nodes of a static job watch each other, so a lost node is named in seconds.
 
-A static rendezvous (Kubeflow PyTorchJob v1, torchrun's static ``PET_*``) has no store
-that tracks members: when a node's host vanishes (power loss, a partition: no
+A static rendezvous (Kubeflow PyTorchJob v1, torchrun's static ``PET_*``, SLURM) has no
+store that tracks members: when a node's host vanishes (power loss, a partition: no
 connection is closed), the other nodes' workers wait in a collective until its timeout
-(``distributed.timeout_s``, minutes). So each node's launcher beats here: the rank-0
-node's launcher serves a small ``TCPStore`` at the rank-0 address's
-``MASTER_PORT + 1``, every launcher writes its own counter there every second and reads
-the others'. A node whose counter stops for ``lost_after_s`` (or, for the others, the
-rank-0 node itself when its store stops answering) is lost: ``on_lost`` stops this
-node's workers and the launcher exits 1 naming it. A static job cannot replace a node:
-the pods' restart policy restarts them, and they resume from the last checkpoint.
+(``distributed.timeout_s``, minutes). So the launchers beat: the rank-0 node's launcher
+listens at ``MASTER_PORT + 1``, every other node's launcher keeps one TCP connection to
+it, sends a beat every second and gets the rank-0 node's view back every second.
+
+What makes a node lost, and what does not:
+
+- *Its host vanished*: the kernel notices first. Each connection carries data both ways
+  every second, and ``TCP_USER_TIMEOUT`` ends it when what was sent stays unacknowledged
+  for ``lost_after_s`` (a host that is gone acknowledges nothing).
+- *Its processes froze* (stopped, hung) while its host answers: no beat for
+  ``silence_s`` (``distributed.heartbeat_silence_s``). A node merely starved of CPU (a
+  loaded machine, a node importing torch) keeps its place: its kernel acknowledges, and
+  a beat thread needs only a moment of CPU in ``silence_s``.
+- *It has not come yet*: never. Silence counts from when a node's heartbeat was first
+  established, so the nodes may start in any order (up to the rendezvous' own wait); a
+  node still waiting to reach the rank-0 node says so once, after the join timeout.
+- *It ended*: a launcher whose run is over says goodbye; it is not lost.
+
+No name is looked up while beating: the rank-0 node's address is resolved once (the
+listener binds it, not every interface, when it is this node's), and a reconnect uses
+the address already found. Nothing is unpickled: beats are lines of JSON.
+
+``on_lost`` gets one line naming the lost node (``lost``, too), and the launcher stops
+this node's workers and exits 1 naming it. A static job cannot replace a node: the pods'
+restart policy restarts them, and they resume from the last checkpoint.
 """
 
 from __future__ import annotations
 
-import datetime
+import json
+import selectors
+import socket
 import threading
 import time
 from collections.abc import Callable
 
-KEY = "train.heartbeat."
+from launcher.heartbeat_wire import Conn, Watch, resolve, tune
 
 
 class PeerHeartbeat(threading.Thread):
-    """One node's beat and watch; ``lost`` holds the line once a peer is lost."""
+    """One node's beat and watch (rank 0: the listener; the others: a connection to it)."""
 
     def __init__(self, master: str, port: int, rank: int, nnodes: int, addr: str,
-                 lost_after_s: float, on_lost: Callable[[str], None],
-                 beat_s: float = 1.0) -> None:
+                 lost_after_s: float, on_lost: Callable[[str], None], *,
+                 silence_s: float = 20.0, join_timeout_s: float = 600.0,
+                 log: Callable[[str], None] = lambda line: None, beat_s: float = 1.0) -> None:
         super().__init__(name="peer-heartbeat", daemon=True)
         self.master, self.port, self.rank, self.nnodes = master, port, rank, nnodes
-        self.addr, self.lost_after_s, self.on_lost, self.beat_s = addr, lost_after_s, \
-            on_lost, beat_s
+        self.addr, self.on_lost, self.log, self.beat_s = addr, on_lost, log, beat_s
+        self.lost_after_s, self.silence_s = lost_after_s, silence_s
+        self.join_timeout_s = join_timeout_s
         self.stop = threading.Event()
         self.lost: str | None = None
-        self.server = None
+        self.watch = Watch(lost_after_s, silence_s)
+        self.heard_node_0 = False  # a non-zero node: node 0's view reached it
 
     def run(self) -> None:
-        import torch.distributed as dist
-
-        from launcher.rendezvous import reachable
-        if self.rank == 0:  # the store lives with the rank-0 node's launcher
-            try:
-                self.server = dist.TCPStore("0.0.0.0", self.port, is_master=True,
-                                            wait_for_workers=False,
-                                            timeout=datetime.timedelta(seconds=5))
-            except Exception:  # port taken: the collective timeout remains the backstop
-                return
-        client, count = None, 0
-        seen: dict[int, tuple[bytes, float]] = {}   # rank -> (last value, when it changed)
-        answered = time.monotonic()
-        while not self.stop.wait(self.beat_s):
-            now = time.monotonic()
-            try:
-                # a plain connection first, every beat: torch's client prints C++ frames
-                # when its server is gone (as at the end of a run, rank 0 first)
-                if not reachable(f"{self.master}:{self.port}"):
-                    raise ConnectionError(self.master)
-                client = client or dist.TCPStore(self.master, self.port, is_master=False,
-                                                 timeout=datetime.timedelta(seconds=2))
-                count += 1
-                client.set(f"{KEY}{self.rank}", f"{count} {self.addr}")
-                values = {r: client.get(f"{KEY}{r}") if client.check([f"{KEY}{r}"]) else None
-                          for r in range(self.nnodes) if r != self.rank}
-                answered = now
-            except Exception:  # the rank-0 node's store does not answer
-                client = None
-                if self.rank != 0 and now - answered > self.lost_after_s:
-                    return self._lose(f"lost node 0 ({self.master}): its heartbeat store did "
-                                      f"not answer for {now - answered:.0f} s")
-                continue
-            for r, value in values.items():
-                if value is None:  # not started yet (torchrun's rendezvous waits for it)
-                    continue
-                last = seen.get(r)
-                if last is None or last[0] != value:
-                    seen[r] = (value, now)
-                elif now - last[1] > self.lost_after_s:
-                    where = value.decode(errors="replace").split(" ", 1)[-1]
-                    return self._lose(f"lost node {r} ({where}): no heartbeat for "
-                                      f"{now - last[1]:.0f} s")
-
-    def _lose(self, what: str) -> None:
-        self.lost = f"{what} (its host is down or cut off)"
-        self.on_lost(self.lost)
+        try:
+            (self._serve if self.rank == 0 else self._beat)()
+        except Exception as exc:  # the watch must never take the launcher down
+            self.log(f"heartbeat stopped ({type(exc).__name__}: {exc}); a lost node is left "
+                     "to distributed.timeout_s")
 
     def close(self) -> None:
         self.stop.set()
+
+    def _lose(self, what: str) -> None:
+        if self.lost is None:
+            self.lost = f"{what} (its host is down or cut off)" if "frozen" not in what \
+                else what
+            self.on_lost(self.lost)
+
+    # ---------------------------------------------------------------- rank 0
+    def _listen(self) -> socket.socket | None:
+        """The listener, on this node's own address when the rank-0 name resolves to it;
+        None (said once) when the port is taken."""
+        ip = resolve(self.master, self.port)
+        for host in ([ip] if ip else []) + [""]:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, self.port))
+            except OSError as exc:
+                sock.close()
+                if host and exc.errno == 99:  # EADDRNOTAVAIL: the name is not this node's
+                    continue
+                self.log(f"heartbeat not started: cannot listen on port {self.port} ({exc}); "
+                         "a lost node is left to distributed.timeout_s")
+                return None
+            if not host:
+                self.log(f"heartbeat listening on every interface, port {self.port}: "
+                         f"{self.master} does not resolve to this node")
+            sock.listen(64)
+            sock.setblocking(False)
+            return sock
+        return None
+
+    def _serve(self) -> None:
+        listener = self._listen()
+        if listener is None:
+            return
+        sel = selectors.DefaultSelector()
+        sel.register(listener, selectors.EVENT_READ, None)
+        conns: dict[socket.socket, Conn] = {}
+        next_push = time.monotonic()
+        try:
+            while not self.stop.is_set():
+                for key, _ in sel.select(timeout=self.beat_s / 4):
+                    if key.data is None:
+                        self._accept(listener, sel, conns)
+                    else:
+                        self._receive(key.data, sel, conns)
+                now = time.monotonic()
+                lost = self.watch.check(now)
+                if now >= next_push or lost:
+                    self._push(sel, conns, lost)
+                    next_push = now + self.beat_s
+                if lost:
+                    self._lose(lost)
+                    return
+        finally:
+            if self.lost is None:  # the run is over here: the others stop watching node 0
+                self._push(sel, conns, None, bye=True)
+            for conn in list(conns.values()):
+                conn.sock.close()
+            listener.close()
+            sel.close()
+
+    def _accept(self, listener: socket.socket, sel, conns: dict) -> None:
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            return
+        tune(sock, self.lost_after_s)
+        sock.setblocking(False)
+        conn = Conn(sock)
+        conns[sock] = conn
+        sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _receive(self, conn: Conn, sel, conns: dict) -> None:
+        now = time.monotonic()
+        try:
+            data = conn.sock.recv(65536)
+        except OSError as exc:
+            data, why = b"", exc.strerror or type(exc).__name__
+        else:
+            why = "closed"
+        if not data:
+            self._drop(conn, sel, conns, why, now)
+            return
+        for message in conn.lines(data):
+            if message.get("bye"):
+                conn.bye = True
+            elif isinstance(message.get("rank"), int):
+                conn.rank = message["rank"]
+                if message["rank"] not in self.watch.peers:
+                    self.log(f"heartbeat: node {conn.rank} ({message.get('where')}) beats")
+                self.watch.beat(conn.rank, int(message.get("beat", 0)),
+                                str(message.get("where", "?")), now)
+
+    def _drop(self, conn: Conn, sel, conns: dict, why: str, now: float) -> None:
+        sel.unregister(conn.sock)
+        conn.sock.close()
+        conns.pop(conn.sock, None)
+        if conn.rank is not None:
+            self.watch.ended(conn.rank, None if conn.bye else why, now)
+
+    def _push(self, sel, conns: dict, lost: str | None, bye: bool = False) -> None:
+        line = (json.dumps({"lost": lost, "bye": bye}) + "\n").encode()
+        for conn in list(conns.values()):
+            try:
+                conn.sock.send(line)
+            except OSError as exc:
+                self._drop(conn, sel, conns, exc.strerror or "send failed", time.monotonic())
+
+    # ------------------------------------------------------------ other ranks
+    def _beat(self) -> None:
+        ip, sock, count = None, None, 0
+        started = reached = time.monotonic()
+        established, said_waiting = False, False
+        conn: Conn | None = None
+        while not self.stop.wait(self.beat_s):
+            now = time.monotonic()
+            if sock is None:
+                ip = ip or resolve(self.master, self.port)
+                sock = self._connect(ip) if ip else None
+                if sock is None:
+                    if established and now - reached > self.lost_after_s:
+                        return self._lose(f"lost node 0 ({self.master}): no heartbeat for "
+                                          f"{now - reached:.0f} s, its connection ended")
+                    if not established and not said_waiting and \
+                            now - started > self.join_timeout_s:
+                        said_waiting = True
+                        self.log(f"heartbeat: node 0 ({self.master}:{self.port}) has not "
+                                 f"answered for {now - started:.0f} s; still trying")
+                    continue
+                conn, established, reached = Conn(sock), True, now
+            count += 1
+            try:
+                sock.sendall((json.dumps({"rank": self.rank, "beat": count,
+                                          "where": self.addr}) + "\n").encode())
+                lost = self._read_pushes(conn, now)
+            except OSError:
+                sock.close()
+                sock = None
+                continue
+            if conn.heard is not None:
+                reached, self.heard_node_0 = conn.heard, True
+            if lost:
+                return self._lose(lost)
+            if conn.bye:  # node 0's run is over: nothing more to watch
+                return sock.close()
+            if now - reached > self.silence_s:
+                return self._lose(f"lost node 0 ({self.master}): no heartbeat for "
+                                  f"{now - reached:.0f} s though its host answers (frozen "
+                                  "or stopped)")
+        self._goodbye(sock)
+
+    def _connect(self, ip: str) -> socket.socket | None:
+        try:
+            sock = socket.create_connection((ip, self.port), timeout=self.beat_s * 2)
+        except OSError:
+            return None
+        tune(sock, self.lost_after_s)
+        sock.setblocking(False)
+        return sock
+
+    def _read_pushes(self, conn: Conn, now: float) -> str | None:
+        """What the rank-0 node said since the last beat: a lost node's line, if any."""
+        lost = None
+        while True:
+            try:
+                data = conn.sock.recv(65536)
+            except BlockingIOError:
+                return lost
+            if not data:
+                if lost:  # its last word before it closed
+                    return lost
+                raise ConnectionError("closed")
+            for message in conn.lines(data):
+                conn.heard = now
+                conn.bye = conn.bye or bool(message.get("bye"))
+                lost = lost or message.get("lost")
+
+    @staticmethod
+    def _goodbye(sock: socket.socket | None) -> None:
+        if sock is None:
+            return
+        try:
+            sock.setblocking(True)
+            sock.settimeout(1.0)
+            sock.sendall(b'{"bye": true}\n')
+        except OSError:
+            pass
+        sock.close()

@@ -61,6 +61,7 @@ class Plan:
     store_wait_s: int = 0
     join_timeout_s: int = 0          # how long the rendezvous waits for the minimum of nodes
     lost_after_s: float = 0          # a node silent this long has vanished
+    silence_s: float = 20            # static: a node that answers but does not beat: frozen
     heartbeat: tuple[str, int, int] | None = None  # static: (rank-0 address, port, rank)
     static_nodes: bool = False       # several nodes, static rendezvous: none can be replaced
     program: str = "train"           # train (the trainer) | script (entrypoint.py launch)
@@ -288,6 +289,7 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
                 store_wait_s=d.rdzv_store_wait_s, join_timeout_s=d.rdzv_join_timeout_s,
                 # torch's agents drop a member after keep-alive x attempts; one more beat
                 lost_after_s=d.rdzv_keep_alive_s * (d.rdzv_keep_alive_attempts + 1),
+                silence_s=d.heartbeat_silence_s,
                 heartbeat=nodes.heartbeat if nodes.static else None,
                 static_nodes=nodes.static and nodes.max > 1,
                 program="train" if script is None else "script",

@@ -188,7 +188,9 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                                     plan.lost_after_s,
                                     on_lost=lambda what: stop_workers(
                                         proc.pid, what, "(a static job cannot replace a "
-                                        "node: it ends)", log))
+                                        "node: it ends)", log),
+                                    silence_s=plan.silence_s,
+                                    join_timeout_s=plan.join_timeout_s, log=log)
             watcher.start()
         reason = None
         while True:

@@ -103,6 +103,13 @@ class Network:
             f"{m.addr} {m.name}{''.join(' ' + a for a, h in self.aliases.items() if h is m)}\n"
             for m in self.members))
 
+    def hanging_nameserver(self, host: Host) -> None:
+        """Name lookups that go to the nameserver hang instead of failing at once (as on
+        air-gapped and HPC nodes whose resolver never answers): every address off the
+        bridge is on its link, where no one answers the neighbour query. Names in
+        /etc/hosts still resolve at once."""
+        _ip("-n", host.netns, "route", "add", "default", "dev", "eth0")
+
     def cut(self, host: Host) -> None:
         """The host vanishes from the network: its link goes down, nothing is sent."""
         _ip("-n", self.switch, "link", "set", host.port, "down")

@@ -182,6 +182,12 @@ class DistributedConfig:
     rdzv_store_wait_s: int = opt(300, "Multi-node elastic: how long a node waits for a lost "
                                       "rendezvous store to come back (and then re-joins) "
                                       "before it exits 5.", ge=0)
+    heartbeat_silence_s: int = opt(20, "Multi-node static (Kubeflow v1, SLURM): how long a "
+                                       "node whose host still answers may go without a "
+                                       "heartbeat before it counts as lost (frozen); a host "
+                                       "that vanished is noticed sooner, in "
+                                       "rdzv_keep_alive_s x (rdzv_keep_alive_attempts + 1).",
+                                       ge=2)
     socket_ifname: str | None = opt(None, "Network interface for NCCL and gloo (sets "
                                           "NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); the "
                                           "TRAIN_SOCKET_IFNAME variable of a node wins.")

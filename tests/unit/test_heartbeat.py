@@ -1,0 +1,183 @@
+"""The static job's heartbeat (launcher/heartbeat.py), with real sockets and real
+processes on 127.0.0.1 and timings shrunk to fractions of a second: no false loss
+whatever the start order, a node killed or frozen named by every other node, node 0
+itself watched, the listener on the address it was given, the end of a run no loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launcher.heartbeat import PeerHeartbeat
+from tests.harness.runs import ROOT, clean_env, limit
+
+BEAT, LOST_AFTER, SILENCE = 0.1, 0.8, 1.5
+
+NODE = f"""
+import sys, time
+from launcher.heartbeat import PeerHeartbeat
+master, port, rank, nnodes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+hb = PeerHeartbeat(master, port, rank, nnodes, f"host{{rank}}", {LOST_AFTER},
+                   on_lost=lambda line: print("LOST", line, flush=True), silence_s={SILENCE},
+                   join_timeout_s=60, log=lambda line: print("LOG", line, flush=True),
+                   beat_s={BEAT})
+hb.start()
+print("READY", flush=True)
+time.sleep(float(sys.argv[5]))
+hb.close()
+hb.join(5)
+print("DONE", hb.lost, flush=True)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Node:
+    """One node's launcher side of the heartbeat, as a process of its own."""
+
+    def __init__(self, port: int, rank: int, nnodes: int, lasts_s: float = 30,
+                 master: str = "127.0.0.1"):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", NODE, master, str(port), str(rank), str(nnodes),
+             str(lasts_s)], cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self.proc.stdout.readline().strip() == "READY"
+
+    def output(self) -> str:
+        out, _ = self.proc.communicate(timeout=limit(60))
+        return out
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.proc.pid, signum)
+
+
+def in_process(port: int, rank: int, nnodes: int, master: str = "127.0.0.1") -> PeerHeartbeat:
+    found: list[str] = []
+    hb = PeerHeartbeat(master, port, rank, nnodes, f"host{rank}", LOST_AFTER,
+                       on_lost=found.append, silence_s=SILENCE, join_timeout_s=60,
+                       beat_s=BEAT)
+    hb.found, hb.logged = found, []
+    hb.log = hb.logged.append
+    hb.start()
+    return hb
+
+
+def wait_until(condition, seconds: float = 20) -> bool:
+    deadline = time.monotonic() + limit(seconds)
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_nodes_may_start_in_any_order_and_no_one_is_lost():
+    """The others wait for node 0 longer than any loss bound; silence counts from when a
+    node first beats; a run that ends is no loss."""
+    port = free_port()
+    early = [Node(port, rank, 3, lasts_s=4 * SILENCE + 2) for rank in (1, 2)]
+    time.sleep(2 * SILENCE)  # node 0 starts late: longer than the silence and loss bounds
+    zero = in_process(port, 0, 3)
+    assert wait_until(lambda: len(zero.watch.peers) == 2), zero.logged
+    outputs = [n.output() for n in early]  # they end on their own: goodbye, not lost
+    time.sleep(2 * SILENCE)
+    zero.close()
+    zero.join(5)
+    assert zero.found == [] and zero.lost is None, zero.found
+    assert all("LOST" not in out and "DONE None" in out for out in outputs), outputs
+    assert sorted(zero.logged) == ["heartbeat: node 1 (host1) beats",
+                                   "heartbeat: node 2 (host2) beats"]
+
+
+def test_a_killed_node_is_named_by_node_0_and_by_every_other_node():
+    port = free_port()
+    zero = in_process(port, 0, 3)
+    victim, other = Node(port, 1, 3), Node(port, 2, 3, lasts_s=20)
+    assert wait_until(lambda: len(zero.watch.peers) == 2)
+    victim.signal(signal.SIGKILL)  # no goodbye: its connection just ends
+    killed = time.monotonic()
+    assert wait_until(lambda: zero.found), "node 0 never named the killed node"
+    assert time.monotonic() - killed < limit(10)
+    assert zero.found[0].startswith("lost node 1 (host1): no heartbeat for ")
+    assert "its connection ended" in zero.found[0]
+    time.sleep(1)  # node 0's word reaches node 2 with its next beat
+    other.signal(signal.SIGTERM)
+    out = other.output()
+    assert f"LOST {zero.found[0]}" in out, out
+    zero.close()
+
+
+def test_a_frozen_node_whose_host_answers_is_lost_after_the_silence_only():
+    port = free_port()
+    zero = in_process(port, 0, 2)
+    frozen = Node(port, 1, 2)
+    assert wait_until(lambda: len(zero.watch.peers) == 1)
+    frozen.signal(signal.SIGSTOP)  # its kernel still acknowledges: not a vanished host
+    stopped = time.monotonic()
+    try:
+        assert wait_until(lambda: zero.found), "the frozen node was never named"
+        took = time.monotonic() - stopped
+    finally:
+        frozen.signal(signal.SIGKILL)
+    assert zero.found[0].startswith("lost node 1 (host1): no heartbeat for ")
+    assert "though its host answers (frozen or stopped)" in zero.found[0]
+    assert took >= SILENCE, f"named after {took:.1f} s, before the silence of {SILENCE} s"
+    zero.close()
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_node_0_itself_is_watched(how):
+    port = free_port()
+    zero = Node(port, 0, 2)
+    one = in_process(port, 1, 2)
+    assert wait_until(lambda: one.heard_node_0)
+    zero.signal(signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: one.found), f"node 0 {how}, never named"
+    finally:
+        zero.signal(signal.SIGKILL)
+    assert one.found[0].startswith("lost node 0 (127.0.0.1): ")
+    wanted = "its connection ended" if how == "killed" else "though its host answers"
+    assert wanted in one.found[0], one.found
+
+
+def test_the_listener_binds_the_address_it_was_given_not_every_interface():
+    port = free_port()
+    zero = in_process(port, 0, 2, master="127.0.0.2")  # a loopback address of this host
+    assert wait_until(lambda: _accepts("127.0.0.2", port))
+    assert not _accepts("127.0.0.1", port)  # another address of the same host: refused
+    assert zero.logged == []
+    zero.close()
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def test_nothing_it_receives_is_more_than_a_line_of_json():
+    """A stranger's bytes (a pickle, garbage) are skipped; the watch goes on."""
+    port = free_port()
+    zero = in_process(port, 0, 2)
+    assert wait_until(lambda: _accepts("127.0.0.1", port))
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"\x80\x04\x95garbage\n" + json.dumps([1, 2]).encode() + b"\n")
+    one = Node(port, 1, 2, lasts_s=2)
+    out = one.output()
+    zero.close()
+    zero.join(5)
+    assert "LOST" not in out and zero.found == [], (out, zero.found)
