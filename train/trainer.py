@@ -16,6 +16,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ from train.data.order import eval_indices
 from train.distributed import ranks
 from train.guards.divergence import Guard, clear_marker, read_marker, write_marker
 from train.guards.stopping import StopFlag
-from train.guards.watchdog import Watchdog
+from train.guards.watchdog import CHECKPOINT, EVALUATION, Watchdog
 from train.models import count_parameters
 from train.observe.manifest import update_manifest
 from train.observe.metrics import MetricsLogger, gpu_memory_stats
@@ -92,7 +93,7 @@ def optimizer_step(c: Components, guard: Guard, step: int) -> tuple[float, bool]
 
 
 @torch.no_grad()
-def evaluate(c: Components) -> dict[str, float]:
+def evaluate(c: Components, progress: Callable[[], None] = lambda: None) -> dict[str, float]:
     cfg, env = c.cfg, c.env
     total = min(len(c.data.val), cfg.train.eval_batches * cfg.train.global_batch_size)
     idx = eval_indices(len(c.data.val), cfg.train.eval_batches, cfg.train.global_batch_size,
@@ -115,6 +116,7 @@ def evaluate(c: Components) -> dict[str, float]:
             if classes:
                 sums[1] += (logits.argmax(-1) == y).float().mean() * n
             sums[2] += n
+        progress()  # a batch evaluated: the hang watchdog's sign of progress
     c.module.train()
     if env.distributed:
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)
@@ -152,6 +154,12 @@ def start_logging(c: Components, state: TrainState) -> MetricsLogger | None:
              f"{count_parameters(c.module):,}", c.data.description, c.env.world_size, c.micro,
              c.accum, c.device, c.cfg.precision)
     return MetricsLogger(c.cfg, c.run_dir, state.step, throughput_unit=unit)
+
+
+def checkpoint_bytes(c: Components) -> int:
+    """Roughly what a checkpoint writes: the weights and two optimizer moments per
+    parameter (Adam's), in float32; the hang watchdog's allowance for writing them."""
+    return 3 * 4 * count_parameters(c.module)
 
 
 def make_guard(c: Components, state: TrainState) -> Guard:
@@ -195,41 +203,46 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
                 values["throughput"] = samples_per_step / step_time
                 values.update(gpu_memory_stats(c.device))
                 metrics.log(step, values, step_time=step_time)
-        # Evaluation and saving can outlast a step by far: the watchdog guards steps only.
-        watchdog.pause()
         if every_eval and step % every_eval == 0 and step < cfg.train.max_steps:
-            log_eval(c, metrics, step)
+            with watchdog.watching(EVALUATION, step):
+                log_eval(c, metrics, step, watchdog.progress)
         # A signal during the final step changes nothing: the run finishes normally.
         stopping = stop.agreed(step, c.device, env.distributed) and step < cfg.train.max_steps
         last = stopping or step == cfg.train.max_steps
         how = cadence.due(step, last)
         if how is not None:  # the last one in the foreground: exit 0 or 143 means saved
-            save_checkpoint(c, state, guard, background=how == "background")
+            with watchdog.watching(CHECKPOINT, step):
+                save_checkpoint(c, state, guard, background=how == "background")
+        watchdog.pause()  # until the next step begins
         if stopping:
             if not stop.requested:  # another node leaves; this one goes on without it
                 log.info("stopped at step %d: another node's workers were told to stop", step)
                 return EXIT_PEER_STOPPED
             log.warning("stopped at step %d by a signal; rerun the same command to resume", step)
             return EXIT_STOPPED_BY_SIGNAL
-    finish(c, metrics, state.step)
+    with watchdog.watching(EVALUATION, state.step):
+        finish(c, metrics, state.step, watchdog.progress)
+    watchdog.pause()  # what follows (joining a background save) has its own timeout
     return EXIT_OK
 
 
-def finish(c: Components, metrics: MetricsLogger | None, step: int) -> None:
+def finish(c: Components, metrics: MetricsLogger | None, step: int,
+           progress: Callable[[], None] = lambda: None) -> None:
     """Final evaluation, hparams and result.json (also for a rerun of a run whose final
     checkpoint was written but whose finish was interrupted)."""
-    final = log_eval(c, metrics, step)
+    final = log_eval(c, metrics, step, progress)
     if c.env.is_main:
         metrics.close(final)  # finished: the run's HParams row
         metrics.summary(step, final)
         write_json_atomic(c.run_dir / rundir.RESULT, {"step": step, **final})
 
 
-def log_eval(c: Components, metrics: MetricsLogger | None, step: int) -> dict[str, float]:
+def log_eval(c: Components, metrics: MetricsLogger | None, step: int,
+             progress: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Collective: every rank evaluates its share; rank 0 logs the result."""
     if c.cfg.train.eval_batches == 0:
         return {}
-    values = evaluate(c)
+    values = evaluate(c, progress)
     if c.env.is_main and values:
         metrics.log_eval(step, values)
     return values
@@ -285,7 +298,9 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
                 metrics.close()
             code = EXIT_OK
         else:
-            watchdog = Watchdog(cfg.distributed.timeout_s, reporter)
+            watchdog = Watchdog(cfg.distributed.timeout_s, reporter,
+                                state_bytes=checkpoint_bytes(c))
+            c.checkpointer.progress = watchdog.progress
             code = run_loop(c, state, stop, metrics, guard, watchdog)
         if metrics is not None:  # stopped by a signal, or by another node: resumable
             metrics.close(status="KILLED")

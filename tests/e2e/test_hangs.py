@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,27 @@ class Sleepy(Dataset):
 
 def make(n=512):
     return Sleepy(n), Sleepy(64)
+'''
+
+
+# A model whose rank 1 freezes itself (SIGSTOP) in its first checkpoint, when its state
+# is collected: the other rank then waits in the checkpoint's agreement.
+FREEZES_IN_CHECKPOINT = '''\
+import os, signal
+from torch import nn
+
+
+def build(inputs, outputs):
+    model = nn.Sequential(nn.Linear(inputs, 32), nn.ReLU(), nn.Linear(32, outputs))
+
+    def freeze(module, state, prefix, local_metadata):
+        if os.environ.get("RANK") == "1":
+            with open("frozen.pid", "w") as f:
+                f.write(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    model._register_state_dict_hook(freeze)
+    return model
 '''
 
 
@@ -147,3 +169,39 @@ def _rank_process(launcher: int, rank: str) -> int:
                 below(pid, launcher):
             return pid
     raise AssertionError(f"no worker of rank {rank} below {launcher}")
+
+
+def test_a_rank_frozen_in_a_checkpoint_is_named_before_the_collective_timeout(tmp_path):
+    """Checkpoints are watched like steps: the rank left waiting in the checkpoint's
+    agreement reports at 80 % of distributed.timeout_s, saying where it waited, and the
+    line names the frozen rank; the collective's own timeout (20 s) never decides."""
+    (tmp_path / "freezing.py").write_text(FREEZES_IN_CHECKPOINT)
+    config = write_config(tmp_path / "c.yaml", merge(TINY_MLP, {
+        "output": {"dir": str(tmp_path / "runs")},
+        "model": {"kind": "custom", "factory": "freezing:build",
+                  "args": {"inputs": 16, "outputs": 4}},
+        "train": {"max_steps": 100, "eval_every_steps": 0},
+        "checkpoint": {"every_steps": 5},
+        "distributed": {"nproc_per_node": 2, "timeout_s": 20, "max_restarts": 0,
+                        "grace_period_s": 10}}))
+    log = tmp_path / "stderr.log"
+    try:
+        with log.open("w") as err:
+            proc = subprocess.run([sys.executable, ENTRY, "train", str(config)],
+                                  cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL,
+                                  stderr=err, text=True, timeout=limit(240))
+    finally:
+        frozen = tmp_path / "frozen.pid"
+        if frozen.exists():
+            try:
+                os.kill(int(frozen.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    text = log.read_text()
+    assert proc.returncode == 1, text[-3000:]
+    assert frozen.exists(), text[-3000:]  # it did freeze in the checkpoint
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("error: training failed: rank 1 stopped making progress"), last
+    assert re.search(r"rank 0 timed out waiting for it: no progress for \d+ s in the "
+                     r"checkpoint of step 5 \(80% of distributed.timeout_s: 16 s\): waiting "
+                     r"for the other ranks", last), last

@@ -9,11 +9,16 @@ tunings; bench/recovery.py measures the real figures):
   last checkpoint; a healed node joins again, never trains in a world of its own;
 - static: every surviving node exits 1 promptly, naming the lost node;
 - the rendezvous store's host vanishing: training goes on while no re-rendezvous is
-  needed; one that is needed waits distributed.rdzv_store_wait_s, then exit 5.
+  needed; one that is needed waits distributed.rdzv_store_wait_s, then exit 5;
+- two nodes that lose each other while both still reach the store (nothing the store
+  sees changes), in a checkpoint: each names the wait in the checkpoint before the
+  collectives' timeout, and once the partition heals the job trains to its end from
+  the last sealed checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -23,7 +28,7 @@ import pytest
 
 from tests.harness import netns
 from tests.harness.multinode import ENTRY, Process
-from tests.harness.runs import ROOT, clean_env, limit
+from tests.harness.runs import ROOT, TINY_MLP, clean_env, limit, merge, write_config
 
 SMALL = [str(ROOT / "configs" / "quickstart.yaml"), "model.depth=1", "model.width=32",
          "model.heads=4", "model.context_length=32", "train.global_batch_size=12",
@@ -53,7 +58,8 @@ def start(net, host, label: str, argv: list[str], env: dict, work: Path) -> Proc
     return p
 
 
-def elastic_job(net, work: Path, nodes: int, nnodes: str, *extra: str):
+def elastic_job(net, work: Path, nodes: int, nnodes: str, *extra: str,
+                config: Path | None = None):
     store_host = net.host("store")
     hosts = [net.host(f"node{i}") for i in range(nodes)]
     store = start(net, store_host, "store", [sys.executable, ENTRY, "rendezvous", "--port",
@@ -65,7 +71,8 @@ def elastic_job(net, work: Path, nodes: int, nnodes: str, *extra: str):
         env = clean_env(JOB_COMPLETION_INDEX=str(i), TRAIN_NNODES=nnodes, TRAIN_RDZV_ID="job-1",
                         TRAIN_RDZV_ENDPOINT="store:29400", TRAIN_LOCAL_ADDR=h.addr,
                         TRAIN_SOCKET_IFNAME="eth0")
-        procs.append(start(net, h, "train", [sys.executable, ENTRY, "train", *SMALL,
+        what = [str(config)] if config is not None else SMALL
+        procs.append(start(net, h, "train", [sys.executable, ENTRY, "train", *what,
                                              f"output.dir={work / 'runs'}", *extra], env, work))
     return store_host, store, hosts, procs
 
@@ -149,3 +156,83 @@ def test_the_stores_host_vanishing_costs_nothing_until_a_rendezvous_needs_it(net
     assert last.startswith("error: the rendezvous store store:29400 did not come back "
                            "within 15 s"), last
     print(f"exit 5 {time.monotonic() - lost:.1f} s after the rendezvous became necessary")
+
+
+# Node 1's rank pauses in its second checkpoint (step 20) after saying so, once, so that
+# the test can partition the nodes while both are inside it; every step takes 0.1 s.
+PAUSES_IN_CHECKPOINT = '''\
+import os, time
+from pathlib import Path
+from torch import nn
+
+
+class Slow(nn.Sequential):
+    """0.1 s a forward pass: the run lasts long enough for the test to cut in."""
+    def forward(self, x):
+        time.sleep(0.1)
+        return super().forward(x)
+
+
+def build(inputs, outputs, in_checkpoint=True):
+    model = Slow(nn.Linear(inputs, 32), nn.ReLU(), nn.Linear(32, outputs))
+    calls = []
+
+    def pause(module, state, prefix, local_metadata):
+        calls.append(1)
+        said = Path("in-checkpoint")
+        if os.environ.get("RANK") == "1" and len(calls) == 2 and not said.exists():
+            said.write_text(str(os.getpid()))
+            time.sleep(8)
+
+    if in_checkpoint:
+        model._register_state_dict_hook(pause)
+    return model
+'''
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "step"])
+def test_elastic_nodes_partitioned_name_the_wait_and_resume_when_healed(net, tmp_path, where):
+    """In a checkpoint (node 1's rank pauses in the second one, step 20, for the test to
+    cut in) or between two (after the first, step 10): the nodes still reach the store,
+    so only the hang watchdog can tell; it names the phase before the collectives'
+    timeout (60 s), and once healed the job trains to its end from step 10."""
+    (tmp_path / "pauser.py").write_text(PAUSES_IN_CHECKPOINT)
+    config = write_config(tmp_path / "c.yaml", merge(TINY_MLP, {
+        "model": {"kind": "custom", "factory": "pauser:build",
+                  "args": {"inputs": 16, "outputs": 4, "in_checkpoint": where == "checkpoint"}},
+        "train": {"max_steps": 40, "eval_every_steps": 0},
+        "logging": {"every_steps": 1, "progress": "plain"},
+        "checkpoint": {"every_steps": 10},
+        "distributed": {"timeout_s": 60, "max_restarts": 3}}))
+    _, _, hosts, nodes = elastic_job(net, tmp_path, 2, "1:2", config=config)
+    nodes[0].wait_for(r"\| world size 2 \|", 300)
+    if where == "checkpoint":
+        deadline = time.monotonic() + limit(240)
+        while not (tmp_path / "in-checkpoint").exists():
+            assert time.monotonic() < deadline and nodes[1].running, nodes[1].text()[-3000:]
+            time.sleep(0.1)
+        phase = r"in the checkpoint of step 20"
+    else:
+        nodes[0].wait_for(r"checkpoint saved", 240)
+        phase = r"in step \d+"
+    net.partition(hosts[0], hosts[1])
+    cut = time.monotonic()
+    named = rf"hang watchdog: no progress for \d+ s {phase} \(80% of distributed.timeout_s: " \
+            r"48 s\): waiting for the other ranks"
+    # The rank that waited longest names it (the other node's workers may be stopped by
+    # the re-rendezvous that follows before their own watchdog speaks).
+    deadline = time.monotonic() + limit(120)
+    while not any(re.search(named, node.text()) for node in nodes):
+        assert time.monotonic() < deadline, nodes[0].text()[-3000:]
+        time.sleep(0.2)
+    took = time.monotonic() - cut
+    net.unpartition(hosts[0], hosts[1])
+    for node in nodes:
+        assert node.wait(240) == 0, node.text()[-3000:]
+    resumed = re.findall(r"resumed from \S+step-(\d+)", nodes[0].text())
+    # the last sealed checkpoint: the one the partition interrupted never was
+    assert resumed and resumed[0] in (("10",) if where == "checkpoint" else ("10", "20")), \
+        nodes[0].text()[-3000:]
+    result = (tmp_path / "runs").glob("*/result.json")
+    assert [json.loads(r.read_text())["step"] for r in result] == [40]
+    print(f"partitioned in a {where}: the wait named {took:.1f} s after the cut")

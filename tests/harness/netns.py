@@ -117,6 +117,16 @@ class Network:
     def heal(self, host: Host) -> None:
         _ip("-n", self.switch, "link", "set", host.port, "up")
 
+    def partition(self, a: Host, b: Host) -> None:
+        """``a`` and ``b`` lose each other (a blackhole route each way: what they send the
+        other is dropped, nothing is refused) while both still reach every other host."""
+        _ip("-n", a.netns, "route", "add", "blackhole", f"{b.addr}/32")
+        _ip("-n", b.netns, "route", "add", "blackhole", f"{a.addr}/32")
+
+    def unpartition(self, a: Host, b: Host) -> None:
+        _ip("-n", a.netns, "route", "del", "blackhole", f"{b.addr}/32", check=False)
+        _ip("-n", b.netns, "route", "del", "blackhole", f"{a.addr}/32", check=False)
+
     def close(self) -> None:
         for h in self.members:
             _ip("netns", "del", h.netns, check=False)

@@ -64,6 +64,9 @@ class Checkpointer:
         self.world_size, self.async_timeout_s = world_size, async_timeout_s
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
+        # The training thread's hang watchdog: told after each round and file written,
+        # so a checkpoint is watched part by part (train.guards.watchdog).
+        self.progress: Callable[[], None] = lambda: None
 
     def save(self, step: int, shared_state: dict[str, Any], rank_state: dict[str, Any],
              *, background: bool = False, shards: Shards | None = None) -> Path:
@@ -84,7 +87,7 @@ class Checkpointer:
             self._writer.start()
         else:
             shard_files = (lambda: shards(folder)) if shards is not None else None
-            hashes = self._together(lambda: self._write(save, shard_files))
+            hashes = self._together(lambda: self._write(save, shard_files, self.progress))
             self._together(lambda: self._seal(save, hashes) if self.rank == 0 else None)
         return self.storage.path(save.final)
 
@@ -107,7 +110,9 @@ class Checkpointer:
             result = action()
         except CheckpointWriteError as exc:
             error = str(exc)
+        self.progress()
         exchanged = self.gather((error, result))
+        self.progress()
         failed = [e for e, _ in exchanged if e]
         if failed:
             raise CheckpointWriteError(failed[0])
@@ -120,8 +125,8 @@ class Checkpointer:
         if self.rank == 0:
             self.storage.delete(save.partial)
 
-    def _write(self, save: _Save, shard_files: Callable[[], list[Path]] | None
-               ) -> dict[str, str]:
+    def _write(self, save: _Save, shard_files: Callable[[], list[Path]] | None,
+               progress: Callable[[], None] = lambda: None) -> dict[str, str]:
         """This rank's shards (``shard_files`` writes them, or waits for their writes)
         and files, each hashed: name in the folder -> SHA-256."""
         hashes = {}
@@ -131,9 +136,11 @@ class Checkpointer:
                 for path in shard_files():
                     name = path.relative_to(top).as_posix()
                     hashes[name] = self.storage.digest(f"{save.partial}/{name}")
+            progress()
         for name, state in save.files.items():
             with writing(self.storage, save.partial, f"{save.partial}/{name}"):
                 hashes[name] = save_object(self.storage, f"{save.partial}/{name}", state)
+            progress()
         return hashes
 
     def _in_background(self, save: _Save, pending: Callable[[], list[Path]] | None) -> None:

@@ -1,4 +1,5 @@
-"""A step that makes no progress becomes a named hang instead of a silent one.
+"""A step, an evaluation or a checkpoint that makes no progress becomes a named hang
+instead of a silent one.
 
 Each rank's report (:mod:`train.core.protocol`) says which step it reached, refreshed at
 most every PROGRESS_EVERY_S, so that the launcher can name a rank that stopped arriving
@@ -12,6 +13,14 @@ torch, and whether the thread waits for the other ranks, for the DataLoader's wo
 or is in code of its own), prints every thread's stack to the rank's log and exits 1.
 faulthandler backs the thread up BACKSTOP_S later, should it not get to run (a C call
 holding the GIL): then only the stack dump is there.
+
+Evaluation and checkpoints are watched too (their collectives are where a partition or a
+frozen peer would otherwise wait out ``distributed.timeout_s`` unnamed): each is a phase
+whose parts say they progressed (an evaluation batch, a checkpoint's agreement round,
+a file written). A checkpoint may write for long without a round: its limit also allows
+the run's state written at SLOW_DISK_BYTES_S and CHECKPOINTS_OF_SILENCE times the longest
+checkpoint seen so far, within the same cap. The line names the phase: ``in step 31``,
+``in the evaluation after step 30``, ``in the checkpoint of step 30``.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from train.core.protocol import (
@@ -38,6 +49,10 @@ FLOOR_S = 120
 # (distributed.timeout_s: they would fail first, and torchrun stop it unheard), and a
 # rank waiting in one must be seen waiting, not half-way through raising the timeout.
 BEFORE_COLLECTIVES = 0.8
+# A checkpoint's limit allows its state written this slowly (a busy network filesystem),
+# and this many times the longest checkpoint of the run so far.
+SLOW_DISK_BYTES_S = 50e6
+CHECKPOINTS_OF_SILENCE = 3
 PROGRESS_EVERY_S = 1.0  # a small file replaced by rename: nothing measurable per step
 BACKSTOP_S = 5
 # Frames that mean "waiting for the other ranks": collectives, and backward, where DDP's
@@ -77,57 +92,112 @@ WAITS = {WAITS_FOR_RANKS: "waiting for the other ranks (a collective)",
          WAITS_FOR_LOADER: "waiting for its DataLoader workers (data.num_workers)",
          STUCK_IN_OWN_CODE: "stuck in its own code"}
 
+STEP, EVALUATION, CHECKPOINT = "step", "evaluation", "checkpoint"
+
+
+def _phase_words(phase: str, step: int) -> str:
+    if phase == EVALUATION:
+        return f"in the evaluation after step {step}"
+    if phase == CHECKPOINT:
+        return f"in the checkpoint of step {step}"
+    return f"in step {step + 1}"
+
 
 class Watchdog:
-    """pet(step) once per step; pause() around evaluation and checkpoints."""
+    """pet(step) once per step; ``with watching(phase, step):`` around evaluation and
+    checkpoints, whose parts call progress(); pause() where nothing is to be watched."""
 
-    def __init__(self, timeout_s: int, reporter: Reporter | None = None):
+    def __init__(self, timeout_s: int, reporter: Reporter | None = None,
+                 state_bytes: int = 0):
         self.timeout_s, self.reporter = timeout_s, reporter
         self.cap = BEFORE_COLLECTIVES * timeout_s
-        self.limit: float = self.cap  # seconds without progress that make a hang
+        self.limit: float = self.cap  # seconds without progress that make a hang (steps)
+        self.watched: float = self.cap  # the limit of the phase being watched
+        self.state_bytes = state_bytes  # what a checkpoint writes, roughly
+        self.longest_checkpoint_s = 0.0
         self.armed_at = self.reported_at = -math.inf
-        self.last: float | None = None   # the last pet, None while paused
-        self.step = 0
+        self.last: float | None = None   # the last sign of progress, None while paused
+        self.step, self.phase = 0, STEP
         self._thread: threading.Thread | None = None
 
     def pet(self, step: int = 0) -> None:
+        """A step begins."""
+        self.step, self.phase, self.watched = step, STEP, self.limit
+        self.progress()
         now = time.monotonic()
-        self.last, self.step = now, step
+        if self.reporter is not None and now - self.reported_at >= PROGRESS_EVERY_S:
+            self.reporter.progress(step)
+            self.reported_at = now
+
+    def progress(self) -> None:
+        """The watched phase moved on (a step began, a batch was evaluated, a round of a
+        checkpoint agreed, a file was written). A no-op while paused."""
+        if self.phase is None:
+            return
+        now = time.monotonic()
+        self.last = now
         if now - self.armed_at >= 1.0:  # arming faulthandler starts a thread: once a second
-            faulthandler.dump_traceback_later(self.limit + BACKSTOP_S, exit=True)
+            faulthandler.dump_traceback_later(self.watched + BACKSTOP_S, exit=True)
             self.armed_at = now
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="hang-watchdog",
                                             daemon=True)
             self._thread.start()
-        if self.reporter is not None and now - self.reported_at >= PROGRESS_EVERY_S:
-            self.reporter.progress(step)
-            self.reported_at = now
 
     def pace(self, step_time_s: float) -> None:
         """The step time every rank agrees on (an all-reduced mean): a step silent for
         STEPS_OF_SILENCE of them is a hang, however long distributed.timeout_s is."""
         self.limit = min(self.cap, max(FLOOR_S, STEPS_OF_SILENCE * step_time_s))
 
+    def checkpoint_limit(self) -> float:
+        """A checkpoint's parts may take longer than a step: its state written slowly,
+        or a few times the longest checkpoint so far, within the cap."""
+        return min(self.cap, max(self.limit, self.state_bytes / SLOW_DISK_BYTES_S,
+                                 CHECKPOINTS_OF_SILENCE * self.longest_checkpoint_s))
+
+    @contextmanager
+    def watching(self, phase: str, step: int) -> Iterator[None]:
+        """Watch evaluation or a checkpoint of ``step``; afterwards the rest of the step
+        (the stop agreement) is watched again, until pause() or the next pet()."""
+        in_step = self.step
+        self.step, self.phase = step, phase
+        self.watched = self.checkpoint_limit() if phase == CHECKPOINT else self.limit
+        self.armed_at = -math.inf  # re-armed at once, for this phase's limit
+        started = time.monotonic()
+        self.progress()
+        try:
+            yield
+        finally:
+            if phase == CHECKPOINT:
+                self.longest_checkpoint_s = max(self.longest_checkpoint_s,
+                                                time.monotonic() - started)
+            self.step, self.phase, self.watched = in_step, STEP, self.limit
+            self.armed_at = -math.inf
+            self.progress()
+
     def pause(self) -> None:
         """Disarm until the next pet() (which re-arms at once)."""
         faulthandler.cancel_dump_traceback_later()
-        self.armed_at, self.last = -math.inf, None
+        self.armed_at, self.last, self.phase = -math.inf, None, None
 
     def _watch(self) -> None:
         while True:
             time.sleep(0.5)
             last = self.last
-            if last is not None and time.monotonic() - last > self.limit:
+            if last is not None and time.monotonic() - last > self.watched:
                 self._hung(time.monotonic() - last)
 
     def _hung(self, silent_s: float) -> None:
         frame = sys._current_frames().get(threading.main_thread().ident)
         kind, at = where(frame)
-        limit = (f"{BEFORE_COLLECTIVES:.0%} of distributed.timeout_s" if self.limit == self.cap
-                 else f"{STEPS_OF_SILENCE} x its usual step time, at least {FLOOR_S} s")
-        error = (f"no progress for {silent_s:.0f} s in step {self.step + 1} ({limit}: "
-                 f"{self.limit:.0f} s): {WAITS[kind]} at {at}")
+        if self.watched == self.cap:
+            limit = f"{BEFORE_COLLECTIVES:.0%} of distributed.timeout_s"
+        elif self.phase == CHECKPOINT and self.watched > self.limit:
+            limit = "the checkpoint's allowance"
+        else:
+            limit = f"{STEPS_OF_SILENCE} x its usual step time, at least {FLOOR_S} s"
+        error = (f"no progress for {silent_s:.0f} s {_phase_words(self.phase, self.step)} "
+                 f"({limit}: {self.watched:.0f} s): {WAITS[kind]} at {at}")
         if self.reporter is not None:
             self.reporter.hung(self.step, kind, error)
         rank = self.reporter.ident.rank if self.reporter is not None else 0
