@@ -15,7 +15,6 @@ import faulthandler
 import logging
 import math
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from train.guards.watchdog import CHECKPOINT, EVALUATION, Watchdog
 from train.models import count_parameters
 from train.observe.manifest import update_manifest
 from train.observe.metrics import MetricsLogger, gpu_memory_stats
+from train.observe.stragglers import Intervals, StepPhases
 
 log = logging.getLogger("train")
 
@@ -58,17 +58,20 @@ def gradient_sync(model: nn.Module, enabled: bool):
     return contextlib.nullcontext()
 
 
-def train_step(c: Components, batches) -> torch.Tensor:
-    """Forward and backward over `accum` micro-batches; returns this rank's mean loss."""
+def train_step(c: Components, batches, phases: StepPhases) -> torch.Tensor:
+    """Forward and backward over `accum` micro-batches; returns this rank's mean loss.
+    ``phases`` times what does not wait for the other ranks (stragglers.py)."""
     total = torch.zeros((), device=c.device)
     for i in range(c.accum):
-        x, y = next(batches)
+        with phases.data():
+            x, y = next(batches)
         x = x.to(c.device, non_blocking=True)
         y = y.to(c.device, non_blocking=True)
         with gradient_sync(c.model, enabled=i == c.accum - 1):
-            with c.autocast():
+            with c.autocast(), phases.compute():
                 loss = c.loss_fn(c.model(x), y) / c.accum
-            (c.scaler.scale(loss) if c.scaler else loss).backward()
+            with phases.backward():
+                (c.scaler.scale(loss) if c.scaler else loss).backward()
         total += loss.detach()
     return total
 
@@ -178,23 +181,21 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
     cadence = Cadence.from_config(cfg)
     samples_per_step = cfg.train.global_batch_size * max(1, c.data.tokens_per_sample)
     batches = iter(train_loader(c, state))
-    last_time, last_step = time.perf_counter(), state.step
+    intervals = Intervals(cfg, env, c.device, state.step, c.model)
     while state.step < cfg.train.max_steps:
         watchdog.pet(state.step)
-        loss = train_step(c, batches)
+        loss = train_step(c, batches, intervals.phases)
         state.advance(cfg.train.global_batch_size)
         step = state.step
         # step 1 too: the starting loss, and the first sign that training runs
         log_now = step % every_log == 0 or step in (1, cfg.train.max_steps)
         lr = c.scheduler.get_last_lr()[0]  # the rate this step's update uses
-        norm, applied = optimizer_step(c, guard, step)
+        with intervals.phases.optimizer():
+            norm, applied = optimizer_step(c, guard, step)
         if metrics is not None:
             metrics.step(step)
         if log_now:
-            now = time.perf_counter()
-            loss_value, step_time = ranks.mean_over_ranks(
-                [loss, (now - last_time) / (step - last_step)], c.device, env.distributed)
-            last_time, last_step = now, step
+            loss_value, step_time, stragglers = intervals.end(step, loss)
             stop.pace(step_time)
             watchdog.pace(step_time)
             guard.loss(step, loss_value, applied)
@@ -202,7 +203,10 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
                 values = {"loss": loss_value, "lr": lr, "grad_norm": norm}
                 values["throughput"] = samples_per_step / step_time
                 values.update(gpu_memory_stats(c.device))
-                metrics.log(step, values, step_time=step_time)
+                metrics.log(step, values, step_time=step_time,
+                            ranks=intervals.judge.worst if env.distributed else None)
+                for finding in stragglers:
+                    metrics.straggler(finding)
         if every_eval and step % every_eval == 0 and step < cfg.train.max_steps:
             with watchdog.watching(EVALUATION, step):
                 log_eval(c, metrics, step, watchdog.progress)

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.harness.procs import below, cmdline, environ, pids
+from tests.harness.procs import environ, worker_of_rank
 from tests.harness.runs import ENTRY, TINY_MLP, clean_env, limit, merge, write_config
 from train.core.protocol import Report
 
@@ -126,7 +126,7 @@ def test_a_frozen_rank_is_named_by_its_last_progress(tmp_path):
     for line in proc.stdout:
         if "step 20/" in line:  # "[default0]:step 20/...", torchrun's prefix
             break
-    frozen = _rank_process(proc.pid, "1")
+    frozen = worker_of_rank(proc.pid, "1")
     reported = _progress(frozen, at_least=20)
     os.kill(frozen, signal.SIGSTOP)  # no watchdog of its own can run now
     try:
@@ -160,15 +160,6 @@ def _progress(pid: int, at_least: int) -> int:
             return step
         time.sleep(0.1)
     raise AssertionError(f"{report} never reached step {at_least}")
-
-
-def _rank_process(launcher: int, rank: str) -> int:
-    """The worker process below the launcher whose RANK is ``rank``."""
-    for pid in pids():
-        if environ(pid).get("RANK") == rank and "train.worker" in cmdline(pid) and \
-                below(pid, launcher):
-            return pid
-    raise AssertionError(f"no worker of rank {rank} below {launcher}")
 
 
 def test_a_rank_frozen_in_a_checkpoint_is_named_before_the_collective_timeout(tmp_path):

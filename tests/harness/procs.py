@@ -96,3 +96,12 @@ def environ(pid: int) -> dict[str, str]:
         return {}
     return dict(entry.split("=", 1) for entry in raw.decode(errors="replace").split("\0")
                 if "=" in entry)
+
+
+def worker_of_rank(launcher: int, rank: str) -> int:
+    """The training worker below the launcher whose RANK is ``rank``."""
+    for pid in pids():
+        if environ(pid).get("RANK") == rank and "train.worker" in cmdline(pid) and \
+                below(pid, launcher):
+            return pid
+    raise AssertionError(f"no worker of rank {rank} below {launcher}")

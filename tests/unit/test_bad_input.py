@@ -66,6 +66,8 @@ CASES = [
     ("duplicate key", None, "seed: 1\nmodel:\n  depth: 1\nseed: 2\n", [], {}, 2, "seed",
      "appears twice (lines 1 and 4)"),
     ("empty output.dir", TINY_GPT, None, ["output.dir="], {}, 2, "output.dir", "is empty"),
+    ("a straggler ratio that calls every rank slow", TINY_GPT, None,
+     ["logging.straggler_ratio=0.9"], {}, 2, "logging.straggler_ratio", "or 0 for off"),
     ("a global batch no machine holds", TINY_GPT, None, ["train.global_batch_size=10**13"], {}, 2,
      "train.global_batch_size", "expected an integer"),
     ("a global batch no machine holds (int)", TINY_GPT, None,

@@ -112,15 +112,22 @@ def from_main(value, env: WorkerIdentity):
     return box[0]
 
 
-def mean_over_ranks(values: list[torch.Tensor | float], device: torch.device,
-                    distributed: bool) -> list[float]:
-    """One all-reduce for several scalars (loss, step time, ...)."""
+def gather_over_ranks(values: list[torch.Tensor | float], device: torch.device,
+                      distributed: bool) -> list[list[float]]:
+    """One all-gather for several scalars (loss, step time, phase times ...): every
+    rank's values, in rank order, on every rank."""
     stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
                            for v in values])
-    if distributed:
-        dist.all_reduce(stacked, op=dist.ReduceOp.SUM)
-        stacked /= dist.get_world_size()
-    return stacked.tolist()
+    if not distributed:
+        return [stacked.tolist()]
+    rows = [torch.empty_like(stacked) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, stacked)
+    return torch.stack(rows).tolist()
+
+
+def mean_of(rows: list[list[float]], columns: int) -> list[float]:
+    """The mean over ranks of the first ``columns`` values of each rank's row."""
+    return [sum(row[i] for row in rows) / len(rows) for i in range(columns)]
 
 
 def shutdown_distributed(clean: bool) -> None:

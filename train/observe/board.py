@@ -96,6 +96,10 @@ class Board:
         for key, value in values.items():
             self.train.add_scalar(tag(key, TRAIN_TAGS), value, step)
 
+    def note(self, step: int, name: str, text: str) -> None:
+        """A line of text at a step (the Text tab): a straggler named, say."""
+        self.train.add_text(name, text, step)
+
     def log_val(self, step: int, values: dict[str, float]) -> None:
         self.val = self.val or self._writer("val")
         for key, value in values.items():

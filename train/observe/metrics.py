@@ -9,6 +9,7 @@ appears once: the rerun's values.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -26,6 +27,11 @@ from train.observe.trackers import Trackers
 
 if TYPE_CHECKING:
     import torch
+
+    from train.observe.stragglers import Finding
+
+log = logging.getLogger("train")
+SLOWEST_RANK = "ranks/slowest_ratio"
 
 
 def truncate_jsonl(path: Path, keep_through_step: int) -> None:
@@ -64,13 +70,28 @@ class MetricsLogger:
         self.closed = False
         self.writes_text = cfg.model.kind == "gpt" and cfg.data.kind == "text"  # bytes
 
-    def log(self, step: int, values: dict[str, float], *, step_time: float) -> None:
-        row = {"step": step, **values, "step_time_s": step_time, "time": time.time()}
+    def log(self, step: int, values: dict[str, float], *, step_time: float,
+            ranks: float | None = None) -> None:
+        """``ranks``: the slowest rank's phase time over the others' median (stragglers),
+        in the files and trackers, not on the console."""
+        recorded = {**values, "step_time_s": step_time}
+        if ranks is not None:
+            recorded[SLOWEST_RANK] = ranks
+        row = {"step": step, **recorded, "time": time.time()}
         self.jsonl.write(json_text(row) + "\n")
         if self.tb:
-            self.tb.log_train(step, {**values, "step_time_s": step_time})
-        self.trackers.log(step, {**values, "step_time_s": step_time})
+            self.tb.log_train(step, recorded)
+        self.trackers.log(step, recorded)
         self.console.row(step, values, step_time)
+
+    def straggler(self, finding: Finding) -> None:
+        """A rank named slow (or keeping pace again): the console, metrics.jsonl and
+        TensorBoard's text tab."""
+        self.console.end_line()
+        log.warning("%s", finding.line())
+        self.jsonl.write(json_text({**finding.record(), "time": time.time()}) + "\n")
+        if self.tb:
+            self.tb.note(finding.step, "stragglers", finding.line())
 
     def step(self, step: int) -> None:
         """Every step: moves the console's bar and feeds its ETA (no device sync)."""

@@ -110,6 +110,9 @@ def _check_run(cfg: Config, fail: kinds.Fail) -> None:
                                   "the lease")
     if not cfg.output.dir.strip():
         fail("output.dir", "is empty; a directory for run directories, e.g. runs")
+    if 0 < cfg.logging.straggler_ratio <= 1:
+        fail("logging.straggler_ratio", f"{val('logging.straggler_ratio')} would call every "
+                                        "rank slow; more than 1 (e.g. 1.3), or 0 for off")
 
 
 def _check_lists(cfg: Config, fail: kinds.Fail) -> None:

@@ -248,6 +248,12 @@ class LoggingConfig:
     progress: Literal["auto", "bar", "plain"] = opt(AUTO, "Console style; auto: a live bar on "
                                                           "a terminal, plain lines otherwise.")
     tensorboard: bool = opt(True, "Write TensorBoard events to the run's tb/ directory.")
+    straggler_ratio: float = opt(1.3, "Name a rank whose data wait or compute per step is "
+                                      "this many times the other ranks' median (0 = off).",
+                                 ge=0.0)
+    straggler_steps: int = opt(30, "Stragglers are judged over the last N steps (and 10 s at "
+                                   "least), by each rank's median logging interval: a slow "
+                                   "step now and then is no alarm.", ge=1)
     mlflow: MlflowConfig = opt(MlflowConfig, "MLflow tracking (optional).", factory=True)
     wandb: WandbConfig = opt(WandbConfig, "Weights & Biases tracking (optional).", factory=True)
 

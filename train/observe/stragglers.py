@@ -1,0 +1,254 @@
+"""A rank slower than its peers is named: which rank, on which host, in which phase.
+
+In a data-parallel job every step waits for the slowest rank, so one throttling GPU, a
+starved CPU or a slow data source slows the whole job, and nothing in the step time
+says where. Each rank therefore measures its own part of each step, the parts that do
+not wait for the other ranks:
+
+- *data*: waiting for the next batch (its DataLoader, its storage);
+- *compute*: the forward pass and loss, the backward pass up to the last gradient this
+  rank made (DDP's gradient all-reduce ends the backward pass with a wait for the
+  slowest rank: that wait is not counted), and the optimizer's update. On a GPU, whose
+  kernels finish later than Python returns, the forward pass alone, timed with CUDA
+  events (the host is never synchronised for it).
+
+Under FSDP the forward pass gathers parameters too, so its split is rougher (a slow
+rank still shows in *data*).
+
+At each logging step the ranks' figures travel in the same collective that already
+averages the loss and step time (an all-gather instead of an all-reduce: no extra
+collective per step). Rank 0 compares each rank's median logging interval over the last
+``logging.straggler_steps`` steps (and at least :data:`WINDOW_S` seconds) with the
+median of the others': a rank at
+``logging.straggler_ratio`` times that or more, whose excess costs the job at least
+:data:`MIN_COST` of a step, is slow, and is named once, on the console and in
+metrics.jsonl and TensorBoard; when it keeps pace again, that is said too. A slow
+interval now and then (a hiccup; a busy machine preempting the ranks by turns) moves
+no median; all ranks slowing together keeps every ratio near 1.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from train.core.config import Config
+from train.core.identity import WorkerIdentity
+from train.distributed import ranks
+
+PHASES = ("data", "compute")
+MIN_COST = 0.05  # of a step: a rank slower than this by less costs nothing worth a line
+FLOOR_S = 1e-4   # the others' time taken as at least this for a ratio (no data wait: 0)
+# A window shorter than this is a few scheduler time slices of a busy CPU: noise.
+WINDOW_S = 10.0
+
+
+class StepPhases:
+    """This rank's seconds in each phase since the last :meth:`take`."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.data_s = 0.0
+        self.compute_s = 0.0
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.last_gradient: float | None = None  # when this rank's last gradient was made
+
+    def watch(self, model: torch.nn.Module) -> None:
+        """On the CPU, the backward pass counts up to this rank's last gradient, made
+        before DDP's final wait for the all-reduce: a hook per parameter (a clock read).
+        A GPU's kernels finish later than their hooks run: there the forward pass alone
+        (its CUDA events) stands for compute."""
+        if self.cuda:
+            return
+        for param in model.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._gradient_made)
+
+    def _gradient_made(self, param: torch.Tensor) -> None:
+        self.last_gradient = time.perf_counter()
+
+    @contextmanager
+    def data(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.data_s += time.perf_counter() - start
+
+    @contextmanager
+    def compute(self) -> Iterator[None]:
+        """The forward pass and loss."""
+        if self.cuda:  # kernels run later than Python returns: time them on the device
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+            return
+        start_s = time.perf_counter()
+        yield
+        self.compute_s += time.perf_counter() - start_s
+
+    @contextmanager
+    def backward(self) -> Iterator[None]:
+        """The backward pass, up to its last gradient (the CPU only; see :meth:`watch`)."""
+        start, self.last_gradient = time.perf_counter(), None
+        yield
+        if self.last_gradient is not None:
+            self.compute_s += self.last_gradient - start
+
+    @contextmanager
+    def optimizer(self) -> Iterator[None]:
+        """The optimizer's update (the CPU only: on a GPU it is asynchronous)."""
+        start = time.perf_counter()
+        yield
+        if not self.cuda:
+            self.compute_s += time.perf_counter() - start
+
+    def take(self) -> tuple[float, float]:
+        """(data, compute) seconds since the last take; starts counting again."""
+        compute = self.compute_s
+        for start, end in self.events:
+            end.synchronize()
+            compute += start.elapsed_time(end) / 1000
+        taken = (self.data_s, compute)
+        self.data_s, self.compute_s, self.events = 0.0, 0.0, []
+        return taken
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A rank named slow (or no longer slow) at ``step``."""
+    step: int
+    rank: int
+    host: str
+    phase: str              # data | compute
+    ratio: float            # its phase time / the others' median
+    seconds: float          # its time in that phase, per step
+    others_s: float         # the others' median, per step
+    steps: int              # how long it has been slow (0: it recovered)
+
+    def line(self) -> str:
+        where = f"rank {self.rank} ({self.host})"
+        if not self.steps:
+            return f"straggler: {where} keeps pace again at step {self.step}"
+        return (f"straggler: {where} is slow in {self.phase}: {self.ratio:.1f}x the other "
+                f"ranks' median ({self.seconds * 1000:.0f} vs {self.others_s * 1000:.0f} ms "
+                f"a step) for the last {self.steps} steps; every step waits for it")
+
+    def record(self) -> dict:
+        return {"step": self.step, "event": "straggler" if self.steps else "straggler_over",
+                "rank": self.rank, "host": self.host, "phase": self.phase,
+                "ratio": round(self.ratio, 3), "seconds": self.seconds,
+                "others_seconds": self.others_s, "steps": self.steps}
+
+
+@dataclass
+class Stragglers:
+    """Rank 0's judge: :meth:`observe` every logging interval's per-rank figures."""
+    ratio: float
+    steps: int
+    hosts: list[str]
+    window: deque = field(default_factory=deque)   # (steps, per-rank figures, step time)
+    named: dict[int, str] = field(default_factory=dict)        # rank -> its slow phase
+    worst: float = 1.0      # the slowest rank's data + compute / the others' median
+
+    def observe(self, step: int, interval: int, per_rank: list[tuple[float, float]],
+                step_time: float) -> list[Finding]:
+        """``per_rank``: each rank's (data, compute) seconds per step over the last
+        ``interval`` steps, which ended at ``step`` and took ``step_time`` each. Judged
+        over the last ``steps`` steps (or a little more), by each rank's median interval:
+        a slow interval now and then moves nothing, a rank slow in most stands out."""
+        self.worst = 1.0
+        if self.ratio <= 0 or len(per_rank) < 2:
+            return []
+        self.window.append((interval, per_rank, step_time))
+        while self._covers(list(self.window)[1:]):
+            self.window.popleft()
+        if not self._covers(self.window):
+            return []
+        covered = sum(n for n, _, _ in self.window)
+        # each rank's median interval per phase: one spike in the window moves nothing
+        means = [tuple(statistics.median(rows[r][i] for _, rows, _ in self.window)
+                       for i in range(len(PHASES))) for r in range(len(per_rank))]
+        mean_step = statistics.median(t for _, _, t in self.window)
+        totals = [sum(m) for m in means]
+        self.worst = max(total / max(statistics.median(totals[:r] + totals[r + 1:]), FLOOR_S)
+                         for r, total in enumerate(totals))
+        findings = []
+        for rank in range(len(means)):
+            slow = self._slowest_phase(rank, means, mean_step)
+            if slow is None:
+                findings += self._recovered(step, rank)
+                continue
+            phase, mine, others = slow
+            if self.named.get(rank) != phase:
+                self.named[rank] = phase
+                findings.append(Finding(step, rank, self._host(rank), phase,
+                                        mine / max(others, FLOOR_S), mine, others, covered))
+        return findings
+
+    def _covers(self, intervals) -> bool:
+        """Enough to judge: ``steps`` steps and WINDOW_S seconds."""
+        return sum(n for n, _, _ in intervals) >= self.steps and \
+            sum(n * t for n, _, t in intervals) >= WINDOW_S
+
+    def _slowest_phase(self, rank: int, means: list[tuple[float, ...]],
+                       step_time: float) -> tuple[str, float, float] | None:
+        """(phase, its seconds, the others' median) of its slowest phase, if slow."""
+        worst = None
+        for i, phase in enumerate(PHASES):
+            mine = means[rank][i]
+            others = statistics.median(r[i] for j, r in enumerate(means) if j != rank)
+            costly = mine - others >= MIN_COST * max(step_time, 1e-9)
+            if costly and mine >= self.ratio * others and (
+                    worst is None or mine - others > worst[1] - worst[2]):
+                worst = (phase, mine, others)
+        return worst
+
+    def _recovered(self, step: int, rank: int) -> list[Finding]:
+        phase = self.named.pop(rank, None)
+        if phase is None:
+            return []
+        return [Finding(step, rank, self._host(rank), phase, 1.0, 0.0, 0.0, 0)]
+
+    def _host(self, rank: int) -> str:
+        return self.hosts[rank] if rank < len(self.hosts) else "?"
+
+
+class Intervals:
+    """The logging intervals of one rank: its step time and phase times since the last
+    logging step, exchanged with every rank's in the one collective that averages the
+    loss; rank 0 judges the stragglers."""
+
+    def __init__(self, cfg: Config, env: WorkerIdentity, device: torch.device, step: int,
+                 model: torch.nn.Module):
+        self.env, self.device = env, device
+        self.phases = StepPhases(device)
+        self.last_time, self.last_step = time.perf_counter(), step
+        hosts = ranks.gather(env)(socket.gethostname()) \
+            if env.distributed and cfg.logging.straggler_ratio > 0 else []
+        self.judge = Stragglers(cfg.logging.straggler_ratio, cfg.logging.straggler_steps,
+                                hosts)
+        if hosts:
+            self.phases.watch(model)
+
+    def end(self, step: int, loss: torch.Tensor) -> tuple[float, float, list[Finding]]:
+        """Collective, at a logging step: (mean loss, mean step time, stragglers named
+        or recovered: rank 0's, empty elsewhere)."""
+        now, count = time.perf_counter(), step - self.last_step
+        data_s, compute_s = self.phases.take()
+        rows = ranks.gather_over_ranks(
+            [loss, (now - self.last_time) / count, data_s / count, compute_s / count],
+            self.device, self.env.distributed)
+        self.last_time, self.last_step = now, step
+        loss_value, step_time = ranks.mean_of(rows, 2)
+        findings = self.judge.observe(step, count, [(r[2], r[3]) for r in rows], step_time) \
+            if self.env.is_main else []
+        return loss_value, step_time, findings
