@@ -67,3 +67,20 @@ def test_auto_micro_batch_probes_gpu_memory(tmp_path):
     proc = run_train(write_config(tmp_path / "a.yaml", tree), gpu=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "train.micro_batch_size=auto: 64 fits" in proc.stderr  # a tiny model fits whole
+
+
+def test_the_straggler_clock_times_gpu_work_with_cuda_events():
+    """The forward pass on a GPU is timed on the device (CUDA events): a bigger matmul
+    takes longer there, whatever Python's clock saw when it returned."""
+    import torch
+
+    from train.observe.stragglers import StepPhases
+    phases = StepPhases(torch.device("cuda"))
+    x = torch.randn(4096, 4096, device="cuda")
+    taken = []
+    for repeats in (1, 20):
+        with phases.compute():
+            for _ in range(repeats):
+                x = (x @ x) / 4096
+        taken.append(phases.take()[1])
+    assert 0 < taken[0] < taken[1], taken
