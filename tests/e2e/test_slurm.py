@@ -364,3 +364,25 @@ def test_without_requeue_the_signal_still_stops_with_a_checkpoint_and_says_so(cl
     assert len(warned) == 1 and "scontrol requeue" in warned[0], text[-3000:]
     assert "sbatch --requeue" in warned[0]
     assert (cluster.work / "runs" / name / "checkpoints" / "latest").exists()
+
+
+# Last in this file: the cluster's hosts keep the nameserver that never answers.
+DNS_STARTS = int(os.environ.get("TEST_SLURM_DNS_STARTS", "3"))  # 10 when measuring
+
+
+def test_a_nameserver_that_never_answers_causes_no_false_node_loss(cluster):
+    """What air-gapped and HPC nodes often have: lookups that hang. One task per node,
+    started again and again: every start trains to its end, no node is called lost."""
+    for host in cluster.hosts:
+        cluster.net.hanging_nameserver(host)
+    for start in range(DNS_STARTS):
+        cfg = write_config(cluster.work / f"dns{start}.yaml", merge(TINY_MLP, {
+            "run": {"name": f"dns{start}"}, "output": {"dir": str(cluster.work / "runs")},
+            "train": {"max_steps": 4, "eval_every_steps": 0}}))
+        done = cluster.run(train_step("-N2", "--ntasks-per-node=1", cfg=cfg),
+                           env=task_env(), timeout=600)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, f"start {start}: {output[-3000:]}"
+        assert "lost node" not in output, f"start {start}: {output[-3000:]}"
+        assert "heartbeat: node 1 (" in output, output[-3000:]
+    print(f"{DNS_STARTS} SLURM starts of 2 nodes behind a nameserver that hangs: no false loss")
