@@ -1,6 +1,6 @@
 """The preflight check's rule (train/core/preflight.py): every rank's measurements in,
 the lines rank 0 prints out; when a run checks at all; its config keys; what it
-records; and one rank's measurement for real
+records; ``doctor --comm`` judging its probes alike; and one rank's measurement for real
 (a process group of one, in a subprocess). Real multi-node runs:
 tests/e2e/test_preflight_runs.py."""
 
@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.harness.runs import QUICKSTART, TINY_MLP, limit, worker_env
-from train.core import rundir
+from train.core import protocol, rundir
 from train.core.config import load_config
 from train.core.errors import ConfigError
 from train.core.identity import WorkerIdentity
@@ -146,9 +146,30 @@ def test_each_check_is_appended_to_preflight_json_keeping_the_last_ones(tmp_path
     assert len(json.loads((tmp_path / rundir.PREFLIGHT).read_text())["checks"]) == 1
 
 
+def probe_report(folder, r: int, gflops: float, nonfinite: str | None = None) -> None:
+    ident = WorkerIdentity(rank=r, local_rank=r, status_dir=str(folder))
+    protocol.Reporter(ident, protocol.COMM).stage("done", probe=protocol.Probe(
+        world_size=3, ok=True, seconds=0.002, bytes=MIB, bus_gb_s=1.0, gflops=gflops,
+        nonfinite=nonfinite, host="gpu-7", node=0, check_s=0.5))
+
+
+def test_doctor_comm_judges_its_probes_as_training_does(tmp_path):
+    from launcher import comm
+    for r, g in enumerate((300e3, 80e3, 310e3)):
+        probe_report(tmp_path, r, g)
+    result = comm.summarise(str(tmp_path), 3, [], ["", "", ""], "gpu", "nccl", 30)
+    assert result["ok"] and result["problems"] == []
+    assert result["slow"] == result["preflight"] == [
+        "preflight: rank 1 (node 0, gpu-7) matmul 0.27x the median (80 vs 300 TFLOP/s)"]
+    probe_report(tmp_path, 1, 300e3, nonfinite="NaN")
+    result = comm.summarise(str(tmp_path), 3, [], ["", "", ""], "gpu", "nccl", 30)
+    assert not result["ok"]
+    assert result["problems"] == ["preflight: rank 1 (node 0, gpu-7) matmul gave NaN"]
+
+
 def test_one_rank_measures_for_real():
     """A process group of one (gloo): the matmul's rate, its finite result, the
-    all-reduce's time and sum, as a training rank measures them."""
+    all-reduce's time and sum, as training and doctor --comm measure them."""
     code = textwrap.dedent("""\
         import datetime, json, dataclasses
         import torch, torch.distributed as dist
@@ -171,3 +192,22 @@ def test_one_rank_measures_for_real():
     assert got["stages"] == ["matmul", "allreduce"] and got["parts"] == 12  # 2 x (1 + 5)
     assert got["node"] == 0 and got["seconds"] > 0
 
+
+@pytest.mark.parametrize(("mode", "level", "code"), [("warn", "warn", 0), ("fail", "fail", 3)])
+def test_doctor_comm_warns_of_a_slow_rank_or_fails_as_training_would(monkeypatch, mode, level,
+                                                                     code):
+    """What the probes measured stood in for (a slow GPU this machine does not have)."""
+    from launcher import comm, doctor, environ
+    line = "preflight: rank 1 (node 0, gpu-7) matmul 0.27x the median (80 vs 300 TFLOP/s)"
+    monkeypatch.setattr(comm, "run", lambda *a, **kw: {
+        "ok": True, "device": "gpu", "backend": "nccl", "processes": 2, "seconds": 0.002,
+        "bus_gb_s": 90.0, "problems": [], "slow": [line], "preflight": [line], "ranks": []})
+    report = {"plan": {"device": "gpu", "backend": "nccl", "nproc_per_node": 2, "env": {}},
+              "hardware": {"gpus": [{}, {}]}, "findings": [], "exit_code": 0,
+              "preflight": {"mode": mode, "slow_ratio": 0.5}}
+    doctor.add_comm(report, environ.read({"PATH": "/usr/bin"}), 30)
+    assert report["exit_code"] == code
+    assert [(f["level"], f["message"]) for f in report["findings"]] == [(level, line)]
+    assert doctor._comm_lines(report["comm"]) == [
+        "comm       matmul and all-reduce over 2 process(es), gpu/nccl: ok; all-reduce 2.0 ms, "
+        "bus bandwidth 90.0 GB/s"]

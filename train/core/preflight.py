@@ -1,8 +1,8 @@
 """The preflight check's verdict: every rank's measurements in, the lines rank 0 prints out.
 
-Before step 1 of a multi-node run (``distributed.preflight``), every rank times a matmul
-of a fixed size on its device and an all-reduce of a fixed size with its peers
-(:mod:`train.guards.preflight` measures, with torch). What they
+Before step 1 of a multi-node run (``distributed.preflight``) and in ``doctor --comm``,
+every rank times a matmul of a fixed size on its device and an all-reduce of a fixed
+size with its peers (:mod:`train.guards.preflight` measures, with torch). What they
 measured comes here, as one :class:`RankResult` per rank, and :func:`judge` says what is
 wrong, one line each:
 
@@ -17,7 +17,7 @@ measures about the same): it is shown as a range in the summary line, never used
 name a node. With nothing wrong, one summary line:
 ``preflight: 4 ranks on 2 nodes in 1.2 s: matmul 14-15 GFLOP/s, all-reduce 1 MiB 2.1-2.4 ms``.
 
-Torch-free and pure.
+Torch-free and pure, so that the launcher (``doctor --comm``) and the workers judge alike.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ the job: a restart on the same nodes would measure the same), the line naming th
 About a second on CPUs and GPUs alike. It is bounded by the hang watchdog: each
 repetition is a part of the ``preflight`` phase (:mod:`train.guards.watchdog`), so a rank
 stuck in its matmul or in the all-reduce is named within its allowance, never left
-to ``distributed.timeout_s``.
+to ``distributed.timeout_s``. ``doctor --comm`` runs :func:`measure` in its probes
+(:mod:`train.comm_probe`), so both measure alike.
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ class DistributedConfig:
                 "an all-reduce with its peers (about a second); rank 0 names a node far "
                 "slower than the others or failing (NaN, an error) and keeps the numbers in "
                 "RUN_DIR/preflight.json. warn: the lines, training goes on; fail: exit 3 "
-                "before step 1; off: no check.")
+                "before step 1; off: no check. doctor --comm runs the same check.")
     preflight_slow_ratio: float = opt(0.5, "preflight: a rank whose matmul runs below this "
                                            "fraction of the median rank's is named as slow.",
                                       gt=0.0, le=1.0)
