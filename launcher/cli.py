@@ -25,7 +25,8 @@ commands:
   train --help-config every config key with its type, default and meaning
   doctor [--json] [--comm] [CONFIG [dotted.key=value ...]]
                       what was detected and whether training can run here;
-                      --comm also runs a small all-reduce across local processes
+                      --comm also runs the preflight check across local processes
+                      (a timed matmul on each, a timed all-reduce among them)
   launch [--dry-run] [dotted.key=value ...] SCRIPT.py [args ...]
   launch [--dry-run] [dotted.key=value ...] -m MODULE [args ...]
                       your own torchrun-compatible script under the same plan as

@@ -5,7 +5,8 @@ vs the image's torch build), the plan a ``train`` would make (device, backend,
 processes, nodes), /dev/shm, the output folder, network interfaces, the rendezvous
 host's resolution and the image's build manifest. Exits 0 when training would
 start, 2 for an invalid config or environment, 3 when this machine/image cannot run
-it. ``--comm`` adds a small all-reduce across the local processes/GPUs.
+it. ``--comm`` adds the preflight check across the local processes/GPUs: a timed matmul
+on each, a timed all-reduce among them (:mod:`launcher.comm`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from launcher import conventions, rdma, system
 from launcher.environ import Environ
 from launcher.hardware import Finding, TorchBuild
+from train.core.config import DistributedConfig
 from train.core.host import read_build_manifest
 
 GIB = 1024 ** 3
@@ -40,6 +42,8 @@ def gather(env: Environ, config_path: str | None, overrides: list[str]) -> dict:
                                 f"rendezvous host {host} resolves to {', '.join(addrs)}"
                                 if addrs else f"rendezvous host {host} does not resolve yet",
                                 None if addrs else "train waits for it (TRAIN_DNS_WAIT_S)"))
+    settings = p.cfg.distributed if p.cfg else DistributedConfig()
+    report["preflight"] = {"mode": settings.preflight, "slow_ratio": settings.preflight_slow_ratio}
     report["network"] = _network(env)
     report["slurm"] = _slurm_allocation(env)
     report["rdma"] = rdma.detect(env.hw_root, env.raw)
@@ -195,17 +199,21 @@ def _manifest_findings(content: dict | None, tb: TorchBuild) -> list[Finding]:
 def _comm_lines(c: dict) -> list[str]:
     if c.get("skipped"):
         return [f"comm       skipped: {c['skipped']}"]
-    head = (f"comm       all-reduce over {c['processes']} process(es), {c['device']}/"
-            f"{c['backend']}: " + ("ok" if c["ok"] else "FAILED"))
+    head = (f"comm       matmul and all-reduce over {c['processes']} process(es), "
+            f"{c['device']}/{c['backend']}: " + ("ok" if c["ok"] else "FAILED"))
     if c.get("seconds"):
-        head += f" in {c['seconds'] * 1000:.1f} ms"
+        head += f"; all-reduce {c['seconds'] * 1000:.1f} ms"
     if c.get("bus_gb_s"):
         head += f", bus bandwidth {c['bus_gb_s']:.1f} GB/s"
-    return [head] + [f"FAIL       {p}" for p in c["problems"]]
+    shown = [f"comm       {line}" for line in c.get("preflight", [])
+             if line not in c["problems"] + c.get("slow", [])]  # the summary: the rest are findings
+    return [head, *shown] + [f"FAIL       {p}" for p in c["problems"]]
 
 
 def add_comm(report: dict, env: Environ, timeout_s: float) -> None:
-    """Run the all-reduce check with the planned device/backend; fold it into the report."""
+    """Run the preflight check (matmul, all-reduce) with the planned device/backend; fold
+    it into the report. A rank far slower than the others is a warning, or a failure
+    (exit 3) when the config says distributed.preflight: fail, as training would."""
     from launcher import comm
     p = report.get("plan")
     if not p:
@@ -214,13 +222,21 @@ def add_comm(report: dict, env: Environ, timeout_s: float) -> None:
         return
     nproc = p["nproc_per_node"] if p["nproc_per_node"] > 1 else \
         ((len(report["hardware"]["gpus"]) or 1) if p["device"] == "gpu" else 2)
+    mode, ratio = report["preflight"]["mode"], report["preflight"]["slow_ratio"]
     result = comm.run(p["device"], p["backend"], nproc, timeout_s, env.raw, p["env"],
-                      system.free_port())
+                      system.free_port(), slow_ratio=ratio)
     report["comm"] = result
     if not result["ok"]:
         report["exit_code"] = 1
         report["findings"].append(Finding("fail", "comm", "; ".join(result["problems"]), None,
                                           1).to_dict())
+    for line in result["slow"]:
+        fail = mode == "fail"
+        report["findings"].append(Finding(
+            "fail" if fail else "warn", "comm", line, "distributed.preflight=fail would stop "
+            "training here (exit 3)" if fail else None, 3 if fail else 0).to_dict())
+        if fail:
+            report["exit_code"] = report["exit_code"] or 3
 
 
 def main(env: Environ, config_path: str | None, overrides: list[str], *, as_json: bool,

@@ -7,7 +7,7 @@ time limit (about 7 minutes in all without ``GPU_CHECK_SUITE``):
 ======== =====================================================================
 deps     python, torch build, the packages the launcher and worker import
 doctor   ``entrypoint.py doctor --json`` (detection, driver vs build, plan)
-comm     ``doctor --comm`` (all-reduce over the GPUs, nccl)
+comm     ``doctor --comm`` (the preflight check: matmul on each GPU, all-reduce, nccl)
 train    quickstart, bf16, one GPU, nccl, 60 steps
 stop     the same run, SIGTERM after a few steps: exit 143 with a checkpoint
 tests    the suite's GPU-marked tests (``pytest -m gpu``)
@@ -204,6 +204,7 @@ def _offload(ctx: Context) -> list[str]:
 GPU_STAGES: tuple[Stage, ...] = (
     Stage("comm", 90, lambda c: c.entry("doctor", "--comm", "--comm-timeout", "45"),
           lambda c, out: " ".join([first_match(r"(?<=^comm ).*", out).strip(),
+                                   first_match(r"preflight: .*", out),
                                    first_match(r"^FAIL.*rank.*", out)]).strip()),
     Stage("train", 100, lambda c: c.train("bf16", "train.max_steps=60",
                                           "checkpoint.every_steps=0"),

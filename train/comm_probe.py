@@ -1,22 +1,23 @@
-"""One process of ``doctor --comm``: join a process group, all-reduce once, say how far
-it got.
+"""One process of ``doctor --comm``: join a process group, run the preflight check's
+matmul and all-reduce (:func:`train.guards.preflight.measure`, as training does before
+step 1 of a multi-node run), say how far it got.
 
 ``python -m train.comm_probe --device gpu|cpu --backend nccl|gloo|mpi --timeout S``,
 started by :mod:`launcher.comm` with torchrun's variables set by hand. Each stage it
-reaches (start, init, all-reduce, done, or error) is written as a report
-(:mod:`train.core.protocol`), so the parent can name the rank that hung and where.
+reaches (start, init, matmul, allreduce, done, or error) is written as a report
+(:mod:`train.core.protocol`), with the measurements at the end, so the parent can name
+the rank that hung and where, and judge the ranks as training would
+(:func:`train.core.preflight.judge`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from train.core.protocol import COMM, Probe, Reporter
 
-STAGES = ("start", "init", "allreduce", "done")
-ELEMENTS = {"gpu": 16 * 1024 * 1024, "cpu": 256 * 1024}   # 64 MiB / 1 MiB of float32
+STAGES = ("start", "init", "matmul", "allreduce", "done")
 
 
 def child(argv: list[str]) -> int:
@@ -33,6 +34,8 @@ def child(argv: list[str]) -> int:
 
         import torch
         import torch.distributed as dist
+
+        from train.guards import preflight
         device = torch.device("cpu")
         kwargs = {}
         if args.device == "gpu":
@@ -42,31 +45,21 @@ def child(argv: list[str]) -> int:
         reporter.stage("init")
         dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout),
                                 **kwargs)
+        torch.set_num_threads(ident.cpus_per_rank())  # as a training rank runs
         world = dist.get_world_size()
-        x = torch.ones(ELEMENTS[args.device], device=device)
-        reporter.stage("allreduce", probe=Probe(world_size=world))
-        dist.all_reduce(x)  # warm-up (connects the ring)
-        x.fill_(1.0)
-        _sync(torch, device)
-        start = time.perf_counter()
-        dist.all_reduce(x)
-        _sync(torch, device)
-        seconds = time.perf_counter() - start
-        ok = bool((x == world).all().item())
-        nbytes = x.numel() * 4
+        r = preflight.measure(ident, device, stage=lambda name: reporter.stage(
+            name, probe=Probe(world_size=world)))
+        nbytes, seconds = r.allreduce_bytes, r.allreduce_ms / 1000
         busbw = nbytes * 2 * (world - 1) / world / seconds / 1e9 if world > 1 else None
-        reporter.stage("done", probe=Probe(world_size=world, ok=ok, seconds=seconds,
-                                           bytes=nbytes, bus_gb_s=busbw))
+        probe = Probe(world_size=world, ok=r.allreduce_ok, seconds=seconds, bytes=nbytes,
+                      bus_gb_s=busbw, gflops=r.gflops, nonfinite=r.nonfinite, host=r.host,
+                      node=r.node, check_s=r.seconds)
+        reporter.stage("error" if r.error else "done", error=r.error, probe=probe)
         dist.destroy_process_group()
-        return 0 if ok else 1
+        return 0 if r.allreduce_ok and not r.error and not r.nonfinite else 1
     except Exception as exc:
         reporter.stage("error", error=f"{type(exc).__name__}: {exc}")
         return 1
-
-
-def _sync(torch, device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ nccl). What it trains with is built by :mod:`train.components`; its progress is 
 :class:`~train.checkpoint.state.TrainState`, saved and restored with the checkpoint. Gradient
 accumulation keeps ``train.global_batch_size`` whatever the world size, and the data
 order is the global one from :mod:`train.data.order`, so a run resized or resumed between
-steps continues exactly where it stopped.
+steps continues exactly where it stopped. Before step 1 of a multi-node run, every rank
+takes part in the preflight check (:mod:`train.guards.preflight`): slow or bad nodes named.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from train.core.protocol import Reporter
 from train.data.order import eval_indices
 from train.distributed import ranks
 from train.guards.divergence import Guard, clear_marker, read_marker, write_marker
+from train.guards.preflight import check_before_training
 from train.guards.stopping import StopFlag
 from train.guards.watchdog import CHECKPOINT, EVALUATION, Watchdog
 from train.models import count_parameters
@@ -291,6 +293,8 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
         c = build(cfg, env, source, placed)
         prepare_run_dir(c)
         refuse_a_diverged_restart(c)
+        watchdog = Watchdog(cfg.distributed.timeout_s, reporter, state_bytes=checkpoint_bytes(c))
+        check_before_training(cfg, env, c.device, c.run_dir, watchdog)  # multi-node only
         state = resume(c)
         metrics = start_logging(c, state)
         guard = make_guard(c, state)
@@ -302,8 +306,6 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
                 metrics.close()
             code = EXIT_OK
         else:
-            watchdog = Watchdog(cfg.distributed.timeout_s, reporter,
-                                state_bytes=checkpoint_bytes(c))
             c.checkpointer.progress = watchdog.progress
             code = run_loop(c, state, stop, metrics, guard, watchdog)
         if metrics is not None:  # stopped by a signal, or by another node: resumable

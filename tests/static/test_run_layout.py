@@ -15,8 +15,8 @@ PRODUCT = ("train", "launcher", "tools")
 OWNER = ROOT / "train" / "core" / "rundir.py"
 # Names distinctive anywhere: spelled as a string in product code, they are a second owner.
 FILE_NAMES = (rundir.CONFIG, rundir.MANIFEST, rundir.METRICS, rundir.RESULT, rundir.TRACKERS,
-              rundir.DIVERGED, rundir.LOCK, rundir.FLOCK, rundir.STATE_FILE, rundir.CHECKSUMS,
-              rundir.EXPORT_WEIGHTS, rundir.EXPORT_META)
+              rundir.DIVERGED, rundir.PREFLIGHT, rundir.LOCK, rundir.FLOCK, rundir.STATE_FILE,
+              rundir.CHECKSUMS, rundir.EXPORT_WEIGHTS, rundir.EXPORT_META)
 # Plain words that mean a run-directory path only where a path is built from them.
 FOLDER_NAMES = (rundir.BOARD, rundir.LOGS, rundir.EXPORT, rundir.CHECKPOINTS, rundir.LATEST,
                 rundir.SHARDS, rundir.WANDB)

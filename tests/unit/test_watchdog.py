@@ -15,7 +15,7 @@ from train.guards.watchdog import SLOW_DISK_BYTES_S, Watchdog
 def _run(body: str) -> subprocess.CompletedProcess:
     code = textwrap.dedent("""\
         import time
-        from train.guards.watchdog import CHECKPOINT, EVALUATION, Watchdog
+        from train.guards.watchdog import CHECKPOINT, EVALUATION, PREFLIGHT, Watchdog
         w = Watchdog(5)  # 80 % of it: a part silent 4 s is a hang
         w.pet(7)
         """) + textwrap.dedent(body)
@@ -40,9 +40,10 @@ def test_a_checkpoint_that_keeps_progressing_outlives_the_limit_then_a_stuck_ste
         in out.stderr, out.stderr[-2000:]
 
 
-def test_a_stuck_evaluation_and_a_stuck_checkpoint_are_named_by_their_phase():
+def test_a_stuck_evaluation_checkpoint_and_preflight_check_are_named_by_their_phase():
     for phase, words in (("EVALUATION", "in the evaluation after step 7"),
-                         ("CHECKPOINT", "in the checkpoint of step 7")):
+                         ("CHECKPOINT", "in the checkpoint of step 7"),
+                         ("PREFLIGHT", "in the preflight check before training")):
         out = _run(f"""\
             with w.watching({phase}, 7):
                 time.sleep(60)
@@ -70,6 +71,21 @@ def test_after_a_phase_the_rest_of_the_step_is_watched_until_a_pause():
     assert "alive" in out.stdout
     assert " in step 9 (80% of distributed.timeout_s: 4 s): stuck in its own code" \
         in out.stderr, out.stderr[-2000:]
+
+
+def test_the_preflight_check_is_allowed_the_floor_per_part_within_the_cap():
+    out = _run("""\
+        w = Watchdog(600)
+        with w.watching(PREFLIGHT, 0):
+            print(w.watched, flush=True)
+        w.pause()
+        w = Watchdog(20)
+        with w.watching(PREFLIGHT, 0):
+            print(w.watched, flush=True)
+        w.pause()
+        """)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["120", "16.0"]
 
 
 def test_a_checkpoint_may_take_as_long_as_its_state_written_slowly_within_the_cap():

@@ -1,8 +1,8 @@
 """A worker process's identity and settings, read from its environment once.
 
 torchrun (or the launcher, for a single process) gives each worker ``RANK``,
-``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE`` and
-``TORCHELASTIC_RESTART_COUNT``; the launcher adds where to report how the worker
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``
+and ``TORCHELASTIC_RESTART_COUNT``; the launcher adds where to report how the worker
 ended. This is the only place a worker reads them; everything else receives a
 :class:`WorkerIdentity`. Torch-free: the launcher's own child processes use it too.
 """
@@ -34,6 +34,7 @@ class WorkerIdentity:
     world_size: int = 1
     local_world_size: int = 1
     group_world_size: int | None = None  # torchrun: nodes in this rendezvous round
+    group_rank: int | None = None        # torchrun: this node's index in the round
     restart_count: int = 0
     relaunch: int = 0                    # the launcher's relaunches of torchrun (same run)
     elastic_run_id: str | None = None    # TORCHELASTIC_RUN_ID: the torchrun job, when there is one
@@ -62,6 +63,7 @@ class WorkerIdentity:
         return cls(rank=num("RANK", 0), local_rank=num("LOCAL_RANK", 0),
                    world_size=num("WORLD_SIZE", 1), local_world_size=num("LOCAL_WORLD_SIZE", 1),
                    group_world_size=num("GROUP_WORLD_SIZE", None),
+                   group_rank=num("GROUP_RANK", None),
                    restart_count=num("TORCHELASTIC_RESTART_COUNT", 0),
                    relaunch=num(RELAUNCH_VAR, 0),
                    elastic_run_id=text("TORCHELASTIC_RUN_ID"),
@@ -76,6 +78,18 @@ class WorkerIdentity:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def nodes(self) -> int:
+        """Nodes in this round (torchrun's GROUP_WORLD_SIZE; 1 without it)."""
+        return self.group_world_size or 1
+
+    @property
+    def node(self) -> int:
+        """This node's index (GROUP_RANK; else from the rank, nodes holding equal shares)."""
+        if self.group_rank is not None:
+            return self.group_rank
+        return self.rank // max(1, self.local_world_size)
 
     @property
     def continuing(self) -> bool:
@@ -109,7 +123,7 @@ class WorkerIdentity:
 
 # torchrun's variables a worker reads: (name, the least value allowed)
 _COUNTS = (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_WORLD_SIZE", 1),
-           ("GROUP_WORLD_SIZE", 1), ("TORCHELASTIC_RESTART_COUNT", 0))
+           ("GROUP_RANK", 0), ("GROUP_WORLD_SIZE", 1), ("TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def check_environ(env: Mapping[str, str] | None = None) -> None:

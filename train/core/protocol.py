@@ -87,12 +87,18 @@ class Failure:
 
 @dataclass(frozen=True)
 class Probe:
-    """What a ``doctor --comm`` process measured of one all-reduce."""
+    """What a ``doctor --comm`` process measured: the preflight check's matmul and
+    all-reduce (:mod:`train.guards.preflight`), and where it ran."""
     world_size: int | None = None
-    ok: bool | None = None
-    seconds: float | None = None
+    ok: bool | None = None             # every all-reduce summed right
+    seconds: float | None = None       # the median all-reduce
     bytes: int | None = None
     bus_gb_s: float | None = None
+    gflops: float | None = None        # the matmul's median repetition
+    nonfinite: str | None = None       # "NaN" or "inf" in the matmul's result
+    host: str | None = None
+    node: int | None = None
+    check_s: float | None = None       # the whole check
 
 
 @dataclass

@@ -17,10 +17,12 @@ holding the GIL): then only the stack dump is there.
 Evaluation and checkpoints are watched too (their collectives are where a partition or a
 frozen peer would otherwise wait out ``distributed.timeout_s`` unnamed): each is a phase
 whose parts say they progressed (an evaluation batch, a checkpoint's agreement round,
-a file written). A checkpoint may write for long without a round: its limit also allows
-the run's state written at SLOW_DISK_BYTES_S and CHECKPOINTS_OF_SILENCE times the longest
-checkpoint seen so far, within the same cap. The line names the phase: ``in step 31``,
-``in the evaluation after step 30``, ``in the checkpoint of step 30``.
+a file written), and so is the multi-node preflight check before training (each of its
+repetitions, for FLOOR_S). A checkpoint may write for long without a round: its limit
+also allows the run's state written at SLOW_DISK_BYTES_S and CHECKPOINTS_OF_SILENCE times
+the longest checkpoint seen so far, within the same cap. The line names the phase: ``in
+step 31``, ``in the evaluation after step 30``, ``in the checkpoint of step 30``, ``in the
+preflight check before training``.
 """
 
 from __future__ import annotations
@@ -92,10 +94,12 @@ WAITS = {WAITS_FOR_RANKS: "waiting for the other ranks (a collective)",
          WAITS_FOR_LOADER: "waiting for its DataLoader workers (data.num_workers)",
          STUCK_IN_OWN_CODE: "stuck in its own code"}
 
-STEP, EVALUATION, CHECKPOINT = "step", "evaluation", "checkpoint"
+STEP, EVALUATION, CHECKPOINT, PREFLIGHT = "step", "evaluation", "checkpoint", "preflight"
 
 
 def _phase_words(phase: str, step: int) -> str:
+    if phase == PREFLIGHT:
+        return "in the preflight check before training"
     if phase == EVALUATION:
         return f"in the evaluation after step {step}"
     if phase == CHECKPOINT:
@@ -161,7 +165,8 @@ class Watchdog:
         (the stop agreement) is watched again, until pause() or the next pet()."""
         in_step = self.step
         self.step, self.phase = step, phase
-        self.watched = self.checkpoint_limit() if phase == CHECKPOINT else self.limit
+        self.watched = self.checkpoint_limit() if phase == CHECKPOINT else \
+            min(self.cap, FLOOR_S) if phase == PREFLIGHT else self.limit
         self.armed_at = -math.inf  # re-armed at once, for this phase's limit
         started = time.monotonic()
         self.progress()
@@ -194,6 +199,8 @@ class Watchdog:
             limit = f"{BEFORE_COLLECTIVES:.0%} of distributed.timeout_s"
         elif self.phase == CHECKPOINT and self.watched > self.limit:
             limit = "the checkpoint's allowance"
+        elif self.phase == PREFLIGHT:
+            limit = "the preflight's allowance per part"
         else:
             limit = f"{STEPS_OF_SILENCE} x its usual step time, at least {FLOOR_S} s"
         error = (f"no progress for {silent_s:.0f} s {_phase_words(self.phase, self.step)} "

@@ -114,6 +114,8 @@ def coerce(value: Any, tp: Any, from_cli: bool) -> Any:
     """
     kind, args = shape(tp)
     if kind == "choice":
+        if value is False and "off" in args:  # YAML 1.1 reads a bare `off` as false
+            return "off"
         return value if value in args else NO
     if kind == "union":
         for arm in args:
