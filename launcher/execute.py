@@ -17,6 +17,7 @@ from train.core import rundir
 from train.core.errors import EXIT_STOPPED_BY_SIGNAL
 
 if TYPE_CHECKING:
+    from launcher.outcome import Outcome
     from launcher.signals import Forwarder
     from train.core.runlock import RunLock
 
@@ -33,13 +34,18 @@ def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -
         if plan.program == "train" else None
     signals = Forwarder(plan.requeue_signal)
     try:
-        code = _supervise(p, log, lock, signals, verbose=verbose)
+        outcome = _supervise(p, log, lock, signals, verbose=verbose)
     finally:
         if lock is not None:
             lock.release()
+    code = outcome.code
+    # after the release: the next incarnation takes the run
     if signals.requeue_asked and code == EXIT_STOPPED_BY_SIGNAL and plan.requeue:
         from launcher.requeue import requeue
-        requeue(plan.requeue, log)  # after the release: the next incarnation takes the run
+        requeue(plan.requeue, log)
+    elif outcome.unfit_hosts and plan.requeue:
+        from launcher.requeue import requeue_without
+        requeue_without(plan.requeue, outcome.unfit_hosts, log)
     return code
 
 
@@ -75,7 +81,7 @@ def _announce(p: Prepared, log: Callable[[str], None], *, verbose: bool) -> None
 
 
 def _supervise(p: Prepared, log: Callable[[str], None], lock: RunLock | None,
-               signals: Forwarder, *, verbose: bool) -> int:
+               signals: Forwarder, *, verbose: bool) -> Outcome:
     """Wait for the rendezvous host, then run the plan under :mod:`launcher.supervise`;
     with the run-directory lock (``train``), stop when the lock is lost."""
     from launcher import supervise

@@ -43,6 +43,7 @@ STOPPED = (EXIT_STOPPED_BY_SIGNAL, EXIT_PEER_STOPPED)
 class Outcome:
     code: int
     message: str | None = None
+    unfit_hosts: tuple[str, ...] = ()   # nodes a check found unfit (preflight: fail)
 
 
 @dataclass(frozen=True)
@@ -105,10 +106,11 @@ def _final(e: Ending) -> Outcome:
     """Bad input, a machine that cannot run it, divergence: the worker's own one-line
     message says it all (in direct mode it is already the last line of the output)."""
     r = e.first_failure
+    unfit = tuple(r.unfit_hosts or ())
     if e.mode == "direct":
-        return Outcome(r.exit_code)
+        return Outcome(r.exit_code, unfit_hosts=unfit)
     return Outcome(r.exit_code, r.error or f"error: rank {r.rank} exited {r.exit_code}; "
-                                           "see its output above")
+                                           "see its output above", unfit)
 
 
 def _repeated(e: Ending) -> Outcome:

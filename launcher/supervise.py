@@ -76,7 +76,7 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
         keep_fds: tuple[int, ...] = (), verbose: bool = False,
         config_text: str | None = None,
         abort: Callable[[], str | None] | None = None,
-        forwarder: Forwarder | None = None) -> int:
+        forwarder: Forwarder | None = None) -> Outcome:
     """Start the plan's command, forward signals, restart (direct mode) or relaunch (the
     rendezvous store came back), map the result. keep_fds: descriptors the child inherits
     (the run-directory lock, so that it is held as long as any process of the run lives);
@@ -101,7 +101,7 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
         shutil.rmtree(folder, ignore_errors=True)
     if outcome.message:
         print(outcome.message, file=sys.stderr, flush=True)
-    return outcome.code
+    return outcome
 
 
 def _attempts(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],

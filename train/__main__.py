@@ -15,7 +15,7 @@ from train.core import rundir, usercode
 from train.core.config import check_resume_compatible, load_config, to_yaml
 from train.core.config.loader import dashed_override
 from train.core.config.origins import config_warnings
-from train.core.errors import EXIT_TRAINING_FAILED, UserError, printable
+from train.core.errors import EXIT_TRAINING_FAILED, UnfitNodes, UserError, printable
 from train.core.host import exit_now
 from train.core.identity import WorkerIdentity, check_environ
 from train.core.protocol import Reporter
@@ -71,6 +71,8 @@ def run(argv: list[str], reporter: Reporter | None = None) -> tuple[int, str | N
         return train(cfg, args.config, reporter=reporter), None
     except UserError as exc:
         print(exc.one_line(), file=sys.stderr)
+        if isinstance(exc, UnfitNodes) and reporter is not None:
+            reporter.unfit_hosts = list(exc.hosts)
         return exc.exit_code, exc.one_line()
     except Exception as exc:  # one line here; the traceback goes to this rank's log
         import logging

@@ -12,4 +12,5 @@ data["argv"] = tuple(data["argv"])
 data["nnodes"] = tuple(data.get("nnodes", (1, 1)))
 data["world_sizes"] = tuple(data.get("world_sizes", (1,)))
 plan = Plan(**data)
-sys.exit(run(plan, dict(os.environ), lambda m: print(f"entrypoint: {m}", file=sys.stderr)))
+sys.exit(run(plan, dict(os.environ),
+             lambda m: print(f"entrypoint: {m}", file=sys.stderr)).code)

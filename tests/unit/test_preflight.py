@@ -49,6 +49,15 @@ def test_one_slow_rank_of_a_node_is_named_as_the_rank():
                              "(3.1 vs 14 GFLOP/s)"]
 
 
+def test_the_nodes_to_leave_out_are_those_of_the_ranks_named_by_their_scheduler_name():
+    results = two_per_node(3, r3={"gflops": 3.1}, r4={"nonfinite": "NaN"})
+    results = [RankResult(**{**r.__dict__, "scheduler_node": f"gpu0{r.node}"})
+               if r.node == 1 else r for r in results]
+    verdict = judge(results, 0.5)
+    assert verdict.hosts == ["gpu01", "host-c"]  # SLURM's name where it is known
+    assert judge(two_per_node(3), 0.5).hosts == []
+
+
 def test_uniform_slowness_and_spread_above_the_ratio_are_silent():
     slow = [rank(r, r, gflops=1.5) for r in range(4)]
     assert judge(slow, 0.5).ok

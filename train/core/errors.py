@@ -87,6 +87,16 @@ class CannotRunHere(UserError):
     exit_code = EXIT_CANNOT_RUN_HERE
 
 
+class UnfitNodes(CannotRunHere):
+    """A check found nodes unfit to train on (the preflight check, with
+    distributed.preflight: fail): exit 3, naming their hosts, which a scheduler that can
+    requeue without them (SLURM) is told."""
+
+    def __init__(self, message: str, hosts: tuple[str, ...]):
+        super().__init__(message)
+        self.hosts = hosts
+
+
 class RunDirBusy(UserError):
     """Another job's live lease on the run directory, still after waiting: exit 6. A retry
     can succeed (the other job ends, or its lease expires)."""

@@ -36,6 +36,7 @@ class RankResult:
     rank: int
     node: int = 0                      # GROUP_RANK: the node's index in the job
     host: str = "?"
+    scheduler_node: str | None = None  # its scheduler's name for the node (SLURM's)
     local_rank: int = 0
     gflops: float | None = None        # matmul: the median repetition's GFLOP/s
     nonfinite: str | None = None       # matmul: "NaN" or "inf" when its result had one
@@ -51,6 +52,7 @@ class Verdict:
     failures: list[str] = field(default_factory=list)   # NaN, a wrong sum, an error
     slow: list[str] = field(default_factory=list)       # ranks far below the median
     summary: str | None = None                          # when nothing is wrong
+    hosts: list[str] = field(default_factory=list)      # nodes of the ranks named
 
     @property
     def problems(self) -> list[str]:
@@ -75,7 +77,9 @@ def judge(results: Sequence[RankResult], slow_ratio: float) -> Verdict:
     failures = _failures(results)
     slow = _slow(results, slow_ratio)
     summary = None if failures or slow else _summary(results)
-    return Verdict(failures, slow, summary)
+    named = [r for r in results if _failure(r)] + _slow_ranks(results, slow_ratio)[1]
+    return Verdict(failures, slow, summary,
+                   sorted({r.scheduler_node or r.host for r in named}))
 
 
 def _who(results: Sequence[RankResult], flagged: Sequence[RankResult]) -> str:
@@ -113,12 +117,20 @@ def _failures(results: Sequence[RankResult]) -> list[str]:
             for (_, what), group in _by_node(flagged).items()]
 
 
-def _slow(results: Sequence[RankResult], slow_ratio: float) -> list[str]:
+def _slow_ranks(results: Sequence[RankResult], slow_ratio: float
+                ) -> tuple[float, list[RankResult]]:
+    """(the median matmul rate, the ranks far below it) among those that measured."""
     measured = [r for r in results if r.gflops is not None and _failure(r) is None]
     if len(measured) < 2:
-        return []
+        return 0.0, []
     median = statistics.median(r.gflops for r in measured)
-    flagged = [(r, "slow") for r in measured if r.gflops < slow_ratio * median]
+    return median, [r for r in measured if r.gflops < slow_ratio * median]
+
+
+def _slow(results: Sequence[RankResult], slow_ratio: float) -> list[str]:
+    measured = [r for r in results if r.gflops is not None and _failure(r) is None]
+    median, slow = _slow_ranks(results, slow_ratio)
+    flagged = [(r, "slow") for r in slow]
     lines = []
     for group in _by_node(flagged).values():
         worst = min(group, key=lambda r: r.gflops)

@@ -116,6 +116,7 @@ class Report:
     repeated: Failure | None = None     # ended at once: the earlier failure that came back
     probe: Probe | None = None          # comm: the all-reduce's result
     checkpoint: str | None = None       # the run's newest checkpoint when it ended
+    unfit_hosts: list[str] | None = None  # hosts a check found unfit (preflight: fail)
     pid: int = field(default_factory=os.getpid)
     time: float = field(default_factory=time.time)
 
@@ -164,12 +165,14 @@ class Reporter:
 
     ``checkpoints``: the run's checkpoint folder, once the process knows it (from the
     config it loaded), so that an ending names the checkpoint the run stood at: how a
-    restart tells a failure that repeats from one that a restart fixed.
+    restart tells a failure that repeats from one that a restart fixed. ``unfit_hosts``:
+    the hosts a check found unfit, for a scheduler that can requeue without them.
     """
 
     def __init__(self, ident: WorkerIdentity, kind: str = RANK):
         self.ident, self.kind = ident, kind
         self.checkpoints: Path | None = None
+        self.unfit_hosts: list[str] | None = None  # set when a check found them
 
     @classmethod
     def from_environ(cls, kind: str = RANK) -> Reporter:
@@ -195,7 +198,8 @@ class Reporter:
         """How this process ended. A failure is also kept (:data:`FAILURES`), unless it is
         an earlier one repeated."""
         report = self.report(exit_code=exit_code, error=error, repeated=repeated,
-                             checkpoint=self.newest_checkpoint())
+                             checkpoint=self.newest_checkpoint(),
+                             unfit_hosts=self.unfit_hosts)
         write(self.folder, report)
         if exit_code == EXIT_TRAINING_FAILED and repeated is None:
             record_failure(self.folder, report)

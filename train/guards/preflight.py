@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import statistics
 import time
@@ -42,7 +43,7 @@ import torch.distributed as dist
 
 from train.core import rundir
 from train.core.config import Config
-from train.core.errors import CannotRunHere
+from train.core.errors import UnfitNodes
 from train.core.files import write_json_atomic
 from train.core.identity import WorkerIdentity
 from train.core.preflight import FAIL, OFF, RankResult, Verdict, judge
@@ -60,7 +61,8 @@ WARMUP, REPEATS = 1, 5
 KEEP = 20  # checks kept in preflight.json, the newest last
 
 FIX = ("leave the node out and start the job again (Kubernetes: kubectl cordon NODE; "
-       "SLURM: sbatch --exclude=HOST), or set distributed.preflight=warn to train on it")
+       "SLURM: a job submitted with --requeue is requeued without it, else sbatch "
+       "--exclude=HOST), or set distributed.preflight=warn to train on it")
 
 
 def wanted(cfg: Config, env: WorkerIdentity) -> bool:
@@ -94,8 +96,8 @@ def check(cfg: Config, env: WorkerIdentity, device: torch.device, run_dir: Path,
             log.info("%s", verdict.summary)
         record(run_dir, cfg, results, verdict)
     if verdict.problems and cfg.distributed.preflight == FAIL:
-        raise CannotRunHere(f"{verdict.one_line()}; distributed.preflight=fail: nothing was "
-                            f"trained; {FIX}")
+        raise UnfitNodes(f"{verdict.one_line()}; distributed.preflight=fail: nothing was "
+                         f"trained; {FIX}", tuple(verdict.hosts))
     return verdict
 
 
@@ -114,6 +116,7 @@ def measure(env: WorkerIdentity, device: torch.device,
     stage("allreduce")
     ms, nbytes, ok = _allreduce(device, env.world_size, progress)
     return RankResult(rank=env.rank, node=env.node, host=socket.gethostname(),
+                      scheduler_node=os.environ.get("SLURMD_NODENAME"),
                       local_rank=env.local_rank, gflops=gflops, nonfinite=nonfinite,
                       allreduce_ms=ms, allreduce_bytes=nbytes, allreduce_ok=ok, error=error,
                       seconds=time.perf_counter() - started)
