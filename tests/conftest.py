@@ -93,6 +93,23 @@ def sim(tmp_path):
     cluster.close()
 
 
+@pytest.fixture
+def net(tmp_path):
+    """Hosts in network namespaces (tests/harness/netns.py); ``net.procs``: processes a
+    test started on them, killed after it, before the namespaces go."""
+    from tests.harness import netns
+    why = netns.available()
+    if why:
+        pytest.skip(f"hosts in network namespaces need root: {why}")
+    network = netns.Network(tmp_path)
+    network.procs = []
+    yield network
+    for p in network.procs:
+        if p.running:
+            p.kill()
+    network.close()
+
+
 @pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory):
     """A real SLURM cluster (tests/harness/slurmcluster.py), one per test module; a skip

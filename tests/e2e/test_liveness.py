@@ -13,9 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from tests.harness import netns
 from tests.harness.multinode import ENTRY, Process
 from tests.harness.procs import descendants
 from tests.harness.runs import ROOT, clean_env
@@ -25,20 +22,6 @@ TINY = [str(ROOT / "configs" / "quickstart.yaml"), "model.depth=1", "model.width
         "model.heads=4", "model.context_length=32", "train.global_batch_size=8",
         "data.max_bytes=100000", "data.num_workers=0", "train.eval_batches=1",
         "logging.every_steps=1", "logging.progress=plain", "checkpoint.every_steps=0"]
-
-
-@pytest.fixture
-def net(tmp_path):
-    why = netns.available()
-    if why:
-        pytest.skip(f"hosts in network namespaces need root: {why}")
-    network = netns.Network(tmp_path)
-    network.procs = []
-    yield network
-    for p in network.procs:
-        if p.running:
-            p.kill()
-    network.close()
 
 
 def static_node(net, host, rank: int, nodes: int, work: Path, *extra: str) -> Process:

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import netns
 from tests.harness.multinode import ENTRY, Process
 from tests.harness.runs import ROOT, TINY_MLP, clean_env, limit, merge, write_config
 
@@ -36,20 +35,6 @@ SMALL = [str(ROOT / "configs" / "quickstart.yaml"), "model.depth=1", "model.widt
          "logging.every_steps=1", "logging.progress=plain", "train.max_steps=100000",
          "checkpoint.every_steps=10"]
 STEP = re.compile(r"step (\d+)/")
-
-
-@pytest.fixture
-def net(tmp_path):
-    why = netns.available()
-    if why:
-        pytest.skip(f"hosts in network namespaces need root: {why}")
-    network = netns.Network(tmp_path)
-    network.procs = []
-    yield network
-    for p in network.procs:
-        if p.running:
-            p.kill()
-    network.close()
 
 
 def start(net, host, label: str, argv: list[str], env: dict, work: Path) -> Process:
