@@ -138,7 +138,7 @@ class Stuck(torch.utils.data.Dataset):
         return 8
     def __getitem__(self, i):
         # one write: two workers' prints may interleave on an unbuffered stdout
-        os.write(1, f"{os.getpid()}\n".encode())
+        os.write(1, f"{os.getpid()}\\n".encode())
         time.sleep(120)  # a dataset call that never returns (a stuck file system read)
 
 loader = make_loader(Stuck(), [[0], [1], [2], [3]], num_workers=2, pin_memory=False,
