@@ -107,3 +107,16 @@ def test_the_phase_clock_counts_what_runs_inside_it_and_starts_again():
     data_s, compute_s = phases.take()
     assert data_s > 0 and compute_s > 0
     assert phases.take() == (0.0, 0.0)
+
+
+def test_each_ranks_others_median_is_the_median_without_it():
+    import random
+    import statistics
+
+    from train.observe.stragglers import _median_without
+    rng = random.Random(0)
+    for n in (2, 3, 4, 7, 64):
+        values = [rng.choice((0.1, 0.2, 0.5, rng.random())) for _ in range(n)]
+        ordered = sorted(values)
+        for r, v in enumerate(values):
+            assert _median_without(ordered, v) == statistics.median(values[:r] + values[r + 1:])
