@@ -37,11 +37,14 @@ def to_step_one(work: Path, nnodes: int) -> tuple[float, int]:
         cluster.start_store()
         start = time.monotonic()
         nodes = [cluster.node(i, args).start() for i in range(nnodes)]
-        main = first(nodes, rf"world size {nnodes}(.|\n)*\]:step 1/", 900)
+        # (the step lines and the INFO lines reach the log by different pipes: no order)
+        main = first(nodes, r"\]:step 1/", 900)
         took = time.monotonic() - start
-        rounds = len(set(re.findall(r"rendezvous round (\d+) complete", main.text())))
         for node in nodes:
             node.wait(300)
+        if f"world size {nnodes} " not in main.text():
+            sys.exit(f"not a world of {nnodes}:\n{main.text()[-2000:]}")
+        rounds = len(set(re.findall(r"rendezvous round (\d+) complete", main.text())))
         return took, rounds
     finally:
         cluster.close()
