@@ -19,6 +19,7 @@ from launcher import conventions, rdma, system
 from launcher.environ import Environ
 from launcher.hardware import Finding, TorchBuild
 from train.core.config import DistributedConfig
+from train.core.credentials import redacted
 from train.core.host import read_build_manifest
 
 GIB = 1024 ** 3
@@ -244,8 +245,7 @@ def main(env: Environ, config_path: str | None, overrides: list[str], *, as_json
     report = gather(env, config_path, overrides)
     if comm:
         add_comm(report, env, comm_timeout_s)
-    if as_json:
-        print(json.dumps(report, indent=2, default=str))
-    else:
-        print(render(report))
+    # what it quotes of a config that failed before its credentials were refused
+    text = json.dumps(report, indent=2, default=str) if as_json else render(report)
+    print(redacted(text))
     return report["exit_code"]

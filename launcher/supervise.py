@@ -44,6 +44,7 @@ from launcher.rendezvous import RoundWatcher, reachable
 from launcher.signals import Forwarder
 from launcher.torchrun import LOCAL_ID_VAR, STORE_LOST
 from train.core import protocol
+from train.core.credentials import redacted
 from train.core.errors import EXIT_STOPPED_BY_SIGNAL, EXIT_TRAINING_FAILED
 from train.core.files import write_atomic
 from train.core.host import die_with_parent
@@ -101,8 +102,8 @@ def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
     finally:
         forwarder.restore()
         shutil.rmtree(folder, ignore_errors=True)
-    if outcome.message:
-        print(outcome.message, file=sys.stderr, flush=True)
+    if outcome.message:  # a worker's error as it said it: credentials hidden
+        print(redacted(outcome.message), file=sys.stderr, flush=True)
     return outcome
 
 

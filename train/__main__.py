@@ -9,13 +9,17 @@ validates again, so it is safe to call directly.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from train.core import rundir, usercode
 from train.core.config import check_resume_compatible, load_config, to_yaml
 from train.core.config.loader import dashed_override
 from train.core.config.origins import config_warnings
+from train.core.credentials import redacted
 from train.core.errors import EXIT_TRAINING_FAILED, UnfitNodes, UserError, printable
+from train.core.files import write_atomic
 from train.core.host import exit_now
 from train.core.identity import WorkerIdentity, check_environ
 from train.core.protocol import Reporter
@@ -89,10 +93,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def record_for_torchrun(exc: BaseException) -> None:
-    """Under torchrun, write the error file its failure summary reads (root cause, rank)."""
+    """Under torchrun, write the error file its failure summary reads (root cause, rank);
+    it lies in RUN_DIR/logs/, so with any credential of the message hidden."""
     try:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
         ErrorHandler().record_exception(exc)
+        path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if path and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            if redacted(text) != text:
+                write_atomic(Path(path), redacted(text))
     except Exception:  # no torchrun, or an older torch: the stderr line is enough
         pass
 

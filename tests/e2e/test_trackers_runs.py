@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.harness.kubesim import free_port
+from tests.harness.mlflowserver import mlflow_server as local_mlflow
 from tests.harness.runs import (
     ENTRY,
     TINY_MLP,
@@ -39,40 +36,11 @@ NEEDS = "needs mlflow and wandb: make trackers (CI installs them)"
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """``mlflow server`` on a free 127.0.0.1 port; its URI. Stopped by its process group."""
+    """``mlflow server`` on a free 127.0.0.1 port; its URI."""
     if not installed("mlflow"):
         pytest.skip(NEEDS)
-    home = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    log = (home / "server.log").open("w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--workers", "1", "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
-         "--artifacts-destination", str(home / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=home,
-        env=clean_env())
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + limit(300)  # the first start migrates the store: ~30 s here
-        while True:
-            assert server.poll() is None, (home / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=limit(5)) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, (home / "server.log").read_text()[-3000:]
-            time.sleep(0.5)
+    with local_mlflow(tmp_path_factory.mktemp("mlflow")) as uri:
         yield uri
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=limit(30))
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
 
 
 def train(config: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -6,6 +6,8 @@ never as a traceback.
 
 from __future__ import annotations
 
+from train.core.credentials import redacted
+
 EXIT_OK = 0
 EXIT_TRAINING_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -29,10 +31,12 @@ FINAL_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_DIVERGED)
 def printable(text: str) -> str:
     """``text`` safe to print to a terminal: control and format characters (ESC, CR,
     bidirectional overrides; from a config key or value, an environment variable) are
-    shown escaped (``\\x1b``) instead of acting on the terminal or forging a log line."""
-    return "".join(c if c.isprintable() or c == " " else
-                   (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
-                   for c in text)
+    shown escaped (``\\x1b``) instead of acting on the terminal or forging a log line,
+    and credentials in it hidden (:func:`~train.core.credentials.redacted`: a URL's
+    ``user:token@`` is shown as ``***@``)."""
+    return redacted("".join(c if c.isprintable() or c == " " else
+                            (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+                            for c in text))
 
 
 class UserError(Exception):

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
-from urllib.parse import urlsplit, urlunsplit
 
 from train.core.config import Config
+from train.core.credentials import redacted
 from train.core.errors import CannotRunHere, ConfigError
 
 MLFLOW_URI_VAR = "MLFLOW_TRACKING_URI"
@@ -45,16 +44,12 @@ def check(cfg: Config, source: str, environ=os.environ) -> None:
 
 
 def shown_uri(uri: str) -> str:
-    """A URI without its user and password (``http://user:token@host`` is allowed)."""
-    parts = urlsplit(uri)
-    if not parts.username and not parts.password:
-        return uri
-    host = parts.hostname or ""
-    netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    """A URI without its user and password (``http://user:token@host`` in
+    MLFLOW_TRACKING_URI is allowed; the config key refuses it)."""
+    return redacted(uri)
 
 
 def said(exc: BaseException, limit: int = 300) -> str:
     """An exception as one short line, with no credentials of any URI in it (MLflow's
     messages repeat the URL they failed on, user and password included)."""
-    return re.sub(r"//[^/@\s]+@", "//***@", " ".join(str(exc).split()))[:limit]
+    return redacted(" ".join(str(exc).split()))[:limit]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from train.core import comm_defaults, placement
 from train.core.config import AUTO, Config
+from train.core.credentials import redacted
 from train.core.errors import CannotRunHere, printable
 from train.core.identity import WorkerIdentity
 
@@ -142,11 +143,15 @@ def shutdown_distributed(clean: bool) -> None:
 
 class EscapingFormatter(logging.Formatter):
     """Messages with control characters escaped (a path or name from the config cannot
-    act on the terminal or forge a line); tracebacks keep their lines."""
+    act on the terminal or forge a line); tracebacks keep their lines. Credentials are
+    hidden in both (:func:`~train.core.credentials.redacted`)."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = printable(record.message)
         return super().formatMessage(record)
+
+    def formatException(self, ei) -> str:
+        return redacted(super().formatException(ei))
 
 
 def configure_logging(rank: int) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from train.core import rundir
+from train.core import credentials, rundir
 from train.core.config import kinds
 from train.core.config.origins import (
     DEFAULT,
@@ -45,6 +45,7 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
     collect = errors is not None
     report = _Report(cfg, sources, [] if errors is None else errors, bad)
     # the checks run in this order, and their errors are reported in it
+    _refuse_credentials(cfg, report)
     _check_run(cfg, report.fail)
     kinds.check_pairing(cfg, report.fail)
     _check_lists(cfg, report.fail)
@@ -96,6 +97,15 @@ class _Report:
             shown = show(dig(to_dict(self.cfg), name))
             return f"{shown}{note}" if kind == "v" else f"{name}={shown}{note}"
         return ConfigError(line_source, key, QUOTED.sub(expand, problem))
+
+
+def _refuse_credentials(cfg: Config, report: _Report) -> None:
+    """A credential in any value (a URL's ``user:token@``, a ``model.args.hf_token``): the
+    config is copied into files, checkpoints, trackers and argv, so it is refused, naming
+    the environment variable it goes in instead; no other check reads that key."""
+    for key, what in credentials.found(to_dict(cfg)):
+        report.fail(key, credentials.problem(key, what))
+        report.bad = {*report.bad, key}
 
 
 def _check_run(cfg: Config, fail: kinds.Fail) -> None:

@@ -14,6 +14,7 @@ import yaml
 from train.core import rundir
 from train.core.config.origins import MISSING, dig, origin_note, show
 from train.core.config.schema import AUTO, Config, to_dict
+from train.core.credentials import redacted
 from train.core.errors import ConfigError
 
 # Keys whose change makes a run's checkpoints unloadable (parameter or optimizer-state
@@ -28,7 +29,9 @@ def check_checkpoint_config(cfg: Config, saved: dict, where: Path | str, source:
     resolved config a run or checkpoint was written with). Keys the saved config does
     not have (written by an older version) are not compared."""
     new = to_dict(cfg)
-    changed = [f"{key} {dig(saved, key)!r} -> {dig(new, key)!r}" for key in RESUME_KEYS
+    # what the run was saved with may hold a credential (an older version saved it)
+    changed = [f"{key} {redacted(dig(saved, key))!r} -> {redacted(dig(new, key))!r}"
+               for key in RESUME_KEYS
                if dig(saved, key) is not MISSING and dig(saved, key) != dig(new, key)]
     if changed:
         raise ConfigError(source, changed[0].split()[0],
@@ -71,7 +74,8 @@ def check_resume_compatible(cfg: Config, source: str) -> None:
     check_checkpoint_config(cfg, saved, run_dir, source)
     changed = changed_keys(saved, to_dict(cfg))
     if changed:
-        shown = "; ".join(f"{k} {show(dig(saved, k))} -> {show(dig(to_dict(cfg), k))}"
+        shown = "; ".join(f"{k} {show(redacted(dig(saved, k)))} -> "
+                          f"{show(redacted(dig(to_dict(cfg), k)))}"
                           f"{origin_note(cfg, k, source)}" for k in changed[:5])
         more = f"; and {len(changed) - 5} more" if len(changed) > 5 else ""
         _warn(cfg, f"{source}: resuming {run_dir} with a config that differs from the one it "

@@ -54,8 +54,9 @@ class ModelConfig:
                                     "torch.nn.Module, 'package.module:name' (a function or a "
                                     "class), importable from the working directory "
                                     "(/workspace in the image) or an installed package.")
-    args: dict[str, Any] = opt(dict, "custom: keyword arguments for model.factory.",
-                               factory=True)
+    args: dict[str, Any] = opt(dict, "custom: keyword arguments for model.factory (no "
+                                     "credentials: a key named like one, password, api_key, "
+                                     "hf_token, is refused).", factory=True)
     depth: int = opt(4, "Hidden layers (mlp), conv blocks (cnn) or transformer blocks (gpt).",
                      ge=1, le=256)
     width: int = opt(128, "Hidden size (mlp), base channels (cnn) or embedding size (gpt).",
@@ -76,8 +77,8 @@ class DataConfig:
     factory: str | None = opt(None, "custom: import path of a callable returning a map-style "
                                     "Dataset of (input, target) pairs, or a pair (train, "
                                     "validation) of them.")
-    args: dict[str, Any] = opt(dict, "custom: keyword arguments for data.factory.",
-                               factory=True)
+    args: dict[str, Any] = opt(dict, "custom: keyword arguments for data.factory (no "
+                                     "credentials, as in model.args).", factory=True)
     path: str | None = opt(None, "tensors: .pt file holding {features, labels} or a .npy "
                                  "features file; text: a directory of text files (default: the "
                                  "Python standard library's source); tokens: the .bin file.")
@@ -239,8 +240,9 @@ class MlflowConfig:
     enabled: bool = opt(False, "Log params, metrics, config.yaml and exports to an MLflow "
                                "server (pip install mlflow-skinny).")
     tracking_uri: str | None = opt(None, "Tracking server, e.g. http://mlflow:5000; default: "
-                                         "MLFLOW_TRACKING_URI. Credentials only through "
-                                         "MLflow's environment variables, never here.")
+                                         "MLFLOW_TRACKING_URI. A user, password or token in it "
+                                         "is refused: MLflow's environment variables carry "
+                                         "them (MLFLOW_TRACKING_USERNAME, ...).")
     experiment: str | None = opt(None, "Experiment name, created when missing; default: "
                                        "MLFLOW_EXPERIMENT_NAME, else MLflow's Default.")
 
