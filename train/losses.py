@@ -177,7 +177,7 @@ def describe(value: Any, depth: int = 0) -> str:
 def _machine_error(exc: BaseException) -> bool:
     """Out of memory or an accelerator's error: this machine, not the config."""
     return isinstance(exc, torch.OutOfMemoryError) or bool(
-        re.search(r"out of memory|CUDA|HIP|cuDNN|cuBLAS|NCCL|device-side", str(exc)))
+        re.search(r"out of memory|device-side|\b(CUDA|HIP|cuDNN|cuBLAS|NCCL|RCCL)\b", str(exc)))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -104,6 +104,25 @@ def test_a_forward_that_fails_on_the_sample_names_the_model():
     assert "fails on training sample 0 (inputs [1, 5] int64): IndexError" in err.value.problem
 
 
+class Fails(nn.Module):
+    def __init__(self, error: Exception):
+        super().__init__()
+        self.error = error
+
+    def forward(self, x):
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("out of memory"),
+                                   RuntimeError("CUDA error: an illegal memory access"),
+                                   RuntimeError("NCCL error in: ...")])
+def test_the_machines_errors_are_no_config_errors(error):
+    """Out of memory or an accelerator's failure on the sample: not the config's fault, so
+    not exit 2 (the worker's usual ending applies)."""
+    with pytest.raises(type(error)):
+        check(Fails(error))
+
+
 def test_a_loss_without_a_gradient_or_not_a_scalar_is_refused(monkeypatch):
     import train.losses as losses
     for fn, words in ((lambda out, y: out.sum().detach(), "without a gradient"),
