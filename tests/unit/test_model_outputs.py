@@ -206,3 +206,20 @@ def test_blocks_named_by_no_split_modules_are_found_also_when_recomputed():
     assert blocks_of(model) == list(model.layers)  # their class is now CheckpointedBlk
     assert describe_blocks(model).startswith("2 x Blk ")
     assert describe_blocks(nn.Linear(2, 2)).startswith("Linear as one unit")
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["train.loss=model"], "needs a model that computes one (model.kind custom), got "
+                           "model.kind=gpt"),
+    (["train.loss=model", "model.kind=custom", "model.factory=nets:build"],
+     "model with data.kind=text (c.yaml): its targets are the next tokens already"),
+])
+def test_the_models_own_loss_is_refused_where_it_cannot_be_right(tmp_path, overrides, words):
+    """A built-in model has no loss of its own; a causal LM would shift text or tokens
+    targets, which are the next tokens already, a second time."""
+    from train.core.config import load_config
+    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path / "runs")}}))
+    with pytest.raises(ConfigError) as err:
+        load_config(str(config), overrides, source="c.yaml")
+    assert err.value.key == "train.loss" and words in err.value.problem

@@ -240,7 +240,7 @@ def _own_loss_rules(cfg: Config, model: ModelKind, data: DataKind, fail: Fail) -
     elif data.name in ("text", "tokens"):
         # A causal LM shifts its labels itself: given these targets it would learn the
         # token after next, silently.
-        fail("train.loss", f"model with data.kind {val('data.kind')}: its targets are the next "
+        fail("train.loss", f"model with {ref('data.kind')}: its targets are the next "
                            "tokens already, and a causal LM's own loss shifts its labels "
                            "again; use cross_entropy (it takes the model's logits), or "
                            "custom data whose targets are the labels your model expects")
