@@ -22,7 +22,7 @@ TORCH_SPEC      ?= torch==$(TORCH_VERSION)$(if $(filter pypi,$(TORCH_VARIANT)),,
 TORCH_DEPS      := $(if $(filter cpu,$(TORCH_VARIANT)),--no-deps,)
 STAMP  := $(VENV)/.installed-$(PYVER)
 
-.PHONY: quickstart test test-slow test-all lint bench venv trackers clean
+.PHONY: quickstart test test-slow test-all lint bench venv trackers hf clean
 
 venv: $(STAMP)
 
@@ -46,6 +46,15 @@ TRACKERS_LOCK := requirements/trackers-py311.lock
 trackers: venv
 	@test "$(PYVER)" = py311 || { echo "make trackers: $(TRACKERS_LOCK) is for Python 3.11; the trackers' tests skip on $(PYVER:py3%=3.%)" >&2; exit 0; }
 	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(TRACKERS_LOCK)
+
+# Hugging Face transformers, for tests/e2e/test_hf_models_runs.py (a GPT-2 from
+# transformers as the user's model), on top of the dev set: the same versions of every
+# package the two share (Python 3.11 only; elsewhere those tests skip). CI runs it before
+# test-slow.
+HF_LOCK := requirements/hf-py311.lock
+hf: venv
+	@test "$(PYVER)" = py311 || { echo "make hf: $(HF_LOCK) is for Python 3.11; the Hugging Face tests skip on $(PYVER:py3%=3.%)" >&2; exit 0; }
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(HF_LOCK)
 
 quickstart: venv
 	$(PY) entrypoint.py train configs/quickstart.yaml

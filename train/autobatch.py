@@ -53,7 +53,7 @@ def largest_fitting(per_rank: int, fits: Callable[[int], bool]) -> int:
                         "memory.activation_checkpointing=full or distributed.strategy=fsdp")
 
 
-def probe_on_gpu(module: torch.nn.Module, sample: Callable[[int], tuple], loss_fn, autocast,
+def probe_on_gpu(module: torch.nn.Module, sample: Callable[[int], tuple], objective, autocast,
                  device: torch.device, extra_bytes: int) -> Callable[[int], bool]:
     """A fits(m) that runs one forward/backward of m samples and measures peak memory.
 
@@ -71,7 +71,7 @@ def probe_on_gpu(module: torch.nn.Module, sample: Callable[[int], tuple], loss_f
         try:
             x, y = (t.to(device) for t in sample(m))
             with autocast():
-                loss = loss_fn(module(x), y)
+                loss, _ = objective(module, x, y)
             loss.backward()
             del x, y, loss
             return torch.cuda.max_memory_allocated(device) + extra_bytes < budget

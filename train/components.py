@@ -9,7 +9,6 @@ loop. Progress lives in :class:`train.checkpoint.state.TrainState`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +55,7 @@ class Components:
     accum: int                  # micro-batches per optimizer step
     checkpointer: Checkpointer
     checkpoint_format: formats.Format   # full or sharded, chosen once from the config
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    objective: losses.Objective  # the model's forward and train.loss, for one batch
 
     @property
     def run_dir(self) -> Path:
@@ -101,11 +100,15 @@ def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> C
     torch.set_num_threads(env.cpus_per_rank())
     ranks.set_deterministic(cfg.deterministic)
     ranks.seed_everything(cfg.seed, env.rank)
-    loss_fn = losses.resolve(cfg.train.loss, source)
+    objective = losses.Objective(cfg.train.loss, source)
     data = build_data(cfg, source)
     module = build_model(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes,
                          source=source)
     module.to(device)
+    # Before anything is wrapped or trained: a model and loss that do not fit are exit 2
+    objective.check(module, _one_sample(data, device),
+                    lambda: autocast(device.type, cfg.precision),
+                    "model.factory" if cfg.model.kind == "custom" else "model.kind")
     torch.manual_seed(cfg.seed + 1 + env.rank)  # per-rank dropout streams, after the shared init
     blocks = apply_activation_checkpointing(module, cfg.memory.activation_checkpointing,
                                             cfg.memory.activation_checkpointing_n)
@@ -113,7 +116,7 @@ def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> C
         log.info("activation checkpointing on %d blocks", blocks)
     if cfg.train.micro_batch_size == AUTO and device.type == "cuda" \
             and cfg.distributed.strategy != "fsdp":
-        micro, accum = auto_micro_batch(cfg, env, module, data, device, micro * accum, loss_fn)
+        micro, accum = auto_micro_batch(cfg, env, module, data, device, micro * accum, objective)
     model = parallelize(module, cfg, env, device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
@@ -123,11 +126,18 @@ def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> C
                                 async_timeout_s=cfg.distributed.timeout_s)
     return Components(cfg, source, env, device, data, model, module, optimizer, scheduler,
                       grad_scaler(device.type, cfg.precision), micro, accum, checkpointer,
-                      formats.for_config(cfg), loss_fn)
+                      formats.for_config(cfg), objective)
+
+
+def _one_sample(data: DataBundle, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training sample 0 as a batch of one, on the device."""
+    x, y = data.train.__getitems__([0])
+    return x.to(device), y.to(device)
 
 
 def auto_micro_batch(cfg: Config, env: WorkerIdentity, module: nn.Module, data: DataBundle,
-                     device: torch.device, per_rank: int, loss_fn) -> tuple[int, int]:
+                     device: torch.device, per_rank: int,
+                     objective: losses.Objective) -> tuple[int, int]:
     """``train.micro_batch_size: auto`` on GPU: the largest size that fits on every rank."""
     params = sum(p.numel() * p.element_size() for p in module.parameters())
     # AdamW keeps two moments (SGD one); DDP adds gradient buckets the size of the grads.
@@ -135,7 +145,7 @@ def auto_micro_batch(cfg: Config, env: WorkerIdentity, module: nn.Module, data: 
         + (params if env.distributed else 0)
     n = len(data.train)
     fits = probe_on_gpu(module, lambda m: data.train.__getitems__([i % n for i in range(m)]),
-                        loss_fn, lambda: autocast("cuda", cfg.precision), device,
+                        objective, lambda: autocast("cuda", cfg.precision), device,
                         extra_bytes=later_bytes)
     micro = largest_fitting(per_rank, fits)
     if env.distributed:  # every rank must use the same size: the smallest that fit anywhere

@@ -40,6 +40,7 @@ from train.guards.divergence import Guard, clear_marker, read_marker, write_mark
 from train.guards.preflight import check_before_training
 from train.guards.stopping import StopFlag
 from train.guards.watchdog import CHECKPOINT, EVALUATION, Watchdog
+from train.losses import logits_of
 from train.models import count_parameters
 from train.observe.manifest import update_manifest
 from train.observe.metrics import MetricsLogger, gpu_memory_stats
@@ -71,7 +72,7 @@ def train_step(c: Components, batches, phases: StepPhases) -> torch.Tensor:
         y = y.to(c.device, non_blocking=True)
         with gradient_sync(c.model, enabled=i == c.accum - 1):
             with c.autocast(), phases.compute():
-                loss = c.loss_fn(c.model(x), y) / c.accum
+                loss = c.objective(c.model, x, y)[0] / c.accum
             with phases.backward():
                 (c.scaler.scale(loss) if c.scaler else loss).backward()
         total += loss.detach()
@@ -114,12 +115,12 @@ def evaluate(c: Components, progress: Callable[[], None] = lambda: None) -> dict
         x, y = c.data.val.__getitems__(chunk or [0])
         x, y = x.to(c.device), y.to(c.device)
         with c.autocast():
-            logits = c.module(x)
+            loss, outputs = c.objective(c.module, x, y)
         if chunk:
             n = len(chunk)  # a loss is a mean over its batch: weight it by the samples
-            sums[0] += c.loss_fn(logits, y) * n
+            sums[0] += loss * n
             if classes:
-                sums[1] += (logits.argmax(-1) == y).float().mean() * n
+                sums[1] += (logits_of(outputs).argmax(-1) == y).float().mean() * n
             sums[2] += n
         progress()  # a batch evaluated: the hang watchdog's sign of progress
     c.module.train()

@@ -1,7 +1,8 @@
 """Restart only what a restart can fix. Real launches, real torchrun.
 
-- a loss that cannot compare the model's outputs with the targets fails on the first
-  batch with exit 2, one line naming both shapes, and torchrun's restarts end at once;
+- a loss that cannot compare the model's outputs with the targets fails before step 1
+  (on one sample) with exit 2, one line naming both shapes, and torchrun's restarts end
+  at once;
 - a failure that repeats (the same error, from the same checkpoint) is restarted once,
   then no more: one line says so.
 """
@@ -49,7 +50,7 @@ def test_a_loss_that_cannot_compare_is_exit_2_and_torchrun_does_not_retry_it(tmp
     assert out.returncode == 2, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {config}: train.loss: mse cannot compare the model's "
-                           "outputs [4, 16, 256] float32 with the targets [4, 16] int64"), last
+                           "outputs [1, 16, 256] float32 with the targets [1, 16] int64"), last
     assert "not restarting: rank" in out.stderr  # the restarts ended at once
 
 

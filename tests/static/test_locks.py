@@ -61,6 +61,20 @@ def test_make_names_the_supported_pythons_for_any_other(tmp_path, version):
     assert not venv.exists()
 
 
+def test_the_hf_lock_extends_the_dev_lock_and_agrees_with_the_trackers_lock():
+    """make hf installs it over the dev set, and CI over the trackers' too: every shared
+    package the same version in all three."""
+    dev = lock_pins(LOCKS["3.11"])
+    hf = lock_pins(ROOT / "requirements" / "hf-py311.lock")
+    tracked = lock_pins(ROOT / "requirements" / "trackers-py311.lock")
+    assert {n: v for n, (v, _) in hf.items() if n in dev} == {n: v for n, (v, _) in dev.items()}
+    assert {n: v for n, (v, _) in hf.items() if n in tracked} == \
+           {n: v for n, (v, _) in tracked.items() if n in hf}
+    assert "transformers" in hf
+    assert all(hashes >= 1 for _, hashes in hf.values())
+    assert not [n for n in hf if VENDOR.match(n)], "torch or vendor wheels in the lock"
+
+
 def test_the_trackers_lock_extends_the_dev_lock_without_changing_it():
     """make trackers installs it over the dev set: every shared package the same version."""
     dev = lock_pins(LOCKS["3.11"])

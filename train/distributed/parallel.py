@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 
 import torch
 from torch import nn
@@ -38,7 +39,8 @@ def _with_forward(module: nn.Module, name: str, wrap) -> None:
     def forward(self, *args, **kwargs):
         return wrap(functools.partial(cls.forward, self), *args, **kwargs)
 
-    module.__class__ = type(f"{name}{cls.__name__}", (cls,), {"forward": forward})
+    module.__class__ = type(f"{name}{cls.__name__}", (cls,), {"forward": forward,
+                                                               "_wrapped_class": cls})
 
 
 def _recompute_in_backward(call, *args, **kwargs):
@@ -50,11 +52,39 @@ def blocks_of(module: nn.Module) -> list[nn.Module]:
     checkpointing recomputes: its ``blocks`` (a ModuleList, as gpt has), else the
     submodules whose class is named in its ``_no_split_modules`` (the hint Hugging Face
     models carry), in order."""
+    return _blocks_and_source(module)[0]
+
+
+def _blocks_and_source(module: nn.Module) -> tuple[list[nn.Module], str]:
     blocks = getattr(module, "blocks", None)
     if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
-        return list(blocks)
+        return list(blocks), "its `blocks`"
     names = set(getattr(module, "_no_split_modules", None) or ())
-    return [m for m in module.modules() if m is not module and type(m).__name__ in names]
+    # along the class's bases: a block whose forward _with_forward wrapped (activation
+    # checkpointing, before FSDP) is an instance of a subclass named Checkpointed<Block>
+    found = [m for m in module.modules()
+             if m is not module and any(c.__name__ in names for c in type(m).__mro__)]
+    return found, "its _no_split_modules"
+
+
+def _class_name(block: nn.Module) -> str:
+    """A block's own class name, not that of the subclass _with_forward swapped in."""
+    cls = type(block)
+    while "_wrapped_class" in vars(cls):
+        cls = vars(cls)["_wrapped_class"]
+    return cls.__name__
+
+
+def describe_blocks(module: nn.Module) -> str:
+    """What FSDP shards one by one in ``module``, for the log: class names and counts."""
+    blocks, source = _blocks_and_source(module)
+    root = _class_name(module)
+    if not blocks:
+        return (f"{root} as one unit (no `blocks` ModuleList and no _no_split_modules "
+                "naming its block classes)")
+    counts = Counter(_class_name(block) for block in blocks)
+    each = ", ".join(f"{n} x {name}" for name, n in counts.items())
+    return f"{each} (by {source}), then the rest of {root}"
 
 
 def apply_activation_checkpointing(module: nn.Module, mode: str, every_n: int) -> int:
@@ -82,7 +112,7 @@ def autocast_inside(module: nn.Module, dtype: torch.dtype) -> None:
     _with_forward(module, "Autocast", wrap)
 
 
-def _fsdp(module: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
+def _fsdp(module: nn.Module, cfg: Config, device: torch.device, main: bool) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     kwargs = {}
@@ -91,6 +121,8 @@ def _fsdp(module: nn.Module, cfg: Config, device: torch.device) -> nn.Module:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     if cfg.memory.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    if main:
+        log.info("fsdp: sharding %s", describe_blocks(module))
     for block in blocks_of(module):
         fully_shard(block, **kwargs)
     fully_shard(module, **kwargs)
@@ -118,7 +150,7 @@ def parallelize(module: nn.Module, cfg: Config, env: WorkerIdentity,
             autocast_inside(module, dtype)
         return nn.DataParallel(module)
     if strategy == "fsdp":  # also on one process: CPU offload and mixed precision apply
-        return _fsdp(module, cfg, device)
+        return _fsdp(module, cfg, device, env.is_main)
     if not env.distributed:
         return module
     return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)

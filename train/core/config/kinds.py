@@ -188,8 +188,9 @@ DATA_KINDS: dict[str, DataKind] = {k.name: k for k in (
     DataKind("custom", "train.data.builders:from_factory", factory=True),
 )}
 
-# train.loss names that are no import path (their functions: train/losses.py)
-BUILT_IN_LOSSES = ("cross_entropy", "mse")
+# train.loss names that are no import path (train/losses.py: NAMES); "model" is the
+# model's own loss, which only the user's model can compute (check_pairing).
+BUILT_IN_LOSSES = ("cross_entropy", "mse", "model")
 
 MODEL_KIND_NAMES = tuple(MODEL_KINDS)
 DATA_KIND_NAMES = tuple(DATA_KINDS)
@@ -217,6 +218,7 @@ def check_pairing(cfg: Config, fail: Fail) -> None:
             key = f"{section}.factory" if part.factory else f"{section}.args"
             fail(key, f"only for {section}.kind=custom, got {ref(section + '.kind')}")
     model, data = model_kind(cfg), data_kind(cfg)
+    _own_loss_rules(cfg, model, data, fail)
     model.rules(cfg, fail)
     if model.data is not None and data.name not in model.data:
         fail("data.kind", f"{ref('model.kind')} needs {_either(model.data)} data, got "
@@ -225,6 +227,23 @@ def check_pairing(cfg: Config, fail: Fail) -> None:
         fail("data.kind", f"{val('data.kind')} data needs model.kind {_either(data.models)}, "
                           f"got {ref('model.kind')}")
     data.rules(cfg, fail)
+
+
+def _own_loss_rules(cfg: Config, model: ModelKind, data: DataKind, fail: Fail) -> None:
+    """train.loss=model: the user's model computes it from labels=targets."""
+    if cfg.train.loss != "model":
+        return
+    if not model.factory:
+        fail("train.loss", f"model (the model's own loss) needs a model that computes one "
+                           f"(model.kind custom), got {ref('model.kind')}, which returns "
+                           "logits: use cross_entropy or mse")
+    elif data.name in ("text", "tokens"):
+        # A causal LM shifts its labels itself: given these targets it would learn the
+        # token after next, silently.
+        fail("train.loss", f"model with {ref('data.kind')}: its targets are the next "
+                           "tokens already, and a causal LM's own loss shifts its labels "
+                           "again; use cross_entropy (it takes the model's logits), or "
+                           "custom data whose targets are the labels your model expects")
 
 
 def _either(names: tuple[str, ...]) -> str:

@@ -145,8 +145,12 @@ class TrainLoopConfig:
                                "eval_batches x global_batch_size validation samples (0 = none).",
                             ge=0)
     loss: str = opt("cross_entropy", "cross_entropy (classes or next tokens), mse "
-                                     "(regression), or the import path of your own "
-                                     "fn(outputs, targets) -> scalar tensor.")
+                                     "(regression), model (the model's own loss: called as "
+                                     "model(inputs, labels=targets), its output's `loss`; "
+                                     "custom model and data), or the import path of your "
+                                     "own fn(outputs, targets) -> scalar tensor. The built-in "
+                                     "losses take the logits out of a ModelOutput, a dict "
+                                     "or a tuple.")
     nonfinite: Literal["stop", "skip_step"] = opt(
         "stop", "A non-finite loss or gradient norm: stop (exit 4; nothing non-finite is "
                 "saved) or skip_step (drop that step's update, at most "
