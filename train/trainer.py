@@ -220,8 +220,8 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
         if how is not None:  # the last one in the foreground: exit 0 or 143 means saved
             with watchdog.watching(CHECKPOINT, step):
                 save_checkpoint(c, state, guard, background=how == "background")
-        watchdog.pause()  # until the next step begins
         if stopping:
+            watchdog.pause()  # what follows has its own bounds
             if not stop.requested:  # another node leaves; this one goes on without it
                 log.info("stopped at step %d: another node's workers were told to stop", step)
                 return EXIT_PEER_STOPPED
