@@ -20,6 +20,7 @@ from train.core import comm_defaults, placement
 from train.core.config import AUTO, Config
 from train.core.errors import CannotRunHere, printable
 from train.core.identity import WorkerIdentity
+from train.distributed.stores import bind_store_servers
 
 log = logging.getLogger("train")
 
@@ -84,6 +85,7 @@ def init_distributed(env: WorkerIdentity, backend: str, device: torch.device, ti
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     if not env.distributed:  # world size 1: an in-memory store, no address or port needed
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    bind_store_servers()
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                             **kwargs)
 
