@@ -205,6 +205,7 @@ def main() -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (
         RendezvousConnectionError,
+        RendezvousStateError,
         RendezvousTimeoutError,
     )
     from torch.distributed.run import main as torchrun_main
@@ -229,6 +230,12 @@ def main() -> int:
         failures = ", ".join(f"local rank {f.local_rank} (exit {f.exitcode})"
                              for f in exc.failures.values())
         print(f"torchrun: worker(s) failed: {failures}", file=sys.stderr, flush=True)
+        return 1
+    except RendezvousStateError as exc:  # refused by the allow-list: someone wrote it
+        print(f"torchrun: the rendezvous state in the store is not torch's, not loaded "
+              f"({_first_line(exc)}): something other than the job's nodes writes to the "
+              "store; keep its port reachable by the job's nodes only (docs/security.md)",
+              file=sys.stderr, flush=True)
         return 1
     except RendezvousTimeoutError as exc:
         print(f"torchrun: the rendezvous did not complete in time ({_first_line(exc)}): "

@@ -123,30 +123,45 @@ def store_arguments(args: tuple, kwargs: dict) -> dict:
 
 
 def bound_store_class(base: type, say: Callable[[str], None]) -> type:
-    """A subclass of torch's ``TCPStore`` whose server listens on a socket bound by
-    :func:`listener` (clients and stores given a socket are left as they are)."""
+    """A stand-in for torch's ``TCPStore`` class that builds a ``TCPStore`` whose server
+    listens on a socket bound by :func:`listener` (clients, and stores given a socket,
+    are built as they were asked). What it builds is a ``base``, and an instance of the
+    stand-in too, so ``isinstance(store, torch.distributed.TCPStore)`` still holds."""
 
-    class BoundTCPStore(base):  # type: ignore[misc, valid-type]
+    class Meta(type(base)):  # type: ignore[misc]
+        """What the stand-in builds is a ``base``: ``isinstance`` says so both ways."""
+
+        def __instancecheck__(cls, instance) -> bool:
+            return isinstance(instance, base)
+
+        def __subclasscheck__(cls, subclass) -> bool:
+            return issubclass(subclass, base)
+
+    class BoundTCPStore(base, metaclass=Meta):  # type: ignore[misc, valid-type]
         __doc__ = base.__doc__
 
-        def __init__(self, *args, **kwargs) -> None:
+        # __new__ returns a finished base instance (so __init__ is not called again): no
+        # half-built C++ object is left behind when torch's constructor raises
+        def __new__(cls, *args, **kwargs):
             named = store_arguments(args, kwargs)
             if named.get("is_master") and named.get("master_listen_fd") is None:
-                host, port = str(named["host_name"]), int(named["port"])
-                try:
-                    sock, note = listener(host, port)
-                except OSError as exc:  # what torch raises for a port in use
-                    raise RuntimeError(f"cannot listen on {host}:{port}: "
-                                       f"{exc.strerror or exc}") from None
-                if note:
-                    say(f"store {host}:{sock.getsockname()[1]} listens on every interface: "
-                        f"{note}")
-                named["port"] = sock.getsockname()[1]
-                named["master_listen_fd"] = sock.detach()  # the store owns (and closes) it
-            super().__init__(**named)
+                named.update(_bound_server(str(named["host_name"]), int(named["port"]), say))
+            return base(**named)
 
     BoundTCPStore.__name__ = BoundTCPStore.__qualname__ = "TCPStore"
     return BoundTCPStore
+
+
+def _bound_server(host: str, port: int, say: Callable[[str], None]) -> dict:
+    """The port and listening socket for a store server named host:port."""
+    try:
+        sock, note = listener(host, port)
+    except OSError as exc:  # as torch raises it for a port in use
+        raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    if note:
+        say(f"store {host}:{sock.getsockname()[1]} listens on every interface: {note}")
+    return {"port": sock.getsockname()[1],
+            "master_listen_fd": sock.detach()}  # the store owns (and closes) it
 
 
 def install(distributed: ModuleType, users: Iterable[ModuleType],
