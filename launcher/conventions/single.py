@@ -27,5 +27,5 @@ def detect(env: Environ) -> bool:
 
 
 def nodes(env: Environ, timings: Timings) -> Nodes:
-    return Nodes(NAME, args=("--standalone", "--nnodes", "1", "--local-addr", LOOPBACK), env=dict(RE_RENDEZVOUS_ENV),
-                 alone=True)
+    return Nodes(NAME, args=("--standalone", "--nnodes", "1", "--local-addr", LOOPBACK),
+                 env=dict(RE_RENDEZVOUS_ENV), alone=True)

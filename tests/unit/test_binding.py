@@ -80,9 +80,9 @@ def test_torch_store_servers_bind_the_address_they_are_named_by(monkeypatch):
 def test_a_store_whose_port_is_taken_fails_as_torch_says_it():
     import torch.distributed as dist
     bound = binding.bound_store_class(dist.TCPStore, print)
-    with socket.create_server(("127.0.0.1", 0)) as taken:
-        with pytest.raises(RuntimeError, match="cannot listen on 127.0.0.1:.*in use"):
-            bound("127.0.0.1", taken.getsockname()[1], is_master=True, timeout=_timeout())
+    with socket.create_server(("127.0.0.1", 0)) as taken, \
+            pytest.raises(RuntimeError, match=r"cannot listen on 127\.0\.0\.1:.*in use"):
+        bound("127.0.0.1", taken.getsockname()[1], is_master=True, timeout=_timeout())
 
 
 def _serve(tmp_path, *args: str) -> tuple[subprocess.Popen, str, int]:
@@ -121,8 +121,8 @@ def _state():
     state, node = rdzv._RendezvousState(), rdzv._NodeDesc("10.0.0.1", 12, 3)
     state.participants[node] = 0
     state.wait_list.add(node)
-    state.last_heartbeats[node] = datetime.datetime.now(datetime.timezone.utc)
-    state.deadline = datetime.datetime.now(datetime.timezone.utc)
+    state.last_heartbeats[node] = datetime.datetime.now(datetime.UTC)
+    state.deadline = datetime.datetime.now(datetime.UTC)
     return state, {"_RendezvousState": rdzv._RendezvousState, "_NodeDesc": rdzv._NodeDesc}
 
 

@@ -38,8 +38,8 @@ def test_single_process_on_cpu_runs_the_worker_directly(cfg_file):
     assert p.mode == "direct" and p.device == "cpu" and p.backend == "gloo"
     assert list(p.argv) == [PY, "-m", "train.worker", path, "optim.lr=0.01", "device=cpu",
                             "distributed.backend=gloo"]
-    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "8", **LOOPBACK_ENV, "RANK": "0", "LOCAL_RANK": "0",
-                     "GROUP_RANK": "0", "ROLE_RANK": "0", "WORLD_SIZE": "1",
+    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "8", **LOOPBACK_ENV, "RANK": "0",
+                     "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0", "WORLD_SIZE": "1",
                      "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "1",
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511",
                      "TORCHELASTIC_MAX_RESTARTS": "3"}

@@ -119,7 +119,7 @@ def _wildcard(port: int) -> socket.socket:
 
 def store_arguments(args: tuple, kwargs: dict) -> dict:
     """TCPStore's arguments by name, however they were passed."""
-    return {**dict(zip(_STORE_ARGS, args)), **kwargs}
+    return {**dict(zip(_STORE_ARGS[:len(args)], args, strict=True)), **kwargs}
 
 
 def bound_store_class(base: type, say: Callable[[str], None]) -> type:
