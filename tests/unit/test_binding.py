@@ -48,6 +48,21 @@ def test_a_name_of_another_machine_keeps_every_interface_and_says_why():
         assert [s.wildcard for s in listening([os.getpid()]) if s.port == port] == [True]
 
 
+def test_a_host_name_that_resolves_to_loopback_here_keeps_every_interface(monkeypatch):
+    # Debian's "127.0.1.1 HOST": the other nodes may know HOST by its real address
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *args, **kwargs: real(
+        "127.0.1.1" if host == "node7" else host, *args, **kwargs))
+    sock, note = binding.listener("node7", 0)
+    with sock:
+        assert note == "node7 resolves to 127.0.1.1 on this machine, which other machines " \
+                       "cannot reach"
+        port = sock.getsockname()[1]
+        assert [s.wildcard for s in listening([os.getpid()]) if s.port == port] == [True]
+    with binding.listener("node7", 0, exact=True)[0] as asked:  # named by the operator
+        assert asked.getsockname()[0] == "127.0.1.1"
+
+
 def test_an_operator_named_address_is_bound_exactly_or_refused():
     with pytest.raises(OSError) as refused:
         binding.listener(NOT_HERE, 0, exact=True)
