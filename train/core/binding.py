@@ -79,10 +79,14 @@ def _candidates(host: str, port: int, exact: bool) -> tuple[list[tuple[int, tupl
         return [], f"{host} does not resolve here"
     found = [(family, address) for family, _, _, _, address in infos]
     loopback_name = host.lower() in LOOPBACK_NAMES or _is_literal(host.strip("[]"))
-    if not (exact or loopback_name) and all(_is_loopback(a[0]) for _, a in found):
+    if exact or loopback_name:
+        return found, None
+    # a host name: its loopback addresses here are not what the other machines reach
+    reachable = [(family, a) for family, a in found if not _is_loopback(a[0])]
+    if not reachable:
         return [], (f"{host} resolves to {found[0][1][0]} on this machine, which other "
                     "machines cannot reach")
-    return found, None
+    return reachable, None
 
 
 def listener(host: str, port: int, exact: bool = False) -> tuple[socket.socket, str | None]:
