@@ -15,6 +15,7 @@ restarts it, like torchrun would); anything else runs torchrun (through
 
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -245,9 +246,13 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     backend = resolve_backend(cfg.distributed.backend, device == "gpu")
     check_backend_built(backend, tb)
     d = cfg.distributed
+    # torch's agents drop a silent member after keep-alive x attempts: stretched to
+    # heartbeat_silence_s, since each node's round watcher evicts a member whose host is
+    # gone sooner, and a starved one keeps its place meanwhile (launcher.pulse)
+    expiry_attempts = max(d.rdzv_keep_alive_attempts,
+                          math.ceil(d.heartbeat_silence_s / d.rdzv_keep_alive_s))
     nodes = conventions.resolve(environ, conventions.Timings(
-        d.rdzv_join_timeout_s, d.rdzv_last_call_s, d.rdzv_keep_alive_s,
-        d.rdzv_keep_alive_attempts))
+        d.rdzv_join_timeout_s, d.rdzv_last_call_s, d.rdzv_keep_alive_s, expiry_attempts))
     notes.extend(nodes.notes)
     nproc = resolve_nproc(cfg, hw, device, nodes, source, notes)
     sizes = world_sizes(cfg, nodes, nproc)
@@ -288,7 +293,8 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
                 nnodes=(nodes.min, nodes.max), world_sizes=sizes, max_restarts=max_restarts,
                 convention=nodes.convention, job=nodes.job, store=nodes.store,
                 store_wait_s=d.rdzv_store_wait_s, join_timeout_s=d.rdzv_join_timeout_s,
-                # torch's agents drop a member after keep-alive x attempts; one more beat
+                # a member this silent has vanished, unless its host answers (one
+                # more beat than rdzv_keep_alive_attempts)
                 lost_after_s=d.rdzv_keep_alive_s * (d.rdzv_keep_alive_attempts + 1),
                 silence_s=d.heartbeat_silence_s,
                 heartbeat=nodes.heartbeat if nodes.static else None,

@@ -156,3 +156,41 @@ def _shared_addresses(members) -> list[str]:
         base = name.split("#", 1)[0]
         seen[base] = seen.get(base, 0) + 1
     return sorted(b for b, n in seen.items() if n > 1)
+
+
+# A keep-alive this old has expired under any setting: the agents' next look drops it.
+_LONG_AGO = datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC)
+
+
+class _Real(pickle.Unpickler):
+    """The same allow-list, building torch's own classes: only for writing the state
+    back (:func:`expire_members`), after :func:`read_round` has read it safely."""
+
+    def find_class(self, module: str, name: str):
+        if module == _RDZV and name in _STUBS:
+            from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+            return getattr(dynamic_rendezvous, name)
+        if (module, name) in _SAFE:
+            return _SAFE[(module, name)]
+        raise pickle.UnpicklingError(f"refusing {module}.{name}")
+
+
+def expire_members(store, key: str, members: list[str], attempts: int = 5) -> bool:
+    """Mark ``members`` (names as :func:`node_name` writes them) as long silent in the
+    rendezvous state, so that torch's agents drop them at their next look instead of at
+    their keep-alive expiry. A compare-and-set, as the agents' own updates: an update
+    that raced with theirs is read again and retried. True once written."""
+    wanted = set(members)
+    for _ in range(attempts):
+        raw = store.get(key)
+        state = _Real(io.BytesIO(base64.b64decode(raw))).load()
+        beats = getattr(state, "last_heartbeats", {})
+        hit = [node for node in beats if node_name(node) in wanted]
+        if not hit:
+            return False
+        for node in hit:
+            beats[node] = _LONG_AGO
+        new = base64.b64encode(pickle.dumps(state))
+        if store.compare_set(key, raw, new) == new:
+            return True
+    return False

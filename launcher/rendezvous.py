@@ -22,7 +22,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from launcher.rdzv_state import PREFIX, Round, describe, printable, read_round
+from launcher.pulse import Pulse, answers, member_parts, pulse_key
+from launcher.rdzv_state import PREFIX, Round, describe, expire_members, printable, read_round
 
 
 def _keys(store) -> list[str] | None:
@@ -138,13 +139,18 @@ class RoundWatcher(threading.Thread):
                  still_every_s: float = 15.0, lost_after_s: float = 10.0,
                  on_lost: Callable[[list[str], str], None] | None = None,
                  me: str | None = None,
-                 on_left_out: Callable[[int], None] | None = None) -> None:
+                 on_left_out: Callable[[int], None] | None = None,
+                 silence_s: float | None = None, pulse: Pulse | None = None) -> None:
         super().__init__(name="rendezvous-watch", daemon=True)
-        self.endpoint, self.key = endpoint, PREFIX + run_id
+        self.endpoint, self.key, self.run_id = endpoint, PREFIX + run_id, run_id
         self.nnodes, self.join_timeout_s, self.log = nnodes, join_timeout_s, log
         self.poll_s, self.still_every_s = poll_s, still_every_s
         self.lost_after_s, self.on_lost = lost_after_s, on_lost
         self.me, self.on_left_out = me, on_left_out
+        self.silence_s = lost_after_s if silence_s is None else max(silence_s, lost_after_s)
+        self.pulse, self.published = pulse, False
+        self.starved_said: set[tuple[int, str]] = set()
+        self.store = None
         self.lost_reported = -1            # the round whose lost members were passed on
         self.unreachable_since: float | None = None
         self.stop = threading.Event()
@@ -166,11 +172,19 @@ class RoundWatcher(threading.Thread):
                 continue
             self.unreachable_since = None
             try:
-                store = store or self._connect()
+                store = self.store = store or self._connect()
+                self._publish(store)
                 if store.check([self.key]):
                     self.observe(read_round(store.get(self.key)))
             except Exception:
                 store = None
+
+    def _publish(self, store) -> None:
+        """Where this node's pulse listens, once, for the peers' probes."""
+        if self.published or self.pulse is None or not self.me:
+            return
+        store.set(pulse_key(self.run_id, self.me.lstrip(":")), self.pulse.where)
+        self.published = True
 
     def unreachable_for(self) -> float:
         """Seconds the store has not answered a connection (0 while it answers)."""
@@ -214,8 +228,9 @@ class RoundWatcher(threading.Thread):
         return self.me is not None and any(m.endswith(self.me) for m in members)
 
     def _lost(self, r: Round) -> None:
-        """Members of the running round that vanished: gone from it without a new round
-        (torch's agents drop a member whose keep-alive expired), or silent too long."""
+        """Members of the running round that are gone: dropped from it without a new
+        round (torch's agents drop a member whose keep-alive expired), silent past
+        ``silence_s``, or silent past ``lost_after_s`` with a pulse that does not answer."""
         if self.on_lost is None or self.lost_reported == r.number:
             return
         gone = sorted(self.members - set(r.members))
@@ -224,11 +239,49 @@ class RoundWatcher(threading.Thread):
             # this node's own keep-alives are late too: a slow store or a busy node,
             # no evidence that the others vanished (their drop, once due, still counts)
             silent = []
-        if gone or silent:
+        frozen = [n for n in silent if r.silent[n] >= self.silence_s]
+        vanished = [n for n in silent if n not in frozen and not self._answers(n)]
+        self._say_starved(r, [n for n in silent if n not in frozen and n not in vanished])
+        if vanished:
+            self._expire(vanished)
+        if gone or frozen or vanished:
             self.lost_reported = r.number
-            why = (f"no heartbeat for {max(r.silent[n] for n in silent):.0f} s" if silent
-                   else "its keep-alive expired")
-            self.on_lost(gone + silent, why)
+            self.on_lost(gone + frozen + vanished, self._why(r, frozen, vanished))
+
+    def _why(self, r: Round, frozen: list[str], vanished: list[str]) -> str:
+        """The reason for on_lost's line."""
+        if not frozen and not vanished:
+            return "its keep-alive expired: its host is down or cut off"
+        silent = max(r.silent[n] for n in frozen + vanished)
+        if frozen and self.silence_s > self.lost_after_s:
+            return (f"no heartbeat for {silent:.0f} s, past distributed.heartbeat_silence_s: "
+                    "frozen, or its host is down or cut off")
+        return f"no heartbeat for {silent:.0f} s: its host is down or cut off"
+
+    def _answers(self, member: str) -> bool:
+        """Does the member's pulse complete a handshake (False: none published)?"""
+        addr, tail = member_parts(member)
+        try:
+            key = pulse_key(self.run_id, tail)
+            where = self.store.get(key).decode() if self.store.check([key]) else None
+        except Exception:
+            where = None
+        return where is not None and answers(where, addr)
+
+    def _say_starved(self, r: Round, members: list[str]) -> None:
+        for n in members:
+            if (r.number, n) not in self.starved_said:
+                self.starved_said.add((r.number, n))
+                self.log(f"rendezvous: node {n} has been silent for {r.silent[n]:.0f} s but "
+                         "its host answers (starved of CPU or paused): it keeps its place "
+                         f"until distributed.heartbeat_silence_s={self.silence_s:.0f}")
+
+    def _expire(self, members: list[str]) -> None:
+        """Let the agents drop vanished members now rather than at their expiry."""
+        try:
+            expire_members(self.store, self.key, members)
+        except Exception:
+            pass  # torch's own expiry still drops them, later
 
     def _change(self, r: Round) -> str:
         """Who joined and who left since the previous complete round."""

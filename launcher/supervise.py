@@ -35,9 +35,11 @@ from pathlib import Path
 
 from launcher import outcome as endings
 from launcher.heartbeat import PeerHeartbeat
+from launcher.heartbeat_wire import resolve
 from launcher.outcome import Outcome, classify
 from launcher.plan import Plan
 from launcher.processes import kill_tree, stop_workers, workers_alive
+from launcher.pulse import Pulse
 from launcher.rendezvous import RoundWatcher, reachable
 from launcher.signals import Forwarder
 from launcher.torchrun import LOCAL_ID_VAR, STORE_LOST
@@ -158,12 +160,25 @@ def _rejoin(torchrun_pid: int, number: int, log: Callable[[str], None]) -> None:
                      log)
 
 
+def _pulse(plan: Plan, log: Callable[[str], None]) -> Pulse | None:
+    """This node's pulse (launcher.pulse), at the address its peers know it by."""
+    argv = list(plan.argv)
+    name = argv[argv.index("--local-addr") + 1] if "--local-addr" in argv else socket.getfqdn()
+    try:
+        pulse = Pulse(resolve(name, 0) or name)
+    except OSError as exc:
+        log(f"no pulse socket ({exc}): a peer silent for a few seconds counts as gone")
+        return None
+    pulse.start()
+    return pulse
+
+
 def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                     forwarder: Forwarder, log: Callable[[str], None],
                     abort: Callable[[], str | None] | None) -> tuple[int, Outcome | None]:
     """(the child's exit status, the outcome when the launcher ended it: its lease was
     lost, or a static job's node vanished)."""
-    watcher = None
+    watcher = pulse = None
     local_id = secrets.randbits(31)  # this start's rendezvous identity (launcher.torchrun)
     if plan.store and plan.job:
         env = {**env, LOCAL_ID_VAR: str(local_id)}
@@ -173,14 +188,16 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                                 preexec_fn=_child_setup(os.getpid(), plan.requeue_signal))
         forwarder.attach(proc)
         if plan.store and plan.job:  # a node's one-line view of each rendezvous round
+            pulse = _pulse(plan, log)
             watcher = RoundWatcher(plan.store, plan.job, plan.nnodes, plan.join_timeout_s,
                                    log, lost_after_s=plan.lost_after_s,
                                    on_lost=lambda nodes, why: stop_workers(
                                        proc.pid, f"node(s) {', '.join(nodes)} left the job "
-                                       f"({why}: its host is down or cut off)",
+                                       f"({why})",
                                        "so that the job meets again without it", log),
                                    me=f":{proc.pid}#{local_id}",
-                                   on_left_out=lambda number: _rejoin(proc.pid, number, log))
+                                   on_left_out=lambda number: _rejoin(proc.pid, number, log),
+                                   silence_s=plan.silence_s, pulse=pulse)
             watcher.start()
         elif plan.heartbeat:  # static: the nodes' launchers watch each other
             master, port, rank = plan.heartbeat
@@ -224,6 +241,8 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
     finally:
         if watcher is not None:
             watcher.stop.set()
+        if pulse is not None:
+            pulse.close()
 
 
 def _store_returns(plan: Plan, forwarder: Forwarder, log: Callable[[str], None],

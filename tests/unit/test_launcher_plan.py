@@ -82,7 +82,7 @@ def test_torchrun_pet_variables_elastic_c10d(cfg_file):
     assert list(p.argv) == torchrun(
         "--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "rdzv.ns.svc:29400",
         "--rdzv-id", "job-123", "--rdzv-conf",
-        "join_timeout=600,last_call_timeout=3,keep_alive_interval=2,keep_alive_max_attempt=3",
+        "join_timeout=600,last_call_timeout=3,keep_alive_interval=2,keep_alive_max_attempt=10",
         nproc=2, restarts=10) + [path, "device=gpu", "distributed.backend=nccl"]
     assert p.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert p.rdzv_host == "rdzv.ns.svc" and p.world_sizes == (2, 4, 6, 8)
@@ -95,7 +95,7 @@ def test_pet_rdzv_conf_entries_win_over_defaults(cfg_file):
     p = make(cfg_file(), env=env)
     conf = p.argv[p.argv.index("--rdzv-conf") + 1]
     assert conf == ("join_timeout=600,last_call_timeout=3,keep_alive_interval=7,"
-                    "keep_alive_max_attempt=3,is_host=false")
+                    "keep_alive_max_attempt=10,is_host=false")
 
 
 def test_kubeflow_v1_static_rendezvous(cfg_file):
@@ -129,7 +129,7 @@ def test_indexed_job_with_standalone_store(cfg_file):
         "--nnodes", "2:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "train-rdzv:29400",
         "--rdzv-id", "0b7c-uid", "--rdzv-conf",
         "is_host=false,join_timeout=600,last_call_timeout=3,keep_alive_interval=2,"
-        "keep_alive_max_attempt=3",
+        "keep_alive_max_attempt=10",
         "--local-addr", "10.0.0.7", nproc=2) + [
         path, "distributed.nproc_per_node=2", "device=cpu", "distributed.backend=gloo"]
     assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "4", "NCCL_SOCKET_IFNAME": "eth0",

@@ -108,6 +108,6 @@ def test_rendezvous_timings_are_config_keys(tmp_path):
              config_path=str(path), overrides=[], python="py", app_root="/app")
     conf = p.argv[p.argv.index("--rdzv-conf") + 1]
     assert conf == ("is_host=false,join_timeout=60,last_call_timeout=1,keep_alive_interval=5,"
-                    "keep_alive_max_attempt=3")
+                    "keep_alive_max_attempt=4")
     assert p.store == "s:1" and p.job == "u" and p.join_timeout_s == 60
     assert json.loads(json.dumps(p.to_dict()))["store_wait_s"] == 300

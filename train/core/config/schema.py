@@ -174,17 +174,20 @@ class DistributedConfig:
     rdzv_last_call_s: int = opt(3, "Multi-node elastic: once the minimum is there, how long a "
                                    "round stays open for more nodes. Each second here is a "
                                    "second of standstill after a node is lost.", ge=0)
-    rdzv_keep_alive_s: int = opt(2, "Multi-node elastic: heartbeat interval; a node silent for "
-                                    "rdzv_keep_alive_s x rdzv_keep_alive_attempts seconds has "
-                                    "left the rendezvous.", ge=1)
+    rdzv_keep_alive_s: int = opt(2, "Multi-node elastic: heartbeat interval of the rendezvous "
+                                    "keep-alives; a node silent for rdzv_keep_alive_s x "
+                                    "(rdzv_keep_alive_attempts + 1) seconds whose host does not "
+                                    "answer has left the job.", ge=1)
     rdzv_keep_alive_attempts: int = opt(3, "Multi-node elastic: missed heartbeats before a "
-                                           "node counts as gone.", ge=1)
+                                           "node whose host does not answer counts as gone "
+                                           "(one whose host answers: heartbeat_silence_s).",
+                                        ge=1)
     rdzv_store_wait_s: int = opt(300, "Multi-node elastic: how long a node waits for a lost "
                                       "rendezvous store to come back (and then re-joins) "
                                       "before it exits 5.", ge=0)
-    heartbeat_silence_s: int = opt(20, "Multi-node static (Kubeflow v1, SLURM): how long a "
-                                       "node whose host still answers may go without a "
-                                       "heartbeat before it counts as lost (frozen); a host "
+    heartbeat_silence_s: int = opt(20, "Multi-node: how long a node whose host still "
+                                       "answers (starved of CPU, paused, frozen) may go "
+                                       "without a heartbeat before it counts as lost; a host "
                                        "that vanished is noticed sooner, in "
                                        "rdzv_keep_alive_s x (rdzv_keep_alive_attempts + 1).",
                                        ge=2)
