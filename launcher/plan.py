@@ -215,7 +215,8 @@ def worker_variables(cfg: Config, hw: Hardware, device: str, backend: str, nproc
         gpu=device == "gpu", backend=backend, vendor=hw.vendor,
         deterministic=cfg.deterministic, run_dir=cfg.run_dir,
         debug=environ.debug or cfg.distributed.debug,
-        socket_ifname=environ.socket_ifname or cfg.distributed.socket_ifname))
+        socket_ifname=environ.socket_ifname or cfg.distributed.socket_ifname,
+        loopback=nodes.alone))
     if not direct:  # the convention's torchrun settings
         v.defaults(nodes.env)
         # torchrun SIGKILLs its workers this long after forwarding SIGTERM: the stop

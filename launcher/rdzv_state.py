@@ -3,6 +3,9 @@
 The state is a pickled ``_RendezvousState`` under ``torch.rendezvous.<run id>``. It is
 read with an allow-list unpickler: stand-in classes hold the fields, nothing else is
 ever built (the store is reachable by every node, so its contents are untrusted).
+torchrun's agent itself unpickles that key with plain ``pickle.loads``, so a client of
+the store could run code in every agent; :mod:`launcher.torchrun` gives the agent
+:func:`load_state` instead: the same allow-list with torch's real two classes.
 :func:`read_round` turns it into a :class:`Round`; :func:`describe` into one log line.
 Node names come from the network and are escaped (:func:`printable`) so that they
 cannot forge or garble log lines.
@@ -42,12 +45,23 @@ _SAFE = {("datetime", "datetime"): datetime.datetime, ("datetime", "timezone"): 
 
 
 class _AllowList(pickle.Unpickler):
+    classes = _STUBS  # what the two rendezvous classes are built as
+
     def find_class(self, module: str, name: str):
-        if module == _RDZV and name in _STUBS:
-            return _STUBS[name]
+        if module == _RDZV and name in self.classes:
+            return self.classes[name]
         if (module, name) in _SAFE:
             return _SAFE[(module, name)]
         raise pickle.UnpicklingError(f"refusing {module}.{name}")
+
+
+def load_state(data: bytes, classes: dict[str, type]) -> object:
+    """torch's rendezvous state from its pickle, built with ``classes`` (the real
+    ``_RendezvousState`` and ``_NodeDesc``), dates and sets, and nothing else: anything
+    more raises ``pickle.UnpicklingError``, which torch reports as a bad state."""
+    unpickler = _AllowList(io.BytesIO(data))
+    unpickler.classes = classes
+    return unpickler.load()
 
 
 def printable(text: str, limit: int = 80) -> str:

@@ -76,19 +76,28 @@ def listen_problem(host: str) -> str | None:
 def serve(port: int, log: Callable[[str], None], host: str = "0.0.0.0",
           poll_s: float = 2.0, stop: threading.Event | None = None,
           install_signals: bool = True) -> int:
+    """Serve the store on ``host`` (its address: nothing else listens) until stopped."""
     import torch.distributed as dist
+
+    from train.core.binding import listener
+    from train.core.errors import CannotRunHere
     stop = stop or threading.Event()
     if install_signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: stop.set())
     try:
-        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+        # torch's store would listen on every interface whatever host it is given: it
+        # gets a socket bound here instead (train.core.binding)
+        sock, _ = listener(host, port, exact=True)
+        bound = sock.getsockname()
+        store = dist.TCPStore(host, bound[1], is_master=True, wait_for_workers=False,
+                              master_listen_fd=sock.detach(),
                               timeout=datetime.timedelta(seconds=30))
     except Exception as exc:  # port in use, bad address
-        from train.core.errors import CannotRunHere
         raise CannotRunHere(f"cannot listen on {host}:{port}: {exc}; choose another --port") \
             from None
-    log(f"rendezvous store listening on {host}:{store.port}; give worker nodes "
+    where = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    log(f"rendezvous store listening on {where}:{store.port}; give worker nodes "
         f"--rdzv-backend c10d --rdzv-endpoint <this-service>:{store.port} "
         "--rdzv-conf is_host=false and a run id unique to the job")
     seen: dict[str, str | None] = {}

@@ -27,6 +27,13 @@ arguments and differs in what it says and in one identity detail.
   (the launcher picks it, so that it can tell its own node among a round's members),
   so every torchrun process is a participant of its own.
 
+- A store this agent hosts (torchrun's rendezvous store on the node whose name is the
+  endpoint, a static job's store on node 0) listens on the address its name resolves
+  to here, not on every interface (:mod:`train.core.binding`); and the rendezvous state
+  the agent reads from the store is unpickled with an allow-list
+  (:func:`launcher.rdzv_state.load_state`): a client of the store that writes another
+  pickle there cannot run code in the agent.
+
 C++ warnings of torch's store client (each with its stack frames) are silenced in
 this process only; the workers keep the user's ``TORCH_CPP_LOG_LEVEL``.
 """
@@ -35,10 +42,14 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import secrets
 import signal
 import sys
+from types import SimpleNamespace
 
+from launcher.rdzv_state import load_state
+from train.core import binding
 from train.core.errors import EXIT_PEER_STOPPED
 
 # Exit status meaning "the rendezvous store is unreachable" (EX_TEMPFAIL).
@@ -78,6 +89,33 @@ def _unique_node_ids() -> None:
     chosen = os.environ.pop(LOCAL_ID_VAR, "")
     with generator._lock:
         generator._local_id = int(chosen) if chosen.isdigit() else secrets.randbits(31)
+
+
+def _say(line: str) -> None:
+    print(f"torchrun: {line}", file=sys.stderr, flush=True)
+
+
+def _bind_store_servers() -> None:
+    """Every store server of this agent listens where its name says (the module
+    docstring); the rendezvous backends import ``TCPStore`` by name, so load them first."""
+    import torch.distributed as dist
+    for backend in ("c10d_rendezvous_backend", "static_tcp_rendezvous"):
+        try:
+            __import__(f"torch.distributed.elastic.rendezvous.{backend}")
+        except ImportError:
+            pass
+    binding.install(dist, list(sys.modules.values()), _say)
+
+
+def _no_code_from_the_store() -> None:
+    """The rendezvous state is read with the allow-list unpickler (the module docstring)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+    classes = {name: getattr(rdzv, name, None) for name in ("_RendezvousState", "_NodeDesc")}
+    if getattr(rdzv, "pickle", None) is not pickle or None in classes.values():
+        return  # another torch: it does not read the state with pickle.loads here
+    rdzv.pickle = SimpleNamespace(
+        dumps=pickle.dumps, loads=lambda data: load_state(data, classes),
+        PickleError=pickle.PickleError, UnpicklingError=pickle.UnpicklingError)
 
 
 def _keep_the_rendezvous_open_on_failure() -> None:
@@ -167,10 +205,13 @@ def main() -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import (
         RendezvousConnectionError,
+        RendezvousStateError,
         RendezvousTimeoutError,
     )
     from torch.distributed.run import main as torchrun_main
     _unique_node_ids()
+    _bind_store_servers()
+    _no_code_from_the_store()
     _keep_the_rendezvous_open_on_failure()
     _a_node_leaving_is_no_failure()
     _drop_repeated_stop_messages()
@@ -189,6 +230,12 @@ def main() -> int:
         failures = ", ".join(f"local rank {f.local_rank} (exit {f.exitcode})"
                              for f in exc.failures.values())
         print(f"torchrun: worker(s) failed: {failures}", file=sys.stderr, flush=True)
+        return 1
+    except RendezvousStateError as exc:  # refused by the allow-list: someone wrote it
+        print(f"torchrun: the rendezvous state in the store is not torch's, not loaded "
+              f"({_first_line(exc)}): something other than the job's nodes writes to the "
+              "store; keep its port reachable by the job's nodes only (docs/security.md)",
+              file=sys.stderr, flush=True)
         return 1
     except RendezvousTimeoutError as exc:
         print(f"torchrun: the rendezvous did not complete in time ({_first_line(exc)}): "

@@ -35,6 +35,7 @@ def child(argv: list[str]) -> int:
         import torch
         import torch.distributed as dist
 
+        from train.distributed.stores import bind_store_servers
         from train.guards import preflight
         device = torch.device("cpu")
         kwargs = {}
@@ -43,6 +44,7 @@ def child(argv: list[str]) -> int:
             torch.cuda.set_device(device)
             kwargs["device_id"] = device
         reporter.stage("init")
+        bind_store_servers()
         dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout),
                                 **kwargs)
         torch.set_num_threads(ident.cpus_per_rank())  # as a training rank runs

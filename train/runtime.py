@@ -22,6 +22,7 @@ from train.core.config import AUTO
 from train.core.errors import CannotRunHere
 from train.core.identity import WorkerIdentity
 from train.data.loader import loader_worker_init
+from train.distributed.stores import bind_store_servers
 
 __all__ = ["Context", "init", "loader_worker_init"]
 
@@ -64,5 +65,6 @@ def init() -> Context:
         backend = env.backend or placement.resolve_backend(AUTO, gpu)
         if not dist.is_initialized():
             kwargs = {"device_id": device} if gpu else {}
+            bind_store_servers()
             dist.init_process_group(backend=backend, **kwargs)
     return Context(device, env.rank, env.local_rank, env.world_size, backend)

@@ -30,6 +30,9 @@ def run(argv: list[str]) -> tuple[int, str | None]:
     sys.argv = [target, *args]
     if not module:
         sys.path.insert(0, str(Path(target).resolve().parent))
+    # the script's store servers (its init_process_group) listen where MASTER_ADDR says
+    from train.distributed.stores import bind_store_servers
+    bind_store_servers()
     try:
         if module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)

@@ -5,6 +5,12 @@ torchrun restarts all local workers when one fails, through a new rendezvous rou
 on torch 2.13 that round completes only with the rendezvous store not shared
 (see :mod:`.common`): with two processes and the default, the first restart fails
 ("connectFullMesh ... Connection refused") and the next one hangs.
+
+Nothing of a run on one node needs another machine, so nothing listens beyond
+loopback: torchrun's store is at ``localhost`` (``--standalone``) and the workers'
+process group meets at ``--local-addr 127.0.0.1`` (both bound there by
+:mod:`train.core.binding`), and gloo (and NCCL's bootstrap) use the loopback interface
+(``GLOO_SOCKET_IFNAME=lo``, ``NCCL_SOCKET_IFNAME=lo``, unless an interface is named).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from launcher.conventions.common import RE_RENDEZVOUS_ENV, Nodes, Timings
 from launcher.environ import Environ
 
 NAME = "single"
+LOOPBACK = "127.0.0.1"
 
 
 def detect(env: Environ) -> bool:
@@ -20,5 +27,5 @@ def detect(env: Environ) -> bool:
 
 
 def nodes(env: Environ, timings: Timings) -> Nodes:
-    return Nodes(NAME, args=("--standalone", "--nnodes", "1"), env=dict(RE_RENDEZVOUS_ENV),
-                 alone=True)
+    return Nodes(NAME, args=("--standalone", "--nnodes", "1", "--local-addr", LOOPBACK),
+                 env=dict(RE_RENDEZVOUS_ENV), alone=True)

@@ -62,6 +62,9 @@ NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_TRACE_BUFFER_SIZ
 
 # torchrun's SIGTERM-to-SIGKILL wait: distributed.grace_period_s (120) - 5
 SHUTDOWN = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "115"}
+# A run on one node: gloo and NCCL's bootstrap on the loopback interface only.
+LOOPBACK_ENV = {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+STANDALONE = ("--standalone", "--nnodes", "1", "--local-addr", "127.0.0.1")
 
 
 def torchrun(*rdzv: str, nproc: int, restarts: int = 3) -> list[str]:

@@ -17,10 +17,12 @@ from tests.harness.plans import (
     CPU_HW,
     CPU_TORCH,
     CUDA_TORCH,
+    LOOPBACK_ENV,
     NCCL_ENV,
     PY,
     ROCM_TORCH,
     SHUTDOWN,
+    STANDALONE,
     gpus,
     make,
     torchrun,
@@ -36,8 +38,8 @@ def test_single_process_on_cpu_runs_the_worker_directly(cfg_file):
     assert p.mode == "direct" and p.device == "cpu" and p.backend == "gloo"
     assert list(p.argv) == [PY, "-m", "train.worker", path, "optim.lr=0.01", "device=cpu",
                             "distributed.backend=gloo"]
-    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "8", "RANK": "0", "LOCAL_RANK": "0",
-                     "GROUP_RANK": "0", "ROLE_RANK": "0", "WORLD_SIZE": "1",
+    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "8", **LOOPBACK_ENV, "RANK": "0",
+                     "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0", "WORLD_SIZE": "1",
                      "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "1",
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511",
                      "TORCHELASTIC_MAX_RESTARTS": "3"}
@@ -47,21 +49,21 @@ def test_single_process_on_cpu_runs_the_worker_directly(cfg_file):
 def test_two_cpu_processes_use_standalone_torchrun(cfg_file):
     path = cfg_file()
     p = make(path, ["distributed.nproc_per_node=2"])
-    assert list(p.argv) == torchrun("--standalone", "--nnodes", "1", nproc=2) + [
+    assert list(p.argv) == torchrun(*STANDALONE, nproc=2) + [
         path, "distributed.nproc_per_node=2", "device=cpu", "distributed.backend=gloo"]
     # Restarts after a lost worker need the unshared rendezvous store (a new round).
     assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "4", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                     **SHUTDOWN}
+                     **LOOPBACK_ENV, **SHUTDOWN}
 
 
 def test_single_node_gpus_one_process_each_with_nccl(cfg_file):
     path = cfg_file()
     p = make(path, ["deterministic=true"], hw=gpus(4), tb=CUDA_TORCH)
     assert p.device == "gpu" and p.backend == "nccl" and p.nproc_per_node == 4
-    assert list(p.argv) == torchrun("--standalone", "--nnodes", "1", nproc=4) + [
+    assert list(p.argv) == torchrun(*STANDALONE, nproc=4) + [
         path, "deterministic=true", "device=gpu", "distributed.backend=nccl"]
     assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "8", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-                     "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **NCCL_ENV,
+                     "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **NCCL_ENV, **LOOPBACK_ENV,
                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **SHUTDOWN}
 
 

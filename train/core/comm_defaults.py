@@ -17,7 +17,9 @@ the launcher's) always wins. Torch-free.
 - ``CUDA_DEVICE_ORDER=PCI_BUS_ID``: CUDA numbers GPUs as NVML does (the launcher counts
   GPUs through NVML).
 - ``NCCL_SOCKET_IFNAME`` / ``GLOO_SOCKET_IFNAME``: the interface for communication,
-  when one is named (nodes with several interfaces can otherwise stall, pytorch#64926).
+  when one is named (nodes with several interfaces can otherwise stall, pytorch#64926);
+  ``lo`` for a run on one node (``loopback``), so that gloo's listening sockets and
+  NCCL's bootstrap are not reachable from other machines.
 - ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` with ``distributed.debug``.
 """
 
@@ -28,13 +30,16 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 FLIGHT_RECORDER_FILE = "nccl-flight-recorder-rank-"
+LOOPBACK_IFNAME = "lo"  # Linux's loopback interface (containers included)
 
 
 def worker_defaults(*, gpu: bool, backend: str, vendor: str | None, deterministic: bool,
-                    run_dir: Path, debug: bool, socket_ifname: str | None) -> dict[str, str]:
+                    run_dir: Path, debug: bool, socket_ifname: str | None,
+                    loopback: bool = False) -> dict[str, str]:
     """The variables, in the order the launcher shows them.
 
-    vendor: "nvidia" | "amd" | None (GPU stack); backend: the process-group backend.
+    vendor: "nvidia" | "amd" | None (GPU stack); backend: the process-group backend;
+    loopback: every process of the run is on this machine.
     """
     out: dict[str, str] = {}
     if vendor == "nvidia":
@@ -49,6 +54,7 @@ def worker_defaults(*, gpu: bool, backend: str, vendor: str | None, deterministi
                     "TORCH_FR_DUMP_TEMP_FILE": flight,
                     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": flight,
                     "NCCL_DEBUG": "INFO" if debug else "WARN"})
+    socket_ifname = socket_ifname or (LOOPBACK_IFNAME if loopback else None)
     if socket_ifname:
         out["NCCL_SOCKET_IFNAME"] = socket_ifname
         out["GLOO_SOCKET_IFNAME"] = socket_ifname

@@ -21,6 +21,7 @@ from train.core.config import AUTO, Config
 from train.core.credentials import redacted
 from train.core.errors import CannotRunHere, printable
 from train.core.identity import WorkerIdentity
+from train.distributed.stores import bind_store_servers
 
 log = logging.getLogger("train")
 
@@ -85,6 +86,7 @@ def init_distributed(env: WorkerIdentity, backend: str, device: torch.device, ti
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     if not env.distributed:  # world size 1: an in-memory store, no address or port needed
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    bind_store_servers()
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                             **kwargs)
 
