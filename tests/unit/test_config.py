@@ -69,7 +69,8 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, source: str, key: s
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert lines[0].startswith(f"error: {source}: {key}: "), lines[0]
+    prefix = f"error: {source}: " if key == "<file>" else f"error: {source}: {key}: "
+    assert lines[0].startswith(prefix) and "<file>" not in lines[0], lines[0]
     assert fragment in lines[0]
 
 

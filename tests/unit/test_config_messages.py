@@ -5,7 +5,7 @@ commands (``entrypoint.py`` and ``python -m train`` as subprocesses).
   schedule really uses the shortened warmup;
 - every value an error or warning quotes says where it came from (the file, the
   command line, or the default);
-- a missing config gets a "did you mean";
+- a missing config gets a "did you mean", and so does a misspelt allowed value;
 - ``--optim.lr=1e-3`` (an override written as an option) gets a one-line hint;
 - ``--help-config`` lists every key of the schema;
 - every problem of a config is reported at once, one line each.
@@ -133,7 +133,7 @@ def test_a_batch_set_on_the_command_line_is_blamed_on_it(tmp_path):
 
 def test_a_missing_config_gets_a_did_you_mean_among_the_shipped_configs():
     line, = error_lines(entry("train", "configs/quickstrat.yaml"))
-    assert line == ("error: configs/quickstrat.yaml: <file>: no such file; did you mean "
+    assert line == ("error: configs/quickstrat.yaml: no such file; did you mean "
                     "configs/quickstart.yaml?")
 
 
@@ -152,7 +152,28 @@ def test_a_missing_config_gets_a_near_miss_in_its_own_folder(tmp_path):
 
 def test_no_suggestion_without_a_near_miss(tmp_path):
     line, = error_lines(entry("train", "zzz.yaml", cwd=tmp_path))
-    assert line == "error: zzz.yaml: <file>: no such file"
+    assert line == "error: zzz.yaml: no such file"
+
+
+def test_a_misspelt_allowed_value_gets_the_nearest_one(tmp_path):
+    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {"precision": "bf61"}))
+    lines = error_lines(entry("train", str(config), "distributed.backend=glo", "device=tpu",
+                              "--dry-run"))
+    assert lines == [
+        f"error: {config}: precision: got 'bf61'; expected one of fp32, bf16, fp16; "
+        "did you mean bf16?",
+        "error: command line: distributed.backend: got 'glo'; expected one of auto, nccl, "
+        "gloo, mpi; did you mean gloo?",
+        "error: command line: device: got 'tpu'; expected one of auto, gpu, cpu"]
+
+
+@pytest.mark.parametrize("loss, hint", [("crossentropy", "; did you mean cross_entropy?"),
+                                        ("MSE", "; did you mean mse?"), ("zzz", "")])
+def test_a_misspelt_built_in_loss_gets_the_nearest_one(tmp_path, loss, hint):
+    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {"train": {"loss": loss}}))
+    line, = error_lines(entry("train", str(config), "--dry-run"))
+    assert line == (f"error: {config}: train.loss: got {loss!r}; expected one of cross_entropy, "
+                    f"mse, model or an import path like 'package.module:name'{hint}")
 
 
 # ------------------------------------------------------ --key=value: an override with dashes

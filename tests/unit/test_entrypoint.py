@@ -60,7 +60,7 @@ def test_dry_run_prints_a_runnable_plan(tmp_path):
 
 
 @pytest.mark.parametrize("args, env, start", [
-    (["train", "missing.yaml"], {}, "error: missing.yaml: <file>: no such file"),
+    (["train", "missing.yaml"], {}, "error: missing.yaml: no such file"),
     (["train", QUICKSTART, "optim.lrr=1"], {}, "error: command line: optim.lrr: unknown key"),
     (["train", QUICKSTART, "train.max_steps=-1"], {}, "error: command line: train.max_steps:"),
     (["train", QUICKSTART, "oops"], {}, "error: command line: oops: overrides look like"),

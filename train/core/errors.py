@@ -26,6 +26,8 @@ EXIT_CODES = (EXIT_OK, EXIT_TRAINING_FAILED, EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HER
 # Exit codes a retry cannot change: launchers and Kubernetes should not restart on them.
 # The rule that reads them is train.core.protocol.restart_can_help.
 FINAL_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_DIVERGED)
+# The key of a ConfigError about a config file as a whole, not one of its keys.
+WHOLE_FILE = "<file>"
 
 
 def printable(text: str) -> str:
@@ -51,12 +53,15 @@ class UserError(Exception):
 class ConfigError(UserError):
     """Invalid config, CLI or data on any machine: exit 2.
 
-    The message reads ``<file>: <dotted.key>: <what is wrong; what is allowed>``.
+    The message reads ``<file>: <dotted.key>: <what is wrong; what is allowed>``, or
+    ``<file>: <what is wrong>`` when the problem is the file as a whole (``key`` is
+    :data:`WHOLE_FILE`: missing, unreadable, too large, not YAML).
     """
 
     def __init__(self, source: str, key: str, problem: str):
         self.source, self.key, self.problem = source, key, problem
-        super().__init__(f"{source}: {key}: {problem}")
+        super().__init__(f"{source}: {problem}" if key == WHOLE_FILE else
+                         f"{source}: {key}: {problem}")
 
 
 class ConfigErrors(ConfigError):

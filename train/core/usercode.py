@@ -14,6 +14,7 @@ The manifest records which of the user's files were imported, with their hashes
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
@@ -100,7 +101,7 @@ def check(cfg, source: str, *, sample: bool) -> None:
         if sample:
             check_builds_a_module(fn, cfg.model.factory, cfg.model.args, source)
     if cfg.train.loss not in BUILT_IN_LOSSES:
-        resolve(cfg.train.loss, "train.loss", source)
+        _check_loss_path(cfg.train.loss, BUILT_IN_LOSSES, source)
     if data_kind(cfg).factory:
         fn = resolve(cfg.data.factory, "data.factory", source)
         check_args(fn, cfg.data.args, "data.args", source)
@@ -108,6 +109,17 @@ def check(cfg, source: str, *, sample: bool) -> None:
             train, _ = split_datasets(call(cfg.data.factory, cfg.data.args, "data", source),
                                       source)
             first_sample(train, source)
+
+
+def _check_loss_path(loss: str, built_in: tuple[str, ...], source: str) -> None:
+    """A loss that is not built in is an import path; a bare word is a misspelt built-in."""
+    if ":" not in loss and "." not in loss:
+        close = difflib.get_close_matches(loss.lower(), built_in, n=1, cutoff=0.7)
+        raise ConfigError(source, "train.loss", f"got {loss!r}; expected one of "
+                                                f"{', '.join(built_in)} or an import path like "
+                                                "'package.module:name'"
+                                                + (f"; did you mean {close[0]}?" if close else ""))
+    resolve(loss, "train.loss", source)
 
 
 def check_builds_a_module(fn: Callable[..., Any], path: str, args: dict[str, Any],

@@ -23,7 +23,7 @@ from train.core.config.checks import validate
 from train.core.config.origins import CLI, Sources, paths_in, within
 from train.core.config.schema import Config, to_dict
 from train.core.config.strict_yaml import clip, short
-from train.core.errors import ConfigError, raise_all
+from train.core.errors import WHOLE_FILE, ConfigError, raise_all
 
 
 def read_yaml(path: str | Path) -> dict:
@@ -33,22 +33,22 @@ def read_yaml(path: str | Path) -> dict:
     try:
         if path.exists() and not path.is_file() and not path.is_dir():
             # /dev/zero would be read forever, a FIFO wait for a writer
-            raise ConfigError(source, "<file>", "not a regular file (a device, FIFO or "
-                                                "socket); name a YAML file")
+            raise ConfigError(source, WHOLE_FILE, "not a regular file (a device, FIFO or "
+                                                  "socket); name a YAML file")
         if path.stat().st_size > strict_yaml.MAX_BYTES:  # do not even read it
-            raise ConfigError(source, "<file>", f"{path.stat().st_size / 2**20:.1f} MiB; a "
-                                                f"config is at most "
-                                                f"{strict_yaml.MAX_BYTES >> 20} MiB")
+            raise ConfigError(source, WHOLE_FILE, f"{path.stat().st_size / 2**20:.1f} MiB; a "
+                                                  f"config is at most "
+                                                  f"{strict_yaml.MAX_BYTES >> 20} MiB")
         with path.open("rb") as f:  # never more than the limit, whatever stat said
             raw = f.read(strict_yaml.MAX_BYTES + 1)
         if len(raw) > strict_yaml.MAX_BYTES:
-            raise ConfigError(source, "<file>", f"more than {strict_yaml.MAX_BYTES >> 20} MiB; "
-                                                "a config is at most that")
+            raise ConfigError(source, WHOLE_FILE, f"more than {strict_yaml.MAX_BYTES >> 20} MiB; "
+                                                  "a config is at most that")
         text = raw.decode("utf-8")
     except FileNotFoundError:
-        raise ConfigError(source, "<file>", "no such file" + _did_you_mean(path)) from None
+        raise ConfigError(source, WHOLE_FILE, "no such file" + _did_you_mean(path)) from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise ConfigError(source, "<file>", f"cannot read: {exc.__class__.__name__}") from None
+        raise ConfigError(source, WHOLE_FILE, f"cannot read: {exc.__class__.__name__}") from None
     try:
         data = strict_yaml.load(text)
     except strict_yaml.StrictYamlError as exc:
@@ -158,6 +158,15 @@ def _unknown_key(source: str, prefix: str, key: str, valid: list[str]
             prefix + close[0] if close else None)
 
 
+def _misfit_hint(value: Any, tp: Any) -> str:
+    """What may have been meant by a value that fits no allowed one."""
+    if isinstance(value, bool) and types.shape(tp)[0] == "choice":
+        # YAML 1.1 reads unquoted on/off/yes/no as true/false
+        return " (YAML reads an unquoted on, off, yes or no as true or false)"
+    meant = types.closest_choice(value, tp)
+    return f"; did you mean {meant}?" if meant else ""
+
+
 def build(cls: type, data: Any, sources: Sources, prefix: str = "",
           errors: list[ConfigError] | None = None, bad: set[str] | None = None) -> Any:
     """A section from its mapping, converting and checking every value.
@@ -191,11 +200,9 @@ def build(cls: type, data: Any, sources: Sources, prefix: str = "",
             continue
         got = types.coerce(value, key.type, sources.from_cli(dotted))
         if got is types.NO:
-            # YAML 1.1 reads unquoted on/off/yes/no as true/false
-            hint = " (YAML reads an unquoted on, off, yes or no as true or false)" \
-                if isinstance(value, bool) and types.shape(key.type)[0] == "choice" else ""
             errors.append(ConfigError(sources.of(dotted), dotted, f"got {short(value)}; "
-                                      f"expected {types.describe(key.type)}{hint}"))
+                                      f"expected {types.describe(key.type)}"
+                                      f"{_misfit_hint(value, key.type)}"))
             bad.add(dotted)
             continue
         problem = types.bounds_problem(got, key.bounds)

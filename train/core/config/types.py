@@ -12,6 +12,7 @@ unions of those (``int | Literal["auto"]``), and a nested dataclass (a config se
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -101,6 +102,22 @@ def describe(tp: Any) -> str:
     if kind == "null":
         return "null"
     return _WORDS[args[0]]
+
+
+def closest_choice(value: Any, tp: Any) -> str | None:
+    """The allowed word nearest a misspelt one (``crossentropy`` for ``cross_entropy``),
+    among the choices ``tp`` allows; None when nothing is near or ``value`` is no word."""
+    kind, args = shape(tp)
+    if not isinstance(value, str):
+        return None
+    if kind == "choice":
+        words = [str(a) for a in args]
+    elif kind == "union":
+        words = [str(a) for arm in args if shape(arm)[0] == "choice" for a in shape(arm)[1]]
+    else:
+        return None
+    close = difflib.get_close_matches(value.lower(), words, n=1, cutoff=0.7)
+    return close[0] if close else None
 
 
 NO = object()  # coerce's "does not fit"
