@@ -41,10 +41,16 @@ commands:
                       text from an exported byte-level GPT (the quick start's model)
   anything else       executed as a command: bash, python, tensorboard --logdir runs
 
-exit codes: 0 done; 1 training failed; 2 bad input (config, CLI, environment);
-3 valid input this machine/image cannot run; 143 stopped by a signal after
-checkpointing (rerun the same command to resume).
 """
+
+
+def _help_text() -> str:
+    """HELP, then every exit code with its meaning (from the one table of them)."""
+    import textwrap
+
+    from train.core.errors import EXIT_MEANINGS
+    codes = "; ".join(f"{code} {meaning}" for code, meaning in EXIT_MEANINGS.items())
+    return HELP + textwrap.fill("exit codes: " + codes + ".", width=80) + "\n"
 
 
 # Third-party packages the commands import; missing ones mean the wrong Python (exit 3).
@@ -205,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             (argv[0] in COMMANDS and argv[0] != "launch" and
              ("-h" in argv[1:] or "--help" in argv[1:])) or \
             (argv[0] == "launch" and argv[1:2] in (["-h"], ["--help"])):
-        print(HELP.replace("entrypoint.py", _command_name()), end="")
+        print(_help_text().replace("entrypoint.py", _command_name()), end="")
         return 0
     if argv[0] == "train" and "--help-config" in argv[1:]:
         from train.core.config.reference import text  # torch-free

@@ -80,3 +80,9 @@ def test_the_readme_is_a_landing_page():
     assert pages <= linked, f"docs pages the README does not index: {pages - linked}"
     for section in ("## Quick start", "## Exit codes", "## Commands"):
         assert section in readme
+
+
+def test_the_readme_lists_every_exit_code_and_no_other():
+    from train.core.errors import EXIT_CODES
+    section = (ROOT / "README.md").read_text().split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    assert [int(c) for c in re.findall(r"^\| (\d+) \|", section, flags=re.M)] == list(EXIT_CODES)

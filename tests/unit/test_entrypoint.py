@@ -40,6 +40,13 @@ def test_help_imports_nothing_heavy(tmp_path):
     assert not {"torch", "yaml", "numpy", "train.core.config"} & imported
 
 
+def test_help_lists_every_exit_code(tmp_path):
+    from train.core.errors import EXIT_CODES
+    out = entry("--help", cwd=tmp_path, timeout=30)
+    listed = " ".join(out.stdout.split("exit codes:", 1)[1].split())
+    assert [int(c) for c in re.findall(r"(?:^|; )(\d+) ", listed)] == list(EXIT_CODES)
+
+
 def test_no_arguments_prints_help(tmp_path):
     out = entry(cwd=tmp_path, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("usage: entrypoint.py")

@@ -20,9 +20,20 @@ EXIT_STOPPED_BY_SIGNAL = 143
 # the workers of another node were told to stop. torchrun restarts it without counting
 # a failure, to train on without that node; the launcher says 143 if the job ends here.
 EXIT_PEER_STOPPED = 144
-# Every exit code a user can see.
-EXIT_CODES = (EXIT_OK, EXIT_TRAINING_FAILED, EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE,
-              EXIT_DIVERGED, EXIT_STORE_LOST, EXIT_RUN_DIR_BUSY, EXIT_STOPPED_BY_SIGNAL)
+# Every exit code a user can see, in a few words (``--help`` prints them; the README's
+# "Exit codes" table says more and is checked against this one).
+EXIT_MEANINGS = {
+    EXIT_OK: "done",
+    EXIT_TRAINING_FAILED: "training failed",
+    EXIT_BAD_INPUT: "bad input (config, command line, environment)",
+    EXIT_CANNOT_RUN_HERE: "valid input this machine/image cannot run",
+    EXIT_DIVERGED: "training diverged (a non-finite loss, gradient or weight)",
+    EXIT_STORE_LOST: "the multi-node rendezvous store was lost",
+    EXIT_RUN_DIR_BUSY: "the run directory is in use by another job",
+    EXIT_STOPPED_BY_SIGNAL: "stopped by a signal after checkpointing (rerun the same "
+                            "command to resume)",
+}
+EXIT_CODES = tuple(EXIT_MEANINGS)
 # Exit codes a retry cannot change: launchers and Kubernetes should not restart on them.
 # The rule that reads them is train.core.protocol.restart_can_help.
 FINAL_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_DIVERGED)
