@@ -71,13 +71,22 @@ def listed_files(meta_path: Path) -> list[str]:
     return [f for f in listed if f in EXPORT_FILES]
 
 
+def _no_such_step(checkpoints: Path) -> str:
+    """Why --step N found nothing, with the steps the run has checkpoints of."""
+    steps = sorted(rundir.step_of(p) for p in rundir.step_dirs(checkpoints))
+    if not steps:
+        return "no such checkpoint; this run has none yet"
+    shown = ", ".join(map(str, steps[-20:]))
+    return f"no such checkpoint; this run has steps {'..., ' if len(steps) > 20 else ''}{shown}"
+
+
 def load_checkpoint(run_dir: Path, step: int | None) -> tuple[Path, dict]:
     """The newest checkpoint that verifies and loads, or step-N when asked for."""
     from train.checkpoint import reader
     checkpoints = run_dir / rundir.CHECKPOINTS
     if step is not None:
         path = checkpoints / rundir.step_name(step)
-        problem = reader.verify(path) if path.is_dir() else "no such checkpoint"
+        problem = reader.verify(path) if path.is_dir() else _no_such_step(checkpoints)
         if problem:
             raise ConfigError("command line", "--step", f"{path}: {problem}")
         return path, reader.load(path, 0)[0]

@@ -142,6 +142,21 @@ def test_export_refuses_non_finite_weights(tmp_path):
     assert json.loads((run / "export" / "model.json").read_text())["step"] == 1
 
 
+def test_export_of_a_step_without_a_checkpoint_lists_the_steps_there_are(tmp_path):
+    run = tmp_path / "run"
+    ck = Checkpointer(run, rank=0, keep_last=5)
+    for step in (100, 200):
+        ck.save(step, {"step": step, "model": {"w": torch.ones(3)}, "config": {"model": {}},
+                       "model_io": {}}, {})
+    out = subprocess.run([sys.executable, "-m", "train.export", str(run), "--step", "250"],
+                         cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True,
+                         text=True, timeout=limit(120))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert last_line(out.stderr) == (f"error: command line: --step: {run}/checkpoints/step-250: "
+                                     "no such checkpoint; this run has steps 100, 200")
+    assert not (run / "export").exists()
+
+
 # ------------------------------------------------------- checkpoints that do not load
 
 @pytest.fixture(scope="module")
