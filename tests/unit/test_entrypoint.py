@@ -52,6 +52,28 @@ def test_no_arguments_prints_help(tmp_path):
     assert out.returncode == 0 and out.stdout.startswith("usage: entrypoint.py")
 
 
+def documented_multinode_dry_runs() -> list[str]:
+    """The docs' and README's commands that dry-run a multi-node range (TRAIN_NNODES=)."""
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"^```(?:bash|sh)?\n(.*?)^```", page.read_text(), re.M | re.S):
+            command = block.replace("\\\n", " ")
+            found += [line.strip() for line in command.splitlines()
+                      if "TRAIN_NNODES=" in line and "--dry-run" in line]
+    return found
+
+
+@pytest.mark.parametrize("command", documented_multinode_dry_runs())
+def test_a_documented_multinode_dry_run_passes_as_written(tmp_path, command):
+    """Its range's world sizes all divide the config's global batch (exit 0, a plan)."""
+    words = shlex.split(command)
+    env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
+    args = words[words.index("entrypoint.py") + 1:]
+    out = entry(*args, cwd=ROOT, env=clean_env(**env), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"nnodes={env['TRAIN_NNODES']}" in out.stdout
+
+
 def test_dry_run_prints_a_runnable_plan(tmp_path):
     out = entry("train", QUICKSTART, "distributed.nproc_per_node=2", "--dry-run", cwd=tmp_path,
                 timeout=120)
