@@ -28,4 +28,15 @@ def detect(env: Environ) -> bool:
 
 def nodes(env: Environ, timings: Timings) -> Nodes:
     return Nodes(NAME, args=("--standalone", "--nnodes", "1", "--local-addr", LOOPBACK),
-                 env=dict(RE_RENDEZVOUS_ENV), alone=True)
+                 env=dict(RE_RENDEZVOUS_ENV), alone=True, notes=_lone_pod_note(env))
+
+
+def _lone_pod_note(env: Environ) -> tuple[str, ...]:
+    """A pod of an Indexed Job not told where the store is trains alone: say so, since a
+    multi-node job was likely meant."""
+    index = env.get("JOB_COMPLETION_INDEX")
+    if index is None:
+        return ()
+    return (f"JOB_COMPLETION_INDEX={index} without TRAIN_RDZV_ENDPOINT: this pod trains "
+            "alone, as a single node; for one job across pods set TRAIN_RDZV_ENDPOINT, "
+            "TRAIN_NNODES and TRAIN_RDZV_ID",)

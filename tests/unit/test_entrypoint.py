@@ -74,6 +74,18 @@ def test_a_documented_multinode_dry_run_passes_as_written(tmp_path, command):
     assert f"nnodes={env['TRAIN_NNODES']}" in out.stdout
 
 
+def test_an_indexed_job_pod_without_a_store_is_told_it_trains_alone(tmp_path):
+    out = entry("train", QUICKSTART, "--dry-run", cwd=tmp_path,
+                env=clean_env(JOB_COMPLETION_INDEX="1"), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "convention=single" in out.stdout
+    assert ("# note: JOB_COMPLETION_INDEX=1 without TRAIN_RDZV_ENDPOINT: this pod trains alone, "
+            "as a single node; for one job across pods set TRAIN_RDZV_ENDPOINT, TRAIN_NNODES "
+            "and TRAIN_RDZV_ID") in out.stdout.splitlines()
+    alone = entry("train", QUICKSTART, "--dry-run", cwd=tmp_path, timeout=120)
+    assert "JOB_COMPLETION_INDEX" not in alone.stdout
+
+
 def test_dry_run_prints_a_runnable_plan(tmp_path):
     out = entry("train", QUICKSTART, "distributed.nproc_per_node=2", "--dry-run", cwd=tmp_path,
                 timeout=120)
