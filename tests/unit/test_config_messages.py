@@ -167,6 +167,20 @@ def test_a_misspelt_allowed_value_gets_the_nearest_one(tmp_path):
         "error: command line: device: got 'tpu'; expected one of auto, gpu, cpu"]
 
 
+@pytest.mark.parametrize("config", ["k8s/config.yaml", "k8s/cpu/config.yaml"])
+def test_the_kubernetes_config_map_points_at_the_training_config_inside(config):
+    line, = error_lines(entry("train", config, "--dry-run"))
+    assert line == (f"error: {config}: a Kubernetes ConfigMap, not a training config; the "
+                    "training config is its data.config.yaml (kubectl apply mounts it in the "
+                    "pods; to train with it here, save that value to a file of its own)")
+
+
+def test_another_kubernetes_manifest_is_named_as_one(tmp_path):
+    (tmp_path / "job.yaml").write_text("apiVersion: batch/v1\nkind: Job\nspec: {}\n")
+    line, = error_lines(entry("train", "job.yaml", cwd=tmp_path))
+    assert line == "error: job.yaml: a Kubernetes Job, not a training config"
+
+
 @pytest.mark.parametrize("loss, hint", [("crossentropy", "; did you mean cross_entropy?"),
                                         ("MSE", "; did you mean mse?"), ("zzz", "")])
 def test_a_misspelt_built_in_loss_gets_the_nearest_one(tmp_path, loss, hint):

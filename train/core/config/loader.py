@@ -57,7 +57,22 @@ def read_yaml(path: str | Path) -> dict:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(source, "<top>", "the file must hold a mapping of keys")
+    if "apiVersion" in data and "kind" in data:
+        raise ConfigError(source, WHOLE_FILE, _kubernetes_manifest(data))
     return data
+
+
+def _kubernetes_manifest(data: dict) -> str:
+    """What to say about a Kubernetes manifest given as the config (k8s/config.yaml is a
+    ConfigMap that holds the training config under data.config.yaml)."""
+    held = data.get("data")
+    inside = [k for k, v in held.items() if str(k).endswith((".yaml", ".yml"))
+              and isinstance(v, str)] if isinstance(held, dict) else []
+    what = f"a Kubernetes {str(data['kind'])[:40]}, not a training config"
+    if not inside:
+        return what
+    return (f"{what}; the training config is its data.{inside[0]} (kubectl apply mounts it in "
+            f"the pods; to train with it here, save that value to a file of its own)")
 
 
 def parse_override(text: str, source: str = CLI) -> tuple[str, Any]:
