@@ -105,10 +105,13 @@ PLUMBING = re.compile(r"^((LOCAL_|GROUP_|ROLE_)?(RANK|WORLD_SIZE)|MASTER_(ADDR|P
 
 
 def summarise_env(values: dict[str, str]) -> str:
-    """One line for the variables a launch sets: the tuning ones by value."""
+    """One plain line for the variables a launch sets: the tuning ones by value, the
+    standard ones (process identity, Python's switches) counted."""
     shown = [f"{k}={v}" for k, v in values.items() if not PLUMBING.match(k)]
     rest = len(values) - len(shown)
-    return (f"set {len(values)} worker variables: {', '.join(shown) or 'none for tuning'}"
-            f"{f' and {rest} for process identity' if rest else ''} (--verbose or --dry-run "
-            "lists them all)")
-
+    if not values:
+        return "workers get no extra environment variables"
+    standard = (f"{'plus ' if shown else ''}{rest} standard variable{'s' if rest != 1 else ''} "
+                "(ranks, addresses, Python's settings)") if rest else ""
+    return f"workers get {', '.join([*shown, *([standard] if standard else [])])}; " \
+           "--verbose lists them all"

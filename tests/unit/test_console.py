@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import subprocess
 import sys
 
@@ -108,8 +109,11 @@ def test_a_run_logs_step_one_summarises_its_variables_and_closes_with_a_summary(
     first = subprocess.run(entry, cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=limit(240))
     assert first.returncode == 0, first.stderr[-3000:]
-    set_lines = [ln for ln in first.stderr.splitlines() if ln.startswith("entrypoint: set ")]
-    assert len(set_lines) == 1 and "OMP_NUM_THREADS=" in set_lines[0], set_lines
+    assert not [ln for ln in first.stderr.splitlines() if ln.startswith("entrypoint: set ")]
+    summary, = [ln for ln in first.stderr.splitlines() if "workers get" in ln]
+    assert re.fullmatch(r"entrypoint: workers get OMP_NUM_THREADS=\d+, .*plus \d+ standard "
+                        r"variables \(ranks, addresses, Python's settings\); --verbose lists "
+                        r"them all", summary), summary
     assert [r["step"] for r in read_metrics(runs / "t") if "loss" in r] == [1, 5, 10]
     done = first.stdout[first.stdout.index("done: "):]
     assert "step 10/10" in done and "val/loss" in done
