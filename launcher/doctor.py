@@ -197,6 +197,15 @@ def _manifest_findings(content: dict | None, tb: TorchBuild) -> list[Finding]:
     return []
 
 
+def bandwidth(gb_s: float) -> str:
+    """A bandwidth in the unit that shows it (CPU processes over gloo reach MB/s, not GB/s)."""
+    if gb_s >= 1:
+        return f"{gb_s:.1f} GB/s"
+    mb_s = gb_s * 1000
+    return f"{mb_s:.0f} MB/s" if mb_s >= 10 else f"{mb_s:.2g} MB/s" if mb_s >= 0.01 else \
+        "under 0.01 MB/s"
+
+
 def _comm_lines(c: dict) -> list[str]:
     if c.get("skipped"):
         return [f"comm       skipped: {c['skipped']}"]
@@ -205,7 +214,7 @@ def _comm_lines(c: dict) -> list[str]:
     if c.get("seconds"):
         head += f"; all-reduce {c['seconds'] * 1000:.1f} ms"
     if c.get("bus_gb_s"):
-        head += f", bus bandwidth {c['bus_gb_s']:.1f} GB/s"
+        head += f", bus bandwidth {bandwidth(c['bus_gb_s'])}"
     shown = [f"comm       {line}" for line in c.get("preflight", [])
              if line not in c["problems"] + c.get("slow", [])]  # the summary: the rest are findings
     return [head, *shown] + [f"FAIL       {p}" for p in c["problems"]]

@@ -220,3 +220,13 @@ def test_doctor_comm_warns_of_a_slow_rank_or_fails_as_training_would(monkeypatch
     assert doctor._comm_lines(report["comm"]) == [
         "comm       matmul and all-reduce over 2 process(es), gpu/nccl: ok; all-reduce 2.0 ms, "
         "bus bandwidth 90.0 GB/s"]
+
+
+@pytest.mark.parametrize(("bus_gb_s", "shown"), [
+    (90.0, "90.0 GB/s"), (0.858, "858 MB/s"), (0.0012, "1.2 MB/s"), (1e-9, "under 0.01 MB/s")])
+def test_doctor_comm_shows_a_small_bandwidth_in_mb_s_not_as_zero(bus_gb_s, shown):
+    """CPU processes over gloo on a busy machine reach MB/s: never "0.0 GB/s"."""
+    from launcher import doctor
+    head, = doctor._comm_lines({"ok": True, "device": "cpu", "backend": "gloo", "processes": 2,
+                                "seconds": 0.0012, "bus_gb_s": bus_gb_s, "problems": []})
+    assert head.endswith(f"all-reduce 1.2 ms, bus bandwidth {shown}"), head
