@@ -129,22 +129,38 @@ def _port(env: Mapping[str, str], name: str) -> None:
 
 
 def read(env: Mapping[str, str] | None = None) -> Environ:
-    """Read the environment once. ``env`` defaults to ``os.environ``."""
+    """Read the environment once. ``env`` defaults to ``os.environ``. Every malformed
+    variable is reported at once, one line each (:func:`train.core.errors.raise_all`)."""
+    from train.core.errors import ConfigError, raise_all
     env = dict(os.environ if env is None else env)
-    _positive(env, "OMP_NUM_THREADS")
-    _port(env, "MASTER_PORT")
+    errors: list[ConfigError] = []
+
+    def checked(check, name: str, *args, fallback=None):
+        try:
+            return check(env, name, *args)
+        except ConfigError as exc:
+            errors.append(exc)
+            return fallback
+
+    checked(_positive, "OMP_NUM_THREADS")
+    checked(_port, "MASTER_PORT")
+    checked(integer, "JOB_COMPLETION_INDEX")
     visibility = Visibility(
-        cuda_visible_devices=_visibility_list(env, "CUDA_VISIBLE_DEVICES"),
+        cuda_visible_devices=checked(_visibility_list, "CUDA_VISIBLE_DEVICES"),
         nvidia_visible_devices=env.get("NVIDIA_VISIBLE_DEVICES"),
-        rocr_visible_devices=_visibility_list(env, "ROCR_VISIBLE_DEVICES"),
-        hip_visible_devices=_visibility_list(env, "HIP_VISIBLE_DEVICES"),
+        rocr_visible_devices=checked(_visibility_list, "ROCR_VISIBLE_DEVICES"),
+        hip_visible_devices=checked(_visibility_list, "HIP_VISIBLE_DEVICES"),
         hsa_override_gfx_version=text(env, "HSA_OVERRIDE_GFX_VERSION"),
         cuda_device_order=text(env, "CUDA_DEVICE_ORDER"))
+    debug = checked(_flag, "TRAIN_DEBUG", fallback=False)
+    dns_wait_s = checked(_seconds, "TRAIN_DNS_WAIT_S", DEFAULT_DNS_WAIT_S,
+                         fallback=DEFAULT_DNS_WAIT_S)
+    raise_all(errors)
     return Environ(
         raw=env, visibility=visibility,
         socket_ifname=text(env, "TRAIN_SOCKET_IFNAME"),
-        debug=_flag(env, "TRAIN_DEBUG"),
+        debug=debug,
         path=env.get("PATH", os.defpath),
         build_manifest=text(env, "TRAIN_BUILD_MANIFEST") or DEFAULT_BUILD_MANIFEST,
         hw_root=text(env, "TRAIN_HW_ROOT") or "/",
-        dns_wait_s=_seconds(env, "TRAIN_DNS_WAIT_S", DEFAULT_DNS_WAIT_S))
+        dns_wait_s=dns_wait_s)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from launcher.conventions import common
 from launcher.conventions.common import Nodes, Timings
 from launcher.environ import Environ, integer
+from train.core.errors import ConfigError, raise_all
 
 NAME = "indexed-job"
 
@@ -30,18 +31,33 @@ def detect(env: Environ) -> bool:
     return bool(env.get("TRAIN_RDZV_ENDPOINT"))
 
 
-def nodes(env: Environ, timings: Timings) -> Nodes:
+def _settings(env: Environ) -> tuple[tuple[int, int], str, tuple[str, int]]:
+    """The node range, the run id and the store; every problem among them at once."""
     nnodes, run_id = env.get("TRAIN_NNODES"), env.get("TRAIN_RDZV_ID")
+    errors: list[ConfigError] = []
+    nodes_range = endpoint = None
     if not nnodes:
-        raise common.env_error("TRAIN_NNODES",
-                               "required with TRAIN_RDZV_ENDPOINT: N or MIN:MAX nodes")
+        errors.append(common.env_error("TRAIN_NNODES",
+                                       "required with TRAIN_RDZV_ENDPOINT: N or MIN:MAX nodes"))
     if not run_id:
-        raise common.env_error("TRAIN_RDZV_ID",
-                               "required with TRAIN_RDZV_ENDPOINT: a value unique to the job "
-                               "(the pod label batch.kubernetes.io/controller-uid); a reused "
-                               "id makes the store refuse new nodes")
-    lo, hi = common.parse_nnodes(nnodes, "TRAIN_NNODES")
-    host, port = common.parse_endpoint(env.get("TRAIN_RDZV_ENDPOINT"), "TRAIN_RDZV_ENDPOINT")
+        errors.append(common.env_error(
+            "TRAIN_RDZV_ID", "required with TRAIN_RDZV_ENDPOINT: a value unique to the job "
+                             "(the pod label batch.kubernetes.io/controller-uid); a reused "
+                             "id makes the store refuse new nodes"))
+    try:
+        nodes_range = common.parse_nnodes(nnodes, "TRAIN_NNODES") if nnodes else None
+    except ConfigError as exc:
+        errors.append(exc)
+    try:
+        endpoint = common.parse_endpoint(env.get("TRAIN_RDZV_ENDPOINT"), "TRAIN_RDZV_ENDPOINT")
+    except ConfigError as exc:
+        errors.append(exc)
+    raise_all(errors)
+    return nodes_range, run_id, endpoint
+
+
+def nodes(env: Environ, timings: Timings) -> Nodes:
+    (lo, hi), run_id, (host, port) = _settings(env)
     # The store outlives the agents: a restart is a new round even at one node.
     args, out_env = common.dynamic_rendezvous(lo, hi, endpoint=(host, port), run_id=run_id,
                                               own_conf={"is_host": "false"},

@@ -122,6 +122,29 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, env, start):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("command", [["train", QUICKSTART, "--dry-run"], ["doctor"]])
+def test_every_bad_environment_variable_is_reported_at_once(tmp_path, command):
+    """Like a config's problems: one line each, exit 2, not one per attempt."""
+    env = clean_env(OMP_NUM_THREADS="0", TRAIN_DEBUG="maybe", TRAIN_DNS_WAIT_S="-1")
+    out = entry(*command, cwd=tmp_path, env=env, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: environment: OMP_NUM_THREADS: got '0'; expected a positive integer",
+        "error: environment: TRAIN_DEBUG: got 'maybe'; expected 1 or 0",
+        "error: environment: TRAIN_DNS_WAIT_S: got '-1'; expected a number of seconds >= 0"]
+
+
+def test_every_missing_or_bad_store_variable_is_reported_at_once(tmp_path):
+    env = clean_env(TRAIN_RDZV_ENDPOINT="store:99999", TRAIN_NNODES="4:1")
+    out = entry("train", QUICKSTART, "--dry-run", cwd=tmp_path, env=env, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert [line.split(": ")[1] for line in out.stderr.strip().splitlines()] == [
+        "environment", "environment", "environment"]
+    assert [line.split(": ")[2] for line in out.stderr.strip().splitlines()] == [
+        "TRAIN_RDZV_ID", "TRAIN_NNODES", "TRAIN_RDZV_ENDPOINT"]
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["device=gpu"], "device=gpu but no usable GPU here"),
     (["distributed.backend=nccl"], "nccl needs GPUs"),
