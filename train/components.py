@@ -88,6 +88,7 @@ def preflight(cfg: Config, env: WorkerIdentity, source: str) -> Placement:
                        (available_memory() or 0) // env.local_world_size or None)
     device = ranks.resolve_device(cfg, env)
     check_placement(cfg, env, device, source)
+    env.check_rendezvous()
     return Placement(device, ranks.resolve_backend(cfg, device), micro, accum)
 
 

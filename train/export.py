@@ -158,7 +158,10 @@ def load_model(export_dir: str | Path):
         from train.export import load_model
         model = load_model("runs/quickstart/export")
 
-    A custom model's factory must be importable (run from your project directory)."""
+    A custom model's factory must be importable (run from your project directory).
+    A model.pt that is damaged, holds more than tensors or does not fit model.json's
+    model is refused (exit 2) before the model is built, as is a model larger than the
+    memory left here (exit 3)."""
     import torch
 
     from train.core.config import ModelConfig
@@ -166,11 +169,75 @@ def load_model(export_dir: str | Path):
     export_dir = Path(export_dir)
     meta = json.loads((export_dir / rundir.EXPORT_META).read_text())
     io = meta.get("io") or {}
-    model = build_model(ModelConfig(**meta["model"]),
-                        input_shape=tuple(io.get("input_shape") or ()),
-                        num_classes=io.get("num_classes") or 0, source=str(export_dir))
-    model.load_state_dict(torch.load(export_dir / rundir.EXPORT_WEIGHTS, weights_only=True))
+
+    def build():
+        return build_model(ModelConfig(**meta["model"]),
+                           input_shape=tuple(io.get("input_shape") or ()),
+                           num_classes=io.get("num_classes") or 0, source=str(export_dir))
+
+    weights = read_weights(export_dir / rundir.EXPORT_WEIGHTS)
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        shapes = build()
+    check_weights_fit(export_dir, shapes, weights)
+    model = build()
+    model.load_state_dict(weights)
     return model.eval()
+
+
+def read_weights(path: Path) -> dict:
+    """model.pt's tensors, mapped from the file rather than read into memory."""
+    import pickle
+
+    import torch
+    problem = None
+    try:
+        weights = torch.load(path, weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        problem = ("holds objects other than tensors, which torch.load(weights_only=True) "
+                   "refuses to unpickle" if "weights only" in str(exc).lower() else
+                   f"not a torch.save file ({first_line(exc)})")
+    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+        problem = f"damaged or not a torch.save file ({first_line(exc)})"
+    else:
+        if not (isinstance(weights, dict) and all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())):
+            problem = f"holds a {type(weights).__name__}, not a state dict of tensors"
+    if problem:
+        raise ConfigError("command line", "RUN_DIR", f"{path}: {problem}; export again")
+    return weights
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def check_weights_fit(export_dir: Path, shapes, weights: dict) -> None:
+    """model.pt must hold exactly the tensors model.json's model has, shape for shape,
+    and the model must fit in the memory left here; checked on ``shapes``, the model
+    built on the meta device."""
+    from train.core import host
+    expected = shapes.state_dict()
+    where = f"{export_dir / rundir.EXPORT_WEIGHTS} does not fit {export_dir / rundir.EXPORT_META}"
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing or extra:
+        name = (missing or extra)[0]
+        raise ConfigError("command line", "RUN_DIR", (
+            f"{where}: {name} is {'missing from model.pt' if missing else 'not in the model'} "
+            f"({len(missing)} missing, {len(extra)} unexpected); export again"))
+    for name, tensor in expected.items():
+        if tensor.shape != weights[name].shape:
+            raise ConfigError("command line", "RUN_DIR", (
+                f"{where}: {name} is {list(tensor.shape)} in the model, "
+                f"{list(weights[name].shape)} in model.pt; export again"))
+    needed = sum(t.numel() * t.element_size()
+                 for t in (*shapes.parameters(), *shapes.buffers()))
+    left = host.available_memory()
+    if left is not None and needed > left:
+        raise CannotRunHere(f"{export_dir}: the model needs {needed / 2**20:.0f} MiB, "
+                            f"{left / 2**20:.0f} MiB of memory is left here; free memory "
+                            "or use a larger machine")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ The bare worker (``python -m train``) gives the same answers: it shares the chec
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,9 @@ CASES = [
      "optim.lr\\x1b[2J", "unknown key"),
     ("a newline and an escape in run.name", TINY_GPT, None, ["run.name=a\nentrypoint: ok\x1b[1m"],
      {}, 2, "run.name", "without '/' or control characters"),
+    ("a newline in run.name, which YAML would fold into a space", TINY_GPT, None,
+     ["run.name=a\nb"], {}, 2, "run.name", "got 'a\\nb'; a non-empty name without '/' or "
+                                            "control characters"),
     ("a model factory returning a non-Module", TINY_MLP, None,
      ["model.kind=custom", "model.factory=notamodule:make", "model.args={width: 4}"], {}, 2,
      "model.factory", "notamodule:make returned dict, not a torch.nn.Module"),
@@ -168,10 +172,18 @@ def test_bad_input_is_one_line_from_the_parent(tmp_path, name, tree, text, overr
     ([], {"WORLD_SIZE": "-1"}, 2, "WORLD_SIZE: got '-1'; expected an integer >= 1"),
     ([], {"WORLD_SIZE": "abc"}, 2, "WORLD_SIZE: got 'abc'; expected an integer >= 1"),
     ([], {"LOCAL_RANK": "abc"}, 2, "LOCAL_RANK: got 'abc'; expected an integer >= 0"),
+    (["run.name=a\nb"], {}, 2, "run.name: got 'a\\nb'; a non-empty name without '/'"),
+    ([], {"WORLD_SIZE": "2", "RANK": "1"}, 2, "environment: MASTER_ADDR: not set, but "
+                                              "WORLD_SIZE=2: the processes meet at rank 0's"),
+    (["model.kind=custom", "model.factory=notamodule:make", "model.args={width: 4}"], {}, 2,
+     "model.factory: notamodule:make returned dict, not a torch.nn.Module"),
 ])
 def test_the_bare_worker_gives_the_same_answers(tmp_path, overrides, env, code, fragment):
-    """`python -m train` alone: no hang (mpi), no silent training (nccl on CPU), no traceback."""
+    """`python -m train` alone: no hang (mpi), no silent training (nccl on CPU), no traceback,
+    and nothing written (not even the run directory's lease) before it refuses."""
     (tmp_path / "file").write_text("a file where a folder should be")
+    (tmp_path / "notamodule.py").write_text("def make(width=8):\n    return {'width': width}\n")
+    env = {**env, "PYTHONPATH": f"{ROOT}:{tmp_path}"}
     overrides = [o.replace("@file", str(tmp_path / "file")) for o in overrides]
     config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {"output": {"dir": str(tmp_path /
                                                                                       "runs")}}))
@@ -181,6 +193,30 @@ def test_the_bare_worker_gives_the_same_answers(tmp_path, overrides, env, code, 
     assert "Traceback" not in proc.stderr
     assert fragment in proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_bare_worker_whose_rank_0_never_comes_is_one_line(tmp_path):
+    """`WORLD_SIZE=2 RANK=1 python -m train.worker` with nothing at MASTER_ADDR:MASTER_PORT:
+    after distributed.timeout_s, one line naming what it waited for, no Python traceback
+    (torch's C++ store logs its own socket error before it; nothing here can silence it
+    at run time)."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path / "runs")}, "distributed": {"timeout_s": 10}}))
+    env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    proc = subprocess.run([sys.executable, "-m", "train.worker", str(config)], cwd=ROOT,
+                          env=worker_env(env), capture_output=True, text=True, timeout=limit(120))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith(
+        f"error: rank 1: nothing answered at MASTER_ADDR:MASTER_PORT=127.0.0.1:{port} (rank "
+        "0's) within distributed.timeout_s=10 s (DistNetworkError: "), proc.stderr[-2000:]
+    assert proc.stderr.strip().endswith(
+        "; start every rank 0..1 with the same MASTER_ADDR and MASTER_PORT, or start the job "
+        "with `entrypoint.py train` (or torchrun), which starts them all")
 
 
 def fifo(tmp: Path) -> Path:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from train.checkpoint import Checkpointer, formats, reader
+from train.checkpoint.serializer import _latest_size, write_error
 from train.checkpoint.state import Restored
 from train.checkpoint.storage import LocalStorage, Storage
 from train.core import rundir
@@ -39,6 +40,28 @@ def test_no_write_goes_through_a_link(tmp_path):
     assert (tmp_path / "run" / "latest").read_text() == "step-3\n"
     assert not (tmp_path / "run" / "latest").is_symlink()
     assert (tmp_path / "run" / "state.pt").read_bytes() == b"new"
+
+
+def test_a_sharded_checkpoints_size_counts_its_shards(tmp_path):
+    """A full disk's message says how much a checkpoint takes: the newest one's files,
+    its shards in model/ included (a sharded save once said "about 0.0 MiB")."""
+    step = tmp_path / rundir.CHECKPOINTS / rundir.step_name(4)
+    (step / rundir.SHARDS).mkdir(parents=True)
+    sizes = {step / rundir.STATE_FILE: 3000, step / rundir.CHECKSUMS: 200,
+             step / rundir.SHARDS / "__0_0.distcp": 6 << 20,
+             step / rundir.SHARDS / "__1_0.distcp": 6 << 20,
+             step / rundir.SHARDS / ".metadata": 5000}
+    for path, size in sizes.items():
+        path.write_bytes(b"x" * size)
+    (step / rundir.SHARDS / "elsewhere").symlink_to(tmp_path / "big")  # links: not followed
+    (tmp_path / "big").write_bytes(b"x" * (1 << 20))
+    (tmp_path / rundir.CHECKPOINTS / rundir.LATEST).write_text(rundir.step_name(4))
+    storage = LocalStorage(tmp_path)
+    assert storage.size(f"{rundir.CHECKPOINTS}/{rundir.step_name(4)}") == sum(sizes.values())
+    assert _latest_size(storage) == sum(sizes.values())
+    line = str(write_error(OSError(28, "No space left on device"), step.with_name("step-8") /
+                           rundir.STATE_FILE, _latest_size(storage)))
+    assert "a checkpoint takes about 12 MiB" in line, line
 
 
 def test_the_local_storage_provides_every_operation_of_the_seam():

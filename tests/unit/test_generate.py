@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import subprocess
 import sys
 
@@ -18,6 +20,7 @@ from tests.harness.runs import (
     worker_env,
     write_config,
 )
+from train.core.errors import CannotRunHere
 from train.export import load_model
 
 
@@ -90,3 +93,55 @@ def test_a_damaged_model_json_is_one_line(tmp_path):
     assert out.returncode == 2 and out.stderr.strip() == (
         f"error: command line: RUN_DIR: {tmp_path / 'model.json'}: not an export's "
         "model.json (JSONDecodeError); export again")
+
+
+def copied_export(gpt_run, tmp_path):
+    export = tmp_path / "export"
+    export.mkdir()
+    for name in ("model.pt", "model.json"):
+        (export / name).write_bytes((gpt_run / "export" / name).read_bytes())
+    return export
+
+
+def refused(export, problem: str) -> str:
+    out = command(export)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert out.stderr.startswith(f"error: command line: RUN_DIR: {export / 'model.pt'}")
+    assert problem in out.stderr and out.stderr.strip().endswith("; export again")
+    return out.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_model_pt_is_one_line(gpt_run, tmp_path, damage):
+    export = copied_export(gpt_run, tmp_path)
+    weights = export / "model.pt"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"\x80garbage" * 99)
+    refused(export, ": damaged or not a torch.save file (")
+
+
+def test_a_model_pt_holding_more_than_tensors_is_one_line(gpt_run, tmp_path):
+    export = copied_export(gpt_run, tmp_path)
+    torch.save({"tok.weight": argparse.Namespace(code="anything")}, export / "model.pt")
+    refused(export, ": holds objects other than tensors, which torch.load(weights_only=True) "
+                    "refuses to unpickle")
+
+
+def test_a_model_json_naming_a_huge_model_is_refused_before_building_it(gpt_run, tmp_path):
+    """model.json edited to a model of about 10^16 parameters: its shapes are compared
+    with model.pt's before anything is allocated (no MemoryError, at once)."""
+    export = copied_export(gpt_run, tmp_path)
+    meta = json.loads((export / "model.json").read_text())
+    meta["model"].update(width=2**20, depth=1000)
+    (export / "model.json").write_text(json.dumps(meta))
+    line = refused(export, f" does not fit {export / 'model.json'}: ")
+    assert "is missing from model.pt" in line
+
+
+def test_a_model_larger_than_the_memory_left_is_exit_3(gpt_run, tmp_path, monkeypatch):
+    """The model's bytes (its shapes, on the meta device) against the memory left."""
+    from train.core import host
+    monkeypatch.setattr(host, "available_memory", lambda: 1000)
+    with pytest.raises(CannotRunHere, match=r"export: the model needs \d+ MiB, 0 MiB of memory"):
+        load_model(copied_export(gpt_run, tmp_path))

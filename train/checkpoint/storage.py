@@ -108,11 +108,14 @@ class LocalStorage:
         return self.path(name).is_dir()
 
     def size(self, name: str) -> int:
-        """Bytes of a file, or of a folder's files (not recursing)."""
+        """Bytes of a file, or of every file under a folder (a sharded checkpoint keeps
+        its shards in a subfolder); links are not followed."""
         path = self.path(name)
-        if path.is_dir():
-            return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-        return path.stat().st_size
+        if not path.is_dir():
+            return path.stat().st_size
+        return sum(os.lstat(os.path.join(top, f)).st_size
+                   for top, _, files in os.walk(path) for f in files
+                   if not os.path.islink(os.path.join(top, f)))
 
     def delete(self, name: str) -> None:
         path = self.path(name)

@@ -47,6 +47,8 @@ class WorkerIdentity:
     device: str | None = None            # TRAIN_DEVICE: gpu | cpu, as the launcher planned
     backend: str | None = None           # TRAIN_BACKEND: nccl | gloo | mpi, likewise
     config_snapshot: str | None = None   # TRAIN_CONFIG_SNAPSHOT: the launch's config
+    master_addr: str | None = None       # MASTER_ADDR, MASTER_PORT: where the processes meet
+    master_port: str | None = None       # (rank 0's store; torchrun sets both)
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> WorkerIdentity:
@@ -73,7 +75,8 @@ class WorkerIdentity:
                    debug=(text("TRAIN_DEBUG") or "0").lower() in ("1", "true", "yes", "on"),
                    socket_ifname=text("TRAIN_SOCKET_IFNAME"),
                    device=text("TRAIN_DEVICE"), backend=text("TRAIN_BACKEND"),
-                   config_snapshot=text(CONFIG_SNAPSHOT_VAR))
+                   config_snapshot=text(CONFIG_SNAPSHOT_VAR),
+                   master_addr=text("MASTER_ADDR"), master_port=text("MASTER_PORT"))
 
     @property
     def distributed(self) -> bool:
@@ -105,6 +108,23 @@ class WorkerIdentity:
     def is_main(self) -> bool:
         """Rank 0: the one rank that writes run-level files and logs metrics."""
         return self.rank == 0
+
+    @property
+    def by_hand(self) -> bool:
+        """Started without torchrun or the launcher (``WORLD_SIZE=2 python -m train``)."""
+        return self.elastic_run_id is None and not self.supervised
+
+    def check_rendezvous(self) -> None:
+        """Several processes meet at MASTER_ADDR:MASTER_PORT: both must be set (torchrun
+        sets them; a worker started by hand may lack them). ConfigError (exit 2)."""
+        from train.core.errors import ConfigError
+        missing = [name for name, value in (("MASTER_ADDR", self.master_addr),
+                                            ("MASTER_PORT", self.master_port)) if not value]
+        if self.distributed and missing:
+            raise ConfigError("environment", missing[0], (
+                f"not set, but WORLD_SIZE={self.world_size}: the processes meet at rank 0's "
+                "MASTER_ADDR:MASTER_PORT; start them with `entrypoint.py train` (or torchrun), "
+                "which sets both, or set both to rank 0's address and a free port in every one"))
 
     def cpus_per_rank(self) -> int:
         return max(1, available_cpus() // max(1, self.local_world_size))

@@ -91,14 +91,15 @@ def call(path: str, args: dict[str, Any], key: str, source: str) -> Any:
                                                     f"{_first_line(exc)}") from None
 
 
-def check(cfg, source: str, *, sample: bool) -> None:
+def check(cfg, source: str, *, sample: bool, module: bool = False) -> None:
     """The parent's checks: every import path resolves and takes its arguments; with
-    ``sample``, the dataset is built and yields an (input, target) pair."""
+    ``sample``, the dataset is built and yields an (input, target) pair; with ``sample``
+    or ``module``, the model factory builds a module (on the meta device)."""
     from train.core.config.kinds import BUILT_IN_LOSSES, data_kind, model_kind
     if model_kind(cfg).factory:
         fn = resolve(cfg.model.factory, "model.factory", source)
         check_args(fn, cfg.model.args, "model.args", source)
-        if sample:
+        if sample or module:
             check_builds_a_module(fn, cfg.model.factory, cfg.model.args, source)
     if cfg.train.loss not in BUILT_IN_LOSSES:
         _check_loss_path(cfg.train.loss, BUILT_IN_LOSSES, source)

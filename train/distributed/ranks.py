@@ -19,7 +19,7 @@ import torch.distributed as dist
 from train.core import comm_defaults, placement
 from train.core.config import AUTO, Config
 from train.core.credentials import redacted
-from train.core.errors import CannotRunHere, printable
+from train.core.errors import EXIT_TRAINING_FAILED, CannotRunHere, UserError, printable
 from train.core.identity import WorkerIdentity
 from train.distributed.stores import bind_store_servers
 
@@ -87,8 +87,33 @@ def init_distributed(env: WorkerIdentity, backend: str, device: torch.device, ti
     if not env.distributed:  # world size 1: an in-memory store, no address or port needed
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     bind_store_servers()
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-                            **kwargs)
+    try:
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                **kwargs)
+    except (dist.DistNetworkError, dist.DistStoreError) as exc:
+        if not env.by_hand:  # torchrun's workers: the launcher words the ending
+            raise
+        raise PeersMissing(peers_missing(env, timeout_s, exc)) from None
+
+
+class PeersMissing(UserError):
+    """A worker started by hand whose peers never met it: one line, exit 1 (starting the
+    others, or the job through the launcher, can help)."""
+
+    exit_code = EXIT_TRAINING_FAILED
+
+
+def peers_missing(env: WorkerIdentity, timeout_s: int, exc: Exception) -> str:
+    where = f"MASTER_ADDR:MASTER_PORT={env.master_addr}:{env.master_port}"
+    waited = (f"nothing answered at {where} (rank 0's) within distributed.timeout_s="
+              f"{timeout_s} s" if env.rank else
+              f"the other {env.world_size - 1} of WORLD_SIZE={env.world_size} processes did "
+              f"not all reach {where} within distributed.timeout_s={timeout_s} s")
+    said = str(exc).strip().splitlines()
+    return (f"rank {env.rank}: {waited} ({type(exc).__name__}: {said[0] if said else ''}); "
+            f"start every rank 0..{env.world_size - 1} with the same MASTER_ADDR and "
+            "MASTER_PORT, or start the job with `entrypoint.py train` (or torchrun), which "
+            "starts them all")
 
 
 def barrier(env: WorkerIdentity) -> Callable[[], None]:

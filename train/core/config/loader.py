@@ -90,6 +90,8 @@ def parse_override(text: str, source: str = CLI) -> tuple[str, Any]:
             value = raw  # not YAML: the plain string
         else:
             raise ConfigError(source, key.strip(), exc.problem) from None
+    if isinstance(value, str) and any(c in raw for c in "\n\r"):
+        value = raw  # YAML would fold its line breaks into spaces: keep what was typed
     return key.strip(), value
 
 
