@@ -27,8 +27,11 @@ import errno
 import socket
 import threading
 
+from launcher.heartbeat_wire import resolve
+
 PULSE_PREFIX = "train.pulse."
 PROBE_S = 1.0      # a host that completes no handshake in this long counts as gone
+REPROBE_S = 2.0    # a member that answered is not probed again sooner
 BACKLOG = 4096     # handshakes the kernel completes for a process that does not run
 
 
@@ -87,12 +90,30 @@ def _listen(address: str) -> socket.socket:
 
 
 def answers(where: str, member_addr: str, timeout_s: float = PROBE_S) -> bool:
-    """Does the published pulse ``where`` (host:port) complete a TCP handshake?"""
+    """Does the published pulse ``where`` (host:port) complete a TCP handshake?
+
+    A member known by a host name (no ``TRAIN_LOCAL_ADDR``) is resolved with the same
+    bound: a nameserver that does not answer says nothing of the member, so an address
+    not found in time counts as an answer (the member keeps its place until
+    ``distributed.heartbeat_silence_s``, which still ends a real loss)."""
     host, _, port = where.rpartition(":")
     host = host.strip("[]") or member_addr
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
+        address = _address(host, int(port), timeout_s)
+        if address is None:
+            return True
+        with socket.create_connection((address, int(port)), timeout=timeout_s):
             return True
     except (OSError, ValueError) as exc:
         # out of file descriptors is this process's own limit, no news of the peer
         return getattr(exc, "errno", None) == errno.EMFILE
+
+
+def _address(host: str, port: int, timeout_s: float) -> str | None:
+    """``host`` as an address: itself when it is one, else its name looked up within
+    ``timeout_s`` (None: no answer in time)."""
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+        return host
+    except OSError:
+        return resolve(host, port, timeout_s)

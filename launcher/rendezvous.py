@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from launcher.pulse import Pulse, answers, member_parts, pulse_key
+from launcher.pulse import REPROBE_S, Pulse, answers, member_parts, pulse_key
 from launcher.rdzv_state import PREFIX, Round, describe, expire_members, printable, read_round
 
 
@@ -150,6 +150,7 @@ class RoundWatcher(threading.Thread):
         self.silence_s = lost_after_s if silence_s is None else max(silence_s, lost_after_s)
         self.pulse, self.published = pulse, False
         self.starved_said: set[tuple[int, str]] = set()
+        self.answered: dict[str, float] = {}  # member -> when its pulse last answered
         self.store = None
         self.lost_reported = -1            # the round whose lost members were passed on
         self.unreachable_since: float | None = None
@@ -259,7 +260,17 @@ class RoundWatcher(threading.Thread):
         return f"no heartbeat for {silent:.0f} s: its host is down or cut off"
 
     def _answers(self, member: str) -> bool:
-        """Does the member's pulse complete a handshake (False: none published)?"""
+        """Does the member's pulse complete a handshake (False: none published)? One that
+        answered is taken at its word for REPROBE_S: the watcher looks every poll_s."""
+        last = self.answered.get(member)
+        if last is not None and time.monotonic() - last < REPROBE_S:
+            return True
+        if self._probe(member):
+            self.answered[member] = time.monotonic()
+            return True
+        return False
+
+    def _probe(self, member: str) -> bool:
         addr, tail = member_parts(member)
         try:
             key = pulse_key(self.run_id, tail)

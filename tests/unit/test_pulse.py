@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import datetime
 import pickle
+import socket
+import time
 
 import pytest
 import torch.distributed as dist
@@ -22,9 +24,10 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from launcher.pulse import Pulse, answers, pulse_key
+from launcher.pulse import REPROBE_S, Pulse, answers, pulse_key
 from launcher.rdzv_state import read_round
 from launcher.rendezvous import RoundWatcher
+from tests.harness.runs import limit
 
 ME, PEER = _NodeDesc("127.0.0.1", 7, 42), _NodeDesc("127.0.0.1", 9, 5)
 ME_NAME, PEER_NAME = "127.0.0.1:7#42", "127.0.0.1:9#5"
@@ -133,3 +136,46 @@ def test_the_pulse_completes_handshakes_while_its_thread_does_not_run():
     finally:
         pulse.close()
     assert not answers(pulse.where, "127.0.0.1")
+
+
+def test_a_member_known_by_a_name_is_probed_at_its_address_and_no_answer_keeps_it():
+    """A member address that is a host name is looked up within the probe's bound; a
+    name with no address (or a nameserver that does not answer) is no evidence that the
+    member is gone, so it keeps its place rather than being evicted by a slow DNS."""
+    pulse = Pulse("127.0.0.1")
+    try:
+        port = pulse.where.rpartition(":")[2]
+        assert answers(f":{port}", "localhost")  # the name, then the handshake
+        started = time.monotonic()
+        assert answers(f":{port}", "no-such-host.invalid")
+        assert time.monotonic() - started < limit(5)  # bounded, whatever the resolver
+    finally:
+        pulse.close()
+    assert not answers(f":{port}", "localhost")  # the name resolves: a refusal counts
+
+
+def test_a_silent_member_that_answered_is_not_probed_again_at_every_look(store):
+    """The watcher looks every half second; a member that answered is probed at most
+    once per REPROBE_S (counted as handshakes on a socket nobody accepts from)."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+    listener.settimeout(0)
+    try:
+        store.set(pulse_key("job", "9#5"), f"127.0.0.1:{listener.getsockname()[1]}")
+        w = _watcher(store, [], [])
+        _state(store, 0)
+        _look(w, store)
+        _state(store, 12)
+        started = time.monotonic()
+        for _ in range(10):
+            _look(w, store)
+        elapsed = time.monotonic() - started
+        handshakes = 0
+        while True:
+            try:
+                listener.accept()[0].close()
+            except BlockingIOError:
+                break
+            handshakes += 1
+        assert 1 <= handshakes <= 1 + elapsed / REPROBE_S
+    finally:
+        listener.close()
