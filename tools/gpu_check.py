@@ -9,6 +9,8 @@ deps     python, torch build, the packages the launcher and worker import
 doctor   ``entrypoint.py doctor --json`` (detection, driver vs build, plan)
 comm     ``doctor --comm`` (the preflight check: matmul on each GPU, all-reduce, nccl)
 train    quickstart, bf16, one GPU, nccl, 60 steps
+ddp      the same on every local GPU (two or more): DDP over nccl with the single-node
+         plan's defaults (store and process group on loopback, NCCL_SOCKET_IFNAME=lo)
 stop     the same run, SIGTERM after a few steps: exit 143 with a checkpoint
 tests    the suite's GPU-marked tests (``pytest -m gpu``)
 suite    ``GPU_CHECK_SUITE=1`` only: tests/static and tests/unit but the image tests
@@ -197,6 +199,10 @@ def _savers_batch(ctx: Context) -> list[str]:
     return [f"train.max_steps={steps}", f"train.global_batch_size={batch}"]
 
 
+def _ranks(ctx: Context) -> int:
+    return 2 if ctx.force_cpu else ctx.gpus
+
+
 def _offload(ctx: Context) -> list[str]:
     return [] if ctx.force_cpu else ["memory.cpu_offload=true"]  # needs an accelerator
 
@@ -209,6 +215,13 @@ GPU_STAGES: tuple[Stage, ...] = (
     Stage("train", 100, lambda c: c.train("bf16", "train.max_steps=60",
                                           "checkpoint.every_steps=0"),
           lambda c, out: f"{c.precision} " + loss_note(c.metrics("bf16"), "tokens")),
+    # one process per local GPU through the single-node plan (nothing listens beyond
+    # loopback): NCCL's bootstrap must work on lo; on the CPU, two gloo processes
+    Stage("ddp", 120, lambda c: c.train("ddp", f"distributed.nproc_per_node={_ranks(c)}",
+                                        "checkpoint.every_steps=0",
+                                        f"train.max_steps={6 if c.force_cpu else 30}"),
+          lambda c, out: f"{_ranks(c)} processes: {loss_note(c.metrics('ddp'))}",
+          when=lambda c: _ranks(c) >= 2, must_say=r"world size [2-9]|world size \d\d"),
     Stage("tests", 240, lambda c: [c.python, "-m", "pytest", "-q", "-m", "gpu", "-p",
                                    "no:cacheprovider", str(ROOT / "tests")],
           lambda c, out: f"gpu-marked tests: {pytest_note(out)}"),
