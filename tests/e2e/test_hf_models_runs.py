@@ -2,7 +2,7 @@
 randomly initialised from its config (nothing downloaded), returned by the user's
 factory on the byte-level text data, on two processes. DDP and FSDP (sharded by its
 _no_split_modules) give the same losses, and a run stopped by SIGTERM and started again
-ends with the losses of an uninterrupted one, bitwise. A model returning the wrong
+(FSDP) ends with the losses of an uninterrupted one, bitwise. A model returning the wrong
 output is exit 2 before step 1, never trained again. In process: tests/unit/test_model_outputs.py.
 
 Needs transformers (`make hf`); skipped without it."""
@@ -116,7 +116,9 @@ def test_gpt2_trains_alike_under_ddp_and_fsdp(uninterrupted):
     assert ddp[STEPS] < ddp[1] - 1  # it learns
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# FSDP only: its sharded checkpoint of GPT-2's tied embedding is the harder path, and the
+# test above shows DDP computes the same losses (DDP resumes: test_checkpoint_runs.py)
+@pytest.mark.parametrize("strategy", ["fsdp"])
 def test_gpt2_stopped_by_sigterm_resumes_bitwise(project, uninterrupted, strategy, tmp_path):
     args = ["train", "gpt2.yaml", f"distributed.strategy={strategy}", f"run.name=cut-{strategy}"]
     log = (tmp_path / "out.log").open("w")

@@ -370,7 +370,7 @@ def test_without_requeue_the_signal_still_stops_with_a_checkpoint_and_says_so(cl
 
 
 # Last in this file: the cluster's hosts keep the nameserver that never answers.
-DNS_STARTS = int(os.environ.get("TEST_SLURM_DNS_STARTS", "3"))  # 10 when measuring
+DNS_STARTS = int(os.environ.get("TEST_SLURM_DNS_STARTS", "2"))  # 10 when measuring
 
 
 def test_a_nameserver_that_never_answers_causes_no_false_node_loss(cluster):
