@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 
 def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -> int:
+    from launcher.conventions.slurm import earlier_incarnation
     from launcher.signals import Forwarder
     from train.core import runlock
     plan, cfg = p.plan, p.cfg
@@ -30,7 +31,8 @@ def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -
         return 0
     _announce(p, log, verbose=verbose)
     # One job per run directory; a script's launch writes only its logs there.
-    lock = runlock.acquire(cfg.run_dir, plan.job, runlock.LeaseTimes.of(cfg), log=log) \
+    lock = runlock.acquire(cfg.run_dir, plan.job, runlock.LeaseTimes.of(cfg), log=log,
+                           ended=earlier_incarnation(plan.job)) \
         if plan.program == "train" else None
     signals = Forwarder(plan.requeue_signal)
     try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 import signal
+from collections.abc import Callable
 from dataclasses import replace
 
 from launcher.conventions import single
@@ -132,6 +133,22 @@ def _common(env: Environ, job: str, step: str) -> dict:
     return {"job": f"slurm-{job}.{step}" + (f"-requeue{restart}" if restart else ""),
             "max_restarts": 0,  # a fixed allocation: a lost task ends the step
             "static": True, "requeue": requeue, "requeue_signal": requeue_signal(env)}
+
+
+def earlier_incarnation(job: str | None) -> Callable[[str], bool] | None:
+    """For a requeued job's lease id (``slurm-JOB.STEP-requeueN``), whether another lease
+    id is one of the same job's earlier incarnations (any step, restart count below N).
+    SLURM starts an incarnation only after the previous one ended, so its lease need not
+    be waited for; None for any other id (nothing is known to have ended)."""
+    mine = re.fullmatch(r"slurm-(\d+)\.[^-]+-requeue(\d+)", job or "")
+    if mine is None:
+        return None
+    pattern = re.compile(rf"slurm-{mine[1]}\.[^-]+(?:-requeue(\d+))?")
+
+    def ended(other: str) -> bool:
+        theirs = pattern.fullmatch(other)
+        return theirs is not None and int(theirs[1] or 0) < int(mine[2])
+    return ended
 
 
 def _one_task_per_node(env: Environ, timings: Timings, job: str, step: str, n_nodes: int,

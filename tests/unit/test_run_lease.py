@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.conventions.slurm import earlier_incarnation
 from tests.harness.runs import ROOT, clean_env, limit
 from train.core import runlock
 from train.core.errors import EXIT_RUN_DIR_BUSY, RunDirBusy
@@ -127,6 +128,30 @@ def test_a_vanished_hosts_lease_is_taken_over_when_it_expires(tmp_path):
                                f"{held['pid']} on host-a; renewed "), takeover
     assert json.loads((run / ".lock").read_text())["job"] == "job-b"
     lock.release()
+
+
+def test_a_requeued_slurm_job_takes_its_earlier_incarnations_lease_at_once(tmp_path):
+    """SLURM starts a requeued job's next incarnation only once the last one ended, so
+    that one's lease (here: killed on another host, never released, its expiry far off)
+    is taken over at once; another job's lease in the same state is still waited for."""
+    times = runlock.LeaseTimes(renew_s=10, expiry_s=600, wait_s=1.0)
+    for case, (old, new, taken) in enumerate( (("slurm-77.0", "slurm-77.0-requeue1", True),
+                            ("slurm-77.batch-requeue1", "slurm-77.0-requeue2", True),
+                            ("slurm-78.0", "slurm-77.0-requeue1", False),
+                            ("slurm-77.0-requeue2", "slurm-77.0-requeue1", False))):
+        run = tmp_path / f"run{case}"
+        other = holder(run, old, prefix=another_host("host-a"))
+        stop(other)
+        said: list[str] = []
+        ended = earlier_incarnation(new)
+        if not taken:
+            with pytest.raises(RunDirBusy):
+                runlock.acquire(run, new, times, log=said.append, ended=ended)
+            continue
+        lock = runlock.acquire(run, new, times, log=said.append, ended=ended)
+        assert said[-1].endswith("; an earlier incarnation of this job)"), said
+        assert f"from job {old} (pid " in said[-1]
+        lock.release()
 
 
 STARTER = """import sys, time

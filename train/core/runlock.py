@@ -19,7 +19,8 @@ and last renewed, a renewal count) that:
 - counts as **expired** once ``run.lock_expiry_s`` passed without a renewal (read from the
   record's time, and from watching its renewal count not move): then another host takes
   it over, saying whose lease and how old. A holder on this host that no longer exists
-  is taken over at once.
+  is taken over at once, and so is a job the caller knows has ended (a requeued SLURM
+  job's earlier incarnation: SLURM starts the next one only after it).
 
 On this host the holder also keeps ``RUN_DIR/.flock`` locked with ``flock``, inherited by
 its child processes, so that while any process of a run lives (a worker still writing its
@@ -120,9 +121,13 @@ class RunLock:
 
 def acquire(run_dir: Path, job: str | None = None, times: LeaseTimes = DEFAULT_TIMES,
             log: Callable[[str], None] | None = None,
-            on_lost: Callable[[str], None] | None = None) -> RunLock:
+            on_lost: Callable[[str], None] | None = None,
+            ended: Callable[[str], bool] | None = None) -> RunLock:
     """The lease of ``run_dir`` for ``job`` (None: this launch alone), waiting for another
-    job's live lease up to ``times.wait_s``; RunDirBusy (exit 6) when it stays held."""
+    job's live lease up to ``times.wait_s``; RunDirBusy (exit 6) when it stays held.
+    ``ended``: which other jobs are known to be over (a requeued job's earlier
+    incarnations): their lease is taken over at once, unless a process of theirs on
+    this host still holds the flock."""
     job = job or f"launch-{uuid.uuid4().hex[:12]}"
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
@@ -137,11 +142,12 @@ def acquire(run_dir: Path, job: str | None = None, times: LeaseTimes = DEFAULT_T
             time.sleep(0.02)  # it writes its lease in a moment: a member, or another job
             fd = _flock(run_dir)
             continue
-        verdict = _verdict(holder, job, times, watch, local_busy=fd is None)
-        if verdict in ("free", "member", "expired", "dead"):
-            if verdict in ("expired", "dead") and log:
+        verdict = _verdict(holder, job, times, watch, local_busy=fd is None, ended=ended)
+        if verdict in ("free", "member", "expired", "dead", "ended"):
+            if verdict in ("expired", "dead", "ended") and log:
                 log(f"taking over the run directory {run_dir} from job {holder.get('job')} "
-                    f"({_who(holder)}; {_age(holder)})")
+                    f"({_who(holder)}; {_age(holder)}"
+                    f"{'; an earlier incarnation of this job' if verdict == 'ended' else ''})")
             write(path, job, holder if verdict == "member" else {})
             time.sleep(0.05)  # two launches that wrote at once: the last rename won
             if read(path).get("job") == job:
@@ -182,14 +188,17 @@ class _Watch:
         return time.monotonic() - self.since
 
 
-def _verdict(holder: dict, job: str, times: LeaseTimes, watch: _Watch, local_busy: bool) -> str:
-    """free | member | expired | dead | live, for a lease record as read."""
+def _verdict(holder: dict, job: str, times: LeaseTimes, watch: _Watch, local_busy: bool,
+             ended: Callable[[str], bool] | None = None) -> str:
+    """free | member | ended | expired | dead | live, for a lease record as read."""
     if not holder:
         return "live" if local_busy else "free"
     if holder.get("job") == job:
         return "member"
     if local_busy:  # a process of another run on this host still holds .flock
         return "live"
+    if ended is not None and ended(str(holder.get("job"))):
+        return "ended"
     if holder.get("released"):  # free, unless members still running renew it again
         here = holder.get("host") == socket.gethostname()
         return "free" if here or _since_renewed(holder) > 2 * times.renew_s else "live"
