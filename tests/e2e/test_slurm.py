@@ -201,6 +201,9 @@ def test_the_template_requeues_itself_on_its_signal_and_finishes(cluster, refere
     assert steps_logged(run) == list(range(1, STEPS + 1)), "each step trained once"
     assert_same_losses(losses(run), reference, rel=1e-6)
     assert resumed.count("requeued the job") == 1
+    # the earlier incarnation's lease is taken, not waited for
+    assert "an earlier incarnation of this job" in resumed, resumed[-3000:]
+    assert "waiting up to" not in resumed, resumed[-3000:]
     print(f"requeue signal -> the next incarnation resumed: {first_step:.1f} s")
 
 
