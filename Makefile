@@ -65,18 +65,20 @@ quickstart: venv
 # pods and a SLURM cluster); `make test-all`: one, then the other. CI runs both.
 # The fast tier runs on every core (pytest-xdist; TEST_WORKERS=0 runs it in this
 # process); each test file stays on one worker so its module fixtures run once. The
-# slow tier runs on two workers whatever the cores (E2E_WORKERS; 0: serial): its tests
+# slow tier runs on three workers whatever the cores (E2E_WORKERS; 0: serial): its tests
 # spend most of their time waiting (for a rendezvous, a timeout, a signal), and no two
-# share a port, a namespace or a cluster (measured here: 12:47 on two workers, 21:17
-# serial). Both print their slowest tests (--durations), so every CI log says where the
-# time goes.
+# share a port, a namespace or a cluster. Its files go to the workers longest first
+# (tests/conftest.py's E2E_LONGEST_FIRST; --no-loadscope-reorder keeps xdist from
+# reordering them by test count), so the tier does not end on one long file. Both print
+# their slowest tests (--durations), so every CI log says where the time goes.
 TEST_WORKERS ?= auto
-E2E_WORKERS ?= 2
+E2E_WORKERS ?= 3
 test: venv
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests/static tests/unit
 
 test-slow: venv
-	$(PY) -m pytest -q -n $(E2E_WORKERS) --dist loadfile --durations=30 tests/e2e
+	$(PY) -m pytest -q -n $(E2E_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=30 tests/e2e
 
 test-all: test test-slow
 

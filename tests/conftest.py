@@ -42,7 +42,32 @@ def pytest_make_collect_report(collector):
     return report
 
 
+# The slow tier's longest files, longest first (their tests' seconds summed, measured with
+# --durations=0). pytest-xdist hands a whole file to the first free worker, in collection
+# order (the Makefile turns off its own reordering by test count), so the longest start
+# first and the tier ends on short files, not on one worker still running a long file
+# while the other has nothing left. Files not named here follow, in name order.
+E2E_LONGEST_FIRST = (
+    "test_k8s_sim_runs", "test_hf_models_runs", "test_vanish", "test_strategies_runs",
+    "test_slurm", "test_training_runs", "test_credentials_runs", "test_trackers_runs",
+    "test_hangs", "test_multinode_runs", "test_sharded_checkpoints", "test_run_files_runs",
+    "test_liveness", "test_install", "test_your_code_runs", "test_safety_runs",
+    "test_slow_nodes", "test_tools_runs", "test_preflight_runs", "test_checkpoint_runs",
+    "test_slurm_preflight", "test_stragglers", "test_restarts",
+)
+
+
+def _e2e_order(item: pytest.Item) -> int:
+    path = Path(str(item.path)).resolve()
+    if E2E not in path.parents:
+        return -1  # the other tiers keep their order, ahead of the slow one
+    stem = path.stem
+    return E2E_LONGEST_FIRST.index(stem) if stem in E2E_LONGEST_FIRST \
+        else len(E2E_LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_e2e_order)  # stable: within a file and among the rest, as collected
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_tests and not usable_gpus():
         skip = pytest.mark.skip(reason="needs a usable GPU (scripts/gpu-check runs these)")
