@@ -114,7 +114,8 @@ def start(server: S3Server) -> None:
         ports["s3.port"] = int(server.endpoint.rpartition(":")[2])
     (home / "data").mkdir(exist_ok=True)
     args = [weed(), "mini", f"-dir={home / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            f"-s3.config={_config(home)}", "-webdav=false", "-admin.ui=false",
+            f"-s3.config={_config(home)}", "-s3.autoCreateBucket=false", "-webdav=false",
+            "-admin.ui=false",
             *(f"-{name}={port}" for name, port in ports.items())]
     log = (home / "weed.log").open("a")
     server.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=home,

@@ -210,8 +210,9 @@ class RemoteTier:
         latest, _ = self.latest()
         if latest is None:
             return
-        kept = [s for s in self.steps() if s <= latest]
-        for step in kept[self.keep_last:]:
+        kept = [s for s in self.steps(sealed=True) if s <= latest][:self.keep_last]
+        # older ones, and uploads that never sealed (a store that went away mid-way)
+        for step in [s for s in self.steps() if s <= latest and s not in kept]:
             self.remote.delete(f"{CHECKPOINTS}/{rundir.step_name(step)}")
 
     # ------------------------------------------------------------ resuming
