@@ -65,10 +65,10 @@ class S3Server:
 def s3_env(endpoint: str, **extra: str) -> dict:
     """A clean environment whose AWS variables reach ``endpoint`` with the test's key (no
     AWS profile or config file of the host)."""
-    env = clean_env(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-                    AWS_ENDPOINT_URL_S3=endpoint, AWS_REGION="us-east-1",
-                    AWS_CONFIG_FILE="/dev/null", AWS_SHARED_CREDENTIALS_FILE="/dev/null",
-                    AWS_EC2_METADATA_DISABLED="true", **extra)
+    env = clean_env(**{"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                       "AWS_ENDPOINT_URL_S3": endpoint, "AWS_REGION": "us-east-1",
+                       "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+                       "AWS_EC2_METADATA_DISABLED": "true", **extra})
     for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
         env.pop(name, None)
     return env

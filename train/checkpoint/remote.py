@@ -70,8 +70,9 @@ class RemoteTier:
         if parsed is None:
             raise ValueError(problem)
         where = f"s3://{parsed.bucket}/{parsed.run_prefix(run_name)}"
-        return cls(S3Storage(parsed.bucket, parsed.run_prefix(run_name)), local, keep_last,
-                   where)
+        # botocore retries a request once; whole files are retried here, with backoff
+        return cls(S3Storage(parsed.bucket, parsed.run_prefix(run_name), attempts=2), local,
+                   keep_last, where)
 
     # ------------------------------------------------------------ uploading
     def sealed(self, step: int) -> None:
