@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -202,3 +204,24 @@ def test_a_store_that_stops_answering_is_one_warning_and_nothing_raised(aws, tmp
     assert "step-2 and later checkpoints stay local" in warnings[0]
     assert remote.uploaded is None and remote.unreachable
     assert rundir.latest_name(tmp_path / "run/checkpoints") == "step-4"
+
+
+@needs_s3
+def test_an_upload_held_up_is_named_as_only_local_then_seals_once_the_store_answers(
+        aws, tmp_path, caplog):
+    """The store stops answering (its process paused) while a checkpoint uploads: a wait
+    bounded like a grace period names the step that is only local; once the store
+    answers again the same upload goes on and the checkpoint seals remotely."""
+    sealed_run(tmp_path / "run", [2])
+    remote = tier(tmp_path, "held")
+    os.killpg(aws.proc.pid, signal.SIGSTOP)
+    try:
+        remote.sealed(2)
+        with caplog.at_level(logging.WARNING, logger="train"):
+            assert remote.wait(1) == 2
+        assert "checkpoint step-2 is only local: its upload to s3://ckpt/held/run did not " \
+               "finish within 1 s" in caplog.text
+    finally:
+        os.killpg(aws.proc.pid, signal.SIGCONT)
+    assert remote.wait(120) is None
+    assert remote.latest()[0] == 2 and remote.uploaded == 2
