@@ -1,10 +1,11 @@
 """Whole runs with ``checkpoint.remote`` against a real S3 server (SeaweedFS on 127.0.0.1,
 tests/harness/s3server.py): a pod's replacement with an empty run directory resumes
-from the store bitwise as the uninterrupted run went on, passing over a remote
-checkpoint with a flipped byte (named); a store that goes away mid-run is one warning
-and exit 0; a store the launcher cannot reach is exit 3 before any worker starts; and
-the credentials appear in nothing a run writes or prints. The tier in process:
-tests/unit/test_object_storage.py. Skips without boto3 and weed (``make s3``)."""
+from the store bitwise as the uninterrupted run went on (FSDP shards of two processes),
+passing over a remote checkpoint with a flipped byte (named); a store that goes away
+mid-run is one warning and exit 0; a store the launcher cannot reach is exit 3 before
+any worker starts; and the credentials appear in nothing a run writes or prints. The
+tier in process: tests/unit/test_object_storage.py. Skips without boto3 and weed
+(``make s3``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.harness import s3server
 from tests.harness.kubesim import free_port
@@ -56,8 +56,9 @@ def train(config: Path, env: dict, *overrides: str) -> subprocess.CompletedProce
     return entry("train", str(config), *overrides, cwd=ROOT, env=env, timeout=240)
 
 
-def weights(step_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(step_dir / "state.pt", map_location="cpu", weights_only=True)["model"]
+def shards(step_dir: Path) -> dict[str, bytes]:
+    """Each rank's model and optimizer shards, byte for byte."""
+    return {p.name: p.read_bytes() for p in (step_dir / "model").glob("*.distcp")}
 
 
 def flip_a_byte(server, key: str) -> None:
@@ -72,31 +73,36 @@ def files_holding(top: Path, secrets: list[str]) -> list[str]:
             and any(s.encode() in p.read_bytes() for s in secrets)]
 
 
-def test_an_empty_run_directory_resumes_from_the_store_bitwise(server, tmp_path):
-    """The uninterrupted run uploads step-2 and step-4; its pod is then replaced by one
-    with an empty disk, and step-4 in the store has a flipped byte: the new pod names the
-    file, resumes from step-2 and trains to exactly the same losses and weights."""
-    config = remote_config(tmp_path, "bitwise")
-    first = train(config, server.env())
+def test_an_empty_disk_resumes_fsdp_shards_from_the_store_bitwise(server, tmp_path):
+    """FSDP on two processes (the launcher's torchrun, gloo) uploads step-2 and step-4,
+    each rank's shards included. The pod is then replaced by one with an empty disk, and
+    one shard of step-4 has a flipped byte in the store: the new pod names the file,
+    downloads step-2 and trains on to exactly the losses and shards of the uninterrupted
+    run. The test's access key and secret appear in no file the runs wrote and nothing
+    they printed."""
+    config = remote_config(tmp_path, "fsdp")
+    sharded = ("distributed.strategy=fsdp", "distributed.nproc_per_node=2", "model.depth=2")
+    first = train(config, server.env(), *sharded)
     assert first.returncode == 0, first.stderr[-3000:]
     run = tmp_path / "runs" / "r"
-    reference, final = losses(run), weights(run / "checkpoints" / f"step-{STEPS}")
+    reference, final = losses(run), shards(run / "checkpoints" / f"step-{STEPS}")
+    listed = server.client().list_objects_v2(Bucket=s3server.BUCKET, Prefix="fsdp/r/")
+    keys = {o["Key"] for o in listed["Contents"]}
+    assert {f"fsdp/r/checkpoints/step-4/model/__{r}_0.distcp" for r in (0, 1)} <= keys
     secrets = [s3server.SECRET_KEY, s3server.ACCESS_KEY]
     outputs = first.stdout + first.stderr
     assert files_holding(run, secrets) == []
     shutil.rmtree(tmp_path / "runs")
 
-    flip_a_byte(server, "bitwise/r/checkpoints/step-4/state.pt")
-    again = train(config, server.env())
+    flip_a_byte(server, "fsdp/r/checkpoints/step-4/model/__1_0.distcp")
+    again = train(config, server.env(), *sharded)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "step-4 is unusable (state.pt does not match its checksum)" in again.stderr
-    assert "fetched checkpoint step-2 from s3://ckpt/bitwise/r" in again.stderr
-    assert "resumed from" in again.stderr and "at step 2," in again.stderr
+    assert "step-4 is unusable (model/__1_0.distcp does not match its checksum)" in again.stderr
+    assert "fetched checkpoint step-2 from s3://ckpt/fsdp/r" in again.stderr
+    assert "at step 2, sample 16 (saved with world size 2, now 2)" in again.stderr
     got = losses(run)
     assert [got[s] for s in range(3, STEPS + 1)] == [reference[s] for s in range(3, STEPS + 1)]
-    resumed = weights(run / "checkpoints" / f"step-{STEPS}")
-    assert resumed.keys() == final.keys()
-    assert all(torch.equal(resumed[k], final[k]) for k in final)
+    assert shards(run / "checkpoints" / f"step-{STEPS}") == final
     outputs += again.stdout + again.stderr
     assert files_holding(run, secrets) == []
     assert not [s for s in secrets if s in outputs]
