@@ -111,7 +111,11 @@ class RemoteTier:
             try:
                 self.mirror(step)
             except Exception as exc:  # the run goes on: its local checkpoints protect it
-                self._unreachable(step, exc)
+                if self.local.exists(f"{CHECKPOINTS}/{rundir.step_name(step)}"):
+                    self._unreachable(step, exc)
+                else:  # keep_last removed it locally while it uploaded: a newer one follows
+                    log.info("checkpoint step-%d not uploaded: superseded before its upload "
+                             "finished", step)
             finally:
                 with self._lock:
                     self._busy = None
