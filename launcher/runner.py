@@ -2,7 +2,8 @@
 
 ``train``, ``launch``, ``doctor`` and ``--dry-run`` all go through :func:`prepare`:
 read the environment -> load and check the config -> detect GPUs -> the torch build
--> the launch plan -> the output folder -> /dev/shm. Each stage adds
+-> the launch plan -> the output folder -> the object store (``checkpoint.remote``)
+-> /dev/shm. Each stage adds
 :class:`~launcher.hardware.Finding` records. ``doctor`` collects every finding and
 reports them; the other commands stop at the first failure, raised as the one-line
 error of its exit code (2 bad input, 3 cannot run here). So the commands cannot drift
@@ -92,6 +93,7 @@ def prepare(request: Request, env: Environ | None = None, *, hardware: Hardware 
     _torch(p, tb)
     _plan(p, master_port)
     _output(p)
+    _remote(p)
     _shm(p)
     _peers_reach_us(p)
     return p
@@ -242,6 +244,20 @@ def _output(p: Prepared) -> None:
     _add(p, [system.check_output_dir(p.cfg.output.dir, create=p.request.writes)])
     try:
         rundir.check_no_links(p.cfg.run_dir)
+    except UserError as exc:
+        _fail(p, exc, "output")
+
+
+def _remote(p: Prepared) -> None:
+    """checkpoint.remote: boto3 installed and, unless nothing is to run (a dry run), the
+    bucket writable under the run's prefix, before any worker starts."""
+    if p.cfg is None or not p.cfg.checkpoint.remote:
+        return
+    from train.core import remote_config
+    try:
+        remote_config.check(p.cfg.checkpoint.remote, p.cfg.run.name,
+                            p.request.config or "<defaults>", p.env.raw,
+                            probe=not p.request.dry_run)
     except UserError as exc:
         _fail(p, exc, "output")
 

@@ -18,9 +18,9 @@ from torch import nn
 
 from train import losses
 from train.autobatch import largest_fitting, probe_on_gpu
-from train.checkpoint import Checkpointer, formats
+from train.checkpoint import Checkpointer, formats, remote
 from train.checkpoint.state import TrainState
-from train.core import rundir, tracker_config
+from train.core import remote_config, rundir, tracker_config
 from train.core.config import AUTO, Config, batch_split
 from train.core.config.checks import check_batch_memory
 from train.core.errors import CannotRunHere
@@ -83,6 +83,8 @@ def preflight(cfg: Config, env: WorkerIdentity, source: str) -> Placement:
     rundir.check_no_links(cfg.run_dir)
     if env.is_main:
         tracker_config.check(cfg, source)
+        remote_config.check(cfg.checkpoint.remote, cfg.run.name, source,
+                            probe=not env.supervised)  # the launcher probed already
     micro, accum = batch_split(cfg, env.world_size, source)
     check_batch_memory(cfg, env.world_size, source,
                        (available_memory() or 0) // env.local_world_size or None)
@@ -125,6 +127,10 @@ def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> C
                                 world_size=env.world_size, barrier=ranks.barrier(env),
                                 gather=ranks.gather(env),
                                 async_timeout_s=cfg.distributed.timeout_s)
+    if env.is_main and cfg.checkpoint.remote:  # rank 0 uploads what it sealed
+        checkpointer.remote = remote.tier_for(cfg.checkpoint.remote, cfg.run_dir,
+                                              cfg.run.name, cfg.checkpoint.keep_last)
+        checkpointer.sealed = checkpointer.remote.sealed
     return Components(cfg, source, env, device, data, model, module, optimizer, scheduler,
                       grad_scaler(device.type, cfg.precision), micro, accum, checkpointer,
                       formats.for_config(cfg), objective)

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.checkpoint.policy import Cadence
-from train.checkpoint.session import resume, save_checkpoint
+from train.checkpoint.session import finish_uploads, resume, save_checkpoint
 from train.checkpoint.state import TrainState
 from train.components import Components, build, preflight, train_loader
 from train.core import rundir, runlock, usercode
@@ -312,6 +312,7 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
         if metrics is not None:  # stopped by a signal, or by another node: resumable
             metrics.close(status="KILLED")
         c.checkpointer.wait()
+        finish_uploads(c, signalled=code == EXIT_STOPPED_BY_SIGNAL)
         clean = True
         return code
     except Diverged as exc:

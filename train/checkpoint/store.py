@@ -67,6 +67,10 @@ class Checkpointer:
         # The training thread's hang watchdog: told after each round and file written,
         # so a checkpoint is watched part by part (train.guards.watchdog).
         self.progress: Callable[[], None] = lambda: None
+        # Told on rank 0 once a checkpoint is sealed here (the remote tier's upload:
+        # train.checkpoint.remote); the tier itself, for a resume to consult.
+        self.sealed: Callable[[int], None] = lambda step: None
+        self.remote = None
 
     def save(self, step: int, shared_state: dict[str, Any], rank_state: dict[str, Any],
              *, background: bool = False, shards: Shards | None = None) -> Path:
@@ -186,6 +190,7 @@ class Checkpointer:
                                  f"{rundir.step_name(save.step)}\n".encode())
             self.storage.delete(replaced)
         retention.prune(self.storage, self.keep_last)
+        self.sealed(save.step)
 
     # ------------------------------------------------------------- finding them
     def latest_name(self) -> str | None:

@@ -14,8 +14,10 @@ key holds it:
 
 Credentials come from environment variables only: MLflow's own
 (``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``, ``MLFLOW_TRACKING_TOKEN``, or a whole
-``MLFLOW_TRACKING_URI``), W&B's ``WANDB_API_KEY``, and for your own code whatever it
-reads (``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY``).
+``MLFLOW_TRACKING_URI``), W&B's ``WANDB_API_KEY``, ``checkpoint.remote``'s object store
+the standard AWS chain's (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``
+and the shared files, web identity; ``s3://KEY:SECRET@bucket`` is refused like any URL
+with a user), and for your own code whatever it reads (``HF_TOKEN``).
 
 What is printed still passes :func:`redacted`, the one function that hides them (in
 every error, warning and log line, through :func:`train.core.errors.printable`): a URL's

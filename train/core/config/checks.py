@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from train.core import credentials, rundir
+from train.core import credentials, remote_config, rundir
 from train.core.config import kinds
 from train.core.config.origins import (
     DEFAULT,
@@ -53,6 +53,7 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
     _check_batch_and_memory(cfg, report.fail)
     _check_data_files(cfg, report)
     _check_resume_from(cfg, report.fail)
+    _check_remote(cfg, report.fail)
     cfg._warnings = report.warnings
     if not collect:
         raise_all(report.errors)
@@ -176,6 +177,14 @@ def _check_resume_from(cfg: Config, fail: kinds.Fail) -> None:
     if resume not in (AUTO, "none") and not (Path(resume) / rundir.CHECKSUMS).is_file():
         fail("checkpoint.resume_from", f"{resume}: not a checkpoint directory (no "
                                        f"checksums.json); use auto, none or a step-N directory")
+
+
+def _check_remote(cfg: Config, fail: kinds.Fail) -> None:
+    """checkpoint.remote: empty (off) or an s3://BUCKET/PREFIX URL."""
+    if cfg.checkpoint.remote:
+        _, problem = remote_config.parse(cfg.checkpoint.remote)
+        if problem:
+            fail("checkpoint.remote", problem)
 
 
 def _blocked_kinds() -> str:

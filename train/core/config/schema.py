@@ -237,6 +237,11 @@ class CheckpointConfig:
         AUTO, "full: one state.pt with the full tensors, written by rank 0; sharded: each "
               "rank writes its own shards (torch.distributed.checkpoint), resumable at any "
               "world size; auto: sharded for fsdp, full otherwise.")
+    remote: str | None = opt(None, "s3://BUCKET/PREFIX: every sealed checkpoint is also "
+                                   "uploaded (in the background) under PREFIX/RUN_NAME/, and a "
+                                   "resume takes the newest sealed locally or there (pip "
+                                   "install 'trainpod[s3]'; credentials from the AWS_* "
+                                   "variables and files, never here: docs/object-storage.md).")
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,227 @@
+"""Checkpoints in object storage (``checkpoint.remote``), in process, against a real S3
+server (SeaweedFS, started here on 127.0.0.1): the bucket as a second Storage, the remote
+tier's upload, seal, ``latest`` and keep_last, a fetch that verifies every byte, a store
+that stops answering, and the launcher's checks. Whole runs: tests/e2e/
+test_object_storage_runs.py. Skips without boto3 and weed (``make s3``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.harness import s3server
+from tests.harness.kubesim import free_port
+from train.checkpoint import Checkpointer
+from train.checkpoint.storage import LocalStorage
+from train.core import remote_config, rundir
+from train.core.config import load_config
+from train.core.errors import CannotRunHere, ConfigError
+
+needs_s3 = pytest.mark.skipif(s3server.missing() is not None, reason=str(s3server.missing()))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if s3server.missing():
+        pytest.skip(s3server.missing())
+    with s3server.s3_server(tmp_path_factory.mktemp("s3")) as running:
+        yield running
+
+
+@pytest.fixture
+def aws(server, monkeypatch):
+    """This process's AWS variables reach the test server (boto3's default chain)."""
+    for name, value in server.env().items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    return server
+
+
+def sealed_run(run_dir: Path, steps: list[int], keep_last: int = 5) -> Checkpointer:
+    """A run directory with a real sealed checkpoint for each of ``steps``."""
+    store = Checkpointer(run_dir, rank=0, keep_last=keep_last)
+    for step in steps:
+        store.save(step, {"step": step, "weights": list(range(step * 100))}, {"rng": step})
+    return store
+
+
+def tier(tmp_path: Path, prefix: str, keep_last: int = 5):
+    from train.checkpoint.remote import RemoteTier
+    return RemoteTier.from_url(f"s3://{s3server.BUCKET}/{prefix}", "run",
+                               LocalStorage(tmp_path / "run"), keep_last)
+
+
+def remote_keys(server, prefix: str) -> list[str]:
+    listed = server.client().list_objects_v2(Bucket=s3server.BUCKET, Prefix=f"{prefix}/")
+    return sorted(o["Key"] for o in listed.get("Contents", []))
+
+
+# ------------------------------------------------------------------ the config
+def config_with(tmp_path: Path, remote: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"output": {"dir": str(tmp_path)},
+                                    "checkpoint": {"remote": remote}}))
+    return path
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/x", "s3://", "s3://UPPER/x", "s3://b/x/../y",
+                                 "s3://bucket/a//b", "bucket/prefix"])
+def test_a_malformed_remote_is_one_line_naming_the_key(tmp_path, url):
+    with pytest.raises(ConfigError) as raised:
+        load_config(config_with(tmp_path, url))
+    line = raised.value.one_line()
+    assert "checkpoint.remote" in line and "s3://BUCKET/PREFIX" in line and "\n" not in line
+    assert raised.value.exit_code == 2
+
+
+def test_a_key_in_the_remote_url_is_refused_and_not_echoed(tmp_path):
+    with pytest.raises(ConfigError) as raised:
+        load_config(config_with(tmp_path, "s3://AKIAEXAMPLE:s3cr3tvalue@bucket/ckpt"))
+    line = raised.value.one_line()
+    assert "checkpoint.remote" in line and "s3cr3tvalue" not in line
+    assert "AKIAEXAMPLE" not in line
+
+
+def test_a_valid_remote_loads(tmp_path):
+    cfg = load_config(config_with(tmp_path, "s3://my-bucket/team/ckpt/"))
+    url, problem = remote_config.parse(cfg.checkpoint.remote)
+    assert problem is None and url.run_prefix("r1") == "team/ckpt/r1"
+    assert load_config(config_with(tmp_path, "")).checkpoint.remote == ""
+
+
+def test_without_boto3_a_remote_is_exit_3_saying_how_to_install(monkeypatch):
+    real = remote_config.importlib.util.find_spec
+    monkeypatch.setattr(remote_config.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "boto3" else real(name, *a))
+    with pytest.raises(CannotRunHere) as raised:
+        remote_config.check("s3://bucket/x", "run", "c.yaml")
+    assert "pip install 'trainpod[s3]'" in raised.value.one_line()
+    assert raised.value.exit_code == 3
+
+
+# ------------------------------------------------------------------ preflight
+@needs_s3
+def test_an_unreachable_store_is_exit_3_naming_endpoint_and_bucket(aws, monkeypatch):
+    dead = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", dead)
+    with pytest.raises(CannotRunHere) as raised:
+        remote_config.check("s3://ckpt/x", "run", "c.yaml")
+    line = raised.value.one_line()
+    assert dead in line and "bucket ckpt" in line and "\n" not in line
+
+
+@needs_s3
+def test_a_missing_bucket_is_exit_3_and_a_writable_one_passes(aws):
+    with pytest.raises(CannotRunHere) as raised:
+        remote_config.check("s3://no-such-bucket/x", "run", "c.yaml")
+    assert "no-such-bucket" in raised.value.one_line()
+    remote_config.check("s3://ckpt/probe", "run", "c.yaml")
+    assert remote_keys(aws, "probe") == []  # the probe object is gone again
+
+
+# ------------------------------------------------------------------ the tier
+@needs_s3
+def test_a_sealed_checkpoint_is_uploaded_verified_and_named_latest(aws, tmp_path):
+    sealed_run(tmp_path / "run", [2])
+    remote = tier(tmp_path, "up")
+    remote.sealed(2)
+    assert remote.wait(60) is None
+    local = LocalStorage(tmp_path / "run")
+    sums = json.loads(local.read_text("checkpoints/step-2/checksums.json"))
+    for name, digest in sums.items():
+        assert remote.remote.digest(f"checkpoints/step-2/{name}") == digest
+    assert remote.latest()[0] == 2 and remote.uploaded == 2
+    assert "up/run/checkpoints/step-2/checksums.json" in remote_keys(aws, "up")
+
+
+@needs_s3
+def test_latest_never_moves_backwards_and_keep_last_applies_remotely(aws, tmp_path):
+    sealed_run(tmp_path / "run", [2, 4, 6])
+    remote = tier(tmp_path, "order", keep_last=2)
+    for step in (2, 4, 6):
+        remote.mirror(step)
+    assert remote.steps(sealed=True) == [6, 4]  # step-2 pruned
+    assert remote_keys(aws, "order/run/checkpoints/step-2") == []
+    remote.mirror(4)  # a stale writer's older step
+    assert remote.latest()[0] == 6
+
+
+@needs_s3
+def test_an_empty_run_directory_fetches_the_newest_remote_checkpoint(aws, tmp_path):
+    sealed_run(tmp_path / "run", [2, 4])
+    remote = tier(tmp_path, "fetch")
+    for step in (2, 4):
+        remote.mirror(step)
+    original = (tmp_path / "run/checkpoints/step-4/state.pt").read_bytes()
+    LocalStorage(tmp_path).delete("run")
+    assert remote.fetch_newer() == 4
+    assert (tmp_path / "run/checkpoints/step-4/state.pt").read_bytes() == original
+    assert Checkpointer(tmp_path / "run", rank=0, keep_last=3).latest_step() == 4
+    assert Checkpointer.verify(tmp_path / "run/checkpoints/step-4") is None
+    assert remote.fetch_newer() is None  # nothing newer than the local one now
+
+
+@needs_s3
+def test_a_flipped_byte_in_the_store_falls_back_naming_the_file(aws, tmp_path, caplog):
+    sealed_run(tmp_path / "run", [2, 4])
+    remote = tier(tmp_path, "flip")
+    for step in (2, 4):
+        remote.mirror(step)
+    s3, key = aws.client(), "flip/run/checkpoints/step-4/rank-0.pt"
+    data = bytearray(s3.get_object(Bucket=s3server.BUCKET, Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0xFF
+    s3.put_object(Bucket=s3server.BUCKET, Key=key, Body=bytes(data))
+    LocalStorage(tmp_path).delete("run")
+    with caplog.at_level(logging.WARNING, logger="train"):
+        assert remote.fetch_newer() == 2
+    assert "step-4 is unusable (rank-0.pt does not match its checksum)" in caplog.text
+    assert not (tmp_path / "run/checkpoints/step-4").exists()
+    assert not (tmp_path / "run/checkpoints/step-4.partial").exists()
+
+
+@needs_s3
+def test_a_store_that_stops_answering_is_one_warning_and_nothing_raised(aws, tmp_path,
+                                                                       monkeypatch, caplog):
+    sealed_run(tmp_path / "run", [2, 4])
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")
+    remote = tier(tmp_path, "gone")
+    remote.sleep = lambda s: None  # the backoff's waits, not what is tested
+    with caplog.at_level(logging.WARNING, logger="train"):
+        remote.sealed(2)
+        assert remote.wait(120) is None
+        remote.sealed(4)
+        assert remote.wait(120) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "step-2 and later checkpoints stay local" in warnings[0]
+    assert remote.uploaded is None and remote.unreachable
+    assert rundir.latest_name(tmp_path / "run/checkpoints") == "step-4"
+
+
+@needs_s3
+def test_an_upload_held_up_is_named_as_only_local_then_seals_once_the_store_answers(
+        aws, tmp_path, caplog):
+    """The store stops answering (its process paused) while a checkpoint uploads: a wait
+    bounded like a grace period names the step that is only local; once the store
+    answers again the same upload goes on and the checkpoint seals remotely."""
+    sealed_run(tmp_path / "run", [2])
+    remote = tier(tmp_path, "held")
+    os.killpg(aws.proc.pid, signal.SIGSTOP)
+    try:
+        remote.sealed(2)
+        with caplog.at_level(logging.WARNING, logger="train"):
+            assert remote.wait(1) == 2
+        assert "checkpoint step-2 is only local: its upload to s3://ckpt/held/run did not " \
+               "finish within 1 s" in caplog.text
+    finally:
+        os.killpg(aws.proc.pid, signal.SIGCONT)
+    assert remote.wait(120) is None
+    assert remote.latest()[0] == 2 and remote.uploaded == 2

@@ -1,0 +1,289 @@
+"""The remote tier: sealed checkpoints mirrored to object storage, and fetched back when
+the store holds a newer one than the local disk (``checkpoint.remote``).
+
+Each checkpoint is written and sealed locally first, exactly as without a remote (the
+protocol of :mod:`.store`); then rank 0 hands it to :meth:`RemoteTier.sealed` and a
+background thread uploads it, so training never waits for the network:
+
+1. every file ``checksums.json`` lists, each read back from the store and hashed after
+   its upload: a checkpoint counts as uploaded only when every byte in the store matches
+   its SHA-256 (the strongest check any S3-compatible store allows: it costs a download
+   of what was uploaded, docs/object-storage.md);
+2. ``checksums.json`` itself: the checkpoint is now sealed remotely;
+3. the remote ``latest``, only when it names an older step (never moved backwards by a
+   stale writer), written conditionally on the ETag read where the store supports it;
+4. ``checkpoint.keep_last`` applied to the remote step folders.
+
+A failed operation is retried with backoff; a store that stays unreachable is one
+warning for the whole run (the local checkpoints still protect it) and each later
+checkpoint is tried once more when it seals. Only the newest sealed checkpoint waits
+for upload: an older one not started yet is skipped.
+
+Resuming (:meth:`RemoteTier.fetch_newer`, rank 0, before the local choice): a remote
+checkpoint newer than every local one is downloaded into ``step-N.partial``, every file
+checked against its ``checksums.json`` as it arrives, then sealed locally like a fresh
+save; one that does not verify is named and the previous remote one tried. The local
+choice (:mod:`.policy`) then resumes from it exactly as from a checkpoint written here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from train.checkpoint.objectstore import S3Storage, missing, said
+from train.checkpoint.storage import LocalStorage
+from train.core import remote_config, rundir
+from train.core.rundir import CHECKPOINTS, CHECKSUMS, LATEST, STEP_DIR
+
+log = logging.getLogger("train")
+
+BACKOFF_S = (1.0, 2.0, 4.0)   # between the attempts at one operation
+
+
+class RemoteError(Exception):
+    """The store did not take (or give back) a checkpoint."""
+
+
+class RemoteTier:
+    """Mirrors one run's sealed checkpoints (``local``: the run directory's storage)."""
+
+    def __init__(self, remote: S3Storage, local: LocalStorage, keep_last: int, where: str,
+                 sleep: Callable[[float], None] = time.sleep):
+        self.remote, self.local, self.keep_last, self.where = remote, local, keep_last, where
+        self.sleep = sleep
+        self._lock = threading.Condition()
+        self._pending: int | None = None     # the newest sealed step not started yet
+        self._busy: int | None = None        # the step being uploaded
+        self._thread: threading.Thread | None = None
+        self.unreachable = False             # warned once: no more backoff after that
+        self.uploaded: int | None = None     # the newest step sealed remotely by this run
+
+    @classmethod
+    def from_url(cls, url: str, run_name: str, local: LocalStorage,
+                 keep_last: int) -> RemoteTier:
+        parsed, problem = remote_config.parse(url)
+        if parsed is None:
+            raise ValueError(problem)
+        where = f"s3://{parsed.bucket}/{parsed.run_prefix(run_name)}"
+        # botocore retries a request once; whole files are retried here, with backoff
+        return cls(S3Storage(parsed.bucket, parsed.run_prefix(run_name), attempts=2), local,
+                   keep_last, where)
+
+    # ------------------------------------------------------------ uploading
+    def sealed(self, step: int) -> None:
+        """A checkpoint was sealed locally: upload it in the background."""
+        with self._lock:
+            self._pending = step
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._uploads, daemon=True,
+                                                name="checkpoint-upload")
+                self._thread.start()
+
+    def wait(self, timeout_s: float) -> int | None:
+        """Wait up to ``timeout_s`` for the uploads to finish; the step left only local
+        (named in a warning) or None."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._pending is not None or self._busy is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(left)
+            behind = self._pending if self._pending is not None else self._busy
+        if behind is not None:
+            log.warning("checkpoint step-%d is only local: its upload to %s did not finish "
+                        "within %.0f s", behind, self.where, timeout_s)
+        return behind
+
+    def _uploads(self) -> None:
+        while True:
+            with self._lock:
+                step, self._pending = self._pending, None
+                self._busy = step
+                if step is None:
+                    self._lock.notify_all()
+                    return
+            try:
+                self.mirror(step)
+            except Exception as exc:  # the run goes on: its local checkpoints protect it
+                if self.local.exists(f"{CHECKPOINTS}/{rundir.step_name(step)}"):
+                    self._unreachable(step, exc)
+                else:  # keep_last removed it locally while it uploaded: a newer one follows
+                    log.info("checkpoint step-%d not uploaded: superseded before its upload "
+                             "finished", step)
+            finally:
+                with self._lock:
+                    self._busy = None
+                    self._lock.notify_all()
+
+    def _unreachable(self, step: int, exc: BaseException) -> None:
+        if not self.unreachable:
+            self.unreachable = True
+            log.warning("checkpoint upload to %s failed (%s): step-%d and later checkpoints "
+                        "stay local until the store answers again; training goes on",
+                        self.where, said(exc), step)
+        else:
+            log.debug("checkpoint step-%d not uploaded: %s", step, said(exc))
+
+    def mirror(self, step: int) -> None:
+        """Upload the locally sealed step, verify it, seal it remotely, name it latest."""
+        folder = f"{CHECKPOINTS}/{rundir.step_name(step)}"
+        sums = json.loads(self.local.read_text(f"{folder}/{CHECKSUMS}"))
+        for name, digest in sums.items():
+            self._retry(lambda n=name, d=digest: self._upload(f"{folder}/{n}", d))
+        self._retry(lambda: self.remote.upload(f"{folder}/{CHECKSUMS}",
+                                               self.local.path(f"{folder}/{CHECKSUMS}")))
+        self._retry(lambda: self._name_latest(step))
+        self._retry(self._prune)
+        self.uploaded = step
+        if self.unreachable:
+            log.warning("checkpoint uploads to %s work again: step-%d is there", self.where,
+                        step)
+            self.unreachable = False
+
+    def _upload(self, name: str, digest: str) -> None:
+        self.remote.upload(name, self.local.path(name))
+        stored = self.remote.digest(name)
+        if stored != digest:
+            raise RemoteError(f"{name} reads back with another checksum than was uploaded")
+
+    def _retry(self, action: Callable[[], object]) -> None:
+        """``action``, again after each failure with backoff; once the store has been
+        found unreachable, a single attempt (the next checkpoint tries again)."""
+        delays = () if self.unreachable else BACKOFF_S
+        for delay in delays:
+            try:
+                action()
+                return
+            except Exception:  # retried; the last attempt's error is the one raised
+                self.sleep(delay)
+        action()
+
+    def _name_latest(self, step: int) -> None:
+        """``latest`` names ``step`` unless it names a newer one already. Conditional on
+        the ETag read (a writer that raced this one makes it read and compare again)
+        where the store supports conditional writes."""
+        for _ in range(5):
+            current, etag = self.latest()
+            if current is not None and current > step:
+                log.info("remote latest names step-%d, newer than step-%d: left as it is",
+                         current, step)
+                return
+            data = f"{rundir.step_name(step)}\n".encode()
+            condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+            try:
+                self.remote.replace(f"{CHECKPOINTS}/{LATEST}", data, **condition)
+                return
+            except Exception as exc:
+                if _code(exc) == "PreconditionFailed":
+                    continue  # another writer in between: compare again
+                if _code(exc) not in ("NotImplemented", "InvalidArgument", "InvalidRequest"):
+                    raise
+                self.remote.replace(f"{CHECKPOINTS}/{LATEST}", data)  # no conditional writes
+                return
+        raise RemoteError("the remote latest kept changing under this writer")
+
+    def latest(self) -> tuple[int | None, str | None]:
+        """(the step the remote ``latest`` names, its ETag), or (None, None)."""
+        try:
+            data, etag = self.remote.read(f"{CHECKPOINTS}/{LATEST}")
+        except Exception as exc:
+            if missing(exc):
+                return None, None
+            raise
+        match = STEP_DIR.match(data.decode("utf-8", "replace").strip())
+        return (int(match[1]) if match else None), etag
+
+    def steps(self, sealed: bool = False) -> list[int]:
+        """The remote step folders, newest first; ``sealed``: only those with their
+        checksums.json (some stores list a folder whose objects are all deleted)."""
+        found = sorted((int(m[1]) for n in self.remote.names(CHECKPOINTS)
+                        if (m := STEP_DIR.match(n))), reverse=True)
+        if sealed:
+            found = [s for s in found if self.remote.exists(
+                f"{CHECKPOINTS}/{rundir.step_name(s)}/{CHECKSUMS}")]
+        return found
+
+    def _prune(self) -> None:
+        """keep_last remotely: the newest ``keep_last`` up to ``latest``; nothing newer
+        than ``latest`` is touched (another writer's, or one being uploaded)."""
+        latest, _ = self.latest()
+        if latest is None:
+            return
+        kept = [s for s in self.steps(sealed=True) if s <= latest][:self.keep_last]
+        # older ones, and uploads that never sealed (a store that went away mid-way)
+        for step in [s for s in self.steps() if s <= latest and s not in kept]:
+            self.remote.delete(f"{CHECKPOINTS}/{rundir.step_name(step)}")
+
+    # ------------------------------------------------------------ resuming
+    def fetch_newer(self) -> int | None:
+        """Rank 0, before choosing a checkpoint: the newest remote checkpoint (up to the
+        remote ``latest``) newer than every local one, downloaded, verified and sealed
+        locally. The step fetched, or None (none newer, or the store unreachable: a
+        warning, and the local checkpoints are used)."""
+        try:
+            latest, _ = self.latest()
+            if latest is None:
+                return None
+            local = max((rundir.step_of(p) for p in rundir.step_dirs(self.local.path(
+                CHECKPOINTS))), default=-1)
+            newer = [s for s in self.steps(sealed=True) if local < s <= latest]
+        except Exception as exc:
+            log.warning("cannot read checkpoints from %s (%s); resuming from the local "
+                        "ones", self.where, said(exc))
+            return None
+        for step in newer:
+            problem = self._fetch(step)
+            if problem is None:
+                log.info("fetched checkpoint step-%d from %s", step, self.where)
+                return step
+            log.warning("remote checkpoint %s/%s/%s is unusable (%s); trying the previous "
+                        "one", self.where, CHECKPOINTS, rundir.step_name(step), problem)
+        return None
+
+    def _fetch(self, step: int) -> str | None:
+        """Download one remote checkpoint and seal it locally; None, or what is wrong."""
+        final = f"{CHECKPOINTS}/{rundir.step_name(step)}"
+        partial = f"{final}.partial"
+        self.local.delete(partial)
+        try:
+            sums = self._download_all(final, partial)
+        except Exception as exc:
+            self.local.delete(partial)
+            return said(exc)
+        if isinstance(sums, str):
+            self.local.delete(partial)
+            return sums
+        self.local.move(partial, final)
+        self.local.replace(f"{CHECKPOINTS}/{LATEST}", f"{rundir.step_name(step)}\n".encode())
+        return None
+
+    def _download_all(self, final: str, partial: str) -> dict | str:
+        """Every file of ``final`` into ``partial``, checked: the checksums, or a problem."""
+        data, _ = self.remote.read(f"{final}/{CHECKSUMS}")
+        sums = json.loads(data)
+        for name, digest in sums.items():
+            target = self.local.path(f"{partial}/{name}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if self.remote.download(f"{final}/{name}", target) != digest:
+                return f"{name} does not match its checksum"
+        self.local.replace(f"{partial}/{CHECKSUMS}", data)
+        return sums
+
+
+def _code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None) or {}
+    return response.get("Error", {}).get("Code")
+
+
+def tier_for(url: str | None, run_dir: Path, run_name: str, keep_last: int
+             ) -> RemoteTier | None:
+    """The run's remote tier, or None when ``checkpoint.remote`` is off."""
+    if not url:
+        return None
+    return RemoteTier.from_url(url, run_name, LocalStorage(run_dir), keep_last)

@@ -1,0 +1,126 @@
+"""``checkpoint.remote``: where a run's checkpoints are mirrored in object storage, and
+the checks the launcher makes before any worker starts.
+
+The value is ``s3://BUCKET/PREFIX`` (PREFIX optional); the run's checkpoints go under
+``PREFIX/RUN_NAME/checkpoints/``. A malformed URL is bad input (exit 2, from the config
+checks); boto3 not installed, or a bucket that cannot be reached or written, is "cannot
+run here" (exit 3, from :func:`check`), naming the endpoint and the bucket.
+
+Credentials never appear in the config (the config checks refuse ``s3://key:secret@``):
+boto3 reads them from the standard AWS variables and files (``AWS_ACCESS_KEY_ID``,
+``AWS_PROFILE``, ``AWS_ENDPOINT_URL_S3``, IRSA's web identity token, ...). This module
+imports boto3 only in :func:`check`'s probe, so the launcher stays light without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import uuid
+from dataclasses import dataclass
+
+from train.core.credentials import redacted
+from train.core.errors import CannotRunHere
+
+KEY = "checkpoint.remote"
+INSTALL = "pip install 'trainpod[s3]' (or pip install boto3; in an image: a RUN line in your " \
+          "Dockerfile)"
+# S3's bucket naming rules (3-63 characters of lowercase letters, digits, dots and hyphens,
+# starting and ending with a letter or digit); compatible stores accept a subset of these
+BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+# boto3 >= 1.36 adds a CRC32 trailer to every upload by default ("when_supported"), which
+# several S3-compatible stores reject; the remote tier checks SHA-256 itself, so only
+# where an operation requires one.
+CLIENT_CHECKSUMS = "when_required"
+
+
+@dataclass(frozen=True)
+class RemoteURL:
+    bucket: str
+    prefix: str                 # without leading or trailing '/', may be empty
+
+    def run_prefix(self, run_name: str) -> str:
+        """The run's own folder in the bucket: PREFIX/RUN_NAME."""
+        return f"{self.prefix}/{run_name}" if self.prefix else run_name
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+
+def parse(url: str) -> tuple[RemoteURL | None, str | None]:
+    """(the URL, None) or (None, what is wrong with it)."""
+    allowed = "an s3://BUCKET/PREFIX URL (e.g. s3://my-bucket/checkpoints), or empty for off"
+    if not url.startswith("s3://"):
+        return None, f"{url!r} is not an s3:// URL; {allowed}"
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    if not BUCKET.match(bucket) or ".." in bucket:
+        return None, f"{url!r}: bucket {bucket!r} is not a valid bucket name; {allowed}"
+    prefix = prefix.strip("/")
+    if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
+        return None, f"{url!r}: the prefix has an empty, '.' or '..' part; {allowed}"
+    if any(c in prefix for c in "?#\\") or not prefix.isprintable():
+        return None, f"{url!r}: the prefix has '?', '#', '\\' or control characters; {allowed}"
+    return RemoteURL(bucket, prefix), None
+
+
+def endpoint(environ=os.environ) -> str:
+    """The endpoint boto3 will use, for messages: the variable's value, or AWS's."""
+    for name in ENDPOINT_VARS:
+        if environ.get(name):
+            return redacted(environ[name])
+    return "the AWS default endpoint"
+
+
+def check(remote: str | None, run_name: str, source: str, environ=os.environ, *,
+          probe: bool = True) -> None:
+    """Before a launch: boto3 is installed, and (``probe``) the bucket answers and takes a
+    write under the run's prefix (a small probe object, deleted again). Exit 3 otherwise."""
+    if not remote:
+        return
+    url, _ = parse(remote)
+    if url is None:  # the config checks refused it already
+        return
+    if importlib.util.find_spec("boto3") is None:
+        raise CannotRunHere(f"{source}: {KEY}: {remote} needs boto3, which is not installed "
+                            f"here: {INSTALL}; or leave {KEY} empty")
+    problem = writable(url, run_name) if probe else None
+    if problem:
+        raise CannotRunHere(f"{source}: {KEY}: cannot write to bucket {url.bucket} at "
+                            f"{endpoint(environ)}: {problem}; check the AWS_* variables "
+                            "(docs/object-storage.md)")
+
+
+def writable(url: RemoteURL, run_name: str) -> str | None:
+    """None when a small object can be written and deleted under the run's prefix; else
+    the store's answer in one line (no credential in it)."""
+    key = f"{url.run_prefix(run_name)}/.probe-{uuid.uuid4().hex}"
+    try:
+        s3 = client(attempts=2)
+        s3.put_object(Bucket=url.bucket, Key=key, Body=b"probe\n")
+        s3.delete_object(Bucket=url.bucket, Key=key)
+    except Exception as exc:  # whatever the store or the network says
+        return said(exc)
+    return None
+
+
+def client(attempts: int = 3):
+    """A boto3 S3 client from the default credential chain (variables, profile and shared
+    files, web identity, instance metadata); ``attempts``: botocore's own retries of one
+    request (the remote tier retries whole files on top, with backoff)."""
+    import boto3  # only where a remote is configured: the base install has none
+    import botocore.config
+    config = botocore.config.Config(
+        retries={"max_attempts": attempts, "mode": "standard"}, connect_timeout=5,
+        read_timeout=60, request_checksum_calculation=CLIENT_CHECKSUMS,
+        response_checksum_validation=CLIENT_CHECKSUMS)
+    return boto3.session.Session().client("s3", config=config)
+
+
+def said(exc: BaseException, limit: int = 300) -> str:
+    """An exception of boto3 or the network as one short line, with no credential in it."""
+    error = (getattr(exc, "response", None) or {}).get("Error") or {}
+    text = f"{error.get('Code', '?')}: {error.get('Message') or exc}" if error \
+        else str(exc) or type(exc).__name__
+    return redacted(" ".join(text.split()))[:limit]
