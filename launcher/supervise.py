@@ -41,6 +41,7 @@ from launcher.plan import Plan
 from launcher.processes import kill_tree, stop_workers, workers_alive
 from launcher.pulse import Pulse
 from launcher.rendezvous import RoundWatcher, reachable
+from launcher.restarts import failed_attempt, restarting
 from launcher.signals import Forwarder
 from launcher.torchrun import LOCAL_ID_VAR, STORE_LOST
 from train.core import protocol
@@ -119,12 +120,12 @@ def _attempts(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],
             env["TORCHELASTIC_RESTART_COUNT"] = str(restarts)
             if verbose or restarts:
                 log(f"set TORCHELASTIC_RESTART_COUNT={restarts}")
+        (folder / protocol.ATTEMPTS).unlink(missing_ok=True)  # torchrun counts from 0 again
         rc, ended = _start_and_wait(plan, env, keep_fds, forwarder, log, abort)
         if ended is not None:  # the lease was lost, or a static job's node vanished
             return ended
         found = read_reports(folder)
-        outcome = classify(rc, found, forwarder.received, plan.nproc_per_node, plan.mode,
-                           plan.program)
+        outcome = _classify(plan, rc, found, folder, forwarder.received)
         if forwarder.received:
             return outcome
         if rc == STORE_LOST and plan.store:
@@ -141,8 +142,36 @@ def _attempts(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],
         if not _restart(plan, outcome, found, restarts):
             return outcome
         restarts += 1
-        log(f"worker failed; restart {restarts} of {plan.max_restarts}")
+        log(_restarting_the_worker(plan, rc, found, restarts))
     return outcome
+
+
+def _classify(plan: Plan, rc: int, found: list[Report], folder: Path,
+              signals: list[int]) -> Outcome:
+    """The outcome, from the reports and torchrun's record of how the last attempt's
+    processes ended (which names a worker that died without a word)."""
+    attempt = protocol.last_attempt(folder, found)
+    exits = attempt.exits if attempt else []
+    host = attempt.host if attempt and plan.nnodes[1] > 1 else None
+    if plan.mode == "direct" and not signals:
+        exits, host = _direct_exit(plan, rc, found), None
+    return classify(rc, found, signals, plan.nproc_per_node, plan.mode, plan.program,
+                    exits, host)
+
+
+def _direct_exit(plan: Plan, rc: int, found: list[Report]) -> list[protocol.Exit]:
+    """The one worker run directly, as torchrun would record it when it ended without a
+    report (a signal, a crash): what names it and how it ended."""
+    if rc == 0 or any(r.exit_code is not None for r in found):
+        return []
+    rank = found[0].rank if found else int(plan.env.get("RANK", "0") or 0)
+    return [protocol.Exit(rank, 0, rc, first=True)]
+
+
+def _restarting_the_worker(plan: Plan, rc: int, found: list[Report], number: int) -> str:
+    """Direct mode's line for a restart, in torchrun's words (launcher.torchrun)."""
+    what, _ = failed_attempt(found, _direct_exit(plan, rc, found), 1)
+    return restarting(what, number, plan.max_restarts, "worker")
 
 
 def _restart(plan: Plan, outcome: Outcome, found: list[Report], restarts: int) -> bool:

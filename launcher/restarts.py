@@ -1,0 +1,41 @@
+"""A failed attempt of the workers, said in one line when it is started again: by
+torchrun's agent (:mod:`launcher.torchrun`) for its workers, by the supervisor
+(:mod:`launcher.supervise`) for the one worker it runs itself. Worded with the same
+rules as the final failure line (:mod:`launcher.outcome`): a worker that died without a
+word is named, not the ranks that lost their connection to it.
+"""
+
+from __future__ import annotations
+
+from launcher.outcome import Ending, ended_without_a_word
+from train.core.peers import lost_peer
+from train.core.protocol import Exit, Report
+
+
+def cause(e: Ending) -> str:
+    """What ended an attempt, in a few words, for the line that says it is restarted."""
+    if e.died:
+        x, *others = e.died
+        too = f" (rank(s) {', '.join(str(o.rank) for o in others)} too)" if others else ""
+        return ended_without_a_word(x, e.host) + too
+    r = e.first_failure
+    if r is None:
+        return "a worker ended" + (f" (exit code {e.rc})" if e.rc else "")
+    if r.culprit:
+        return f"rank {r.rank} hung: {r.error}"
+    return f"rank {r.rank} failed: {lost_peer(r.error or '') or r.error or r.exit_code}"
+
+
+def failed_attempt(found: list[Report], exits: list[Exit], expected: int,
+                   host: str | None = None) -> tuple[str, bool]:
+    """(what ended a failed attempt of the workers; whether a restart cannot change it:
+    bad input, a machine that cannot run it, divergence, a failure that repeated)."""
+    e = Ending.of(1, found, [], expected, "torchrun", "train", exits, host)
+    first = e.first_failure
+    return cause(e), not e.died and first is not None and first.final
+
+
+def restarting(what: str, number: int, of: int, workers: str = "workers") -> str:
+    """The one line that says a failed attempt is started again."""
+    return f"{what}; restarting the {workers} ({number} of {of})"
+
