@@ -6,7 +6,11 @@ workers' reports (:mod:`train.core.protocol`) as an :class:`Ending`, and takes t
 rule of :data:`RULES` whose condition holds: an ordered table, as torchx maps scheduler
 states, so that which ending wins over which is read from top to bottom.
 
-The first rank to fail is the root cause, except for a hang: a rank that stopped making
+The first rank to fail is the root cause. A rank killed by a signal (out of memory, kill
+-9) or crashed in native code writes no report; torchrun's record of the attempt
+(:class:`~train.core.protocol.Attempt`) says how it ended and that it ended before
+torchrun stopped the others: it is named, not the ranks that then failed on the
+connection it closed. Except for a hang: a rank that stopped making
 progress makes the others time out in a collective, and they often report first. The
 reports say which rank did not arrive: the one whose hang watchdog found it in its own
 code or in its DataLoader (:mod:`train.guards.watchdog`), or the one whose report stayed at

@@ -18,6 +18,10 @@ arguments and differs in what it says and in one identity detail.
   stays.
 - A node leaving on purpose makes the others' workers stop with it (one checkpoint);
   their restart to go on without it costs no ``--max-restarts`` here.
+- Any other failed attempt is recorded for the launcher (how each local worker ended,
+  and which ended before torchrun stopped the rest), and a restart is one line naming
+  what failed (:mod:`launcher.restarts`), in place of torch's "failed (exitcode: -9)"
+  log line; an ending a restart cannot change is not restarted.
 - An agent that ends with an error makes torch close the job's rendezvous for every
   node, for good; here only a finished job's agents close it (a node that gave up, or
   was cut off from the store, must not stop the others or its replacement).
@@ -182,7 +186,10 @@ def _account_for_failed_attempts() -> None:
             self._remaining_restarts += 1
             _say("another node left the job; meeting the others again (no restart counted)")
         else:
-            _failed_attempt(self, worker_group, failures)
+            try:
+                _failed_attempt(self, worker_group, failures)
+            except Exception as exc:  # saying it must never stop torchrun's own handling
+                _say(f"could not record the failed attempt ({_first_line(exc)})")
         return result
 
     agent._monitor_workers = monitor_accounting

@@ -13,6 +13,9 @@ This module is the protocol's only owner:
 
 - :class:`Report` and its parts (:class:`Failure`, :class:`Probe`) are typed records;
   :class:`Reporter` is the one constructor, used by every process that writes one;
+- :class:`Attempt` (written by torchrun's agent, :mod:`launcher.torchrun`) records how
+  each process of a failed attempt ended, for a process that could not say it (killed
+  by a signal);
 - :func:`restart_can_help` is the one retry rule (bad input, a machine that cannot run
   it, divergence, and a failure that repeated from the same checkpoint are final),
   used by the worker before it starts, by the supervisor before it restarts, by the
@@ -90,8 +93,7 @@ class Failure:
 @dataclass(frozen=True)
 class Exit:
     """How torchrun saw one local worker process end: the evidence for a rank that died
-    without a word (a signal, out of memory, a crash in native code) and for which rank
-    ended first."""
+    without a word (a signal, a crash in native code), and for which ended first."""
     rank: int
     local_rank: int
     code: int                         # the exit status; negative: killed by that signal
@@ -315,13 +317,11 @@ def record_attempt(folder: str | Path | None, attempt: Attempt) -> None:
 
 
 def attempts(folder: str | Path) -> list[Attempt]:
-    """The failed attempts torchrun recorded, oldest first."""
-    return _read_lines(folder, ATTEMPTS, Attempt.from_dict)
+    return _read_lines(folder, ATTEMPTS, Attempt.from_dict)  # oldest first
 
 
 def last_attempt(folder: str | Path, reports: list[Report]) -> Attempt | None:
-    """The recorded ending of the attempt ``reports`` (the latest round) belong to; None
-    when that attempt recorded none (it succeeded, or was stopped)."""
+    """The recorded ending of the attempt ``reports`` (the latest round) belong to."""
     found = attempts(folder)
     latest = max((r.restart for r in reports), default=0)
     return found[-1] if found and found[-1].restart >= latest else None
