@@ -63,7 +63,8 @@ def test_a_restart_trains_the_config_its_launch_validated(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert "restart 1 of 1" in text()
+    assert "entrypoint: rank 0 killed by SIGKILL" in text() and \
+        "restarting the worker (1 of 1)" in text()
     run_dir = tmp_path / "runs" / "run"
     assert json.loads((run_dir / "result.json").read_text())["step"] == 30
     evals = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text()
