@@ -38,4 +38,3 @@ def failed_attempt(found: list[Report], exits: list[Exit], expected: int,
 def restarting(what: str, number: int, of: int, workers: str = "workers") -> str:
     """The one line that says a failed attempt is started again."""
     return f"{what}; restarting the {workers} ({number} of {of})"
-
