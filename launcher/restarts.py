@@ -2,10 +2,13 @@
 torchrun's agent (:mod:`launcher.torchrun`) for its workers, by the supervisor
 (:mod:`launcher.supervise`) for the one worker it runs itself. Worded with the same
 rules as the final failure line (:mod:`launcher.outcome`): a worker that died without a
-word is named, not the ranks that lost their connection to it.
+word is named, not the ranks that lost their connection to it. Workers the launcher
+itself killed (a node left the job) are said as such (:func:`note_stop`), not as deaths.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from launcher.outcome import Ending, ended_without_a_word
 from train.core.peers import lost_peer
@@ -38,3 +41,31 @@ def failed_attempt(found: list[Report], exits: list[Exit], expected: int,
 def restarting(what: str, number: int, of: int, workers: str = "workers") -> str:
     """The one line that says a failed attempt is started again."""
     return f"{what}; restarting the {workers} ({number} of {of})"
+
+
+# In the status folder: why the launcher itself killed this node's workers, until
+# torchrun's agent has said it.
+STOPPED_BY_LAUNCHER = "stopped-by-launcher.txt"
+
+
+def note_stop(folder: str | None, why: str) -> None:
+    """The launcher is about to kill the workers (SIGKILL, on purpose): the restart line
+    says why, not "killed by SIGKILL (often out of memory)"."""
+    if folder:
+        try:
+            (Path(folder) / STOPPED_BY_LAUNCHER).write_text(why, encoding="utf-8")
+        except OSError:
+            pass
+
+
+def take_stop_note(folder: str | None) -> str | None:
+    """The launcher's reason, once (the next attempt's failures are their own)."""
+    if not folder:
+        return None
+    path = Path(folder) / STOPPED_BY_LAUNCHER
+    try:
+        why = path.read_text(encoding="utf-8")
+        path.unlink()
+    except OSError:
+        return None
+    return why

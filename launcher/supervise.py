@@ -41,7 +41,7 @@ from launcher.plan import Plan
 from launcher.processes import kill_tree, stop_workers, workers_alive
 from launcher.pulse import Pulse
 from launcher.rendezvous import RoundWatcher, reachable
-from launcher.restarts import failed_attempt, restarting
+from launcher.restarts import STOPPED_BY_LAUNCHER, failed_attempt, restarting
 from launcher.signals import Forwarder
 from launcher.torchrun import LOCAL_ID_VAR, STORE_LOST
 from train.core import protocol
@@ -120,7 +120,8 @@ def _attempts(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],
             env["TORCHELASTIC_RESTART_COUNT"] = str(restarts)
             if verbose or restarts:
                 log(f"set TORCHELASTIC_RESTART_COUNT={restarts}")
-        (folder / protocol.ATTEMPTS).unlink(missing_ok=True)  # torchrun counts from 0 again
+        for stale in (protocol.ATTEMPTS, STOPPED_BY_LAUNCHER):  # torchrun counts from 0 again
+            (folder / stale).unlink(missing_ok=True)
         rc, ended = _start_and_wait(plan, env, keep_fds, forwarder, log, abort)
         if ended is not None:  # the lease was lost, or a static job's node vanished
             return ended
@@ -181,13 +182,14 @@ def _restart(plan: Plan, outcome: Outcome, found: list[Report], restarts: int) -
         protocol.restart_can_help(outcome.code, repeated) and restarts < plan.max_restarts
 
 
-def _rejoin(torchrun_pid: int, number: int, log: Callable[[str], None]) -> None:
+def _rejoin(torchrun_pid: int, number: int, log: Callable[[str], None],
+            status_dir: str | None) -> None:
     """This node was cut off and the others met without it: its workers are in a world
     that no longer exists."""
     if workers_alive(torchrun_pid):
         stop_workers(torchrun_pid, f"rendezvous round {number} went on without this node "
                      "(it was cut off from the others)", "so that it joins the job again",
-                     log)
+                     log, status_dir)
 
 
 def _pulse(plan: Plan, log: Callable[[str], None]) -> Pulse | None:
@@ -224,9 +226,11 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                                    on_lost=lambda nodes, why: stop_workers(
                                        proc.pid, f"node(s) {', '.join(nodes)} left the job "
                                        f"({why})",
-                                       "so that the job meets again without it", log),
+                                       "so that the job meets again without it", log,
+                                       env.get(STATUS_DIR_VAR)),
                                    me=f":{proc.pid}#{local_id}",
-                                   on_left_out=lambda number: _rejoin(proc.pid, number, log),
+                                   on_left_out=lambda number: _rejoin(
+                                       proc.pid, number, log, env.get(STATUS_DIR_VAR)),
                                    silence_s=plan.silence_s, pulse=pulse)
             watcher.start()
         elif plan.heartbeat:  # static: the nodes' launchers watch each other
@@ -235,7 +239,7 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                                     plan.lost_after_s,
                                     on_lost=lambda what: stop_workers(
                                         proc.pid, what, "(a static job cannot replace a "
-                                        "node: it ends)", log),
+                                        "node: it ends)", log, env.get(STATUS_DIR_VAR)),
                                     silence_s=plan.silence_s,
                                     join_timeout_s=plan.join_timeout_s, log=log)
             watcher.start()

@@ -44,6 +44,7 @@ this process only; the workers keep the user's ``TORCH_CPP_LOG_LEVEL``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -236,6 +237,10 @@ def _failed_attempt(agent, group, failures: dict) -> None:
     reports = [r for r in protocol.read_all(folder) if r.restart == attempt] if folder else []
     what, final = restarts.failed_attempt(reports, exits, len(workers),
                                          host if several_nodes else None)
+    stopped = restarts.take_stop_note(folder)
+    if stopped:  # the launcher killed them on purpose: no death, nothing final
+        what, final = f"{stopped}: the launcher stopped this node's workers", False
+        exits = [dataclasses.replace(x, first=False) for x in exits]
     if final:
         agent._remaining_restarts = 0
     restarting = agent._remaining_restarts > 0

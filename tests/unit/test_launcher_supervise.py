@@ -132,6 +132,15 @@ def test_a_failed_attempt_is_said_in_the_words_of_the_failure_line():
     assert failed_attempt([rep(0, 2, "error: c.yaml: optim.lr: must be > 0")], [], 1)[1]
 
 
+def test_workers_the_launcher_stopped_are_said_once_as_its_stop(tmp_path):
+    """A node left the job and the launcher killed this node's workers: torchrun's agent
+    says why once, not "killed by SIGKILL (often out of memory)"."""
+    from launcher.restarts import note_stop, take_stop_note
+    note_stop(str(tmp_path), "node(s) b:7 left the job (silent for 8 s)")
+    assert take_stop_note(str(tmp_path)) == "node(s) b:7 left the job (silent for 8 s)"
+    assert take_stop_note(str(tmp_path)) is None and take_stop_note(None) is None
+
+
 def test_only_the_attempt_the_reports_belong_to_is_read(tmp_path):
     """A failed attempt recorded before a restart that then ended otherwise says nothing
     of that ending."""
