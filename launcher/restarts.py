@@ -8,6 +8,7 @@ itself killed (a node left the job) are said as such (:func:`note_stop`), not as
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from launcher.outcome import Ending, ended_without_a_word
@@ -48,24 +49,31 @@ def restarting(what: str, number: int, of: int, workers: str = "workers") -> str
 STOPPED_BY_LAUNCHER = "stopped-by-launcher.txt"
 
 
+# A note older than this was not about the failure torchrun is handling now (the
+# workers had ended on their own before the launcher's kill reached them).
+NOTE_FRESH_S = 30.0
+
+
 def note_stop(folder: str | None, why: str) -> None:
     """The launcher is about to kill the workers (SIGKILL, on purpose): the restart line
     says why, not "killed by SIGKILL (often out of memory)"."""
     if folder:
         try:
-            (Path(folder) / STOPPED_BY_LAUNCHER).write_text(why, encoding="utf-8")
+            (Path(folder) / STOPPED_BY_LAUNCHER).write_text(f"{time.time()}\t{why}",
+                                                            encoding="utf-8")
         except OSError:
             pass
 
 
 def take_stop_note(folder: str | None) -> str | None:
-    """The launcher's reason, once (the next attempt's failures are their own)."""
+    """The launcher's reason, once and while fresh (later failures are their own)."""
     if not folder:
         return None
     path = Path(folder) / STOPPED_BY_LAUNCHER
     try:
-        why = path.read_text(encoding="utf-8")
+        when, _, why = path.read_text(encoding="utf-8").partition("\t")
         path.unlink()
-    except OSError:
+        fresh = time.time() - float(when) < NOTE_FRESH_S
+    except (OSError, ValueError):
         return None
-    return why
+    return why if fresh else None
