@@ -6,7 +6,11 @@ workers' reports (:mod:`train.core.protocol`) as an :class:`Ending`, and takes t
 rule of :data:`RULES` whose condition holds: an ordered table, as torchx maps scheduler
 states, so that which ending wins over which is read from top to bottom.
 
-The first rank to fail is the root cause, except for a hang: a rank that stopped making
+The first rank to fail is the root cause. A rank killed by a signal (out of memory, kill
+-9) or crashed in native code writes no report; torchrun's record of the attempt
+(:class:`~train.core.protocol.Attempt`) says how it ended and that it ended before
+torchrun stopped the others: it is named, not the ranks that then failed on the
+connection it closed. Except for a hang: a rank that stopped making
 progress makes the others time out in a collective, and they often report first. The
 reports say which rank did not arrive: the one whose hang watchdog found it in its own
 code or in its DataLoader (:mod:`train.guards.watchdog`), or the one whose report stayed at
@@ -19,7 +23,6 @@ a rendezvous store that did not come back) are worded here too (:func:`lease_los
 
 from __future__ import annotations
 
-import re
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +36,8 @@ from train.core.errors import (
     EXIT_STORE_LOST,
     EXIT_TRAINING_FAILED,
 )
-from train.core.protocol import Report, restart_can_help
+from train.core.peers import lost_peer
+from train.core.protocol import Exit, Report, restart_can_help
 
 # Workers that stopped with their checkpoint: told to, or with another node that was.
 STOPPED = (EXIT_STOPPED_BY_SIGNAL, EXIT_PEER_STOPPED)
@@ -56,13 +60,15 @@ class Ending:
     expected: int               # local workers
     mode: str                   # direct | torchrun
     program: str                # train | script (launch)
+    exits: list[Exit]           # how torchrun saw the attempt's failed processes end
+    host: str | None = None     # this node's name, in a job of several nodes
 
     @classmethod
     def of(cls, rc: int, found: list[Report], signals: list[int], expected: int, mode: str,
-           program: str) -> Ending:
+           program: str, exits: list[Exit] = (), host: str | None = None) -> Ending:
         return cls(rc, [r for r in found if r.exit_code is not None],
                    [r for r in found if r.exit_code is None], list(signals), expected, mode,
-                   program)
+                   program, list(exits), host)
 
     @property
     def failed(self) -> list[Report]:
@@ -80,24 +86,44 @@ class Ending:
     def stopped(self) -> list[Report]:
         return [r for r in self.ended if r.exit_code in STOPPED]
 
+    @property
+    def died(self) -> list[Exit]:
+        """Workers that ended without a word of their own (a signal, or an exit code and no
+        report) before torchrun stopped the others: the root cause, whatever the others
+        reported after losing them. torchrun's own stop (SIGTERM) of the rest is not a
+        death; on a torch that does not say which ended first, SIGTERM is taken for it."""
+        said = {r.rank for r in self.ended}
+        return sorted((x for x in self.exits if x.code != 0 and x.rank not in said and
+                       (x.first or (x.first is None and x.code != -signal.SIGTERM))),
+                      key=lambda x: x.rank)
+
 
 def _log(r: Report) -> str:
     return f"its log {r.log_dir}/stderr.log" if r.log_dir else "its output above"
 
 
-# gloo's words for a peer that died (its process, or its whole node), both forms.
-_PEER = (re.compile(r"\[([^\]]+)\]:(\d+): Connection (?:reset|closed) by peer"),
-         re.compile(r"Connection (?:reset|closed) by peer \[([^\]]+)\]:(\d+)"))
+# What a signal that ended a worker usually means.
+_SIGNAL_HINTS = {
+    signal.SIGKILL: "often out of memory: dmesg, kubectl describe pod; or a kill -9",
+    signal.SIGSEGV: "a crash in native code",
+    signal.SIGABRT: "aborted in native code",
+    signal.SIGBUS: "often /dev/shm too small",
+}
 
 
-def peer_lost(error: str) -> str | None:
-    """A short line for "a peer died" errors, which otherwise run to several lines."""
-    for pattern in _PEER:
-        m = pattern.search(error)
-        if m:
-            return (f"lost the connection to the worker at {m[1]}:{m[2]} (that worker or "
-                    "its node died; its own log says why)")
-    return None
+def ended_without_a_word(x: Exit, host: str | None = None) -> str:
+    """``rank 1 killed by SIGKILL (often out of memory: ...)``; ``host``: the node, named
+    in a job of several."""
+    who = f"rank {x.rank}" + (f" on {host}" if host else "")
+    if x.code > 0:
+        return (f"{who} exited with code {x.code} without a report of its own (a crash in "
+                "native code, or os._exit)")
+    try:
+        name = signal.Signals(-x.code).name
+    except ValueError:
+        name = f"signal {-x.code}"
+    hint = _SIGNAL_HINTS.get(-x.code)
+    return f"{who} killed by {name}" + (f" ({hint})" if hint else "")
 
 
 # ------------------------------------------------------------------ the rules' words
@@ -153,13 +179,41 @@ def hang(e: Ending) -> str | None:
     return _hung_rank(e) or _silent_rank(e)
 
 
+def _failed_text(e: Ending) -> str:
+    return "training failed" if e.program == "train" else "the script failed"
+
+
 def _failed(e: Ending) -> Outcome:
     r, failed = e.first_failure, e.failed
-    what = peer_lost(r.error or "") or r.error or f"exit code {r.exit_code}"
     more = f" ({len(failed) - 1} more rank(s) failed)" if len(failed) > 1 else ""
-    failed_text = "training failed" if e.program == "train" else "the script failed"
-    return Outcome(EXIT_TRAINING_FAILED, f"error: {failed_text}: rank {r.rank}: {what}{more}; "
-                                         f"details in {_log(r)}")
+    lost = lost_peer(r.error or "")
+    if lost:  # the one that died is elsewhere (another node): this rank only survived it
+        return Outcome(EXIT_TRAINING_FAILED,
+                       f"error: {_failed_text(e)}: a worker died, or its node did: rank "
+                       f"{r.rank} {lost}{more}; that worker's own log says why (rank "
+                       f"{r.rank}'s: {_log(r)})")
+    what = r.error or f"exit code {r.exit_code}"
+    return Outcome(EXIT_TRAINING_FAILED, f"error: {_failed_text(e)}: rank {r.rank}: {what}"
+                                         f"{more}; details in {_log(r)}")
+
+
+def _died_log(e: Ending, x: Exit) -> str:
+    if x.log_dir:
+        return f"its log {x.log_dir}/stderr.log"
+    mine = next((r for r in e.training if r.rank == x.rank and r.log_dir), None)
+    return _log(mine) if mine else "the log above"
+
+
+def _died_first(e: Ending) -> Outcome:
+    """A worker ended without a word (killed, crashed) before torchrun stopped the rest:
+    it is named, not the ranks that then lost their connection to it."""
+    x, *others = e.died
+    too = f" (rank(s) {', '.join(str(o.rank) for o in others)} too)" if others else ""
+    after = len(e.failed)
+    more = f"; {after} more rank(s) failed after it" if after else ""
+    return Outcome(EXIT_TRAINING_FAILED,
+                   f"error: {_failed_text(e)}: {ended_without_a_word(x, e.host)}{too}{more}; "
+                   f"details in {_died_log(e, x)}")
 
 
 def _store_lost(e: Ending) -> Outcome:
@@ -223,6 +277,8 @@ RULES: tuple[Rule, ...] = (
     # A worker failed: the first failure decides, unless a hang explains it.
     Rule("final", _first_failure_is(lambda r: not restart_can_help(r.exit_code)), _final),
     Rule("repeated", _first_failure_is(lambda r: r.repeated is not None), _repeated),
+    # A worker that died without a word is the cause of the others' failures.
+    Rule("died first", lambda e: bool(e.died), _died_first),
     Rule("hang", lambda e: e.first_failure is not None and hang(e) is not None,
          lambda e: Outcome(EXIT_TRAINING_FAILED, hang(e))),
     Rule("failed", lambda e: e.first_failure is not None, _failed),
@@ -239,10 +295,13 @@ RULES: tuple[Rule, ...] = (
 
 
 def classify(rc: int, found: list[Report], signals: list[int], expected: int,
-             mode: str, program: str = "train") -> Outcome:
+             mode: str, program: str = "train", exits: list[Exit] = (),
+             host: str | None = None) -> Outcome:
     """Map the child's exit status and the workers' reports to the user's exit code.
-    program: "train" (workers checkpoint on a signal) or "script" (``launch``)."""
-    ending = Ending.of(rc, found, signals, expected, mode, program)
+    program: "train" (workers checkpoint on a signal) or "script" (``launch``); exits:
+    how torchrun saw the last attempt's processes end; host: this node's name, to name
+    in a job of several nodes."""
+    ending = Ending.of(rc, found, signals, expected, mode, program, exits, host)
     return next(rule.then(ending) for rule in RULES if rule.when(ending))
 
 

@@ -16,12 +16,15 @@ from launcher.plan import SCRIPT_MODULE, WORKER_MODULE
 
 
 def stop_workers(torchrun_pid: int, what: str, then: str,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], status_dir: str | None = None) -> None:
     """Peers vanished: this node's workers wait for them in a collective until its
     timeout. Stop them at once (they resume from the last checkpoint): an elastic job's
     torchrun then meets the nodes that are left (a restart, as when a worker dies), a
-    static job's ends. ``what``: which node, and how it was noticed."""
+    static job's ends. ``what``: which node, and how it was noticed; ``status_dir``: the
+    workers' status folder, where torchrun's agent learns why they were killed."""
+    from launcher.restarts import note_stop
     log(f"{what}; stopping this node's workers {then}")
+    note_stop(status_dir, what)
     for victim in descendants(torchrun_pid):
         try:
             os.kill(victim, signal.SIGKILL)

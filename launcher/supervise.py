@@ -41,6 +41,7 @@ from launcher.plan import Plan
 from launcher.processes import kill_tree, stop_workers, workers_alive
 from launcher.pulse import Pulse
 from launcher.rendezvous import RoundWatcher, reachable
+from launcher.restarts import STOPPED_BY_LAUNCHER, failed_attempt, restarting
 from launcher.signals import Forwarder
 from launcher.torchrun import LOCAL_ID_VAR, STORE_LOST
 from train.core import protocol
@@ -119,12 +120,13 @@ def _attempts(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],
             env["TORCHELASTIC_RESTART_COUNT"] = str(restarts)
             if verbose or restarts:
                 log(f"set TORCHELASTIC_RESTART_COUNT={restarts}")
+        for stale in (protocol.ATTEMPTS, STOPPED_BY_LAUNCHER):  # torchrun counts from 0 again
+            (folder / stale).unlink(missing_ok=True)
         rc, ended = _start_and_wait(plan, env, keep_fds, forwarder, log, abort)
         if ended is not None:  # the lease was lost, or a static job's node vanished
             return ended
         found = read_reports(folder)
-        outcome = classify(rc, found, forwarder.received, plan.nproc_per_node, plan.mode,
-                           plan.program)
+        outcome = _classify(plan, rc, found, folder, forwarder.received)
         if forwarder.received:
             return outcome
         if rc == STORE_LOST and plan.store:
@@ -141,8 +143,36 @@ def _attempts(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],
         if not _restart(plan, outcome, found, restarts):
             return outcome
         restarts += 1
-        log(f"worker failed; restart {restarts} of {plan.max_restarts}")
+        log(_restarting_the_worker(plan, rc, found, restarts))
     return outcome
+
+
+def _classify(plan: Plan, rc: int, found: list[Report], folder: Path,
+              signals: list[int]) -> Outcome:
+    """The outcome, from the reports and torchrun's record of how the last attempt's
+    processes ended (which names a worker that died without a word)."""
+    attempt = protocol.last_attempt(folder, found)
+    exits = attempt.exits if attempt else []
+    host = attempt.host if attempt and plan.nnodes[1] > 1 else None
+    if plan.mode == "direct" and not signals:
+        exits, host = _direct_exit(plan, rc, found), None
+    return classify(rc, found, signals, plan.nproc_per_node, plan.mode, plan.program,
+                    exits, host)
+
+
+def _direct_exit(plan: Plan, rc: int, found: list[Report]) -> list[protocol.Exit]:
+    """The one worker run directly, as torchrun would record it when it ended without a
+    report (a signal, a crash): what names it and how it ended."""
+    if rc == 0 or any(r.exit_code is not None for r in found):
+        return []
+    rank = found[0].rank if found else int(plan.env.get("RANK", "0") or 0)
+    return [protocol.Exit(rank, 0, rc, first=True)]
+
+
+def _restarting_the_worker(plan: Plan, rc: int, found: list[Report], number: int) -> str:
+    """Direct mode's line for a restart, in torchrun's words (launcher.torchrun)."""
+    what, _ = failed_attempt(found, _direct_exit(plan, rc, found), 1)
+    return restarting(what, number, plan.max_restarts, "worker")
 
 
 def _restart(plan: Plan, outcome: Outcome, found: list[Report], restarts: int) -> bool:
@@ -152,13 +182,14 @@ def _restart(plan: Plan, outcome: Outcome, found: list[Report], restarts: int) -
         protocol.restart_can_help(outcome.code, repeated) and restarts < plan.max_restarts
 
 
-def _rejoin(torchrun_pid: int, number: int, log: Callable[[str], None]) -> None:
+def _rejoin(torchrun_pid: int, number: int, log: Callable[[str], None],
+            status_dir: str | None) -> None:
     """This node was cut off and the others met without it: its workers are in a world
     that no longer exists."""
     if workers_alive(torchrun_pid):
         stop_workers(torchrun_pid, f"rendezvous round {number} went on without this node "
                      "(it was cut off from the others)", "so that it joins the job again",
-                     log)
+                     log, status_dir)
 
 
 def _pulse(plan: Plan, log: Callable[[str], None]) -> Pulse | None:
@@ -195,9 +226,11 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                                    on_lost=lambda nodes, why: stop_workers(
                                        proc.pid, f"node(s) {', '.join(nodes)} left the job "
                                        f"({why})",
-                                       "so that the job meets again without it", log),
+                                       "so that the job meets again without it", log,
+                                       env.get(STATUS_DIR_VAR)),
                                    me=f":{proc.pid}#{local_id}",
-                                   on_left_out=lambda number: _rejoin(proc.pid, number, log),
+                                   on_left_out=lambda number: _rejoin(
+                                       proc.pid, number, log, env.get(STATUS_DIR_VAR)),
                                    silence_s=plan.silence_s, pulse=pulse)
             watcher.start()
         elif plan.heartbeat:  # static: the nodes' launchers watch each other
@@ -206,7 +239,7 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                                     plan.lost_after_s,
                                     on_lost=lambda what: stop_workers(
                                         proc.pid, what, "(a static job cannot replace a "
-                                        "node: it ends)", log),
+                                        "node: it ends)", log, env.get(STATUS_DIR_VAR)),
                                     silence_s=plan.silence_s,
                                     join_timeout_s=plan.join_timeout_s, log=log)
             watcher.start()

@@ -18,6 +18,10 @@ arguments and differs in what it says and in one identity detail.
   stays.
 - A node leaving on purpose makes the others' workers stop with it (one checkpoint);
   their restart to go on without it costs no ``--max-restarts`` here.
+- Any other failed attempt is recorded for the launcher (how each local worker ended,
+  and which ended before torchrun stopped the rest), and a restart is one line naming
+  what failed (:mod:`launcher.restarts`), in place of torch's "failed (exitcode: -9)"
+  log line; an ending a restart cannot change is not restarted.
 - An agent that ends with an error makes torch close the job's rendezvous for every
   node, for good; here only a finished job's agents close it (a node that gave up, or
   was cut off from the store, must not stop the others or its replacement).
@@ -40,17 +44,20 @@ this process only; the workers keep the user's ``TORCH_CPP_LOG_LEVEL``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
 import secrets
 import signal
+import socket
 import sys
 from types import SimpleNamespace
 
 from launcher.rdzv_state import load_state
-from train.core import binding
+from train.core import binding, protocol
 from train.core.errors import EXIT_PEER_STOPPED
+from train.core.identity import STATUS_DIR_VAR
 
 # Exit status meaning "the rendezvous store is unreachable" (EX_TEMPFAIL).
 STORE_LOST = 75
@@ -149,45 +156,115 @@ def _keep_the_rendezvous_open_on_failure() -> None:
     handler.shutdown = shutdown_unless_failed
 
 
-def _a_node_leaving_is_no_failure() -> None:
-    """A node that leaves on purpose (scale-down, a one-node drain) makes every rank stop
-    with a checkpoint; the ranks of the other nodes exit EXIT_PEER_STOPPED. torchrun
-    counts any worker exit as a failure and spends one of ``--max-restarts`` on it; here
-    such a restart is given back, so a planned departure costs no restart."""
+def _account_for_failed_attempts() -> None:
+    """What torchrun decides after its workers failed, said and recorded here.
+
+    - A node that leaves on purpose (scale-down, a one-node drain) makes every rank stop
+      with a checkpoint; the ranks of the other nodes exit EXIT_PEER_STOPPED. torchrun
+      counts any worker exit as a failure and spends one of ``--max-restarts`` on it;
+      here such a restart is given back, so a planned departure costs no restart.
+    - Any other failed attempt is recorded in the launcher's status folder
+      (:data:`train.core.protocol.ATTEMPTS`: how each process ended, and which ended
+      before torchrun stopped the others), so the launcher names a worker that died
+      without a word (a signal leaves no report) rather than the ranks that lost their
+      connection to it; a restart is said in one line; and an ending a restart cannot
+      change (bad input, divergence, a failure that repeated) is not restarted.
+    """
     from torch.distributed.elastic.agent.server import local_elastic_agent as local
     agent = local.LocalElasticAgent
     if not hasattr(agent, "_monitor_workers"):
         return
     monitor = agent._monitor_workers
+    _note_the_first_to_end()
 
-    def monitor_refunding(self, worker_group):
+    def monitor_accounting(self, worker_group):
         # Read right before the agent decides to restart (and spends one restart on it)
         result = monitor(self, worker_group)
         failures = getattr(result, "failures", None) or {}
-        if failures and hasattr(self, "_remaining_restarts") and \
-                all(f.exitcode == EXIT_PEER_STOPPED for f in failures.values()):
+        if not failures or not hasattr(self, "_remaining_restarts"):
+            return result
+        if all(f.exitcode == EXIT_PEER_STOPPED for f in failures.values()):
             self._remaining_restarts += 1
-            print("torchrun: another node left the job; meeting the others again (no restart "
-                  "counted)", file=sys.stderr, flush=True)
+            _say("another node left the job; meeting the others again (no restart counted)")
+        else:
+            try:
+                _failed_attempt(self, worker_group, failures)
+            except Exception as exc:  # saying it must never stop torchrun's own handling
+                _say(f"could not record the failed attempt ({_first_line(exc)})")
         return result
 
-    agent._monitor_workers = monitor_refunding
+    agent._monitor_workers = monitor_accounting
+
+
+# Set on torch's process context: the local ranks found ended before it stopped the rest.
+_FIRST = "_train_first_to_end"
+
+
+def _note_the_first_to_end() -> None:
+    """torch finds a failed worker, then stops the others and reports them all alike:
+    note which had ended when it first looked (the rest are its own stop)."""
+    from torch.distributed.elastic.multiprocessing import api as mp
+    context = getattr(mp, "SubprocessContext", None)
+    capture = getattr(context, "_capture_process_failures", None)
+    if capture is None:
+        return  # another torch: the launcher takes torchrun's SIGTERM for its stop
+
+    def capture_noting_first(self, done_local_ranks):
+        capture(self, done_local_ranks)
+        failed = getattr(self, "_failures", None)
+        if failed and getattr(self, _FIRST, None) is None:
+            setattr(self, _FIRST, frozenset(failed))
+
+    context._capture_process_failures = capture_noting_first
+
+
+def _failed_attempt(agent, group, failures: dict) -> None:
+    """Record the attempt's exits; say the restart, or end the restarts a restart cannot
+    help (the launcher's one line then names the rank and why)."""
+    from launcher import restarts
+    spec, folder = group.spec, os.environ.get(STATUS_DIR_VAR)
+    attempt = spec.max_restarts - agent._remaining_restarts
+    pcontext = getattr(agent, "_pcontext", None)
+    first = getattr(pcontext, _FIRST, None)
+    logs = getattr(pcontext, "stderrs", None) or {}
+    exits = [protocol.Exit(rank, f.local_rank, f.exitcode,
+                           None if first is None else f.local_rank in first,
+                           os.path.dirname(logs.get(f.local_rank) or "") or None)
+             for rank, f in sorted(failures.items())]
+    workers = list(group.workers)
+    several_nodes = bool(workers) and workers[0].world_size > len(workers)
+    host = socket.gethostname()
+    reports = [r for r in protocol.read_all(folder) if r.restart == attempt] if folder else []
+    what, final = restarts.failed_attempt(reports, exits, len(workers),
+                                         host if several_nodes else None)
+    stopped = restarts.take_stop_note(folder)
+    if stopped:  # the launcher killed them on purpose: no death, nothing final
+        what, final = f"{stopped}: the launcher stopped this node's workers", False
+        exits = [dataclasses.replace(x, first=False) for x in exits]
+    if final:
+        agent._remaining_restarts = 0
+    restarting = agent._remaining_restarts > 0
+    protocol.record_attempt(folder, protocol.Attempt(attempt, exits, host, spec.max_restarts,
+                                                     restarting))
+    if restarting:
+        _say(restarts.restarting(what, attempt + 1, spec.max_restarts))
 
 
 # torch's elastic loggers and the messages of theirs this module (or the launcher's one
 # line naming the failing rank and its log) says in its own words.
 _SAID_HERE = {
-    "torch.distributed.elastic.agent.server.api": "Received %s death signal",
-    "torch.distributed.elastic.multiprocessing.api": "Sending process %s closing signal",
+    "torch.distributed.elastic.agent.server.api": ("Received %s death signal",),
+    "torch.distributed.elastic.multiprocessing.api": ("Sending process %s closing signal",
+                                                      "failed (exitcode: %s)"),
     "torch.distributed.elastic.multiprocessing.errors.error_handler":
-        "no error file defined for parent",
+        ("no error file defined for parent",),
 }
 
 
 def _drop_repeated_stop_messages() -> None:
-    for name, prefix in _SAID_HERE.items():
+    for name, prefixes in _SAID_HERE.items():
         logging.getLogger(name).addFilter(
-            lambda record, prefix=prefix: not str(record.msg).startswith(prefix))
+            lambda record, prefixes=prefixes: not str(record.msg).startswith(prefixes))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -213,7 +290,7 @@ def main() -> int:
     _bind_store_servers()
     _no_code_from_the_store()
     _keep_the_rendezvous_open_on_failure()
-    _a_node_leaving_is_no_failure()
+    _account_for_failed_attempts()
     _drop_repeated_stop_messages()
     try:
         torchrun_main()

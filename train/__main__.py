@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from train.core import rundir, usercode
+from train.core import peers, rundir, usercode
 from train.core.config import check_resume_compatible, load_config, to_yaml
 from train.core.config.loader import dashed_override
 from train.core.config.origins import config_warnings
@@ -81,12 +81,13 @@ def run(argv: list[str], reporter: Reporter | None = None) -> tuple[int, str | N
             reporter.unfit_hosts = list(exc.hosts)
         return exc.exit_code, exc.one_line()
     except Exception as exc:  # one line here; the traceback goes to this rank's log
-        import logging
-        logging.getLogger("train").exception("training failed")
         record_for_torchrun(exc)
         message = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, always
-        print(f"error: rank {WorkerIdentity.from_environ().rank}: {printable(message)}",
-              file=sys.stderr)
+        ident = WorkerIdentity.from_environ()
+        if not peers.survived(ident.rank, message, ident.log_dir):
+            import logging
+            logging.getLogger("train").exception("training failed")
+            print(f"error: rank {ident.rank}: {printable(message)}", file=sys.stderr)
         return EXIT_TRAINING_FAILED, f"{type(exc).__name__}: {exc}"
 
 

@@ -17,7 +17,9 @@ import sys
 import traceback
 from pathlib import Path
 
+from train.core import peers
 from train.core.host import die_with_parent
+from train.core.identity import WorkerIdentity
 from train.core.protocol import Reporter
 
 
@@ -45,8 +47,11 @@ def run(argv: list[str]) -> tuple[int, str | None]:
             print(message, file=sys.stderr)
         return code, message
     except BaseException as exc:  # the traceback is the script's business: show it
-        traceback.print_exc()
-        return 1, f"{type(exc).__name__}: {exc}"
+        error = f"{type(exc).__name__}: {exc}"
+        ident = WorkerIdentity.from_environ()
+        if not peers.survived(ident.rank, error, ident.log_dir):  # another rank died
+            traceback.print_exc()
+        return 1, error
     return 0, None
 
 

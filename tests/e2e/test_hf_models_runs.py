@@ -152,5 +152,5 @@ def test_a_base_model_without_logits_is_exit_2_before_step_1_and_not_restarted(p
         "ModelOutput or dict with `logits`, or a tuple whose first item is the logits); the "
         "model returned BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=[1, 32, "
         "128] float32)")
-    assert "not restarting: rank" in out.stderr  # torchrun's restarts ended at once
+    assert "restarting the workers" not in out.stderr  # torchrun did not restart it
     assert "step 1/" not in out.stderr and "Traceback" not in out.stderr

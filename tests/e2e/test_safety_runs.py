@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.harness.procs import alive, cmdline, descendants, environ
+from tests.harness.procs import alive, cmdline, descendants, environ, worker_of_rank
 from tests.harness.runs import (
     ENTRY,
     ROOT,
@@ -86,6 +86,36 @@ def test_two_process_node_recovers_from_a_lost_worker_bitwise(tmp_path):
             launcher.kill()
     assert "resumed from" in text()
     assert losses(tmp_path / "run" / "quickstart") == losses(tmp_path / "ref" / "quickstart")
+    # the restart is one line naming the killed rank; rank 0's traceback stays in its log
+    assert "torchrun: rank 1 killed by SIGKILL (often out of memory" in text()
+    assert "restarting the workers (1 of 3)" in text() and "Traceback" not in text()
+
+
+def test_a_killed_rank_is_named_not_the_survivor_under_fsdp(tmp_path):
+    """kill -9 of rank 1 under FSDP with async sharded saves, no restart: the last line
+    names rank 1 and SIGKILL with its log, not rank 0 that lost its connection to it, and
+    no traceback reaches the console."""
+    log = (tmp_path / "out.log").open("w")
+    launcher = subprocess.Popen(
+        [sys.executable, ENTRY, "train", str(ROOT / "configs" / "quickstart.yaml"), *SMALL,
+         "distributed.nproc_per_node=2", "distributed.strategy=fsdp",
+         "distributed.max_restarts=0", "checkpoint.format=sharded", "checkpoint.async_save=true",
+         "checkpoint.every_steps=1", "train.max_steps=100000",
+         f"output.dir={tmp_path / 'runs'}"], cwd=tmp_path, env=clean_env(), stdout=log,
+        stderr=subprocess.STDOUT)
+    text = lambda: (tmp_path / "out.log").read_text()  # noqa: E731
+    try:
+        latest = tmp_path / "runs" / "quickstart" / "checkpoints" / "latest"
+        wait_for(lambda: latest.exists(), 180, "no checkpoint")  # a save every step
+        os.kill(worker_of_rank(launcher.pid, "1"), signal.SIGKILL)
+        assert launcher.wait(timeout=limit(120)) == 1, text()[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert last_line(text()).startswith("error: training failed: rank 1 killed by SIGKILL "
+                                        "(often out of memory"), text()[-3000:]
+    assert last_line(text()).endswith("/attempt_0/1/stderr.log")
+    assert "Traceback" not in text(), text()[-3000:]
 
 
 def test_a_second_launch_of_a_running_run_waits_then_exits_6(tmp_path):

@@ -98,10 +98,11 @@ def environ(pid: int) -> dict[str, str]:
                 if "=" in entry)
 
 
-def worker_of_rank(launcher: int, rank: str) -> int:
-    """The training worker below the launcher whose RANK is ``rank``."""
+def worker_of_rank(launcher: int, rank: str, module: str = "train.worker") -> int:
+    """The worker below the launcher whose RANK is ``rank``: a training worker, or
+    ``train.script`` for a script under ``launch``."""
     for pid in pids():
-        if environ(pid).get("RANK") == rank and "train.worker" in cmdline(pid) and \
+        if environ(pid).get("RANK") == rank and module in cmdline(pid) and \
                 below(pid, launcher):
             return pid
     raise AssertionError(f"no worker of rank {rank} below {launcher}")

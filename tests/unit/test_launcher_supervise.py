@@ -11,7 +11,8 @@ import time
 from launcher.supervise import classify
 from tests.harness.runs import limit
 from tests.harness.supervision import start, wait_ready
-from train.core.protocol import Report
+from train.core import protocol
+from train.core.protocol import Exit, Report
 
 
 def rep(rank: int, code: int, error: str | None = None, restart: int = 0,
@@ -79,6 +80,78 @@ def test_older_restart_rounds_are_ignored(tmp_path):
     assert [r.rank for r in read_reports(tmp_path)] == [1]
 
 
+GLOO_RESET = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+              "[127.0.0.1]:38307: Connection reset by peer")
+
+
+def test_a_worker_killed_by_a_signal_is_named_not_the_rank_that_lost_it():
+    """torchrun saw rank 1 end by SIGKILL first (no report of its own: it was killed); rank 0
+    then failed on the closed connection and torchrun stopped it (SIGTERM)."""
+    exits = [Exit(0, 0, -15, first=False, log_dir="/logs/attempt_0/0"),
+             Exit(1, 1, -9, first=True, log_dir="/logs/attempt_0/1")]
+    out = classify(1, [rep(0, 1, GLOO_RESET), _training(1, 7)], [], 2, "torchrun",
+                   exits=exits)
+    assert out.code == 1
+    assert out.message == ("error: training failed: rank 1 killed by SIGKILL (often out of "
+                           "memory: dmesg, kubectl describe pod; or a kill -9); 1 more rank(s) "
+                           "failed after it; details in its log /logs/attempt_0/1/stderr.log")
+    script = classify(1, [], [], 2, "torchrun", "script", exits=exits, host="node2")
+    assert script.message.startswith("error: the script failed: rank 1 on node2 killed by "
+                                     "SIGKILL"), script.message
+
+
+def test_torchruns_own_stop_of_the_others_is_no_death():
+    """Rank 1 failed with its error; torchrun then stopped rank 0 (SIGTERM, or SIGKILL after
+    its timeout): rank 1 is named, with its error. On a torch that does not say which
+    ended first, a SIGTERM is taken for torchrun's stop."""
+    failed = rep(1, 1, "ValueError: bad batch")
+    for exits in ([Exit(0, 0, -9, first=False), Exit(1, 1, 1, first=True)],
+                  [Exit(0, 0, -15), Exit(1, 1, 1)]):
+        out = classify(1, [failed], [], 2, "torchrun", exits=exits)
+        assert out.message.startswith("error: training failed: rank 1: ValueError: bad "
+                                      "batch; details in its log"), out.message
+
+
+def test_a_rank_that_only_lost_its_peer_elsewhere_is_not_blamed():
+    """Another node's worker died: this node knows only that rank 0 lost it."""
+    out = classify(1, [rep(0, 1, GLOO_RESET), rep(1, 143)], [], 2, "torchrun")
+    assert out.message.startswith("error: training failed: a worker died, or its node did: "
+                                  "rank 0 lost the connection to the worker at "
+                                  "127.0.0.1:38307; that worker's own log says why"), out.message
+
+
+def test_a_failed_attempt_is_said_in_the_words_of_the_failure_line():
+    from launcher.restarts import failed_attempt, restarting
+    killed = failed_attempt([rep(0, 1, GLOO_RESET)], [Exit(1, 1, -9, first=True)], 2)
+    assert restarting(killed[0], 1, 2) == ("rank 1 killed by SIGKILL (often out of memory: "
+                                           "dmesg, kubectl describe pod; or a kill -9); "
+                                           "restarting the workers (1 of 2)")
+    assert killed[1] is False
+    assert failed_attempt([rep(0, 1, "ValueError: x")], [Exit(0, 0, 1, first=True)], 1) == \
+        ("rank 0 failed: ValueError: x", False)
+    assert failed_attempt([rep(0, 2, "error: c.yaml: optim.lr: must be > 0")], [], 1)[1]
+
+
+def test_workers_the_launcher_stopped_are_said_once_as_its_stop(tmp_path):
+    """A node left the job and the launcher killed this node's workers: torchrun's agent
+    says why once, not "killed by SIGKILL (often out of memory)"."""
+    from launcher.restarts import note_stop, take_stop_note
+    note_stop(str(tmp_path), "node(s) b:7 left the job (silent for 8 s)")
+    assert take_stop_note(str(tmp_path)) == "node(s) b:7 left the job (silent for 8 s)"
+    assert take_stop_note(str(tmp_path)) is None and take_stop_note(None) is None
+
+
+def test_only_the_attempt_the_reports_belong_to_is_read(tmp_path):
+    """A failed attempt recorded before a restart that then ended otherwise says nothing
+    of that ending."""
+    protocol.record_attempt(tmp_path, protocol.Attempt(0, [Exit(1, 1, -9, True)], "h", 1, True))
+    (attempt,) = protocol.attempts(tmp_path)
+    assert attempt.exits == [Exit(1, 1, -9, True)] and attempt.restarting
+    assert protocol.last_attempt(tmp_path, [rep(0, 0, restart=1)]) is None
+    assert protocol.last_attempt(tmp_path, [rep(0, 1, restart=0)]) == attempt
+    assert protocol.last_attempt(tmp_path, []) == attempt
+
+
 # -------------------------------------------------------------------- real processes
 
 def test_sigint_in_direct_mode_is_143(tmp_path):
@@ -93,8 +166,12 @@ def test_direct_mode_restarts_then_fails(tmp_path):
     proc = start("crash", 1, tmp_path, restarts=2)
     _, err = proc.communicate(timeout=limit(60))
     assert proc.returncode == 1
-    assert "restart 1 of 2" in err and "restart 2 of 2" in err and "restart 3" not in err
-    assert "exited with code 7" in err.strip().splitlines()[-1]
+    said = [line for line in err.splitlines() if "restarting" in line]
+    assert said == [f"entrypoint: rank 0 exited with code 7 without a report of its own (a crash "
+                    f"in native code, or os._exit); restarting the worker ({n} of 2)"
+                    for n in (1, 2)], err
+    assert err.strip().splitlines()[-1].startswith(
+        "error: training failed: rank 0 exited with code 7 without a report of its own")
 
 
 def test_direct_mode_success_is_0(tmp_path):

@@ -106,9 +106,11 @@ def _ended(rank, code, error=None, **fields) -> Report:
     return Report(rank=rank, local_rank=rank, exit_code=code, error=error, **fields)
 
 
-ENDINGS = {  # rule name -> (rc, reports, signals, expected, mode)
+ENDINGS = {  # rule name -> (rc, reports, signals, expected, mode[, torchrun's exits])
     "final": (1, [_ended(0, 3, "error: no GPU")], [], 1, "torchrun"),
     "repeated": (1, [_ended(0, 1, "x", repeated=Failure(0, 1, "x"))], [], 1, "torchrun"),
+    "died first": (1, [_ended(0, 1, "Connection reset by peer [127.0.0.1]:5")], [], 2,
+                   "torchrun", [protocol.Exit(1, 1, -9, first=True)]),
     "hang": (1, [_ended(0, 1, "timed out"), _ended(1, 1, "no progress", hung="loader")], [],
              2, "torchrun"),
     "failed": (1, [_ended(0, 1, "ValueError")], [], 1, "torchrun"),
@@ -124,11 +126,12 @@ ENDINGS = {  # rule name -> (rc, reports, signals, expected, mode)
 @pytest.mark.parametrize("name", [rule.name for rule in RULES])
 def test_every_outcome_rule_is_the_first_to_hold_for_some_ending(name):
     """No rule is shadowed by the ones above it: each decides an ending of its own."""
-    rc, found, signals, expected, mode = ENDINGS[name]
-    ending = Ending.of(rc, found, signals, expected, mode, "train")
+    rc, found, signals, expected, mode, *exits = ENDINGS[name]
+    exits = exits[0] if exits else []
+    ending = Ending.of(rc, found, signals, expected, mode, "train", exits)
     first = next(rule for rule in RULES if rule.when(ending))
     assert first.name == name
-    assert classify(rc, found, signals, expected, mode) == first.then(ending)
+    assert classify(rc, found, signals, expected, mode, exits=exits) == first.then(ending)
 
 
 def test_the_store_lost_code_is_torchruns():

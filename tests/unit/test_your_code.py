@@ -5,7 +5,9 @@ Across processes and signals: tests/e2e/test_your_code_runs.py."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,8 @@ import torch
 import yaml
 
 from tests.harness.examples import FAST, SCRIPT
-from tests.harness.runs import ROOT, clean_env, entry, limit, losses
+from tests.harness.procs import worker_of_rank
+from tests.harness.runs import ENTRY, ROOT, clean_env, entry, limit, losses, wait_for
 
 
 def test_your_model_data_and_loss_train_resume_and_export(project):
@@ -126,3 +129,53 @@ def test_launch_plans_like_train_and_refuses_bad_input(tmp_path):
                             "nccl needs GPUs")):
         out = entry("launch", *args, cwd=tmp_path)
         assert out.returncode == 2 and fragment in out.stderr.strip().splitlines()[-1], args
+
+
+# A script whose ranks all-reduce until killed; each says when it has done its first
+# all-reduce of an attempt (ready-RANK-RESTART).
+ALL_REDUCE = """
+import os, time
+import torch
+import torch.distributed as dist
+from train import runtime
+ctx = runtime.init()
+t = torch.ones(4)
+dist.all_reduce(t)
+open(f"ready-{ctx.rank}-{os.environ['TORCHELASTIC_RESTART_COUNT']}", "w").close()
+while True:
+    dist.all_reduce(t)
+    time.sleep(0.01)
+"""
+
+
+def test_your_script_killed_by_a_signal_is_named_and_a_restart_is_one_line(tmp_path):
+    """kill -9 of rank 1 (found in the launcher's process tree), twice, with one restart
+    allowed: one line says the restart; the failure line names rank 1 and SIGKILL, not
+    "startup or rendezvous" nor rank 0 that lost its connection to it; rank 0's traceback
+    stays in its log folder, off the console."""
+    (tmp_path / "loop.py").write_text(ALL_REDUCE)
+    proc = subprocess.Popen([sys.executable, ENTRY, "launch", "distributed.nproc_per_node=2",
+                             "distributed.max_restarts=1", "loop.py"], cwd=tmp_path,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        for attempt in (0, 1):
+            ready = [tmp_path / f"ready-{r}-{attempt}" for r in (0, 1)]
+            wait_for(lambda ready=ready: all(p.exists() for p in ready), 120,
+                     f"attempt {attempt}: the script's ranks never ran an all-reduce")
+            os.kill(worker_of_rank(proc.pid, "1", "train.script"), signal.SIGKILL)
+        _, err = proc.communicate(timeout=limit(120))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    said = [line for line in err.splitlines() if "restarting" in line]
+    assert said == ["torchrun: rank 1 killed by SIGKILL (often out of memory: dmesg, kubectl "
+                    "describe pod; or a kill -9); restarting the workers (1 of 1)"], err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: the script failed: rank 1 killed by SIGKILL (often out of "
+                           "memory"), err
+    assert last.endswith("/attempt_1/1/stderr.log"), last
+    assert "Traceback" not in err, err
+    kept = list((tmp_path / "runs").glob("loop/logs/*/attempt_*/0/traceback.log"))
+    assert len(kept) == 2 and all("Traceback" in k.read_text() for k in kept), kept

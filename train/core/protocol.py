@@ -13,6 +13,9 @@ This module is the protocol's only owner:
 
 - :class:`Report` and its parts (:class:`Failure`, :class:`Probe`) are typed records;
   :class:`Reporter` is the one constructor, used by every process that writes one;
+- :class:`Attempt` (written by torchrun's agent, :mod:`launcher.torchrun`) records how
+  each process of a failed attempt ended, for a process that could not say it (killed
+  by a signal);
 - :func:`restart_can_help` is the one retry rule (bad input, a machine that cannot run
   it, divergence, and a failure that repeated from the same checkpoint are final),
   used by the worker before it starts, by the supervisor before it restarts, by the
@@ -39,9 +42,11 @@ from train.core.identity import WorkerIdentity
 
 RANK, COMM = "rank", "comm"           # a training worker or script | a doctor --comm probe
 TRAINING = "training"                 # a rank's stage while it steps
-# In the launcher's status folder, beside the reports: every failure of the launch, and
-# the config as the launch validated it (which every worker start reads).
+# In the launcher's status folder, beside the reports: every failure of the launch, how
+# torchrun saw each failed attempt's processes end, and the config as the launch
+# validated it (which every worker start reads).
 FAILURES = "failures.jsonl"
+ATTEMPTS = "attempts.jsonl"
 CONFIG_SNAPSHOT = "validated-config.yaml"
 
 # What a hung rank's main thread waited for (train.guards.watchdog): the other ranks (a
@@ -83,6 +88,32 @@ class Failure:
         def shape(error: object) -> str:
             return re.sub(r"0x[0-9a-fA-F]+|\d+", "N", str(error))
         return shape(self.error) == shape(other.error) and self.checkpoint == other.checkpoint
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How torchrun saw one local worker process end: the evidence for a rank that died
+    without a word (a signal, a crash in native code), and for which ended first."""
+    rank: int
+    local_rank: int
+    code: int                         # the exit status; negative: killed by that signal
+    first: bool | None = None         # ended before torchrun stopped the others (None: unknown)
+    log_dir: str | None = None        # torchrun's log folder of the process
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """A failed attempt of torchrun's local workers (:data:`ATTEMPTS`, written by
+    :mod:`launcher.torchrun`), and whether torchrun starts them again."""
+    restart: int                      # the attempt's restart round (its workers' count)
+    exits: list[Exit]
+    host: str
+    max_restarts: int = 0
+    restarting: bool = False          # torchrun starts restart + 1 of max_restarts
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Attempt:
+        return cls(**{**data, "exits": [Exit(**x) for x in data.get("exits", [])]})
 
 
 @dataclass(frozen=True)
@@ -254,28 +285,50 @@ def write(folder: str | Path | None, report: Report) -> None:
 
 
 def record_failure(folder: str | Path | None, report: Report) -> None:
+    _append(folder, FAILURES, json.dumps(dataclasses.asdict(report.as_failure())))
+
+
+def _append(folder: str | Path | None, name: str, line: str) -> None:
     if not folder:
         return
-    line = json.dumps(dataclasses.asdict(report.as_failure()))
     try:
-        with open(Path(folder) / FAILURES, "a", encoding="utf-8") as f:
+        with open(Path(folder) / name, "a", encoding="utf-8") as f:
             f.write(line + "\n")
     except OSError:
-        pass
+        pass  # reporting must never turn a result into a crash
 
 
-def failures(folder: str | Path) -> list[Failure]:
+def _read_lines(folder: str | Path, name: str, parse):
     try:
-        lines = (Path(folder) / FAILURES).read_text(encoding="utf-8").splitlines()
+        lines = (Path(folder) / name).read_text(encoding="utf-8").splitlines()
     except OSError:
         return []
     out = []
     for line in lines:
         try:
-            out.append(Failure(**json.loads(line)))
-        except (ValueError, TypeError):
+            out.append(parse(json.loads(line)))
+        except (ValueError, TypeError, AttributeError):
             continue
     return out
+
+
+def record_attempt(folder: str | Path | None, attempt: Attempt) -> None:
+    _append(folder, ATTEMPTS, json.dumps(dataclasses.asdict(attempt)))
+
+
+def attempts(folder: str | Path) -> list[Attempt]:
+    return _read_lines(folder, ATTEMPTS, Attempt.from_dict)  # oldest first
+
+
+def last_attempt(folder: str | Path, reports: list[Report]) -> Attempt | None:
+    """The recorded ending of the attempt ``reports`` (the latest round) belong to."""
+    found = attempts(folder)
+    latest = max((r.restart for r in reports), default=0)
+    return found[-1] if found and found[-1].restart >= latest else None
+
+
+def failures(folder: str | Path) -> list[Failure]:
+    return _read_lines(folder, FAILURES, lambda data: Failure(**data))
 
 
 def read_all(folder: str | Path, kind: str = RANK) -> list[Report]:
