@@ -17,6 +17,7 @@ import yaml
 
 from tests.harness import s3server
 from tests.harness.kubesim import free_port
+from tests.harness.runs import limit
 from train.checkpoint import Checkpointer
 from train.checkpoint.storage import LocalStorage
 from train.core import remote_config, rundir
@@ -225,3 +226,18 @@ def test_an_upload_held_up_is_named_as_only_local_then_seals_once_the_store_answ
         os.killpg(aws.proc.pid, signal.SIGCONT)
     assert remote.wait(120) is None
     assert remote.latest()[0] == 2 and remote.uploaded == 2
+
+
+def test_the_trainer_imports_without_boto3():
+    """boto3 is an optional extra: the base install (and the images) train without it,
+    so nothing the worker imports may need it unless a remote is configured."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "for name in ('boto3', 'botocore', 's3transfer'):\n"
+            "    sys.modules[name] = None  # as if not installed: importing them fails\n"
+            "import train.trainer, train.components, train.checkpoint.remote\n"
+            "print('imported')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=limit(120))
+    assert done.returncode == 0 and "imported" in done.stdout, done.stderr[-2000:]

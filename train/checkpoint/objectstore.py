@@ -23,9 +23,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-import botocore.exceptions
-from boto3.s3.transfer import TransferConfig
-
 from train.checkpoint.storage import _Hashing
 from train.core.remote_config import client, said
 
@@ -36,13 +33,24 @@ __all__ = ["S3Storage", "client", "missing", "said"]
 for _name in ("boto3", "botocore", "s3transfer", "urllib3"):
     logging.getLogger(_name).setLevel(logging.WARNING)
 CHUNK = 8 << 20
-TRANSFER = TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=32 << 20,
+# boto3 is imported where a bucket is used, never at import: the trainer imports this
+# module whatever the config, and the base install has no boto3 (an optional extra)
+
+
+def _transfer():
+    from boto3.s3.transfer import TransferConfig
+    return TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=32 << 20,
                           max_concurrency=8, use_threads=True)
+
+
+def _client_error() -> type[Exception]:
+    import botocore.exceptions
+    return botocore.exceptions.ClientError
 
 
 def missing(exc: BaseException) -> bool:
     """Whether ``exc`` says the object is not there."""
-    return isinstance(exc, botocore.exceptions.ClientError) and \
+    return isinstance(exc, _client_error()) and \
         exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")
 
 
@@ -103,7 +111,7 @@ class S3Storage:
         try:
             self.s3.head_object(Bucket=self.bucket, Key=self.key(name))
             return True
-        except botocore.exceptions.ClientError as exc:
+        except _client_error() as exc:
             if not missing(exc):
                 raise
         return bool(list(self._keys(name, limit=1)))
@@ -118,7 +126,7 @@ class S3Storage:
     # ----------------------------------------------------------- transfers
     def upload(self, name: str, path: Path) -> None:
         """A local file as the object ``name`` (multipart and parallel when big)."""
-        self.s3.upload_file(str(path), self.bucket, self.key(name), Config=TRANSFER)
+        self.s3.upload_file(str(path), self.bucket, self.key(name), Config=_transfer())
 
     def download(self, name: str, path: Path) -> str:
         """The object ``name`` into the new local file ``path``, durably; returns its
