@@ -156,9 +156,9 @@ def start_logging(c: Components, state: TrainState) -> MetricsLogger | None:
                     user_code=usercode.imported_files())
     unit = "tokens" if c.data.tokens_per_sample else "samples"
     log.info("model %s: %s parameters | data %s | world size %d | micro-batch %d x %d "
-             "accumulation | device %s | precision %s", c.cfg.model.kind,
+             "accumulation | device %s | precision %s | %d CPU thread(s)", c.cfg.model.kind,
              f"{count_parameters(c.module):,}", c.data.description, c.env.world_size, c.micro,
-             c.accum, c.device, c.cfg.precision)
+             c.accum, c.device, c.cfg.precision, torch.get_num_threads())
     return MetricsLogger(c.cfg, c.run_dir, state.step, throughput_unit=unit)
 
 
