@@ -13,7 +13,7 @@ Torch-free.
   free cores that spin saves a wake-up per region; on one that is busy (other jobs, a
   container's quota, data-loader workers) a spinning thread burns the CPU time the thread
   it waits for needs, and every region then waits for the scheduler: the quick start ran
-  tens of times slower than idle beside three busy processes on two cores.
+  40-55x slower than idle on a busy 2-core machine, 3x slower than with passive waiting.
   ``bench/oversubscribe.py`` measures both sides; docs/training.md has the figures. A
   user's own ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` chooses instead.
 
