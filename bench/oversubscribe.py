@@ -88,11 +88,11 @@ class Run:
     def ratio(self) -> float:
         return statistics.median(self.steps[True]) / statistics.median(self.steps[False])
 
-    def fair(self) -> float:
+    def fair(self, cpus: int | None = None) -> float:
         """The ratio a fair share of the CPUs gives: the CPUs are shared by every runnable
         task, the run's own threads and whatever else the machine runs included, so each
         phase's step takes (runnable tasks / CPUs) of an idle one, at least 1x."""
-        cpus = len(os.sched_getaffinity(0))
+        cpus = cpus or len(os.sched_getaffinity(0))
         load = {k: max(1.0, statistics.mean(v) / cpus) for k, v in self.runnable.items()}
         return load[True] / load[False]
 
