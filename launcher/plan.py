@@ -39,6 +39,7 @@ from train.core.placement import (
     resolve_backend,
     runs_one_process,
 )
+from train.core.threads import SPIN_COUNT, WAIT_POLICY, thread_defaults
 
 WORKER_MODULE = "train.worker"
 SHUTDOWN_TIMEOUT_VAR = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's --shutdown-timeout
@@ -209,7 +210,10 @@ def worker_variables(cfg: Config, hw: Hardware, device: str, backend: str, nproc
         v.force("PYTHONPATH", app_root + (":" + path if path else ""))
     v.force("PYTHONUNBUFFERED", "1")
     v.force("PYTHONFAULTHANDLER", "1")  # a crashing worker prints every thread's stack
-    v.default("OMP_NUM_THREADS", str(max(1, hw.cpus // nproc)))
+    v.defaults(thread_defaults(hw.cpus, nproc, environ.raw))
+    if environ.get(SPIN_COUNT) and not environ.get("OMP_WAIT_POLICY"):
+        v.kept.append(f"{SPIN_COUNT}={environ.get(SPIN_COUNT)} (set by you: it chooses how "
+                      f"OpenMP threads wait; the launcher would set OMP_WAIT_POLICY={WAIT_POLICY})")
     # The node's variable wins over the config: interfaces can differ between nodes.
     v.defaults(worker_defaults(
         gpu=device == "gpu", backend=backend, vendor=hw.vendor,

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from train.core import peers, rundir, usercode
+from train.core import peers, rundir, threads, usercode
 from train.core.config import check_resume_compatible, load_config, to_yaml
 from train.core.config.loader import dashed_override
 from train.core.config.origins import config_warnings
@@ -57,6 +57,7 @@ def run(argv: list[str], reporter: Reporter | None = None) -> tuple[int, str | N
                 raise dashed
         args = parse_args(argv)
         check_environ()
+        threads.apply_before_torch()  # a bare worker: the launcher's wait policy, if unset
         env = WorkerIdentity.from_environ()
         # Under the launcher: the config it validated, however often torchrun restarts us
         cfg = load_config(env.config_snapshot or args.config, args.overrides,

@@ -47,7 +47,7 @@ def child(argv: list[str]) -> int:
         bind_store_servers()
         dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout),
                                 **kwargs)
-        torch.set_num_threads(ident.cpus_per_rank())  # as a training rank runs
+        torch.set_num_threads(ident.threads_per_rank())  # as a training rank runs
         world = dist.get_world_size()
         r = preflight.measure(ident, device, stage=lambda name: reporter.stage(
             name, probe=Probe(world_size=world)))

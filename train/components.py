@@ -100,7 +100,7 @@ def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> C
     ranks.init_distributed(env, backend, device, cfg.distributed.timeout_s,
                              single_process_group=cfg.distributed.strategy == "fsdp")
     env.check_consistent()
-    torch.set_num_threads(env.cpus_per_rank())
+    torch.set_num_threads(env.threads_per_rank())
     ranks.set_deterministic(cfg.deterministic)
     ranks.seed_everything(cfg.seed, env.rank)
     objective = losses.Objective(cfg.train.loss, source)

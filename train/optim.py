@@ -24,6 +24,27 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
                              fused=fused or None)
 
 
+def grad_norm_and_clip(model: nn.Module, clip: float) -> float:
+    """The gradients' total norm (what the divergence guard checks every step), clipping
+    them to ``clip`` when it is over (``clip`` 0: never).
+
+    The same numbers as ``clip_grad_norm_``, minus its multiply of every gradient by 1.0
+    when the norm is under the clip or clipping is off: one pass over the gradients
+    less on such steps. The norm reaches the host anyway (the guard reads it), so the
+    test costs no extra synchronisation.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = float(total)
+    # clip_grad_norm_ scales by min(clip / (norm + 1e-6), 1): exactly 1 well below the
+    # clip, so only a norm near or over it (or a non-finite one) is handed on
+    if clip > 0 and not norm + 1e-6 < clip * (1 - 1e-6):
+        torch.nn.utils.clip_grads_with_norm_(params, clip, total)
+    return norm
+
+
 def can_fuse(params: list[torch.Tensor]) -> bool:
     """Whether torch's fused kernels take every parameter: floating point, on a device
     they support. Measured on the 2-core development machine (docs/training.md): AdamW's

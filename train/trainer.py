@@ -45,6 +45,7 @@ from train.models import count_parameters
 from train.observe.manifest import update_manifest
 from train.observe.metrics import MetricsLogger, gpu_memory_stats
 from train.observe.stragglers import Intervals, StepPhases
+from train.optim import grad_norm_and_clip
 
 log = logging.getLogger("train")
 
@@ -85,8 +86,7 @@ def optimizer_step(c: Components, guard: Guard, step: int) -> tuple[float, bool]
     clip = c.cfg.optim.grad_clip
     if c.scaler:
         c.scaler.unscale_(c.optimizer)
-    norm = float(torch.nn.utils.clip_grad_norm_(c.model.parameters(),
-                                                clip if clip > 0 else math.inf))
+    norm = grad_norm_and_clip(c.model, clip)
     applied = guard.gradients(step, norm)  # raises Diverged when the run must stop
     if c.scaler:  # it skips a non-finite step by itself and lowers its loss scale
         c.scaler.step(c.optimizer)
@@ -156,9 +156,9 @@ def start_logging(c: Components, state: TrainState) -> MetricsLogger | None:
                     user_code=usercode.imported_files())
     unit = "tokens" if c.data.tokens_per_sample else "samples"
     log.info("model %s: %s parameters | data %s | world size %d | micro-batch %d x %d "
-             "accumulation | device %s | precision %s", c.cfg.model.kind,
+             "accumulation | device %s | precision %s | %d CPU thread(s)", c.cfg.model.kind,
              f"{count_parameters(c.module):,}", c.data.description, c.env.world_size, c.micro,
-             c.accum, c.device, c.cfg.precision)
+             c.accum, c.device, c.cfg.precision, torch.get_num_threads())
     return MetricsLogger(c.cfg, c.run_dir, state.step, throughput_unit=unit)
 
 

@@ -8,7 +8,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench import throughput
+from bench import oversubscribe, throughput
 from tests.harness.runs import ROOT
 from train.core.config import load_config
 from train.models import build_model
@@ -39,3 +39,17 @@ def test_gpu_peaks_take_the_most_specific_name():
     assert throughput.gpu_peak_flops("NVIDIA L40S") == 362e12
     assert throughput.gpu_peak_flops("AMD Instinct MI300X") == 1307e12
     assert throughput.gpu_peak_flops("Some Future GPU") is None
+
+
+def test_oversubscribe_counts_a_step_only_inside_one_phase_and_the_fair_ratio():
+    """A step that straddles a switch between alone and beside counts for neither; on an
+    idle 2-CPU machine (2 runnable threads alone, 5 beside 3 busy) a fair share is 2.5x."""
+    phases = [(False, 10.0), (True, 20.0), (False, 30.0)]
+    steps = [(9.0, 11.0), (11.0, 12.0), (12.0, 14.0), (19.0, 21.0), (21.0, 25.0),
+             (29.5, 30.5), (31.0, 32.0)]
+    assert oversubscribe._split(steps, phases) == {False: [1.0, 2.0, 1.0], True: [4.0]}
+    run = oversubscribe.Run(steps={False: [0.2, 0.2], True: [0.5, 0.6]},
+                            runnable={False: [2, 2], True: [5, 5]})
+    assert run.fair(cpus=2) == 2.5 and run.ratio() == pytest.approx(2.75)
+    busy = oversubscribe.Run(runnable={False: [20, 20], True: [23, 23]})
+    assert busy.fair(cpus=2) == pytest.approx(23 / 20)  # "alone" was not idle

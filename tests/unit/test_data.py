@@ -250,3 +250,31 @@ def test_cgroup_v1_cpu_quota(tmp_path):
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("250000\n")
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
     assert cgroup_cpu_quota(tmp_path) == 2.5
+
+
+def test_cgroup_quota_is_the_process_groups_and_the_smallest_above_it(tmp_path):
+    """/proc/self/cgroup names the group; a quota on it or any parent counts, the
+    mount's top (all a container with its own cgroup namespace sees) too."""
+    group = tmp_path / "ci.slice" / "job-7"
+    group.mkdir(parents=True)
+    (group / "cpu.max").write_text("300000 100000\n")
+    (tmp_path / "ci.slice" / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_quota(tmp_path, "0::/ci.slice/job-7\n") == 1.5
+    (tmp_path / "ci.slice" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(tmp_path, "0::/ci.slice/job-7\n") == 3.0
+    assert cgroup_cpu_quota(tmp_path, "0::/\n") is None  # the top has no cpu.max
+    # a path this mount does not have (no cgroup namespace): the mount's top is the group
+    (tmp_path / "cpu.max").write_text("100000 100000\n")
+    assert cgroup_cpu_quota(tmp_path, "0::/docker/abc\n") == 1.0
+
+
+def test_cgroup_v1_quota_follows_the_cpu_controllers_line(tmp_path):
+    group = tmp_path / "cpu" / "runner" / "job"
+    group.mkdir(parents=True)
+    (group / "cpu.cfs_quota_us").write_text("50000\n")
+    (group / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    membership = "4:memory:/elsewhere\n2:cpu,cpuacct:/runner/job\n0::/\n"
+    assert cgroup_cpu_quota(tmp_path, membership) == 0.5
+    assert cgroup_cpu_quota(tmp_path, "2:cpu,cpuacct:/\n") is None

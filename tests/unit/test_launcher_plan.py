@@ -30,6 +30,9 @@ from tests.harness.plans import (
 from train.core.config import load_config
 from train.core.errors import CannotRunHere, ConfigError
 
+# How OpenMP threads wait, on every device (train/core/threads.py says why)
+WAIT = {"OMP_WAIT_POLICY": "PASSIVE"}
+
 # ------------------------------------------------------------------------ golden plans
 
 def test_single_process_on_cpu_runs_the_worker_directly(cfg_file):
@@ -38,7 +41,7 @@ def test_single_process_on_cpu_runs_the_worker_directly(cfg_file):
     assert p.mode == "direct" and p.device == "cpu" and p.backend == "gloo"
     assert list(p.argv) == [PY, "-m", "train.worker", path, "optim.lr=0.01", "device=cpu",
                             "distributed.backend=gloo"]
-    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "8", **LOOPBACK_ENV, "RANK": "0",
+    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "8", **WAIT, **LOOPBACK_ENV, "RANK": "0",
                      "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0", "WORLD_SIZE": "1",
                      "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "1",
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511",
@@ -52,8 +55,8 @@ def test_two_cpu_processes_use_standalone_torchrun(cfg_file):
     assert list(p.argv) == torchrun(*STANDALONE, nproc=2) + [
         path, "distributed.nproc_per_node=2", "device=cpu", "distributed.backend=gloo"]
     # Restarts after a lost worker need the unshared rendezvous store (a new round).
-    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "4", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                     **LOOPBACK_ENV, **SHUTDOWN}
+    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "4", **WAIT,
+                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **LOOPBACK_ENV, **SHUTDOWN}
 
 
 def test_single_node_gpus_one_process_each_with_nccl(cfg_file):
@@ -62,7 +65,7 @@ def test_single_node_gpus_one_process_each_with_nccl(cfg_file):
     assert p.device == "gpu" and p.backend == "nccl" and p.nproc_per_node == 4
     assert list(p.argv) == torchrun(*STANDALONE, nproc=4) + [
         path, "deterministic=true", "device=gpu", "distributed.backend=nccl"]
-    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "8", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "8", **WAIT, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                      "CUBLAS_WORKSPACE_CONFIG": ":4096:8", **NCCL_ENV, **LOOPBACK_ENV,
                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **SHUTDOWN}
 
@@ -132,7 +135,7 @@ def test_indexed_job_with_standalone_store(cfg_file):
         "keep_alive_max_attempt=10",
         "--local-addr", "10.0.0.7", nproc=2) + [
         path, "distributed.nproc_per_node=2", "device=cpu", "distributed.backend=gloo"]
-    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "4", "NCCL_SOCKET_IFNAME": "eth0",
+    assert p.env == {**BASE_ENV, "OMP_NUM_THREADS": "4", **WAIT, "NCCL_SOCKET_IFNAME": "eth0",
                      "GLOO_SOCKET_IFNAME": "eth0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                      **SHUTDOWN}
     assert p.world_sizes == (4, 6, 8) and p.rdzv_host == "train-rdzv"
@@ -150,9 +153,25 @@ def test_a_store_endpoint_alone_selects_the_standalone_store(cfg_file):
 
 def test_user_set_variables_are_kept_and_reported(cfg_file):
     p = make(cfg_file(), ["distributed.nproc_per_node=2"],
-             env={"OMP_NUM_THREADS": "3", "PYTHONPATH": "/extra"})
+             env={"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE", "PYTHONPATH": "/extra"})
     assert "OMP_NUM_THREADS" not in p.env and p.env["PYTHONPATH"] == "/app:/extra"
+    assert "OMP_WAIT_POLICY" not in p.env
     assert any("OMP_NUM_THREADS=3" in w for w in p.warnings)
+    assert any("OMP_WAIT_POLICY=ACTIVE" in w and "PASSIVE" in w for w in p.warnings)
+
+
+def test_a_users_spin_count_chooses_the_wait_instead_of_the_launchers_policy(cfg_file):
+    """GOMP_SPINCOUNT replaces any policy's spin in GNU OpenMP: the launcher adds none."""
+    p = make(cfg_file(), env={"GOMP_SPINCOUNT": "10000"})
+    assert "OMP_WAIT_POLICY" not in p.env and "GOMP_SPINCOUNT" not in p.env
+    assert any("GOMP_SPINCOUNT=10000 (set by you" in w for w in p.warnings)
+
+
+@pytest.mark.parametrize("cpus,nproc,threads", [(8, 1, "8"), (8, 3, "2"), (1, 2, "1")])
+def test_threads_are_the_nodes_cpus_shared_by_its_processes(cfg_file, cpus, nproc, threads):
+    """hw.cpus is the affinity mask capped by the cgroup quota (train/core/host.py)."""
+    p = make(cfg_file(), [f"distributed.nproc_per_node={nproc}"], hw=Hardware(cpus=cpus))
+    assert p.env["OMP_NUM_THREADS"] == threads and p.env["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
 def test_debug_switch(cfg_file):
@@ -251,11 +270,13 @@ def test_plan_reads_only_what_it_is_given(cfg_file, monkeypatch, tmp_path):
     out = tmp_path / "out"
     path = cfg_file(output={"dir": str(out)})
     given = make(path, ["distributed.nproc_per_node=2"])
-    for name, value in {"OMP_NUM_THREADS": "99", "PET_NNODES": "bad", "CUDA_VISIBLE_DEVICES": "",
+    for name, value in {"OMP_NUM_THREADS": "99", "OMP_WAIT_POLICY": "ACTIVE",
+                        "PET_NNODES": "bad", "CUDA_VISIBLE_DEVICES": "",
                         "TRAIN_DEBUG": "1", "RANK": "3", "WORLD_SIZE": "9"}.items():
         monkeypatch.setenv(name, value)
     again = make(path, ["distributed.nproc_per_node=2"])
     assert again == given and given.env["OMP_NUM_THREADS"] == "4"
+    assert given.env["OMP_WAIT_POLICY"] == "PASSIVE"
     assert "NCCL_DEBUG" not in given.env and given.convention == "single"
     assert not out.exists()  # nothing created (--dry-run relies on it)
 

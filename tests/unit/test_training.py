@@ -189,3 +189,28 @@ def test_the_fused_optimizer_changes_the_kernel_not_the_trajectory(tmp_path):
     assert series["true"].keys() == series["false"].keys() and len(series["true"]) == 10
     for step, loss in series["true"].items():
         assert math.isclose(loss, series["false"][step], rel_tol=1e-4), (step, series)
+
+
+@pytest.mark.parametrize("clip", [0.0, 1e-3, 1.0, 1e6])
+def test_grad_norm_and_clip_gives_clip_grad_norms_numbers(clip):
+    """The norm and the gradients bit for bit as torch's clip_grad_norm_ (clipping off:
+    an infinite clip), whether the norm is under the clip (no multiply) or over it."""
+    import torch
+
+    from train.optim import grad_norm_and_clip
+
+    def model_with_grads():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 4))
+        model(torch.randn(32, 8)).square().sum().backward()
+        return model
+
+    ours, theirs = model_with_grads(), model_with_grads()
+    norm = grad_norm_and_clip(ours, clip)
+    expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), clip if clip > 0 else math.inf)
+    assert norm == float(expected)
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    clipped = 0 < clip < norm
+    assert clipped == (clip in (1e-3, 1.0)), norm  # both branches are exercised

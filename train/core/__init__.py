@@ -11,6 +11,7 @@ both rules.
 - :mod:`.placement`: which backend, how many processes, which settings need a GPU;
 - :mod:`.identity`: a worker's rank, world size and launcher settings, from its
   environment; :mod:`.comm_defaults`: the communication variables a worker needs;
+  :mod:`.threads`: its CPU threads and how they wait;
 - :mod:`.protocol`: what a worker tells the launcher (its progress, how it ended) and
   what a restart can fix;
 - :mod:`.rundir`: every name in the run directory, and reading its checkpoints;

@@ -24,26 +24,75 @@ def available_cpus(root: str | Path = "/") -> int:
     """CPUs this process may use: the affinity mask, capped by the cgroup CPU quota.
 
     ``os.cpu_count()`` reports the host's cores, which oversubscribes a container
-    limited to a few CPUs (a classic slowdown of every rank's thread pool). ``root``
-    stands in for ``/`` in tests.
+    limited to a few CPUs (a classic slowdown of every rank's thread pool). A quota of
+    1.5 CPUs counts as 2. ``root`` stands in for ``/`` in tests.
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    quota = cgroup_cpu_quota(Path(root) / "sys/fs/cgroup")
+    root = Path(root)
+    try:
+        membership = (root / "proc/self/cgroup").read_text()
+    except OSError:
+        membership = ""
+    quota = cgroup_cpu_quota(root / "sys/fs/cgroup", membership)
     if quota is not None:
         cpus = min(cpus or 1, max(1, math.ceil(quota)))
     return max(1, cpus or 1)
 
 
-def cgroup_cpu_quota(cgroup: Path) -> float | None:
-    """CPUs allowed by the cgroup quota (v2 ``cpu.max``, else v1 CFS files); None: no limit."""
+def cgroup_cpu_quota(cgroup: Path, membership: str = "") -> float | None:
+    """CPUs allowed by the CPU quota of this process's cgroup and of every group above it
+    (the smallest of them; v2 ``cpu.max``, else v1's ``cpu/cpu.cfs_quota_us``); None: no
+    limit.
+
+    ``cgroup`` is where the hierarchy is mounted; ``membership`` the text of
+    /proc/self/cgroup, which names this process's group in it. In a container with its
+    own cgroup namespace that is ``/`` (the mount is the container's group); on a host,
+    a CI runner's slice or a group made by hand it is a folder further down, whose
+    quota the mount's top never shows. A group named there but not present under the
+    mount (a container without its own namespace sees its host's path) counts as the top.
+    """
+    v2 = _cgroup_path(membership, v2=True)
+    quotas = [q for q in (_v2_quota(d) for d in _chain(cgroup, v2)) if q is not None]
+    if not quotas:
+        v1 = _cgroup_path(membership, v2=False)
+        quotas = [q for q in (_v1_quota(d) for d in _chain(cgroup / "cpu", v1))
+                  if q is not None]
+    return min(quotas) if quotas else None
+
+
+def _cgroup_path(membership: str, *, v2: bool) -> str:
+    """This process's group in the v2 hierarchy, or in v1's cpu controller's; "/" if unknown."""
+    for line in membership.splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        hierarchy, controllers, path = fields
+        if (v2 and hierarchy == "0" and not controllers) or \
+                (not v2 and "cpu" in controllers.split(",")):
+            return path.strip() or "/"
+    return "/"
+
+
+def _chain(mount: Path, group: str) -> list[Path]:
+    """The group's folder under the mount and each folder above it, up to the mount."""
+    parts = [p for p in group.split("/") if p and p not in (".", "..")]
+    if not (mount.joinpath(*parts)).is_dir():
+        parts = []
+    return [mount.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _v2_quota(group: Path) -> float | None:
     try:
-        text = (cgroup / "cpu.max").read_text().split()  # "max 100000" or "200000 100000"
+        text = (group / "cpu.max").read_text().split()  # "max 100000" or "200000 100000"
         return int(text[0]) / int(text[1]) if text and text[0] != "max" else None
-    except (OSError, ValueError, IndexError):
-        pass
+    except (OSError, ValueError, IndexError, ZeroDivisionError):
+        return None
+
+
+def _v1_quota(group: Path) -> float | None:
     try:
-        quota = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
+        quota = int((group / "cpu.cfs_quota_us").read_text())
+        period = int((group / "cpu.cfs_period_us").read_text())
         return quota / period if quota > 0 and period > 0 else None
     except (OSError, ValueError):
         return None

@@ -49,6 +49,7 @@ class WorkerIdentity:
     config_snapshot: str | None = None   # TRAIN_CONFIG_SNAPSHOT: the launch's config
     master_addr: str | None = None       # MASTER_ADDR, MASTER_PORT: where the processes meet
     master_port: str | None = None       # (rank 0's store; torchrun sets both)
+    omp_threads: int | None = None       # OMP_NUM_THREADS: the launcher's or the user's
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> WorkerIdentity:
@@ -76,7 +77,8 @@ class WorkerIdentity:
                    socket_ifname=text("TRAIN_SOCKET_IFNAME"),
                    device=text("TRAIN_DEVICE"), backend=text("TRAIN_BACKEND"),
                    config_snapshot=text(CONFIG_SNAPSHOT_VAR),
-                   master_addr=text("MASTER_ADDR"), master_port=text("MASTER_PORT"))
+                   master_addr=text("MASTER_ADDR"), master_port=text("MASTER_PORT"),
+                   omp_threads=num("OMP_NUM_THREADS", None) or None)
 
     @property
     def distributed(self) -> bool:
@@ -127,7 +129,13 @@ class WorkerIdentity:
                 "which sets both, or set both to rank 0's address and a free port in every one"))
 
     def cpus_per_rank(self) -> int:
+        """This node's usable CPUs (affinity mask and cgroup quota) shared by its ranks."""
         return max(1, available_cpus() // max(1, self.local_world_size))
+
+    def threads_per_rank(self) -> int:
+        """Intra-op threads: OMP_NUM_THREADS when set (the launcher sets it, and a value
+        the user set wins there too), else :meth:`cpus_per_rank` (a bare ``torchrun``)."""
+        return self.omp_threads or self.cpus_per_rank()
 
     def check_consistent(self) -> None:
         """torchrun's WORLD_SIZE must equal nodes in this round x local processes."""
