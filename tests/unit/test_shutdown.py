@@ -8,7 +8,10 @@ Against a real MLflow server killed mid-run: tests/e2e/test_trackers_runs.py.
 from __future__ import annotations
 
 import logging
+import signal
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -16,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from tests.harness.procs import alive
-from tests.harness.runs import limit
+from tests.harness.runs import ROOT, limit
 from train.data.loader import end_workers, make_loader
 from train.guards.shutdown import SIGNALLED_S, Shutdown
 from train.observe.sender import Sender, cause
@@ -230,3 +233,45 @@ def test_an_outage_is_named_by_its_cause_not_the_client_s_whole_message():
                "connection: [Errno 111] Connection refused\"))")
     assert cause(RuntimeError(message)) == "[Errno 111] Connection refused"
     assert cause(TimeoutError("read timed out")) == "read timed out"
+
+
+# A run's end in a process of its own: a tracker whose server accepted the connection and
+# never answers, a shutdown bound of 10 minutes, the trainer's signal handling.
+ENDING = """
+import socket, sys
+from train.distributed.ranks import configure_logging
+from train.guards.shutdown import Shutdown
+from train.guards.stopping import StopFlag
+from train.observe.sender import Sender
+
+configure_logging(0)
+shutdown = Shutdown(600.0)
+StopFlag(shutdown).install()
+server = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+sender = Sender("Tracker", lambda rows: server.recv(1), lambda exc: False)
+sender.metrics(1, {"loss": 1.0})
+sender.close(lambda: None)
+shutdown.begin()
+print("ending", flush=True)
+shutdown.abandon(sender.wait(shutdown.seconds_left))
+shutdown.report()
+"""
+
+
+def test_a_stop_signal_during_the_end_ends_it_within_seconds():
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        proc = subprocess.Popen([sys.executable, "-c", ENDING, str(silent.getsockname()[1])],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        try:
+            assert proc.stdout.readline() == "ending\n"
+            proc.send_signal(signal.SIGTERM)
+            _, stderr = proc.communicate(timeout=limit(60))  # far below its 600 s bound
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    assert "received SIGTERM during the run's end: ending within 2 s" in stderr
+    ending = [line for line in stderr.splitlines() if "shutdown:" in line]
+    assert len(ending) == 1 and "(2 s after a stop signal)" in ending[0], stderr
+    assert "Tracker (1 metrics unsent, its run left RUNNING on the server; a call did not " \
+           "return)" in ending[0]

@@ -42,7 +42,7 @@ Row = tuple[int, dict[str, float]]
 OS_ERROR = re.compile(r"\[Errno -?\d+\] [^'\")\]]+")
 
 
-@dataclass
+@dataclass(eq=False)  # found in the buffer by identity: two rows may hold the same values
 class Job:
     """One call to make: metric rows (``call`` None) or anything else (an upload, closing)."""
     what: str

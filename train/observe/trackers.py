@@ -72,6 +72,18 @@ def mlflow_params(params: dict[str, Any]) -> dict[str, str]:
             for k, v in params.items()}
 
 
+def mlflow_client(uri: str):
+    """An MlflowClient whose calls give up within seconds (MLFLOW_CALL_DEFAULTS) and
+    whose retries stay off the console."""
+    for name, value in MLFLOW_CALL_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    # one "Retrying (Retry(total=...)) after connection broken" warning per retried call:
+    # 65 lines for one server restart; the sender says it in two
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    from mlflow import MlflowClient
+    return MlflowClient(uri)
+
+
 def read_record(run_dir: Path) -> dict:
     try:
         record = json.loads((run_dir / RECORD).read_text())
@@ -89,14 +101,8 @@ class MlflowRun:
     name = "MLflow"
 
     def __init__(self, cfg: Config, run_dir: Path, params: dict[str, Any], previous: dict):
-        for name, value in MLFLOW_CALL_DEFAULTS.items():
-            os.environ.setdefault(name, value)
-        # one "Retrying (Retry(total=...)) after connection broken" warning per retried
-        # call: 65 lines for one server restart; the sender says it in two
-        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
-        from mlflow import MlflowClient
         self.uri = mlflow_uri(cfg)
-        self.client = MlflowClient(self.uri)
+        self.client = mlflow_client(self.uri)
         same_server = previous.get("tracking_uri") == shown_uri(self.uri)
         run = self._continue(previous["run_id"]) if same_server and "run_id" in previous \
             else None
@@ -296,9 +302,8 @@ def upload_export(run_dir: Path, out: Path) -> str | None:
         return (f"warning: not uploaded to MLflow run {previous.get('run_id')}: "
                 + ("no tracking URI (set MLFLOW_TRACKING_URI)" if not uri
                    else "mlflow is not installed here"))
-    from mlflow import MlflowClient
     try:
-        MlflowClient(uri).log_artifacts(previous["run_id"], str(out), rundir.EXPORT)
+        mlflow_client(uri).log_artifacts(previous["run_id"], str(out), rundir.EXPORT)
     except Exception as exc:
         return f"warning: MLflow upload failed ({said(exc, 200)})"
     return f"uploaded to MLflow run {previous['run_id']} (artifacts: export/)"
