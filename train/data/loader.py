@@ -106,7 +106,8 @@ def end_workers(batches, seconds_left: Callable[[], float]) -> str | None:
     queue), then SIGKILL for any still running. They ignore SIGTERM, so torch's
     terminate() could not end one; killing one loses nothing, a worker only reads data.
     Returns what was killed, in words, or None. A loader without workers, or one already
-    shut down, is left as it is."""
+    shut down, is left as it is. (torch's _MultiProcessingDataLoaderIter has no public
+    way to do this: the private names used here are those of torch 2.13.)"""
     workers = list(getattr(batches, "_workers", ()))
     if not workers or getattr(batches, "_shutdown", True):
         return None
