@@ -34,10 +34,12 @@ from train.core.errors import EXIT_OK, EXIT_PEER_STOPPED, EXIT_STOPPED_BY_SIGNAL
 from train.core.files import finished_step, write_atomic, write_json_atomic
 from train.core.identity import WorkerIdentity
 from train.core.protocol import Reporter
+from train.data.loader import end_workers
 from train.data.order import eval_indices
 from train.distributed import ranks
 from train.guards.divergence import Guard, clear_marker, read_marker, write_marker
 from train.guards.preflight import check_before_training
+from train.guards.shutdown import Shutdown
 from train.guards.stopping import StopFlag
 from train.guards.watchdog import CHECKPOINT, EVALUATION, Watchdog
 from train.losses import logits_of
@@ -142,7 +144,7 @@ def prepare_run_dir(c: Components) -> None:
     ranks.barrier(c.env)()
 
 
-def start_logging(c: Components, state: TrainState) -> MetricsLogger | None:
+def start_logging(c: Components, state: TrainState, shutdown: Shutdown) -> MetricsLogger | None:
     """After a successful resume, so config.yaml always describes loadable checkpoints.
     Rank 0 writes the run's files and gets the metrics logger; other ranks get None."""
     if not c.env.is_main:
@@ -159,7 +161,7 @@ def start_logging(c: Components, state: TrainState) -> MetricsLogger | None:
              "accumulation | device %s | precision %s | %d CPU thread(s)", c.cfg.model.kind,
              f"{count_parameters(c.module):,}", c.data.description, c.env.world_size, c.micro,
              c.accum, c.device, c.cfg.precision, torch.get_num_threads())
-    return MetricsLogger(c.cfg, c.run_dir, state.step, throughput_unit=unit)
+    return MetricsLogger(c.cfg, c.run_dir, state.step, throughput_unit=unit, shutdown=shutdown)
 
 
 def checkpoint_bytes(c: Components) -> int:
@@ -179,11 +181,22 @@ def make_guard(c: Components, state: TrainState) -> Guard:
 
 def run_loop(c: Components, state: TrainState, stop: StopFlag,
              metrics: MetricsLogger | None, guard: Guard, watchdog: Watchdog) -> int:
+    """Train to train.max_steps, or to a stop; the loader's workers end with it, within
+    the shutdown's bound (a worker stuck on its way out is killed)."""
+    batches = iter(train_loader(c, state))
+    try:
+        return train_steps(c, state, stop, metrics, guard, watchdog, batches)
+    finally:
+        stop.shutdown.abandon(end_workers(batches, stop.shutdown.seconds_left))
+
+
+def train_steps(c: Components, state: TrainState, stop: StopFlag,
+                metrics: MetricsLogger | None, guard: Guard, watchdog: Watchdog,
+                batches) -> int:
     cfg, env = c.cfg, c.env
     every_log, every_eval = cfg.logging.every_steps, cfg.train.eval_every_steps
     cadence = Cadence.from_config(cfg)
     samples_per_step = cfg.train.global_batch_size * max(1, c.data.tokens_per_sample)
-    batches = iter(train_loader(c, state))
     intervals = Intervals(cfg, env, c.device, state.step, c.model)
     while state.step < cfg.train.max_steps:
         watchdog.pet(state.step)
@@ -228,20 +241,22 @@ def run_loop(c: Components, state: TrainState, stop: StopFlag,
             log.warning("stopped at step %d by a signal; rerun the same command to resume", step)
             return EXIT_STOPPED_BY_SIGNAL
     with watchdog.watching(EVALUATION, state.step):
-        finish(c, metrics, state.step, watchdog.progress)
-    watchdog.pause()  # what follows (joining a background save) has its own timeout
+        final = finish(c, metrics, state.step, watchdog.progress)
+    watchdog.pause()  # the trackers' close has the shutdown's bound, a background save its own
+    if metrics is not None:
+        metrics.close(final)
     return EXIT_OK
 
 
 def finish(c: Components, metrics: MetricsLogger | None, step: int,
-           progress: Callable[[], None] = lambda: None) -> None:
-    """Final evaluation, hparams and result.json (also for a rerun of a run whose final
-    checkpoint was written but whose finish was interrupted)."""
+           progress: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Final evaluation, result.json and the closing lines (also for a rerun of a run
+    whose finish was interrupted); returns the evaluation, for the caller's close."""
     final = log_eval(c, metrics, step, progress)
     if c.env.is_main:
-        metrics.close(final)  # finished: the run's HParams row
-        metrics.summary(step, final)
         write_json_atomic(c.run_dir / rundir.RESULT, {"step": step, **final})
+        metrics.summary(step, final)
+    return final
 
 
 def log_eval(c: Components, metrics: MetricsLogger | None, step: int,
@@ -275,7 +290,8 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
     reporter = reporter or Reporter(env)
     ranks.configure_logging(env.rank)
     faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) shows every stack
-    stop = StopFlag()
+    shutdown = Shutdown(cfg.train.shutdown_timeout_s)
+    stop = StopFlag(shutdown)
     stop.install()  # before the slow build, so an early SIGTERM is not lost
     clean = False
     c, metrics, lock = None, None, None
@@ -297,14 +313,14 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
         watchdog = Watchdog(cfg.distributed.timeout_s, reporter, state_bytes=checkpoint_bytes(c))
         check_before_training(cfg, env, c.device, c.run_dir, watchdog)  # multi-node only
         state = resume(c)
-        metrics = start_logging(c, state)
+        metrics = start_logging(c, state, shutdown)
         guard = make_guard(c, state)
         if state.step >= cfg.train.max_steps:
             log.info("nothing to do: the run already reached step %d", state.step)
-            if ranks.from_main(not (c.run_dir / rundir.RESULT).exists(), env):
-                finish(c, metrics, state.step)
-            elif env.is_main:
-                metrics.close()
+            final = finish(c, metrics, state.step) \
+                if ranks.from_main(not (c.run_dir / rundir.RESULT).exists(), env) else None
+            if metrics is not None:
+                metrics.close(final)
             code = EXIT_OK
         else:
             c.checkpointer.progress = watchdog.progress
@@ -328,6 +344,7 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
         if metrics is not None and not clean:  # a failure: the trackers say so
             with contextlib.suppress(Exception):
                 metrics.close(status="FAILED")
+        shutdown.report()
         sys.stdout.flush()
         ranks.shutdown_distributed(clean)
         if lock is not None:

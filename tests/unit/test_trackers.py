@@ -10,12 +10,15 @@ import pytest
 
 from tests.harness.runs import (
     installed,
+    limit,
+    wait_for,
     write_config,
 )
 from train.core import tracker_config
 from train.core.config import load_config
 from train.core.errors import CannotRunHere, ConfigError
 from train.observe import trackers
+from train.observe.sender import Sender
 
 
 def test_a_tracker_package_that_is_missing_is_exit_3_before_anything_starts(tmp_path,
@@ -59,28 +62,61 @@ def test_any_config_key_becomes_a_param_mlflow_accepts():
             _validate_param(key, value)
 
 
-class Flaky:
-    name = "Flaky"
+class Stand:
+    """A tracker's run as the sender sees it: every call refused (a run deleted on the
+    server), or every call taken."""
 
-    def __init__(self, fail_at: int):
-        self.fail_at, self.logged = fail_at, []
+    def __init__(self, name: str, refuses: bool):
+        self.name, self.refuses = name, refuses
+        self.steps, self.closed = [], None
 
-    def log(self, step, values):
-        if step >= self.fail_at:
-            raise ConnectionError("server went away")
-        self.logged.append(step)
+    def send_rows(self, rows):
+        if self.refuses:
+            raise ValueError("RESOURCE_DOES_NOT_EXIST: run deleted")
+        self.steps += [step for step, _ in rows]
+
+    @staticmethod
+    def refused(exc):
+        return isinstance(exc, ValueError)
 
     def link(self):
-        return "flaky://run"
+        return f"{self.name.lower()}://run"
+
+    def close(self, status):
+        self.closed = status
 
 
-def test_a_tracker_failing_mid_run_is_one_warning_and_the_others_go_on(caplog):
+def test_a_tracker_refusing_mid_run_is_one_warning_and_the_others_go_on(caplog):
     group = trackers.Trackers.__new__(trackers.Trackers)
-    flaky, steady = Flaky(fail_at=3), Flaky(fail_at=10**9)
-    group.runs, group.closed_lines = {"flaky": flaky, "steady": steady}, []
+    runs = {"refusing": Stand("Refusing", True), "steady": Stand("Steady", False)}
+    group.runs, group.closed_lines = dict(runs), []
+    group.senders = {k: Sender(r.name, r.send_rows, r.refused) for k, r in runs.items()}
     for step in range(1, 7):
-        group.log(step, {"loss": 1.0})
-    assert flaky.logged == [1, 2] and steady.logged == [1, 2, 3, 4, 5, 6]
+        group.log(step, {"loss": 1.0})  # hands over, never waits on a server
+    wait_for(lambda: not group.senders["refusing"].running, 30, "the refusal")
+    assert group.lines() == ["  Steady         steady://run"]
+    assert group.close("FINISHED", lambda: limit(30)) == []
+    assert runs["steady"].steps == [1, 2, 3, 4, 5, 6] and runs["steady"].closed == "FINISHED"
+    assert runs["refusing"].closed is None, "a tracker left out is not closed"
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1 and "Flaky: logging failed (server went away)" in warnings[0]
-    assert group.lines() == ["  Flaky          flaky://run"]
+    assert len(warnings) == 1
+    assert "Refusing: logging failed (RESOURCE_DOES_NOT_EXIST: run deleted)" in warnings[0]
+
+
+def test_mlflow_calls_that_fail_are_an_outage_unless_the_server_refused_them():
+    if not installed("mlflow"):
+        pytest.skip("needs mlflow: make trackers")
+    from mlflow.exceptions import MlflowException, RestException
+
+    def answer(code: str) -> RestException:
+        return RestException({"error_code": code, "message": "m"})
+    refused = trackers.MlflowRun.refused
+    for code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE", "PERMISSION_DENIED"):
+        assert refused(answer(code)), code  # retrying cannot help
+    for code in ("REQUEST_LIMIT_EXCEEDED", "TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR"):
+        assert not refused(answer(code)), code  # it may pass later
+    # what MLflow's client raises when no server answers
+    assert not refused(MlflowException("API request to http://127.0.0.1:5000/api/2.0/mlflow/"
+                                       "runs/log-batch failed with exception "
+                                       "HTTPConnectionPool(...): Max retries exceeded"))
+    assert not refused(ConnectionRefusedError(111, "Connection refused"))

@@ -14,16 +14,22 @@ takes up to 5 s, and never ends a worker stuck in a dataset call). The kernel se
 when the *thread* that started the workers ends: the trainer iterates its loader on the
 main thread. A worker that ignores SIGTERM also ignores torch's terminate() of a worker
 that did not stop within 5 s at shutdown; such a one then ends with the main process.
+At the end of a run the trainer ends them itself (:func:`end_workers`): asked to stop the
+way torch asks, then killed when they have not within seconds, so a worker that never
+finishes exiting (a dataset's thread that never ends keeps its interpreter alive) cannot
+hold the run's exit.
 
 :func:`loader_worker_init` gives a DataLoader of the user's own the same setup.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
-from contextlib import contextmanager
+import time
+from collections.abc import Callable
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -31,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 from train.core.host import die_with_parent, process_alive
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+WORKERS_EXIT_S = 5.0  # how long workers asked to stop may take before they are killed
 
 
 def worker_init(main_pid: int, user_init, worker_id: int) -> None:
@@ -45,7 +52,7 @@ def worker_init(main_pid: int, user_init, worker_id: int) -> None:
         user_init(worker_id)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _signals_held():
     """Hold SIGTERM/SIGINT while workers start: a forked worker inherits the mask, so one
     arriving before :func:`worker_init` runs is discarded there instead of killing it.
@@ -91,3 +98,40 @@ def make_loader(dataset: Dataset, batch_sampler, *, num_workers: int, pin_memory
     return Loader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
                   pin_memory=pin_memory, collate_fn=already_batched,
                   generator=torch.Generator().manual_seed(seed), **extra)
+
+
+def end_workers(batches, seconds_left: Callable[[], float]) -> str | None:
+    """End the worker processes of a DataLoader iterator within ``seconds_left()`` (and
+    WORKERS_EXIT_S at most): torch's own request (its done event, a None on each index
+    queue), then SIGKILL for any still running. They ignore SIGTERM, so torch's
+    terminate() could not end one; killing one loses nothing, a worker only reads data.
+    Returns what was killed, in words, or None. A loader without workers, or one already
+    shut down, is left as it is. (torch's _MultiProcessingDataLoaderIter has no public
+    way to do this: the private names used here are those of torch 2.13.)"""
+    workers = list(getattr(batches, "_workers", ()))
+    if not workers or getattr(batches, "_shutdown", True):
+        return None
+    batches._workers_done_event.set()
+    for worker_id in range(len(workers)):
+        batches._mark_worker_as_unavailable(worker_id, shutdown=True)
+    until = time.monotonic() + WORKERS_EXIT_S
+    while any(w.is_alive() for w in workers) and \
+            min(seconds_left(), until - time.monotonic()) > 0:
+        time.sleep(0.05)
+    stuck = [w for w in workers if w.is_alive()]
+    if stuck and batches._worker_pids_set:
+        # forgotten first: torch's SIGCHLD handler fails the iterator for a killed worker
+        from torch.utils.data import _utils
+        _utils.signal_handling._remove_worker_pids(id(batches))
+        batches._worker_pids_set = False
+    for w in stuck:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(w.pid, signal.SIGKILL)
+    for w in stuck:
+        w.join(timeout=1)
+    batches._shutdown_workers()  # its queues; the workers are gone, so at once
+    if not stuck:
+        return None
+    return (f"DataLoader worker process{'es' if len(stuck) > 1 else ''} "
+            f"{', '.join(str(w.pid) for w in stuck)} (killed: still running "
+            f"{WORKERS_EXIT_S:.0f} s after it was told to stop)")

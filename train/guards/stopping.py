@@ -1,5 +1,6 @@
 """Stopping cleanly: a signal becomes the same stop step on every rank (a step that
-makes no progress: :mod:`train.guards.watchdog`).
+makes no progress: :mod:`train.guards.watchdog`); one during the run's end cuts that
+end short (:mod:`train.guards.shutdown`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import signal
 
 import torch
 import torch.distributed as dist
+
+from train.guards.shutdown import SIGNALLED_S, Shutdown
 
 log = logging.getLogger("train")
 
@@ -25,18 +28,26 @@ class StopFlag:
 
     AGREE_EVERY_S = 0.5
 
-    def __init__(self) -> None:
+    def __init__(self, shutdown: Shutdown | None = None) -> None:
         self.requested = False
         self.every = 1
+        self.shutdown = shutdown
 
     def install(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        if not self.requested:
-            log.warning("received %s: stopping with a checkpoint", signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if self.shutdown is not None and self.shutdown.begun:  # the checkpoint is written
+            if not self.requested:
+                log.warning("received %s during the run's end: ending within %.0f s", name,
+                            SIGNALLED_S)
+        elif not self.requested:
+            log.warning("received %s: stopping with a checkpoint", name)
         self.requested = True
+        if self.shutdown is not None:
+            self.shutdown.signalled()
 
     def pace(self, mean_step_time_s: float) -> None:
         """Called with the same value on every rank (an all-reduced mean), at the same step."""

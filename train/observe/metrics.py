@@ -21,6 +21,7 @@ from train.core import rundir
 from train.core.config import Config, to_yaml
 from train.core.files import json_text, open_append, write_atomic
 from train.core.identity import COMMAND_VAR
+from train.guards.shutdown import Shutdown
 from train.observe.board import Board
 from train.observe.console import Console, format_duration
 from train.observe.trackers import Trackers
@@ -53,7 +54,10 @@ def truncate_jsonl(path: Path, keep_through_step: int) -> None:
 class MetricsLogger:
     """Writes every sink; created on rank 0 only."""
 
-    def __init__(self, cfg: Config, run_dir: Path, start_step: int, *, throughput_unit: str):
+    def __init__(self, cfg: Config, run_dir: Path, start_step: int, *, throughput_unit: str,
+                 shutdown: Shutdown | None = None):
+        """``shutdown``: the run's end, whose deadline bounds the trackers' close."""
+        self.shutdown = shutdown or Shutdown(cfg.train.shutdown_timeout_s)
         self.cfg, self.max_steps, self.unit = cfg, cfg.train.max_steps, throughput_unit
         self.jsonl_path = run_dir / rundir.METRICS
         truncate_jsonl(self.jsonl_path, start_step)
@@ -139,9 +143,10 @@ class MetricsLogger:
         if self.tb:
             # finished: HParams row (metrics: the final evaluation's, else the train loss)
             self.tb.close(self.hparams if final is not None else None, metrics=list(final or {}))
-        self.trackers.close(status)
         self.console.close()
         self.jsonl.close()
+        for what in self.trackers.close(status, self.shutdown.seconds_left):  # may wait
+            self.shutdown.abandon(what)
 
 
 def _flat_hparams(cfg: Config) -> dict[str, Any]:

@@ -13,11 +13,15 @@ restarted attempt continues that run (MLflow: the same run, set back to RUNNING;
 steps between the last checkpoint and a crash appear twice there (the lost attempt's
 and the rerun's); metrics.jsonl and TensorBoard keep only the rerun's.
 
-A tracker is an observer, never a reason to lose training: failing to start one ends
-the launch with one line (exit 3: the server is unreachable, the URI is wrong), but a
-failure mid-run (a server restart, a network blip) is one warning, after which the run
-goes on without that tracker; metrics.jsonl still has every row. MLflow logs from a
-background queue (``synchronous=False``), so a slow server does not slow the step.
+A tracker is an observer, never a reason to lose training, nor to hold a run's end:
+failing to start one ends the launch with one line (exit 3: the server is unreachable,
+the URI is wrong). After that every call goes through a bounded buffer on a thread of
+its own (train/observe/sender.py): a server that restarts or vanishes mid-run is one
+warning when it stops answering and one when it answers again, its metrics kept
+meanwhile; at the run's end the buffer and the run's close get what is left of
+``train.shutdown_timeout_s``. MLflow's client is made to give up on a call within
+seconds (MLFLOW_CALL_DEFAULTS: its own default retries a call for minutes), and
+urllib3's "Retrying ..." warning for every retried call stays off the console.
 
 Upstream: https://mlflow.org/docs/latest/api_reference/python_api/mlflow.client.html,
 https://docs.wandb.ai/ref/python/sdk/functions/init/.
@@ -26,6 +30,7 @@ https://docs.wandb.ai/ref/python/sdk/functions/init/.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import io
 import json
@@ -42,6 +47,7 @@ from train.core.config import Config
 from train.core.errors import CannotRunHere
 from train.core.files import write_json_atomic
 from train.core.tracker_config import MLFLOW_URI_VAR, mlflow_uri, said, shown_uri, wanted
+from train.observe.sender import Row, Sender
 
 log = logging.getLogger("train")
 
@@ -50,6 +56,13 @@ RECORD = rundir.TRACKERS  # in the run directory: which tracker runs this run co
 # value 6000 characters
 PARAM_KEY = re.compile(r"[^\w\-. /]")
 MAX_PARAM_KEY, MAX_PARAM_VALUE = 250, 6000
+# MLflow's client retries a failed call 7 times with a doubling pause (minutes against a
+# server that is gone) and waits 120 s for an answer; the sender retries by itself, so a
+# call gives up within seconds. A value the user set in the environment wins.
+MLFLOW_CALL_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+                        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                        "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+START_FAILED_CLOSE_S = 10.0  # closing the runs already started when another fails to start
 
 
 def mlflow_params(params: dict[str, Any]) -> dict[str, str]:
@@ -57,6 +70,18 @@ def mlflow_params(params: dict[str, Any]) -> dict[str, str]:
     limits."""
     return {PARAM_KEY.sub("_", k)[:MAX_PARAM_KEY]: str(v)[:MAX_PARAM_VALUE]
             for k, v in params.items()}
+
+
+def mlflow_client(uri: str):
+    """An MlflowClient whose calls give up within seconds (MLFLOW_CALL_DEFAULTS) and
+    whose retries stay off the console."""
+    for name, value in MLFLOW_CALL_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    # one "Retrying (Retry(total=...)) after connection broken" warning per retried call:
+    # 65 lines for one server restart; the sender says it in two
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+    from mlflow import MlflowClient
+    return MlflowClient(uri)
 
 
 def read_record(run_dir: Path) -> dict:
@@ -76,9 +101,8 @@ class MlflowRun:
     name = "MLflow"
 
     def __init__(self, cfg: Config, run_dir: Path, params: dict[str, Any], previous: dict):
-        from mlflow import MlflowClient
         self.uri = mlflow_uri(cfg)
-        self.client = MlflowClient(self.uri)
+        self.client = mlflow_client(self.uri)
         same_server = previous.get("tracking_uri") == shown_uri(self.uri)
         run = self._continue(previous["run_id"]) if same_server and "run_id" in previous \
             else None
@@ -130,11 +154,19 @@ class MlflowRun:
         for i in range(0, len(items), 100):  # MLflow's limit per batch
             self.client.log_batch(self.run_id, params=items[i:i + 100])
 
-    def log(self, step: int, values: dict[str, float]) -> None:
+    def send_rows(self, rows: list[Row]) -> None:
+        """Metric rows in one call (the sender's thread: it may wait on the server)."""
         from mlflow.entities import Metric
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, synchronous=False,
-                              metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
+        self.client.log_batch(self.run_id, metrics=[
+            Metric(k, float(v), now, step) for step, values in rows for k, v in values.items()])
+
+    @staticmethod
+    def refused(exc: BaseException) -> bool:
+        """A 4xx answer (the run is gone, a value it will never take, credentials no
+        longer valid): retrying cannot help. No answer, a 5xx, 408 or 429: an outage."""
+        status = getattr(exc, "get_http_status_code", lambda: 500)()
+        return 400 <= status < 500 and status not in (408, 429)
 
     def artifact(self, path: Path, folder: str | None = None) -> None:
         if path.is_dir():
@@ -168,8 +200,16 @@ class WandbRun:
             # the console stays ours (W&B would wrap stdout); its own lines go to its logs
             settings=wandb.Settings(console="off", silent=True))
 
-    def log(self, step: int, values: dict[str, float]) -> None:
-        self.run.log(values, step=step)
+    def send_rows(self, rows: list[Row]) -> None:
+        for step, values in rows:
+            self.run.log(values, step=step)
+
+    @staticmethod
+    def refused(exc: BaseException) -> bool:
+        """Only a communication error is an outage (online mode); anything else (a
+        usage error, a full disk in offline mode) will not pass on a retry."""
+        import wandb.errors
+        return not isinstance(exc, wandb.errors.CommError)
 
     def artifact(self, path: Path, folder: str | None = None) -> None:
         pass  # W&B artifacts need a project on a server; the run's files name the export
@@ -187,50 +227,62 @@ KINDS = {"mlflow": MlflowRun, "wandb": WandbRun}
 
 
 class Trackers:
-    """The trackers a config asks for (rank 0 only); each failure mid-run is one warning."""
+    """The trackers a config asks for (rank 0 only), each behind its own sender."""
 
     def __init__(self, cfg: Config, run_dir: Path, params: dict[str, Any]):
         self.runs: dict[str, Any] = {}
+        self.senders: dict[str, Sender] = {}
         self.closed_lines: list[str] = []
         record = read_record(run_dir)
         for kind in wanted(cfg):
             try:
-                self.runs[kind] = KINDS[kind](cfg, run_dir, params, record.get(kind) or {})
+                run = KINDS[kind](cfg, run_dir, params, record.get(kind) or {})
             except Exception as exc:  # the tracker's own errors: one line, exit 3
-                self.close("FAILED")
+                self.close("FAILED", _seconds_from_now(START_FAILED_CLOSE_S))
                 where = f" at {shown_uri(mlflow_uri(cfg) or '')}" if kind == "mlflow" else ""
                 raise CannotRunHere(
                     f"{KINDS[kind].name}{where} could not start a run: "
                     f"{said(exc)}; check the server and its "
                     f"credentials, or turn it off in logging.{kind}") from None
-            record[kind] = self.runs[kind].record
+            self.runs[kind] = run
+            self.senders[kind] = Sender(run.name, run.send_rows, run.refused)
+            record[kind] = run.record
             write_json_atomic(run_dir / RECORD, record)
 
-    def _each(self, what: str, call) -> None:
-        for kind, run in list(self.runs.items()):
-            try:
-                call(run)
-            except Exception as exc:
-                log.warning("%s: %s failed (%s); training goes on without it (metrics.jsonl "
-                            "has every row)", run.name, what, said(exc, 200))
-                del self.runs[kind]
-
     def log(self, step: int, values: dict[str, float]) -> None:
-        self._each("logging", lambda run: run.log(step, values))
+        """Hands the row over; never waits on a server."""
+        for sender in self.senders.values():
+            sender.metrics(step, values)
 
     def artifact(self, path: Path, folder: str | None = None) -> None:
-        self._each(f"uploading {path.name}", lambda run: run.artifact(path, folder))
+        for kind, sender in self.senders.items():
+            sender.call(f"uploading {path.name}",
+                        functools.partial(self.runs[kind].artifact, path, folder))
 
     def lines(self) -> list[str]:
-        """The summary's lines: where each run is (also after close)."""
+        """The summary's lines: where each run is (also after close); a tracker that
+        refused a call is left out."""
         return self.closed_lines or [f"  {run.name:<14} {run.link()}"
-                                     for run in self.runs.values()]
+                                     for kind, run in self.runs.items()
+                                     if self.senders[kind].running]
 
-    def close(self, status: str) -> None:
-        """status: FINISHED, FAILED or KILLED (MLflow's words)."""
+    def close(self, status: str, seconds_left) -> list[str]:
+        """status: FINISHED, FAILED or KILLED (MLflow's words). Sends what waits and
+        closes each run while ``seconds_left()`` is above 0; returns what was abandoned
+        (one entry per tracker that did not finish)."""
         self.closed_lines = self.lines()
-        self._each("closing", lambda run: run.close(status))
+        for kind, sender in self.senders.items():  # every close queued, then the waits
+            sender.close(functools.partial(self.runs[kind].close, status))
+        abandoned = [left for sender in self.senders.values()
+                     if (left := sender.wait(seconds_left))]
         self.runs.clear()
+        self.senders.clear()
+        return abandoned
+
+
+def _seconds_from_now(seconds: float):
+    until = time.monotonic() + seconds
+    return lambda: until - time.monotonic()
 
 
 def upload_export(run_dir: Path, out: Path) -> str | None:
@@ -250,9 +302,8 @@ def upload_export(run_dir: Path, out: Path) -> str | None:
         return (f"warning: not uploaded to MLflow run {previous.get('run_id')}: "
                 + ("no tracking URI (set MLFLOW_TRACKING_URI)" if not uri
                    else "mlflow is not installed here"))
-    from mlflow import MlflowClient
     try:
-        MlflowClient(uri).log_artifacts(previous["run_id"], str(out), rundir.EXPORT)
+        mlflow_client(uri).log_artifacts(previous["run_id"], str(out), rundir.EXPORT)
     except Exception as exc:
         return f"warning: MLflow upload failed ({said(exc, 200)})"
     return f"uploaded to MLflow run {previous['run_id']} (artifacts: export/)"

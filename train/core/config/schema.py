@@ -157,6 +157,13 @@ class TrainLoopConfig:
                 "train.max_skipped_steps times per run).")
     max_skipped_steps: int = opt(10, "skip_step: updates a run may skip; one more stops it "
                                      "as with stop.", ge=0)
+    shutdown_timeout_s: float = opt(30.0, "After the last step and its checkpoint: how long "
+                                          "the run's end may wait, in all, for what lies "
+                                          "outside it (trackers sending buffered metrics and "
+                                          "closing their run, uploads, DataLoader worker "
+                                          "processes); then it ends anyway and one line names "
+                                          "what it gave up on. A stop signal leaves 2 s.",
+                                    ge=0.0)
 
 
 @dataclass(kw_only=True)
