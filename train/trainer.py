@@ -1,13 +1,12 @@
 """The training loop: resume, step, log, evaluate, checkpoint, stop.
 
-Runs the same in one plain process and under torchrun (DDP or FSDP over gloo or
-nccl). What it trains with is built by :mod:`train.components`; its progress is a
-:class:`~train.checkpoint.state.TrainState`, saved and restored with the checkpoint. Gradient
-accumulation keeps ``train.global_batch_size`` whatever the world size, and the data
-order is the global one from :mod:`train.data.order`, so a run resized or resumed between
-steps continues exactly where it stopped. Before step 1 of a multi-node run, every rank
-takes part in the preflight check (:mod:`train.guards.preflight`): slow or bad nodes named.
-"""
+Runs the same in one plain process and under torchrun (DDP or FSDP over gloo or nccl).
+Its parts are built by :mod:`train.components`; its progress, a
+:class:`~train.checkpoint.state.TrainState`, is saved with the checkpoint. Gradient
+accumulation keeps ``train.global_batch_size`` at any world size, and the data order is
+the global one of :mod:`train.data.order`: a run resized or resumed between steps goes on
+exactly where it stopped. Multi-node runs pass the preflight check
+(:mod:`train.guards.preflight`, naming slow or bad nodes) before step 1."""
 
 from __future__ import annotations
 
