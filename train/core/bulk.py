@@ -33,24 +33,67 @@ from pathlib import Path
 
 from train.core.files import create_new_fd
 
-CHUNK = 8 << 20      # bytes per write: large enough for the disk, small enough to overlap
+CHUNK = 4 << 20      # bytes per write: large enough for the disk, small enough to overlap
 DEPTH = 4            # chunks in flight (memory: DEPTH x CHUNK per open file)
+INLINE = 2 * CHUNK   # the first bytes of a file are hashed and written by the caller
+
+# Chunks kept between files and saves: memory touched for the first time costs a page
+# fault per 4 KiB, which on a busy VM took longer than hashing and writing it (11 MiB:
+# 35-80 ms). DEPTH chunks (16 MiB) stay with the process after its first large write.
+_IDLE: list[mmap.mmap] = []
+_IDLE_LOCK = threading.Lock()
 
 
-def _direct(fd: int) -> bool:
-    """Switch ``fd`` to O_DIRECT; False where the file system refuses it (tmpfs on older
-    kernels, some FUSE and overlay file systems): the page cache is used then."""
-    if not hasattr(os, "O_DIRECT"):
+def _take() -> mmap.mmap:
+    with _IDLE_LOCK:
+        if _IDLE:
+            return _IDLE.pop()
+    return mmap.mmap(-1, CHUNK)
+
+
+def _give(chunk: mmap.mmap) -> None:
+    with _IDLE_LOCK:
+        if len(_IDLE) < DEPTH:
+            _IDLE.append(chunk)
+
+
+class _Disk:
+    """Where the chunks go: whole chunks with O_DIRECT where the file system takes it,
+    the page cache otherwise (and for the tail, which is not a whole number of blocks)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.direct = _set_direct(fd, True)
+
+    def put(self, data: memoryview, offset: int) -> None:
+        try:
+            _pwrite_all(self.fd, data, offset)
+        except OSError as exc:
+            if not (self.direct and exc.errno == errno.EINVAL):
+                raise
+            # O_DIRECT accepted when set, refused when used (alignment larger than a page):
+            # the page cache, then
+            self.buffered()
+            _pwrite_all(self.fd, data, offset)
+
+    def buffered(self) -> None:
+        if self.direct:
+            _set_direct(self.fd, False)
+            self.direct = False
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Switch O_DIRECT on or off; False where the file system refuses it (tmpfs on
+    older kernels, some FUSE and overlay file systems)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
         return False
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-        return True
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | flag if on else flags & ~flag)
+        return on
     except OSError:
         return False
-
-
-def _buffered(fd: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~getattr(os, "O_DIRECT", 0))
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -62,12 +105,11 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 class _Pipeline:
     """The hashing and the writing thread, fed full chunks in file order."""
 
-    def __init__(self, fd: int, sha):
-        self.fd, self.sha, self.error = fd, sha, None
-        self.direct = _direct(fd)
+    def __init__(self, disk: _Disk, sha):
+        self.disk, self.sha, self.error = disk, sha, None
         self.free: queue.Queue = queue.Queue()
         for _ in range(DEPTH - 1):  # the caller holds one more, the one being filled
-            self.free.put(mmap.mmap(-1, CHUNK))
+            self.free.put(_take())
         self.to_hash: queue.Queue = queue.Queue()
         self.to_write: queue.Queue = queue.Queue()
         self.threads = [threading.Thread(target=self._hash, name="bulk-hash", daemon=True),
@@ -83,42 +125,37 @@ class _Pipeline:
         return self.free.get()
 
     def _hash(self) -> None:
-        while (item := self.to_hash.get()) is not None:
-            self.sha.update(item[0])
-            self.to_write.put(item)
-        self.to_write.put(None)
+        try:
+            while (item := self.to_hash.get()) is not None:
+                self.sha.update(item[0])
+                self.to_write.put(item)
+        finally:
+            self.to_write.put(None)
 
     def _write(self) -> None:
         while (item := self.to_write.get()) is not None:
             chunk, offset = item
             if self.error is None:  # after a failure, only keep the chunks flowing back
                 try:
-                    self._put(memoryview(chunk), offset)
+                    self.disk.put(memoryview(chunk), offset)
                 except OSError as exc:
                     self.error = exc
             self.free.put(chunk)
 
-    def _put(self, data: memoryview, offset: int) -> None:
-        try:
-            _pwrite_all(self.fd, data, offset)
-        except OSError as exc:
-            if not (self.direct and exc.errno == errno.EINVAL):
-                raise
-            # O_DIRECT accepted when set, refused when used (alignment larger than a page):
-            # the page cache, then
-            self.direct = False
-            _buffered(self.fd)
-            _pwrite_all(self.fd, data, offset)
-
     def drain(self) -> None:
         """Wait for every chunk handed on; the first write error is raised."""
-        self.to_hash.put(None)
-        for thread in self.threads:
-            thread.join()
-        if self.direct:
-            _buffered(self.fd)  # the tail is not a whole number of blocks
+        self.stop()
         if self.error is not None:
             raise self.error
+
+    def stop(self) -> None:
+        """Let the threads finish what they hold and end; their chunks go back."""
+        if any(thread.is_alive() for thread in self.threads):
+            self.to_hash.put(None)
+            for thread in self.threads:
+                thread.join()
+        while not self.free.empty():
+            _give(self.free.get())
 
 
 class BulkFile:
@@ -131,17 +168,22 @@ class BulkFile:
         self.fd = create_new_fd(Path(path))
         self.sha = hashlib.sha256()
         self.digest: str | None = None
-        self._chunk = bytearray()      # the first chunk: a small file never leaves it
-        self._fill = 0                 # bytes in the current chunk
-        self._offset = 0               # file offset of the current chunk
+        self._chunk = _take()
+        self._fill = 0                      # bytes in the current chunk
+        self._offset = 0                    # file offset of the current chunk
+        self._disk: _Disk | None = None     # from the first full chunk on
         self._pipeline: _Pipeline | None = None
 
     def write(self, data) -> int:
-        view = memoryview(data).cast("B")
+        view = data if isinstance(data, bytes) else memoryview(data).cast("B")
         size = len(view)
+        end = self._fill + size
+        if end < CHUNK:  # most writes: a header, a small tensor
+            self._chunk[self._fill:end] = view
+            self._fill = end
+            return size
         while view:
-            room = CHUNK - self._fill
-            take = view[:room]
+            take = view[:CHUNK - self._fill]
             self._chunk[self._fill:self._fill + len(take)] = take
             self._fill += len(take)
             view = view[len(take):]
@@ -150,11 +192,18 @@ class BulkFile:
         return size
 
     def _hand_on(self) -> None:
-        if self._pipeline is None:  # the file is large: from now on, the pipeline's
-            self._pipeline = _Pipeline(self.fd, self.sha)
-            first, self._chunk = self._chunk, mmap.mmap(-1, CHUNK)
-            self._chunk[:] = first
-        self._chunk = self._pipeline.submit(self._chunk, self._offset)
+        """A full chunk: hashed and written here while the file is small (handing it to
+        threads would cost more than it saves on a busy machine), by the pipeline once
+        the file is large."""
+        if self._disk is None:
+            self._disk = _Disk(self.fd)
+        if self._offset < INLINE:
+            self.sha.update(self._chunk)
+            self._disk.put(memoryview(self._chunk), self._offset)
+        else:
+            if self._pipeline is None:
+                self._pipeline = _Pipeline(self._disk, self.sha)
+            self._chunk = self._pipeline.submit(self._chunk, self._offset)
         self._offset += CHUNK
         self._fill = 0
 
@@ -173,6 +222,8 @@ class BulkFile:
             try:
                 if self._pipeline is not None:
                     self._pipeline.drain()
+                if self._disk is not None:
+                    self._disk.buffered()  # the tail is not a whole number of blocks
                 tail = memoryview(self._chunk)[:self._fill]
                 self.sha.update(tail)
                 _pwrite_all(self.fd, tail, self._offset)
@@ -184,10 +235,12 @@ class BulkFile:
 
     def abandon(self) -> None:
         """Stop without making anything durable (after a failure)."""
-        if self._pipeline is not None and any(t.is_alive() for t in self._pipeline.threads):
-            self._pipeline.to_hash.put(None)
-            for thread in self._pipeline.threads:
-                thread.join()
+        if self._pipeline is not None:
+            self._pipeline.stop()
+            self._pipeline = None
+        if self._chunk is not None:
+            _give(self._chunk)
+            self._chunk = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
