@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from train.checkpoint.serializer import without_zip_crc
 from train.core.bulk import BulkFile
 from train.core.files import fsync_dir
 
@@ -50,8 +51,8 @@ def _writer(folder: Path):
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            with BulkFile(Path(path)) as stream:
-                yield stream
+            with without_zip_crc(), BulkFile(Path(path)) as stream:
+                yield stream  # DCP torch.saves each tensor into it
             self.digests[Path(path)] = stream.digest
 
         def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
