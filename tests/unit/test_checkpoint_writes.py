@@ -118,6 +118,7 @@ def test_a_checkpoint_file_loads_with_torch_load_and_leaves_torch_settings_alone
     assert torch.serialization.get_crc32_options() is True
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_shards_are_hashed_as_written_and_load_back(tmp_path):
     state = {"model": {"w": torch.randn(2 * CHUNK // 4 + 5)}, "optimizer": {"n": torch.arange(9)}}
     written = sharded.save(state, tmp_path)
