@@ -1,18 +1,28 @@
-"""Checkpoint cost of the formats under FSDP: full (rank 0 gathers every tensor and
-writes one file) against sharded (each rank writes its own shards), in the foreground
-and in the background (DCP's async_save: training blocked only while the shards are
-copied to CPU memory).
+"""Checkpoint cost against the disk: how fast the trainer's saves write, next to a plain
+durable write of the same bytes measured in the same process right after.
 
-For each model size, one torchrun of 2 processes (gloo, CPU) per format builds the same
-FSDP model of Linear layers with its Adam state, saves a checkpoint with the trainer's
-own functions (train.distributed.parallel.full_state + one fsync'ed file, or
-train.checkpoint.sharded) and loads it back into a fresh model. Printed per size, with
-ratios against full: seconds a save blocks its caller, save and load seconds (the
-slowest rank), and each rank's peak RSS during the save and during the load above its
-RSS when that began. What rank 0 must hold in the full format grows with the whole
-model; in a sharded save with its own part.
+Formats, under FSDP (one torchrun of 2 processes, gloo, CPU, per format and round):
+full (rank 0 gathers every tensor and writes one file) and sharded (each rank writes its
+own shards), the latter also in the background (DCP's async_save: training blocked only
+while the shards are copied to CPU memory; the second background save is the one
+reported, the first one of a process also allocates the copy). Each save goes through
+the trainer's own Checkpointer (every file hashed and fsync'ed, checksums.json, the
+folder renamed into place, ``latest`` replaced) with the model and Adam state of a stack
+of Linear layers.
+
+The reference: every rank writes as many bytes as it wrote for the save into one file,
+durably (fsync), at the same time as the other rank, twice: through the page cache in
+64 MiB writes, and with O_DIRECT in 8 MiB writes. The faster one is "the disk's"
+bandwidth; a save's bandwidth is the checkpoint's bytes over the time from the save call
+to the sealed checkpoint (the full format's gather onto rank 0 is printed apart, as
+"collect"). Ratios are taken per round, then the median over rounds.
+
+The small job: the quick start's model (a byte GPT, 3 x 160) with its AdamW state, one
+process, saved by the Checkpointer against a hand-written ``torch.save`` of the same
+dictionary followed by fsync, alternating.
 
     python -m bench.checkpoint [--widths 1448,2896] [--layers 8] [--rounds 2]
+                               [--small-rounds 10] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import mmap
 import os
 import statistics
 import subprocess
@@ -29,7 +40,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FORMATS = ("full", "sharded", "sharded-async")
+FORMATS = ("full", "sharded")
+MiB = 1 << 20
+MB = 1e6   # bandwidths in MB/s, as dd prints them
 
 
 def _status_mib(field: str) -> float:
@@ -49,6 +62,35 @@ def _peak_above(start: float) -> float:
     return _status_mib("VmHWM") - start
 
 
+# ------------------------------------------------------------- the plain durable write
+
+def plain_write(path: Path, size: int, direct: bool) -> float:
+    """Seconds to write ``size`` bytes into a new file and fsync it: 64 MiB writes
+    through the page cache, or 8 MiB O_DIRECT writes (the unaligned tail through the
+    page cache)."""
+    chunk = 8 * MiB if direct else 64 * MiB
+    block = mmap.mmap(-1, chunk)
+    block.write(os.urandom(MiB) * (chunk // MiB))
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0))
+    try:
+        done = 0
+        while size - done >= chunk or (not direct and done < size):
+            done += os.write(fd, memoryview(block)[:min(chunk, size - done)])
+        if done < size:
+            os.close(fd)
+            fd = os.open(path, os.O_WRONLY)
+            os.pwrite(fd, memoryview(block)[:size - done], done)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return seconds
+
+
+# ------------------------------------------------------------------- FSDP, 2 ranks
+
 def _build(width: int, layers: int):
     import torch
     from torch.distributed.fsdp import fully_shard
@@ -63,52 +105,78 @@ def _build(width: int, layers: int):
     return model, optimizer
 
 
-def _save(fmt: str, model, optimizer, folder: Path, rank: int) -> float:
-    """Save; return how long the caller was blocked (training would wait that long)."""
-    from train.checkpoint import sharded
-    from train.checkpoint.serializer import save_file
-    from train.distributed.parallel import full_state
+def _checkpointer(run_dir: Path):
+    import torch.distributed as dist
+
+    from train.checkpoint import Checkpointer
+
+    def gather(value):
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+    return Checkpointer(run_dir, rank=dist.get_rank(), keep_last=3,
+                        world_size=dist.get_world_size(), barrier=dist.barrier, gather=gather)
+
+
+def _save(fmt: str, ckpt, model, optimizer, step: int, background: bool) -> dict:
+    """One save as the trainer makes it; seconds collecting, blocked, until sealed."""
+    import torch.distributed as dist
+
+    from train.checkpoint import formats
+    from train.checkpoint.state import rank_payload
+    dist.barrier()
     start = time.perf_counter()
-    if fmt == "sharded-async":
-        finish = sharded.save_in_background(sharded.state_dicts(model, optimizer), folder)
-        blocked = time.perf_counter() - start
-        finish()
-        return blocked
-    if fmt == "sharded":
-        sharded.save(sharded.state_dicts(model, optimizer), folder)
-    else:
-        model_state, optim_state = full_state(model, optimizer)
-        if rank == 0:
-            save_file({"model": model_state, "optimizer": optim_state}, folder / "state.pt")
-    return time.perf_counter() - start
+    model_state, optim_state, shards = formats.FORMATS[fmt].collect(model, optimizer,
+                                                                    background)
+    collected = time.perf_counter()
+    shared = {"step": step, "model": model_state, "optimizer": optim_state, "format": fmt}
+    ckpt.save(step, shared, rank_payload(dist.get_rank()), background=background,
+              shards=shards)
+    blocked = time.perf_counter()
+    ckpt.wait()
+    dist.barrier()  # sealed by rank 0
+    end = time.perf_counter()
+    return {"collect_s": collected - start, "blocking_s": blocked - start,
+            "save_s": end - collected}
 
 
-def _load(fmt: str, model, optimizer, folder: Path) -> None:
-    import torch
-
-    from train.checkpoint import sharded
-    from train.distributed.parallel import load_full_state
-    if fmt.startswith("sharded"):
-        sharded.load(model, optimizer, folder)
-        return
-    saved = torch.load(folder / "state.pt", weights_only=True)
-    load_full_state(model, optimizer, saved["model"], saved["optimizer"])
+def _rank_bytes(folder: Path, rank: int) -> int:
+    """The bytes rank ``rank`` wrote into a sealed checkpoint folder."""
+    mine = [f"rank-{rank}.pt", f"model/__{rank}_0.distcp"]
+    if rank == 0:
+        mine += ["state.pt", "model/.metadata", "checksums.json"]
+    return sum((folder / name).stat().st_size for name in mine if (folder / name).exists())
 
 
-def worker(fmt: str, width: int, layers: int, folder: Path) -> None:
+def _reference(folder: Path, size: int) -> dict:
+    """Both plain durable writes of ``size`` bytes, every rank at once."""
+    import torch.distributed as dist
+    out = {}
+    for kind, direct in (("buffered", False), ("direct", True)):
+        dist.barrier()
+        out[f"{kind}_s"] = plain_write(folder / f"plain-{dist.get_rank()}", size, direct)
+    return out
+
+
+def worker(fmt: str, width: int, layers: int, run_dir: Path) -> None:
     """One rank under torchrun: prints one JSON line (rank 0 gathers every rank's)."""
     import torch.distributed as dist
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model, optimizer = _build(width, layers)
-    if fmt == "sharded-async":
+    ckpt = _checkpointer(run_dir)
+    row: dict = {"rank": rank}
+    rss = _phase_start()
+    row["sync"] = _save(fmt, ckpt, model, optimizer, 1, background=False)
+    row["save_peak_mib"] = _peak_above(rss)
+    folder = run_dir / "checkpoints" / "step-1"
+    row["bytes"] = _rank_bytes(folder, rank)
+    row["ref"] = _reference(run_dir, row["bytes"])
+    if fmt == "sharded":
         from train.checkpoint import sharded
         sharded.writer_group()  # made once per process, at the first background save
-    dist.barrier()
-    rss, start = _phase_start(), time.perf_counter()
-    blocked = _save(fmt, model, optimizer, folder, rank)
-    dist.barrier()
-    saved, save_peak = time.perf_counter() - start, _peak_above(rss)
+        row["async_first"] = _save(fmt, ckpt, model, optimizer, 2, background=True)
+        row["async"] = _save(fmt, ckpt, model, optimizer, 3, background=True)
     del model, optimizer
     gc.collect()
     model, optimizer = _build(width, layers)
@@ -116,9 +184,7 @@ def worker(fmt: str, width: int, layers: int, folder: Path) -> None:
     rss, start = _phase_start(), time.perf_counter()
     _load(fmt, model, optimizer, folder)
     dist.barrier()
-    row = {"rank": rank, "save_blocking_s": blocked, "save_s": saved,
-           "load_s": time.perf_counter() - start,
-           "save_peak_mib": save_peak, "load_peak_mib": _peak_above(rss)}
+    row["load_s"], row["load_peak_mib"] = time.perf_counter() - start, _peak_above(rss)
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -126,25 +192,102 @@ def worker(fmt: str, width: int, layers: int, folder: Path) -> None:
     dist.destroy_process_group()
 
 
+def _load(fmt: str, model, optimizer, folder: Path) -> None:
+    import torch
+
+    from train.checkpoint import sharded
+    from train.distributed.parallel import load_full_state
+    if fmt == "sharded":
+        sharded.load(model, optimizer, folder / "model")
+        return
+    saved = torch.load(folder / "state.pt", weights_only=True)
+    load_full_state(model, optimizer, saved["model"], saved["optimizer"])
+
+
 def measure(fmt: str, width: int, layers: int, workdir: Path) -> list[dict]:
-    folder = Path(tempfile.mkdtemp(dir=workdir))
+    run_dir = Path(tempfile.mkdtemp(dir=workdir))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           __file__, "--worker", fmt, str(width), str(layers), str(folder)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+           __file__, "--worker", fmt, str(width), str(layers), str(run_dir)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    subprocess.run(["rm", "-rf", str(run_dir)], check=False)
     if proc.returncode != 0:
         sys.exit(f"benchmark run failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def summarize(runs: list[list[dict]]) -> dict:
-    """Medians over rounds of the slowest rank's times and of each rank's peak."""
-    out = {key: statistics.median(max(r[key] for r in run) for run in runs)
-           for key in ("save_blocking_s", "save_s", "load_s")}
-    for rank in range(len(runs[0])):
-        for key in ("save_peak_mib", "load_peak_mib"):
-            out[f"{key}_rank{rank}"] = statistics.median(run[rank][key] for run in runs)
+def figures(run: list[dict]) -> dict:
+    """One round's figures: the slowest rank's times, bandwidths over every rank's bytes."""
+    total = sum(r["bytes"] for r in run) / MB
+    slowest = {key: max(r["sync"][key] for r in run) for key in run[0]["sync"]}
+    ref = {kind: total / max(r["ref"][f"{kind}_s"] for r in run)
+           for kind in ("buffered", "direct")}
+    out = {"MB": total, "collect_s": slowest["collect_s"], "save_s": slowest["save_s"],
+           "save_MBps": total / slowest["save_s"], "buffered_MBps": ref["buffered"],
+           "direct_MBps": ref["direct"], "disk_MBps": max(ref.values()),
+           "load_s": max(r["load_s"] for r in run)}
+    out["ratio"] = out["save_MBps"] / out["disk_MBps"]
+    if "async" in run[0]:
+        sync_blocking = slowest["blocking_s"]
+        out["async_blocking_s"] = max(r["async"]["blocking_s"] for r in run)
+        out["async_first_blocking_s"] = max(r["async_first"]["blocking_s"] for r in run)
+        out["sync_blocking_s"] = sync_blocking
+        out["async_ratio"] = out["async_blocking_s"] / sync_blocking
+    for r in run:
+        out[f"save_peak_mib_rank{r['rank']}"] = r["save_peak_mib"]
+        out[f"load_peak_mib_rank{r['rank']}"] = r["load_peak_mib"]
     return out
+
+
+def median_figures(rounds: list[dict]) -> dict:
+    return {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+
+
+def report_fsdp(width: int, layers: int, rows: dict[str, dict]) -> None:
+    params = layers * (width * width + width)
+    print(f"{params / 1e6:.1f} M parameters ({params * 12 / MiB:.0f} MiB with Adam), "
+          "2 processes (medians over rounds; ratio: per round, then the median):")
+    for key in rows["full"]:
+        cells = [f"{fmt} {rows[fmt][key]:9.2f}" for fmt in FORMATS if key in rows[fmt]]
+        print(f"  {key:22s} " + "  ".join(cells))
+
+
+# ------------------------------------------------------------------- the small job
+
+def small_job(rounds: int, workdir: Path) -> dict:
+    """The quick start's model and AdamW state: the Checkpointer's save against a
+    hand-written torch.save + fsync of the same dictionary (seconds, medians)."""
+    import torch
+
+    from train.checkpoint import Checkpointer
+    from train.checkpoint.state import rank_payload
+    from train.core.config.schema import ModelConfig
+    from train.models import GPT
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(kind="gpt", depth=3, width=160, heads=5, context_length=128,
+                            dropout=0.0), 256)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, 256, (2, 128))).float().sum().backward()
+    optimizer.step()
+    shared = {"step": 0, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    run_dir = Path(tempfile.mkdtemp(dir=workdir))
+    ckpt = Checkpointer(run_dir, rank=0, keep_last=2)
+    ours, plain = [], []
+    for step in range(1, rounds + 1):
+        start = time.perf_counter()
+        ckpt.save(step, {**shared, "step": step}, rank_payload(0))
+        ours.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        with (run_dir / f"plain-{step}.pt").open("wb") as f:
+            torch.save({**shared, "step": step}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        plain.append(time.perf_counter() - start)
+    size = (run_dir / "checkpoints" / f"step-{rounds}" / "state.pt").stat().st_size
+    subprocess.run(["rm", "-rf", str(run_dir)], check=False)
+    return {"MiB": size / MiB, "ours_s": statistics.median(ours),
+            "plain_s": statistics.median(plain),
+            "ratio": statistics.median(o / p for o, p in zip(ours, plain, strict=True))}
 
 
 def main() -> None:
@@ -152,23 +295,31 @@ def main() -> None:
     parser.add_argument("--widths", default="1448,2896")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--small-rounds", type=int, default=10)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temporary "
+                        "folder under $TMPDIR): the disk measured")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        small = small_job(args.small_rounds, Path(tmp))
+        print(f"small job ({small['MiB']:.1f} MiB, quick start's model + AdamW, 1 process): "
+              f"save {small['ours_s']:.3f} s, hand-written torch.save + fsync "
+              f"{small['plain_s']:.3f} s, ratio {small['ratio']:.2f}")
+        last: dict[str, dict] = {}
         for width in (int(w) for w in args.widths.split(",")):
-            params = args.layers * (width * width + width)
             result: dict[str, list] = {fmt: [] for fmt in FORMATS}
             for _ in range(args.rounds):  # alternating: machine noise hits all alike
                 for fmt in FORMATS:
-                    result[fmt].append(measure(fmt, width, args.layers, Path(tmp)))
-            rows = {fmt: summarize(runs) for fmt, runs in result.items()}
-            print(f"{params / 1e6:.1f} M parameters ({params * 12 / 2**20:.0f} MiB with Adam), "
-                  f"2 processes; ratios against full:")
-            for key in rows["full"]:
-                ref = rows["full"][key]
-                cells = [f"{fmt} {rows[fmt][key]:8.2f}" + (
-                    f" ({rows[fmt][key] / ref:.2f})" if fmt != "full" and ref > 0.01 else "")
-                    for fmt in FORMATS]
-                print(f"  {key:20s} " + "  ".join(cells))
+                    result[fmt].append(figures(measure(fmt, width, args.layers, Path(tmp))))
+            last = {fmt: median_figures(rounds) for fmt, rounds in result.items()}
+            report_fsdp(width, args.layers, last)
+    s = last["sharded"]
+    print(f"async save blocks {s['async_blocking_s']:.2f} s = {s['async_ratio']:.2f} of a "
+          f"synchronous one's {s['sync_blocking_s']:.2f} s (the first async save of a "
+          f"process {s['async_first_blocking_s']:.2f} s: it allocates the staging copy)")
+    for fmt in FORMATS:
+        row = last[fmt]
+        print(f"{fmt} save bandwidth: {row['save_MBps']:.0f} MB/s = {row['ratio']:.2f} of "
+              f"the disk's {row['disk_MBps']:.0f} MB/s")
 
 
 if __name__ == "__main__":

@@ -16,14 +16,14 @@ torch.distributed.checkpoint writes its shards itself).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from train.core.files import create_new, fsync_dir, sha256_file, write_atomic
+from train.core.bulk import BulkFile
+from train.core.files import fsync_dir, sha256_file, write_atomic
 
 
 class Storage(Protocol):
@@ -49,20 +49,6 @@ class Storage(Protocol):
         """A file, or a folder with all it holds; nothing when it is not there."""
 
 
-class _Hashing:
-    """A writable file that hashes what passes through it."""
-
-    def __init__(self, f: BinaryIO):
-        self.f, self.sha = f, hashlib.sha256()
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
 class LocalStorage:
     """A folder on a file system. No file is written through a symbolic link (a new
     file replaces a link at its name); folders may be links (checkpoints on another
@@ -75,14 +61,13 @@ class LocalStorage:
         return self.root / name if name else self.root
 
     def write(self, name: str, fill: Callable[[BinaryIO], None]) -> str:
+        """Large buffers, hashed in one thread and written in another while ``fill``
+        produces the next (:class:`~train.core.bulk.BulkFile`); fsync'ed at the end."""
         path = self.path(name)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with create_new(path) as f:
-            hashing = _Hashing(f)
-            fill(hashing)
-            f.flush()
-            os.fsync(f.fileno())
-        return hashing.sha.hexdigest()
+        with BulkFile(path) as f:
+            fill(f)
+        return f.digest
 
     def replace(self, name: str, data: bytes) -> None:
         write_atomic(self.path(name), data)

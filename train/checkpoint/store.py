@@ -33,7 +33,8 @@ from train.core import rundir
 from train.core.rundir import CHECKPOINTS, CHECKSUMS, LATEST, SHARDS, STATE_FILE
 
 # Shards: a collective writer of sharded state into a folder, returning the files this
-# rank wrote (in the background: a function that waits for the writes and returns them).
+# rank wrote with their SHA-256, hashed while written (in the background: a function that
+# waits for the writes and returns them).
 Shards = Callable[[Path], Any]
 
 
@@ -129,7 +130,7 @@ class Checkpointer:
         if self.rank == 0:
             self.storage.delete(save.partial)
 
-    def _write(self, save: _Save, shard_files: Callable[[], list[Path]] | None,
+    def _write(self, save: _Save, shard_files: Callable[[], dict[Path, str]] | None,
                progress: Callable[[], None] = lambda: None) -> dict[str, str]:
         """This rank's shards (``shard_files`` writes them, or waits for their writes)
         and files, each hashed: name in the folder -> SHA-256."""
@@ -137,9 +138,8 @@ class Checkpointer:
         if shard_files is not None:
             with writing(self.storage, save.partial, f"{save.partial}/{SHARDS}"):
                 top = self.storage.path(save.partial)
-                for path in shard_files():
-                    name = path.relative_to(top).as_posix()
-                    hashes[name] = self.storage.digest(f"{save.partial}/{name}")
+                for path, digest in shard_files().items():
+                    hashes[path.relative_to(top).as_posix()] = digest
             progress()
         for name, state in save.files.items():
             with writing(self.storage, save.partial, f"{save.partial}/{name}"):
@@ -147,7 +147,8 @@ class Checkpointer:
             progress()
         return hashes
 
-    def _in_background(self, save: _Save, pending: Callable[[], list[Path]] | None) -> None:
+    def _in_background(self, save: _Save, pending: Callable[[], dict[Path, str]] | None
+                       ) -> None:
         try:
             mine = self._write(save, pending)
             marker = f"{save.partial}/rank-{self.rank}.done"

@@ -65,13 +65,18 @@ def refusing_links(path: Path, flags: int, mode: int = 0o644) -> int:
         raise
 
 
-def create_new(path: Path) -> BinaryIO:
-    """A new file at ``path`` for writing, whatever stood there before (a leftover, or a
-    link, is removed first; the file it pointed at is untouched)."""
+def create_new_fd(path: Path) -> int:
+    """A new file at ``path`` opened for writing (a descriptor), whatever stood there
+    before (a leftover, or a link, is removed first; the file it pointed at is untouched)."""
     path = Path(path)
     if path.is_symlink() or path.exists():
         path.unlink()
-    return os.fdopen(refusing_links(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb")
+    return refusing_links(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+
+
+def create_new(path: Path) -> BinaryIO:
+    """:func:`create_new_fd` as a file object."""
+    return os.fdopen(create_new_fd(path), "wb")
 
 
 def open_append(path: Path) -> TextIO:
