@@ -48,12 +48,13 @@ def pytest_make_collect_report(collector):
 # first and the tier ends on short files, not on one worker still running a long file
 # while the other has nothing left. Files not named here follow, in name order.
 E2E_LONGEST_FIRST = (
-    "test_k8s_sim_runs", "test_hf_models_runs", "test_vanish", "test_strategies_runs",
-    "test_slurm", "test_training_runs", "test_credentials_runs", "test_trackers_runs",
-    "test_hangs", "test_multinode_runs", "test_sharded_checkpoints", "test_run_files_runs",
-    "test_liveness", "test_install", "test_your_code_runs", "test_safety_runs",
-    "test_slow_nodes", "test_tools_runs", "test_preflight_runs", "test_checkpoint_runs",
-    "test_slurm_preflight", "test_stragglers", "test_restarts",
+    "test_k8s_sim_runs", "test_trackers_runs", "test_hf_models_runs", "test_vanish",
+    "test_strategies_runs", "test_slurm", "test_training_runs", "test_credentials_runs",
+    "test_object_storage_runs", "test_hangs", "test_multinode_runs",
+    "test_sharded_checkpoints", "test_safety_runs", "test_run_files_runs", "test_liveness",
+    "test_install", "test_your_code_runs", "test_slow_nodes", "test_tools_runs",
+    "test_preflight_runs", "test_checkpoint_runs", "test_slurm_preflight", "test_stragglers",
+    "test_restarts",
 )
 
 

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from train.checkpoint.storage import _Hashing
 from train.core.remote_config import client, said
 
 __all__ = ["S3Storage", "client", "missing", "said"]
@@ -70,10 +69,10 @@ class S3Storage:
     # --------------------------------------------------------------- Storage
     def write(self, name: str, fill: Callable[[BinaryIO], None]) -> str:
         buffer = io.BytesIO()
-        hashing = _Hashing(buffer)
-        fill(hashing)
-        self.replace(name, buffer.getvalue())
-        return hashing.sha.hexdigest()
+        fill(buffer)
+        data = buffer.getvalue()  # in memory anyway: one PUT, then its hash
+        self.replace(name, data)
+        return hashlib.sha256(data).hexdigest()
 
     def replace(self, name: str, data: bytes, **conditions) -> dict:
         """One PUT (atomic in S3: a reader sees the old object or the new one).
