@@ -36,6 +36,10 @@ def requeue(command: tuple[str, ...], log: Callable[[str], None], timeout_s: flo
             "requeues it, as slurm/train-pyxis.sbatch and slurm/train-apptainer.sbatch do; "
             "otherwise resubmit it: it resumes from the checkpoint just written")
         return False
+    # said before: once SLURM takes the request it ends this step, this process included,
+    # often before the command returns; a failure is a second line
+    log(f"requeueing the job ({shlex.join(command)}): its next incarnation resumes from the "
+        "checkpoint just written")
     try:
         done = subprocess.run(list(command), capture_output=True, text=True,
                               timeout=timeout_s)
@@ -43,8 +47,6 @@ def requeue(command: tuple[str, ...], log: Callable[[str], None], timeout_s: flo
         why = f"{type(exc).__name__}: {exc}"
     else:
         if done.returncode == 0:
-            log(f"requeued the job ({shlex.join(command)}): its next incarnation resumes "
-                "from the checkpoint just written")
             return True
         why = " ".join((done.stderr or done.stdout).split()) or f"exit {done.returncode}"
     log(f"warning: the job was not requeued ({shlex.join(command)}: {why}); submit it with "

@@ -191,7 +191,7 @@ def test_the_template_requeues_itself_on_its_signal_and_finishes(cluster, refere
     signalled = time.monotonic()
     cluster.scancel(job, signal="USR1")
     release(out, held(cluster.work, name))
-    text = wait_for_text(out, "requeued the job", 120)
+    text = wait_for_text(out, "requeueing the job", 120)
     assert "stopped by SIGUSR1" in text
     resumed = wait_for_text(out, "resumed from", 300)
     first_step = time.monotonic() - signalled
@@ -200,7 +200,7 @@ def test_the_template_requeues_itself_on_its_signal_and_finishes(cluster, refere
     run = cluster.work / "runs" / name
     assert steps_logged(run) == list(range(1, STEPS + 1)), "each step trained once"
     assert_same_losses(losses(run), reference, rel=1e-6)
-    assert resumed.count("requeued the job") == 1
+    assert resumed.count("requeueing the job") == 1
     # the earlier incarnation's lease is taken, not waited for
     assert "an earlier incarnation of this job" in resumed, resumed[-3000:]
     assert "waiting up to" not in resumed, resumed[-3000:]

@@ -155,10 +155,11 @@ def test_a_refused_requeue_is_one_warning_not_a_failure(tmp_path):
     refuse = ("sh", "-c", "echo 'scontrol: error: Requested operation is presently "
                           "disabled for job 7' >&2; exit 1")
     assert requeue(refuse, said.append) is False
-    (line,) = said
+    intent, line = said
+    assert intent.startswith("requeueing the job (sh -c ")
     assert line.startswith("warning: the job was not requeued (sh -c ")
     assert ": scontrol: error: Requested operation is presently disabled for job 7); " in line
     assert "`sbatch --requeue`" in line and "resumes from the checkpoint just written" in line
-    assert requeue(("true",), said.append) is True and "requeued the job" in said[-1]
+    assert requeue(("true",), said.append) is True and "requeueing the job" in said[-1]
     assert requeue(("/no/such/scontrol",), said.append) is False
     assert said[-1].startswith("note: no /no/such/scontrol here (inside a container?)")
