@@ -3,17 +3,21 @@ tests/harness/s3server.py): a pod's replacement with an empty run directory resu
 from the store bitwise as the uninterrupted run went on (FSDP shards of two processes),
 passing over a remote checkpoint with a flipped byte (named); a store that goes away
 mid-run is one warning and exit 0; a store the launcher cannot reach is exit 3 before
-any worker starts; and the credentials appear in nothing a run writes or prints. The
+any worker starts; the credentials appear in nothing a run writes or prints; and the
+Kubernetes manifests with k8s/kustomize/objectstore (no shared volume) resume a lost
+pod's run from the store. The
 tier in process: tests/unit/test_object_storage.py. Skips without boto3 and weed
 (``make s3``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -152,3 +156,59 @@ def test_the_launcher_refuses_a_store_it_cannot_reach_before_any_worker(server, 
     assert dead in line and "bucket ckpt" in line and "checkpoint.remote" in line
     assert "Traceback" not in proc.stderr and "train.worker" not in proc.stderr
     assert not (tmp_path / "runs" / "r" / "checkpoints").exists()
+
+
+def test_a_pod_on_a_new_node_resumes_from_the_store_without_a_shared_volume(server, tmp_path):
+    """The CPU manifests with k8s/kustomize/objectstore, played by the stand-in kubelet
+    (tests/harness/kubesim.py): the run directory is the pod's own emptyDir, the
+    credentials come from the Secret train-s3. The worker pod's node is lost (killed) after
+    a checkpoint reached the store; its replacement starts with an empty disk, fetches
+    that checkpoint and the metrics, and trains the next steps to exactly the losses the
+    lost pod had logged for them; the store then holds every step's metrics once."""
+    from tests.e2e.test_k8s_sim_runs import SHORT
+    from tests.harness.kubesim import JOB, Cluster, kustomized
+    folder = kustomized(tmp_path, ["../cpu"], ["../objectstore"])
+    keys = {k: v for k, v in server.env().items() if k.startswith("AWS_")}
+    sim = Cluster(folder, tmp_path, network=False, secrets={"train-s3": keys})
+    s3 = server.client()
+    remote = ["checkpoint.remote=s3://ckpt/k8s", "checkpoint.every_steps=10"]
+
+    def stored(name: str) -> str:
+        got = s3.get_object(Bucket=s3server.BUCKET, Key=f"k8s/train-demo/{name}")
+        return got["Body"].read().decode()
+
+    def sealed_remotely() -> int | None:
+        try:
+            return int(stored("checkpoints/latest").strip().split("-")[1])
+        except s3.exceptions.NoSuchKey:
+            return None
+
+    try:
+        sim.start_deployment("train-rendezvous").wait_for(r"listening on", 60)
+        lost = sim.start_index(JOB, 0, [*SHORT, *remote, "train.max_steps=100000"])
+        wait_until(sealed_remotely, limit(240), lost)
+        lost.kill()  # the node is gone, and its disk with it
+        step = sealed_remotely()
+        before = losses(tmp_path / "pods" / lost.name / "runs" / "train-demo")
+        assert max(before) > step  # it trained past the checkpoint it lost
+        end = min(max(before), step + 10)
+        new = sim.start_index(JOB, 0, [*SHORT, *remote, f"train.max_steps={end}"])
+        assert new.wait(limit(300)) == 0, new.text()[-3000:]
+    finally:
+        sim.close()
+    assert f"fetched checkpoint step-{step} from s3://ckpt/k8s/train-demo" in new.text()
+    assert f"at step {step}, sample" in new.text()
+    after = losses(tmp_path / "pods" / new.name / "runs" / "train-demo")
+    assert [after[s] for s in range(step + 1, end + 1)] == \
+        [before[s] for s in range(step + 1, end + 1)]
+    rows = [json.loads(line) for line in stored("metrics.jsonl").splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(1, end + 1))
+    assert not (tmp_path / "pvc").exists()  # no shared volume was there to use
+
+
+def wait_until(sealed, seconds: float, pod) -> None:
+    deadline = time.monotonic() + seconds
+    while sealed() is None:
+        assert pod.running, pod.text()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint reached the store"
+        time.sleep(0.5)

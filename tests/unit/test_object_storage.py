@@ -171,6 +171,37 @@ def test_an_empty_run_directory_fetches_the_newest_remote_checkpoint(aws, tmp_pa
 
 
 @needs_s3
+def test_the_runs_record_is_mirrored_and_an_empty_disk_continues_its_metrics(aws, tmp_path):
+    """With each seal: metrics.jsonl (its whole lines only: a row being written is left
+    for the next seal), the other record files, and the TensorBoard event files that grew.
+    A run directory fetched from the store gets the metrics to continue."""
+    run = tmp_path / "run"
+    sealed_run(run, [2])
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"st')  # mid-write
+    (run / "config.yaml").write_text("seed: 0\n")
+    events = run / "tb" / "train" / "events.out.tfevents.1.host"
+    events.parent.mkdir(parents=True)
+    events.write_bytes(b"x" * 10)
+    remote = tier(tmp_path, "record")
+    remote.mirror(2)
+    s3 = aws.client()
+
+    def stored(name: str) -> bytes:
+        return s3.get_object(Bucket=s3server.BUCKET, Key=f"record/run/{name}")["Body"].read()
+
+    assert stored("metrics.jsonl") == b'{"step": 1}\n{"step": 2}\n'
+    assert stored("config.yaml") == b"seed: 0\n"
+    assert stored("tb/train/events.out.tfevents.1.host") == b"x" * 10
+    events.write_bytes(b"y" * 20)  # grew: sent again
+    remote.mirror_record()
+    assert stored("tb/train/events.out.tfevents.1.host") == b"y" * 20
+    LocalStorage(tmp_path).delete("run")
+    assert remote.fetch_newer() == 2
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert not (run / "tb").exists()  # a resumed run writes its own event files
+
+
+@needs_s3
 def test_a_flipped_byte_in_the_store_falls_back_naming_the_file(aws, tmp_path, caplog):
     sealed_run(tmp_path / "run", [2, 4])
     remote = tier(tmp_path, "flip")

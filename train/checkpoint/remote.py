@@ -12,7 +12,11 @@ background thread uploads it, so training never waits for the network:
 2. ``checksums.json`` itself: the checkpoint is now sealed remotely;
 3. the remote ``latest``, only when it names an older step (never moved backwards by a
    stale writer), written conditionally on the ETag read where the store supports it;
-4. ``checkpoint.keep_last`` applied to the remote step folders.
+4. ``checkpoint.keep_last`` applied to the remote step folders;
+5. the run's record beside them (:data:`RECORD`: metrics.jsonl, manifest.json,
+   config.yaml, result.json, and the TensorBoard event files that grew), so that a run
+   without a shared volume can be read with ``aws s3 sync`` and a pod with an empty disk
+   continues its metrics where the checkpoint left them.
 
 A failed operation is retried with backoff; a store that stays unreachable is one
 warning for the whole run (the local checkpoints still protect it) and each later
@@ -22,7 +26,9 @@ for upload: an older one not started yet is skipped.
 Resuming (:meth:`RemoteTier.fetch_newer`, rank 0, before the local choice): a remote
 checkpoint newer than every local one is downloaded into ``step-N.partial``, every file
 checked against its ``checksums.json`` as it arrives, then sealed locally like a fresh
-save; one that does not verify is named and the previous remote one tried. The local
+save; one that does not verify is named and the previous remote one tried. An empty run
+directory also gets the record a resumed run continues (metrics.jsonl, rewound to the
+checkpoint's step as on any resume, and manifest.json). The local
 choice (:mod:`.policy`) then resumes from it exactly as from a checkpoint written here.
 """
 
@@ -38,11 +44,23 @@ from pathlib import Path
 from train.checkpoint.objectstore import S3Storage, missing, said
 from train.checkpoint.storage import LocalStorage
 from train.core import remote_config, rundir
-from train.core.rundir import CHECKPOINTS, CHECKSUMS, LATEST, STEP_DIR
+from train.core.rundir import (
+    BOARD,
+    CHECKPOINTS,
+    CHECKSUMS,
+    CONFIG,
+    LATEST,
+    MANIFEST,
+    METRICS,
+    RESULT,
+    STEP_DIR,
+)
 
 log = logging.getLogger("train")
 
 BACKOFF_S = (1.0, 2.0, 4.0)   # between the attempts at one operation
+RECORD = (METRICS, MANIFEST, CONFIG, RESULT)  # the run's own files, mirrored with each seal
+CONTINUED = (METRICS, MANIFEST)  # those a resumed run appends to
 
 
 class RemoteError(Exception):
@@ -62,6 +80,7 @@ class RemoteTier:
         self._thread: threading.Thread | None = None
         self.unreachable = False             # warned once: no more backoff after that
         self.uploaded: int | None = None     # the newest step sealed remotely by this run
+        self._board_sent: dict[str, int] = {}  # event file -> size last uploaded
 
     @classmethod
     def from_url(cls, url: str, run_name: str, local: LocalStorage,
@@ -140,11 +159,29 @@ class RemoteTier:
                                                self.local.path(f"{folder}/{CHECKSUMS}")))
         self._retry(lambda: self._name_latest(step))
         self._retry(self._prune)
+        self._retry(self.mirror_record)
         self.uploaded = step
         if self.unreachable:
             log.warning("checkpoint uploads to %s work again: step-%d is there", self.where,
                         step)
             self.unreachable = False
+
+    def mirror_record(self) -> None:
+        """The run's record as it is now. metrics.jsonl is appended while this runs: only
+        its whole lines are sent. An event file is sent again only when it grew."""
+        for name in RECORD:
+            path = self.local.path(name)
+            if path.is_file():
+                data = path.read_bytes()
+                self.remote.replace(name, data[:data.rfind(b"\n") + 1] if name == METRICS
+                                    else data)
+        board = self.local.path(BOARD)
+        for path in sorted(board.rglob("*")) if board.is_dir() else ():
+            name = path.relative_to(self.local.path()).as_posix()
+            size = path.stat().st_size if path.is_file() else None
+            if size is not None and self._board_sent.get(name) != size:
+                self.remote.upload(name, path)
+                self._board_sent[name] = size
 
     def _upload(self, name: str, digest: str) -> None:
         self.remote.upload(name, self.local.path(name))
@@ -261,7 +298,19 @@ class RemoteTier:
             return sums
         self.local.move(partial, final)
         self.local.replace(f"{CHECKPOINTS}/{LATEST}", f"{rundir.step_name(step)}\n".encode())
+        self._fetch_record()
         return None
+
+    def _fetch_record(self) -> None:
+        """Into a run directory that has none: the record a resumed run goes on with."""
+        for name in CONTINUED:
+            if not self.local.exists(name):
+                try:
+                    self.local.replace(name, self.remote.read(name)[0])
+                except Exception as exc:  # a run that mirrored none yet: start it afresh
+                    if not missing(exc):
+                        log.warning("cannot fetch %s from %s (%s); it starts afresh here",
+                                    name, self.where, said(exc))
 
     def _download_all(self, final: str, partial: str) -> dict | str:
         """Every file of ``final`` into ``partial``, checked: the checksums, or a problem."""

@@ -17,6 +17,7 @@ from train.checkpoint.policy import choose_checkpoint
 from train.checkpoint.state import Restored, TrainState, payload, rank_payload, set_rng_state
 from train.components import Components
 from train.core.config import check_checkpoint_config, to_dict
+from train.core.remote_config import said
 from train.guards.divergence import Guard
 
 log = logging.getLogger("train")
@@ -73,8 +74,16 @@ def finish_uploads(c: Components, signalled: bool) -> None:
     """Rank 0 with ``checkpoint.remote``: wait for the upload in flight (the last
     checkpoint's), within half the grace period after a signal (the rest is the
     platform's margin), else within ``distributed.timeout_s``; what stays only local is
-    named in a warning."""
+    named in a warning. Then the run's record once more, with what was logged after the
+    last checkpoint (the final evaluation, result.json)."""
     tier = c.checkpointer.remote
-    if tier is not None:
-        tier.wait(c.cfg.distributed.grace_period_s / 2 if signalled
-                  else c.cfg.distributed.timeout_s)
+    if tier is None:
+        return
+    behind = tier.wait(c.cfg.distributed.grace_period_s / 2 if signalled
+                       else c.cfg.distributed.timeout_s)
+    if behind is None and not tier.unreachable:
+        try:
+            tier.mirror_record()
+        except Exception as exc:  # the checkpoints are there; the record is a convenience
+            log.warning("the run's metrics did not reach %s at the end (%s)", tier.where,
+                        said(exc))
