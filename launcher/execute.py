@@ -34,10 +34,14 @@ def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -
     lock = runlock.acquire(cfg.run_dir, plan.job, runlock.LeaseTimes.of(cfg), log=log,
                            ended=earlier_incarnation(plan.job)) \
         if plan.program == "train" else None
+    remote = None
     signals = Forwarder(plan.requeue_signal)
     try:
+        remote = _remote_lease(p, log, lock.job) if lock is not None else None
         outcome = _supervise(p, log, lock, signals, verbose=verbose)
     finally:
+        if remote is not None:
+            remote.release()
         if lock is not None:
             lock.release()
     code = outcome.code
@@ -49,6 +53,18 @@ def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -
         from launcher.requeue import requeue_without
         requeue_without(plan.requeue, outcome.unfit_hosts, log)
     return code
+
+
+def _remote_lease(p: Prepared, log: Callable[[str], None], job: str):
+    """checkpoint.remote: the run's lease in the store too (jobs on different disks),
+    for the job that holds the local one."""
+    if not p.cfg.checkpoint.remote:
+        return None
+    from launcher.conventions.slurm import earlier_incarnation
+    from train.core import remote_lease, runlock
+    return remote_lease.acquire(p.cfg.checkpoint.remote, p.cfg.run.name, job,
+                                runlock.LeaseTimes.of(p.cfg), log,
+                                ended=earlier_incarnation(job))
 
 
 def _finished_already(p: Prepared, log: Callable[[str], None]) -> bool:

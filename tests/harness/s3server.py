@@ -116,6 +116,8 @@ def start(server: S3Server) -> None:
     args = [weed(), "mini", f"-dir={home / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-s3.config={_config(home)}", "-s3.autoCreateBucket=false", "-webdav=false",
             "-admin.ui=false",
+            # catalogs on fixed ports (8181, 9101) that two servers at once race for
+            "-s3.port.iceberg=0", "-s3.port.lance=0",
             *(f"-{name}={port}" for name, port in ports.items())]
     log = (home / "weed.log").open("a")
     server.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=home,

@@ -17,12 +17,12 @@ import yaml
 
 from tests.harness import s3server
 from tests.harness.kubesim import free_port
-from tests.harness.runs import limit
+from tests.harness.runs import entry, last_line, limit
 from train.checkpoint import Checkpointer
 from train.checkpoint.storage import LocalStorage
-from train.core import remote_config, rundir
+from train.core import remote_config, remote_lease, rundir, runlock
 from train.core.config import load_config
-from train.core.errors import CannotRunHere, ConfigError
+from train.core.errors import CannotRunHere, ConfigError, RunDirBusy
 
 needs_s3 = pytest.mark.skipif(s3server.missing() is not None, reason=str(s3server.missing()))
 
@@ -257,6 +257,72 @@ def test_an_upload_held_up_is_named_as_only_local_then_seals_once_the_store_answ
         os.killpg(aws.proc.pid, signal.SIGCONT)
     assert remote.wait(120) is None
     assert remote.latest()[0] == 2 and remote.uploaded == 2
+
+
+
+# ------------------------------------------------------------- the remote lease
+QUICK = runlock.LeaseTimes(renew_s=0.2, expiry_s=30, wait_s=1)
+
+
+def lease_record(server, key: str) -> dict:
+    return json.loads(server.client().get_object(Bucket=s3server.BUCKET, Key=key)["Body"].read())
+
+
+@needs_s3
+def test_one_job_at_a_time_holds_a_remote_run(aws):
+    """Members of one job share it; another job waits, then exit 6 naming the holder and
+    the store; once released, the other job takes it at once."""
+    said = []
+    url = f"s3://{s3server.BUCKET}/lease"
+    held = remote_lease.acquire(url, "run", "job-a", QUICK, said.append)
+    member = remote_lease.acquire(url, "run", "job-a", QUICK, said.append)
+    with pytest.raises(RunDirBusy) as busy:
+        remote_lease.acquire(url, "run", "job-b", QUICK, said.append)
+    assert "the remote run s3://ckpt/lease/run/lease.json is in use by job job-a" in \
+        str(busy.value) and "still after 1 s (run.lock_wait_s)" in str(busy.value)
+    assert busy.value.exit_code == 6
+    member.release()
+    held.release()
+    other = remote_lease.acquire(url, "run", "job-b", QUICK, said.append)
+    assert lease_record(aws, "lease/run/lease.json")["job"] == "job-b"
+    other.release()
+    assert lease_record(aws, "lease/run/lease.json")["released"]
+
+
+@needs_s3
+def test_a_remote_lease_not_renewed_is_taken_over_saying_whose(aws):
+    stale = {"job": "gone", "host": "elsewhere", "pid": 1, "renewed": 0, "renewals": 3}
+    aws.client().put_object(Bucket=s3server.BUCKET, Key="stale/run/lease.json",
+                            Body=json.dumps(stale).encode())
+    said = []
+    lease = remote_lease.acquire(f"s3://{s3server.BUCKET}/stale", "run", "job-c", QUICK,
+                                 said.append)
+    assert lease_record(aws, "stale/run/lease.json")["job"] == "job-c"
+    assert len(said) == 1 and said[0].startswith(
+        "taking over the remote run s3://ckpt/stale/run/lease.json from job gone (pid 1 on "
+        "elsewhere; renewed ")
+    lease.release()
+
+
+@needs_s3
+def test_the_launcher_refuses_a_remote_run_another_job_holds(aws, tmp_path):
+    """Two jobs on different disks, one remote run: the second launch waits
+    run.lock_wait_s, then exits 6 in one line, before any worker starts."""
+    held = remote_lease.acquire(f"s3://{s3server.BUCKET}/two", "r", "first-job",
+                                runlock.LeaseTimes(renew_s=0.5, expiry_s=60, wait_s=1),
+                                lambda line: None)
+    try:
+        tree = {"output": {"dir": str(tmp_path / "runs")}, "run": {"name": "r"},
+                "checkpoint": {"remote": f"s3://{s3server.BUCKET}/two"}}
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump(tree))
+        proc = entry("train", str(tmp_path / "c.yaml"), "run.lock_wait_s=2", cwd=tmp_path,
+                     env=aws.env(), timeout=120)
+    finally:
+        held.release()
+    assert proc.returncode == 6, proc.stderr[-2000:]
+    line = last_line(proc.stderr)
+    assert "the remote run s3://ckpt/two/r/lease.json is in use by job first-job" in line
+    assert "Traceback" not in proc.stderr and "train.worker" not in proc.stderr
 
 
 def test_the_trainer_imports_without_boto3():

@@ -89,7 +89,7 @@ class RunLock:
             holder = read(self.path)
             if holder.get("job") not in (None, self.job):
                 self.lost = (f"the run directory {self.path.parent} was taken over by job "
-                             f"{holder.get('job')} ({_who(holder)}): this job's renewals "
+                             f"{holder.get('job')} ({who(holder)}): this job's renewals "
                              f"were not seen for {self.times.expiry_s:.0f} s (cut off from "
                              "the shared storage?); stopped without writing more")
                 if self.on_lost:
@@ -132,7 +132,7 @@ def acquire(run_dir: Path, job: str | None = None, times: LeaseTimes = DEFAULT_T
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
     fd = _flock(run_dir)
-    watch = _Watch()
+    watch = Watch()
     deadline = time.monotonic() + times.wait_s
     said = -1.0
     starting = time.monotonic() + 5  # a launch here between its flock and its lease
@@ -142,11 +142,11 @@ def acquire(run_dir: Path, job: str | None = None, times: LeaseTimes = DEFAULT_T
             time.sleep(0.02)  # it writes its lease in a moment: a member, or another job
             fd = _flock(run_dir)
             continue
-        verdict = _verdict(holder, job, times, watch, local_busy=fd is None, ended=ended)
+        verdict = lease_verdict(holder, job, times, watch, local_busy=fd is None, ended=ended)
         if verdict in ("free", "member", "expired", "dead", "ended"):
             if verdict in ("expired", "dead", "ended") and log:
                 log(f"taking over the run directory {run_dir} from job {holder.get('job')} "
-                    f"({_who(holder)}; {_age(holder)}"
+                    f"({who(holder)}; {age(holder)}"
                     f"{'; an earlier incarnation of this job' if verdict == 'ended' else ''})")
             write(path, job, holder if verdict == "member" else {})
             time.sleep(0.05)  # two launches that wrote at once: the last rename won
@@ -161,20 +161,20 @@ def acquire(run_dir: Path, job: str | None = None, times: LeaseTimes = DEFAULT_T
             if fd is not None:
                 os.close(fd)
             raise RunDirBusy(f"run directory {run_dir} is in use by job {holder.get('job')} "
-                             f"({_who(holder)}; {_age(holder)}), still after "
+                             f"({who(holder)}; {age(holder)}), still after "
                              f"{times.wait_s:.0f} s (run.lock_wait_s): two jobs must not write "
                              "the same run; wait for it to finish, stop it, or choose another "
                              "run.name")
         if log and now - said >= 15:
             log(f"waiting up to {deadline - now:.0f} s for the run directory {run_dir}: in use "
-                f"by job {holder.get('job')} ({_who(holder)}; {_age(holder)})")
+                f"by job {holder.get('job')} ({who(holder)}; {age(holder)})")
             said = now
         time.sleep(min(1.0, times.renew_s / 2))
         if fd is None:
             fd = _flock(run_dir)
 
 
-class _Watch:
+class Watch:
     """When this process last saw another job's lease change (its renewal count)."""
 
     def __init__(self) -> None:
@@ -188,7 +188,7 @@ class _Watch:
         return time.monotonic() - self.since
 
 
-def _verdict(holder: dict, job: str, times: LeaseTimes, watch: _Watch, local_busy: bool,
+def lease_verdict(holder: dict, job: str, times: LeaseTimes, watch: Watch, local_busy: bool,
              ended: Callable[[str], bool] | None = None) -> str:
     """free | member | ended | expired | dead | live, for a lease record as read."""
     if not holder:
@@ -246,21 +246,25 @@ def read(path: Path) -> dict:
 
 
 def write(path: Path, job: str, previous: dict, released: bool = False) -> None:
+    write_atomic(path, json.dumps(record(job, previous, released)), durable=False,
+                 shared=True)
+
+
+def record(job: str, previous: dict, released: bool = False) -> dict:
     """The lease for ``job``: renewed (count + 1) when ``previous`` is this job's record."""
     ours = previous.get("job") == job
-    record = {"job": job, "host": socket.gethostname(), "pid": os.getpid(),
-              "started": previous.get("started") if ours else time.time(),
-              "renewed": time.time(), "renewals": (previous.get("renewals", 0) + 1) if ours
-              else 0, "nonce": previous.get("nonce") if ours else uuid.uuid4().hex,
-              **({"released": True} if released else {})}
-    write_atomic(path, json.dumps(record), durable=False, shared=True)
+    return {"job": job, "host": socket.gethostname(), "pid": os.getpid(),
+            "started": previous.get("started") if ours else time.time(),
+            "renewed": time.time(), "renewals": (previous.get("renewals", 0) + 1) if ours
+            else 0, "nonce": previous.get("nonce") if ours else uuid.uuid4().hex,
+            **({"released": True} if released else {})}
 
 
-def _who(holder: dict) -> str:
+def who(holder: dict) -> str:
     return f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
 
 
-def _age(holder: dict) -> str:
+def age(holder: dict) -> str:
     renewed = holder.get("renewed")
     if not isinstance(renewed, (int, float)):
         return "never renewed"
