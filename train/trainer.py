@@ -36,6 +36,7 @@ from train.core.protocol import Reporter
 from train.data.loader import end_workers
 from train.data.order import eval_indices
 from train.distributed import ranks
+from train.guards import shared_dir
 from train.guards.divergence import Guard, clear_marker, read_marker, write_marker
 from train.guards.preflight import check_before_training
 from train.guards.shutdown import Shutdown
@@ -138,9 +139,7 @@ def evaluate(c: Components, progress: Callable[[], None] = lambda: None) -> dict
 # ------------------------------------------------------------------------- loop
 
 def prepare_run_dir(c: Components) -> None:
-    if c.env.is_main:
-        c.run_dir.mkdir(parents=True, exist_ok=True)
-    ranks.barrier(c.env)()
+    shared_dir.prepare(c.run_dir, c.env)  # on several nodes: one directory for all
 
 
 def start_logging(c: Components, state: TrainState, shutdown: Shutdown) -> MetricsLogger | None:

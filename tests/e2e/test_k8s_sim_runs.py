@@ -2,7 +2,9 @@
 (tests/harness/kubesim.py): the CPU variant's rendezvous Deployment and Indexed Job, with
 the manifests' commands, arguments and environment, through pod loss, scale-up, the
 loss of the rendezvous pod, a drain, completion and a late pod; a recreated Job waits
-for its predecessor's last checkpoint. A broken config: tests/unit/test_k8s_sim.py.
+for its predecessor's last checkpoint; pods with node-local run directories (the
+object storage component) refuse a job of two nodes. A broken config:
+tests/unit/test_k8s_sim.py.
 
 The constant schedule (an override) lets a run's length be decided as it goes: the
 last stage finishes 20 steps after the drain, and the uninterrupted reference runs
@@ -10,11 +12,12 @@ that many steps with the same learning rates."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
 
-from tests.harness.kubesim import JOB, Cluster
+from tests.harness.kubesim import JOB, Cluster, kustomized
 from tests.harness.multinode import Process, first
 from tests.harness.runs import ROOT, limit, read_metrics, slow_state_writes
 
@@ -140,3 +143,24 @@ def test_a_recreated_job_waits_for_its_predecessors_last_checkpoint(sim, tmp_pat
     assert code == 0 and sim.judge(JOB, code) == "Succeeded", new.text()[-3000:]
     assert "waiting up to" in new.text() and "for the run directory" in new.text()
     assert "resumed from" in new.text()
+
+
+def test_pods_with_node_local_run_directories_stop_a_multi_node_job_naming_them(tmp_path):
+    """k8s/kustomize/objectstore gives each pod its run directory on its node: two pods of
+    one job would each hold part of every checkpoint. Both stop before step 1 in one line
+    (exit 3: the Job fails at once, no retry can help)."""
+    folder = kustomized(tmp_path, ["../cpu"], ["../objectstore"])
+    sim = Cluster(folder, tmp_path, network=False, secrets={"train-s3": {}})
+    try:
+        store = sim.start_deployment("train-rendezvous")
+        store.wait_for(r"listening on", 60)
+        pods = [sim.start_index(JOB, i, [*SHORT, "train.max_steps=50"],
+                                env={"TRAIN_NNODES": "2"}) for i in (0, 1)]
+        codes = [p.wait(limit(300)) for p in pods]
+    finally:
+        sim.close()
+    assert codes == [3, 3], "\n=====\n".join(p.text()[-5000:] for p in pods)
+    assert sim.judge(JOB, 3) == "FailJob"
+    for p in pods:
+        assert "is not shared by the job's nodes" in p.text() and "Traceback" not in p.text()
+        assert not re.search(STEP, p.text())  # nothing was trained
