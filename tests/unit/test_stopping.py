@@ -1,8 +1,8 @@
 """The stop agreement between ranks (train/guards/stopping.py), in 2 real processes on
 gloo (127.0.0.1): a request on one rank stops both after the same step, the first step
 that either logs (the agreement rides on that step's gather) or is due for an agreement
-of its own, paced to at least 0.5 s of steps apart. The trainer's signal path end to
-end: tests/e2e/test_checkpoint_runs.py (SIGTERM to one rank)."""
+of its own, one that comes 0.5 s of steps after the last agreement. The trainer's signal
+path end to end: tests/e2e/test_checkpoint_runs.py (SIGTERM to one rank)."""
 
 from __future__ import annotations
 
@@ -42,11 +42,24 @@ dist.destroy_process_group()
 """
 
 CASES = [
-    (7, 1000, 0.3),   # no logging step near: its own agreement, every 2 steps (0.6 s)
+    (8, 1000, 0.3),   # no logging step near: its own agreement every 2 steps (0.6 s)
     (7, 1000, 0.05),  # short steps: every 10
-    (7, 8, 0.05),     # the logging step 8 comes before step 10's own agreement
+    (7, 8, 0.05),     # logging every 8 steps: the agreement rides on it, none of its own
+    (25, 12, 0.05),   # 10 steps after the last logging step (22), before the next (24)
     (5, 1000, 2.0),   # steps longer than 0.5 s: every step
 ]
+
+
+def expected_stop(request: int, log_every: int, step_time: float) -> int:
+    """The rule: a logging step agrees; any other step agrees when the last agreement is
+    ceil(0.5 s / step time) steps old; the first agreement at or after the request stops."""
+    every, last = math.ceil(0.5 / step_time), 0
+    for step in range(1, 1000):
+        if step == 1 or step % log_every == 0 or step - last >= every:
+            last = step
+            if step >= request:
+                return step
+    raise AssertionError("never stops")
 
 
 def free_port() -> int:
@@ -73,6 +86,6 @@ def test_a_request_on_one_rank_stops_both_at_the_first_step_that_logs_or_agrees(
     for (request, log_every, step_time), zero, one in zip(CASES, rank0, rank1, strict=True):
         every = math.ceil(0.5 / step_time)
         assert every * step_time >= 0.5  # never more often than every 0.5 s of steps
-        agrees = [s for s in range(request, 1000) if s % every == 0 or s % log_every == 0]
-        assert zero == one == {"stopped": agrees[0], "every": every}, (request, log_every,
-                                                                      step_time)
+        stop = expected_stop(request, log_every, step_time)
+        assert zero == one == {"stopped": stop, "every": every}, (request, log_every,
+                                                                 step_time)

@@ -23,10 +23,12 @@ class StopFlag:
     The agreement is a reduction (MAX) of every rank's flag. Run every step it cost 10-30 %
     of a small model's step time on gloo (measured with bench/ddp_overhead.py). So it
     rides on the collective of each logging step (the loss and step times are gathered
-    there anyway: :meth:`pace`), and between those an all-reduce of its own runs every
-    `every` steps, sized from the step time all ranks share to at least AGREE_EVERY_S
-    apart: a signal stops training within about that long (or one step, when steps are
-    longer), well inside torchrun's ~30 s between SIGTERM and SIGKILL.
+    there anyway: :meth:`pace`), and an all-reduce of its own runs only when the last
+    agreement is `every` steps old, sized from the step time all ranks share to
+    AGREE_EVERY_S: none at all when logging steps come that often, otherwise at most one
+    per AGREE_EVERY_S (or one a step, when steps are longer). A signal stops training
+    within about that long, well inside torchrun's ~30 s between SIGTERM and SIGKILL.
+    Every rank counts the same steps, so all agree at the same ones.
     """
 
     AGREE_EVERY_S = 0.5
@@ -35,6 +37,7 @@ class StopFlag:
         self.requested = False
         self.every = 1
         self.told: tuple[int, bool] = (-1, False)  # (step, any rank's flag) from a gather
+        self.last_agreed = 0                        # the step of the last agreement
         self.shutdown = shutdown
 
     def install(self) -> None:
@@ -65,9 +68,11 @@ class StopFlag:
         if not distributed:
             return self.requested
         if self.told[0] == step:  # this step's logging gather carried every rank's flag
+            self.last_agreed = step
             return self.told[1]
-        if step % self.every:
+        if step - self.last_agreed < self.every:
             return False
+        self.last_agreed = step
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
