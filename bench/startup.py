@@ -20,8 +20,10 @@ plain script's "plain: ready" or the trainer's "INFO model" line), the first ste
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,6 +57,28 @@ def tree_cpu_s(root: int) -> float:
     return total / TICKS
 
 
+def end_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL to the command and every process below it (the launcher starts torchrun
+    in a process group of its own), then wait until all are gone: nothing of one run may
+    load the next."""
+    tree = descendants(proc.pid)
+    for pid in (proc.pid, *tree):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while any(map(alive, tree)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """Running, or dying: not gone, and not a zombie (one waits for its reaper only)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def timed(cmd: list[str], marks: dict[str, str], env: dict) -> dict[str, float]:
     """Seconds from start to the first line matching each mark; the last mark ends the
     run, and its CPU seconds (the whole tree's) are under "cpu"."""
@@ -70,8 +94,7 @@ def timed(cmd: list[str], marks: dict[str, str], env: dict) -> dict[str, float]:
         if last in seen:
             seen["cpu"] = tree_cpu_s(proc.pid)
             break
-    os.killpg(proc.pid, 9)  # its own session: torchrun's workers go with it
-    proc.wait()
+    end_tree(proc)
     proc.stdout.close()
     if last not in seen:
         sys.exit(f"no {marks[last]!r} from {' '.join(cmd)}")
@@ -121,15 +144,15 @@ def main() -> None:
     args = parser.parse_args()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     runs: dict[str, list[dict[str, float]]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         config = bench_config(Path(tmp), 5)
         for round_ in range(args.rounds):
             todo = list(commands(config, round_).items())
             for name, (cmd, marks) in todo if round_ % 2 == 0 else todo[::-1]:
                 runs.setdefault(name, []).append(timed(cmd, marks, env))
             print(f"round {round_ + 1}: " + ", ".join(
-                f"{name} {rows[-1][FIRST_STEP]:.2f} s" for name, rows in runs.items()),
-                flush=True)
+                f"{name} {rows[-1][FIRST_STEP]:.2f} s ({rows[-1]['cpu']:.2f} CPU-s)"
+                for name, rows in runs.items()), flush=True)
     report(runs)
 
 
