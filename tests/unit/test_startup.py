@@ -1,7 +1,7 @@
 """What a worker loads before its first step: nothing of torch's compiler stack
 (torch._dynamo, torch._inductor: ~800 modules, ~1 CPU-s a worker) on its own account.
 
-torch 2.13's optimizers import that stack themselves (their wrappers call into
+torch 2.13's optimizers and DDP import that stack themselves (their wrappers call into
 torch._dynamo), and so does a plain hand-written loop; what the trainer must not do is
 pull it in earlier or elsewhere, as an unconditional ``use_deterministic_algorithms(False)``
 did. Real processes: a fresh interpreter, and a real run of ``python -m train`` watched
