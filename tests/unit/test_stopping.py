@@ -1,8 +1,9 @@
 """The stop agreement between ranks (train/guards/stopping.py), in 2 real processes on
-gloo (127.0.0.1): a request on one rank stops both after the same step, the first step
-that either logs (the agreement rides on that step's gather) or is due for an agreement
-of its own, one that comes 0.5 s of steps after the last agreement. The trainer's signal
-path end to end: tests/e2e/test_checkpoint_runs.py (SIGTERM to one rank)."""
+gloo (127.0.0.1): a request on one rank stops both after the same step: the first
+logging step after it (the agreement rides on that step's gather), or the second
+agreement of its own after it (one comes 0.5 s of steps after the last agreement and
+reads the reduction the previous one started). The trainer's signal path end to end:
+tests/e2e/test_checkpoint_runs.py (SIGTERM to one rank)."""
 
 from __future__ import annotations
 
@@ -42,23 +43,29 @@ dist.destroy_process_group()
 """
 
 CASES = [
-    (8, 1000, 0.3),   # no logging step near: its own agreement every 2 steps (0.6 s)
+    (8, 1000, 0.3),   # no logging step near: its own agreements every 2 steps (0.6 s)
     (7, 1000, 0.05),  # short steps: every 10
     (7, 8, 0.05),     # logging every 8 steps: the agreement rides on it, none of its own
-    (25, 12, 0.05),   # 10 steps after the last logging step (22), before the next (24)
+    (21, 12, 0.05),   # its own agreement at 22 starts a reduction; logging step 24 decides
     (5, 1000, 2.0),   # steps longer than 0.5 s: every step
 ]
 
 
 def expected_stop(request: int, log_every: int, step_time: float) -> int:
-    """The rule: a logging step agrees; any other step agrees when the last agreement is
-    ceil(0.5 s / step time) steps old; the first agreement at or after the request stops."""
-    every, last = math.ceil(0.5 / step_time), 0
+    """The rule: a logging step agrees on the flags of that step; any other step agrees
+    when the last agreement is ceil(0.5 s / step time) steps old, on the flags all-reduced
+    at the previous such step (that reduction was left to finish meanwhile)."""
+    every, last, in_flight = math.ceil(0.5 / step_time), 0, None
     for step in range(1, 1000):
-        if step == 1 or step % log_every == 0 or step - last >= every:
+        if step == 1 or step % log_every == 0:
             last = step
             if step >= request:
                 return step
+        elif step - last >= every:
+            last = step
+            if in_flight is not None and in_flight >= request:
+                return step
+            in_flight = step
     raise AssertionError("never stops")
 
 

@@ -21,14 +21,16 @@ class StopFlag:
     """Set by SIGTERM/SIGINT; ranks agree on it so that all stop after the same step.
 
     The agreement is a reduction (MAX) of every rank's flag. Run every step it cost 10-30 %
-    of a small model's step time on gloo (measured with bench/ddp_overhead.py). So it
-    rides on the collective of each logging step (the loss and step times are gathered
-    there anyway: :meth:`pace`), and an all-reduce of its own runs only when the last
-    agreement is `every` steps old, sized from the step time all ranks share to
-    AGREE_EVERY_S: none at all when logging steps come that often, otherwise at most one
-    per AGREE_EVERY_S (or one a step, when steps are longer). A signal stops training
-    within about that long, well inside torchrun's ~30 s between SIGTERM and SIGKILL.
-    Every rank counts the same steps, so all agree at the same ones.
+    of a small model's step time on gloo (measured with bench/ddp_overhead.py): each one
+    is a point where the faster rank waits for the slower. So it rides on the collective
+    of each logging step (the loss and step times are gathered there anyway:
+    :meth:`pace`), and a reduction of its own runs only when the last agreement is `every`
+    steps old, sized from the step time all ranks share to AGREE_EVERY_S: none at all when
+    logging steps come that often. That one is started without waiting for it and read
+    at the next such step (long done by then), so no rank waits for another there; a
+    signal stops training within about two AGREE_EVERY_S (or two steps, when steps are
+    longer), well inside torchrun's ~30 s between SIGTERM and SIGKILL. Every rank counts
+    the same steps, so all agree at the same ones, on the same values.
     """
 
     AGREE_EVERY_S = 0.5
@@ -38,6 +40,7 @@ class StopFlag:
         self.every = 1
         self.told: tuple[int, bool] = (-1, False)  # (step, any rank's flag) from a gather
         self.last_agreed = 0                        # the step of the last agreement
+        self.pending: tuple[torch.Tensor, dist.Work] | None = None  # a reduction under way
         self.shutdown = shutdown
 
     def install(self) -> None:
@@ -73,6 +76,16 @@ class StopFlag:
         if step - self.last_agreed < self.every:
             return False
         self.last_agreed = step
+        if self._heard():  # what every rank's flag was at the previous agreement of its own
+            return True
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.pending = flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        return False
+
+    def _heard(self) -> bool:
+        if self.pending is None:
+            return False
+        flag, work = self.pending
+        self.pending = None
+        work.wait()
         return bool(flag.item())
