@@ -50,6 +50,8 @@ def main(config: str, warmup: int, *overrides: str) -> None:
     per_rank = cfg.train.global_batch_size // world
     n = len(data.train)
     times = []
+    if rank == 0:
+        print("plain: ready", flush=True)  # bench/startup.py: the workers' start ends here
     for step in range(cfg.train.max_steps):
         start = time.perf_counter()
         first = (step * cfg.train.global_batch_size + rank * per_rank) % (n - per_rank)

@@ -209,8 +209,8 @@ def train_steps(c: Components, state: TrainState, stop: StopFlag,
         if metrics is not None:
             metrics.step(step)
         if log_now:
-            loss_value, step_time, stragglers = intervals.end(step, loss)
-            stop.pace(step_time)
+            loss_value, step_time, stragglers, anyone = intervals.end(step, loss, stop.requested)
+            stop.pace(step_time, step, anyone)  # this step's stop agreement rode on the gather
             watchdog.pace(step_time)
             guard.loss(step, loss_value, applied)
             if env.is_main:

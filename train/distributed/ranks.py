@@ -71,8 +71,15 @@ def seed_everything(seed: int, rank: int) -> None:
 
 
 def set_deterministic(enabled: bool) -> None:
-    """cuBLAS also needs CUBLAS_WORKSPACE_CONFIG, set by :func:`apply_comm_env`."""
-    torch.use_deterministic_algorithms(enabled)
+    """cuBLAS also needs CUBLAS_WORKSPACE_CONFIG, set by :func:`apply_comm_env`.
+
+    torch.use_deterministic_algorithms imports torch._inductor (and torch._dynamo with
+    it: 829 modules, about 0.9 CPU-s here) whatever its argument, to set inductor's own
+    flag. So it is called only to change the flag: off, the default of both torch and
+    inductor, costs nothing to keep. (torch 2.13's optimizers and DDP import the same
+    modules at their first use, so today this moves the cost rather than saving it.)"""
+    if enabled != torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(enabled)
     torch.backends.cudnn.deterministic = enabled
     torch.backends.cudnn.benchmark = not enabled
 

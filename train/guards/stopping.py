@@ -6,6 +6,7 @@ end short (:mod:`train.guards.shutdown`).
 from __future__ import annotations
 
 import logging
+import math
 import signal
 
 import torch
@@ -19,11 +20,17 @@ log = logging.getLogger("train")
 class StopFlag:
     """Set by SIGTERM/SIGINT; ranks agree on it so that all stop after the same step.
 
-    The agreement is an all-reduce (MAX). Run every step it cost 10-30 % of a small
-    model's step time on gloo (measured with bench/ddp_overhead.py), so ranks agree every
-    `every` steps instead, sized from the step time all ranks share (see
-    :meth:`pace`) to about AGREE_EVERY_S: a signal stops training within about that long,
-    well inside torchrun's ~30 s between SIGTERM and SIGKILL.
+    The agreement is a reduction (MAX) of every rank's flag. Run every step it cost 10-30 %
+    of a small model's step time on gloo (measured with bench/ddp_overhead.py): each one
+    is a point where the faster rank waits for the slower. So it rides on the collective
+    of each logging step (the loss and step times are gathered there anyway:
+    :meth:`pace`), and a reduction of its own runs only when the last agreement is `every`
+    steps old, sized from the step time all ranks share to AGREE_EVERY_S: none at all when
+    logging steps come that often. That one is started without waiting for it and read
+    at the next such step (long done by then), so no rank waits for another there; a
+    signal stops training within about two AGREE_EVERY_S (or two steps, when steps are
+    longer), well inside torchrun's ~30 s between SIGTERM and SIGKILL. Every rank counts
+    the same steps, so all agree at the same ones, on the same values.
     """
 
     AGREE_EVERY_S = 0.5
@@ -31,6 +38,9 @@ class StopFlag:
     def __init__(self, shutdown: Shutdown | None = None) -> None:
         self.requested = False
         self.every = 1
+        self.told: tuple[int, bool] = (-1, False)  # (step, any rank's flag) from a gather
+        self.last_agreed = 0                        # the step of the last agreement
+        self.pending: tuple[torch.Tensor, dist.Work] | None = None  # a reduction under way
         self.shutdown = shutdown
 
     def install(self) -> None:
@@ -49,15 +59,33 @@ class StopFlag:
         if self.shutdown is not None:
             self.shutdown.signalled()
 
-    def pace(self, mean_step_time_s: float) -> None:
-        """Called with the same value on every rank (an all-reduced mean), at the same step."""
-        self.every = max(1, min(1000, int(self.AGREE_EVERY_S / max(mean_step_time_s, 1e-6))))
+    def pace(self, mean_step_time_s: float, step: int = -1, anyone: bool = False) -> None:
+        """At a logging step, with what every rank's gather gave them all alike: the mean
+        step time, and whether any rank had been asked to stop (``anyone``: the agreement
+        of this ``step``, at no cost of its own)."""
+        apart = self.AGREE_EVERY_S / max(mean_step_time_s, 1e-6)
+        self.every = max(1, min(1000, math.ceil(apart)))
+        self.told = (step, anyone)
 
     def agreed(self, step: int, device: torch.device, distributed: bool) -> bool:
         if not distributed:
             return self.requested
-        if step % self.every:
+        if self.told[0] == step:  # this step's logging gather carried every rank's flag
+            self.last_agreed = step
+            return self.told[1]
+        if step - self.last_agreed < self.every:
             return False
+        self.last_agreed = step
+        if self._heard():  # what every rank's flag was at the previous agreement of its own
+            return True
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.pending = flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        return False
+
+    def _heard(self) -> bool:
+        if self.pending is None:
+            return False
+        flag, work = self.pending
+        self.pending = None
+        work.wait()
         return bool(flag.item())

@@ -254,16 +254,18 @@ class Intervals:
         if hosts:
             self.phases.watch(model)
 
-    def end(self, step: int, loss: torch.Tensor) -> tuple[float, float, list[Finding]]:
+    def end(self, step: int, loss: torch.Tensor, stopping: bool = False
+            ) -> tuple[float, float, list[Finding], bool]:
         """Collective, at a logging step: (mean loss, mean step time, stragglers named
-        or recovered: rank 0's, empty elsewhere)."""
+        or recovered: rank 0's, empty elsewhere, whether any rank is ``stopping``: the
+        stop agreement rides on this gather)."""
         now, count = time.perf_counter(), step - self.last_step
         data_s, compute_s = self.phases.take()
         rows = ranks.gather_over_ranks(
-            [loss, (now - self.last_time) / count, data_s / count, compute_s / count],
-            self.device, self.env.distributed)
+            [loss, (now - self.last_time) / count, data_s / count, compute_s / count,
+             float(stopping)], self.device, self.env.distributed)
         self.last_time, self.last_step = now, step
         loss_value, step_time = ranks.mean_of(rows, 2)
         findings = self.judge.observe(step, count, [(r[2], r[3]) for r in rows], step_time) \
             if self.env.is_main else []
-        return loss_value, step_time, findings
+        return loss_value, step_time, findings, any(r[4] for r in rows)
