@@ -72,6 +72,9 @@ def broken(project: Path, name: str) -> None:
     elif name == "raising data":
         (project / "bad.py").write_text("def data():\n    raise OSError('disk gone')\n")
         tree["data"].update(factory="bad:data", args={})
+    elif name == "not a module":
+        (project / "notamodule.py").write_text("def make():\n    return {'width': 8}\n")
+        tree["model"].update(factory="notamodule:make", args={})
     elif name == "no loss":
         tree["train"]["loss"] = "losses:nothing"
     elif name == "factory without custom":
@@ -101,6 +104,7 @@ def test_mistakes_in_your_code_are_one_line_before_any_worker(project, name, key
     ("not pairs", "data.factory", "sample 0 is a Tensor; each sample must be an (input, "
                                   "target) pair"),
     ("raising data", "data.factory", "bad:data(**data.args) failed: OSError: disk gone"),
+    ("not a module", "model.factory", "notamodule:make returned dict, not a torch.nn.Module"),
 ])
 def test_what_only_running_your_code_shows_is_one_line_from_the_workers_never_restarted(
         project, name, key, fragment):
