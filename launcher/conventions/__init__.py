@@ -6,6 +6,8 @@ Each convention is one module here with
 - ``detect(env) -> bool``: does the environment use this convention?
 - ``nodes(env, timings) -> Nodes``: the node range, torchrun's rendezvous flags, the worker
   variables it needs, and the host that must resolve before starting.
+- optionally ``VARIABLES_FALL_BACK = True`` when its variables stand in for one another
+  (SLURM's): then only its first bad variable is said, not every one at once.
 
 The first module in :data:`ORDER` whose ``detect`` is true wins; :mod:`.single` (one
 node, nothing special) is the fallback. Each module reads its own variables, from the
@@ -52,9 +54,12 @@ def resolve(env: Environ, timings: Timings = DEFAULT_TIMINGS) -> Nodes:
 def variable_errors(env: Environ, timings: Timings = DEFAULT_TIMINGS) -> list[ConfigError]:
     """Every malformed variable of the convention ``env`` uses, not only the first: a
     convention stops at its first problem, so it is asked again without the variables
-    named so far (a problem of a variable already named is not said twice)."""
+    named so far (a problem of a variable already named is not said twice). Not one
+    whose variables fall back to one another (``VARIABLES_FALL_BACK``: SLURM's step and
+    job variables): there only the first problem is said."""
     convention, errors = detect(env), []
-    for _ in range(len(env.raw)):
+    tries = 1 if getattr(convention, "VARIABLES_FALL_BACK", False) else len(env.raw)
+    for _ in range(tries):
         try:
             convention.nodes(env, timings)
             break
