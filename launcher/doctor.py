@@ -58,7 +58,8 @@ def gather(env: Environ, config_path: str | None, overrides: list[str]) -> dict:
                                 "content": manifest}
     findings += _manifest_findings(manifest, p.torch)
     # the project folder is the working directory, first on the workers' sys.path
-    report["packages"], more = packages.findings(Path(runner.APP_ROOT), Path.cwd())
+    report["packages"], more = packages.findings(Path(runner.APP_ROOT), Path.cwd(),
+                                                 pythonpath=env.raw.get("PYTHONPATH"))
     findings += more
     report["findings"] = [f.to_dict() for f in _dedupe(findings)]
     report["exit_code"] = max((f.exit_code for f in findings if f.level == "fail"), default=0)

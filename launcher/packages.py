@@ -4,7 +4,8 @@ The trainer is tested with the versions its locks pin. A user adding a package t
 code needs can move one of them (``pip install`` without the locks' constraints), and a
 module of the user's project named like a package (``./yaml.py``, ``./torch/``) is what
 the workers import instead of it, since the project directory comes first on their
-``sys.path``. Both are said here, one warning each, with what to do.
+``sys.path`` (and ``PYTHONPATH``'s folders, the images' ``/opt/project``, before the
+installed packages). Both are said here, one warning each, with what to do.
 
 The pins come from the environment's own constraints file when it has one (the images'
 ``/opt/venv/constraints.txt``, the checkout's ``.venv/constraints.txt``: every version
@@ -82,22 +83,36 @@ def moved(locked: dict[str, str], have: dict[str, tuple[str, list[str]]]) -> lis
 
 
 def shadowing(project: Path, locked: dict[str, str],
-              have: dict[str, tuple[str, list[str]]]) -> list[str]:
-    """The project's own modules named like a module of a locked package (a file, or a
-    folder with ``__init__.py``: a folder without one does not hide an installed
-    package), as './yaml.py (hides pyyaml)'."""
+              have: dict[str, tuple[str, list[str]]], shown_as: str = ".") -> list[str]:
+    """The modules of a folder the workers import from (the project folder, a
+    ``PYTHONPATH`` entry) named like a module of a locked package (a file, or a folder
+    with ``__init__.py``: a folder without one does not hide an installed package), as
+    './yaml.py (hides pyyaml)'; ``shown_as`` names the folder."""
     out = []
     for name in sorted(set(locked) | set(ALWAYS)):
         for module in have.get(name, ("", []))[1] or ([name] if name in ALWAYS else []):
             for path in (project / f"{module}.py", project / module / "__init__.py"):
                 if path.is_file():
                     shown = path.name if path.name != "__init__.py" else f"{module}/"
-                    out.append(f"./{shown} (hides {name})")
+                    out.append(f"{shown_as}/{shown} (hides {name})")
     return out
 
 
-def findings(app_root: Path, project: Path,
-             prefix: Path | None = None) -> tuple[dict, list[Finding]]:
+def import_folders(project: Path, pythonpath: str | None, app_root: Path) -> list[Path]:
+    """Where the workers find the user's modules before the installed packages: the
+    project folder (first on their sys.path), then PYTHONPATH's entries (the images'
+    /opt/project), this checkout or /app aside."""
+    folders = [project]
+    for entry in (pythonpath or "").split(":"):
+        path = Path(entry) if entry else None
+        if path and path.is_dir() and path.resolve() not in {f.resolve() for f in folders} \
+                and path.resolve() != app_root.resolve():
+            folders.append(path)
+    return folders
+
+
+def findings(app_root: Path, project: Path, prefix: Path | None = None,
+             pythonpath: str | None = None) -> tuple[dict, list[Finding]]:
     """doctor's report of the packages and its findings."""
     sources = lock_files(app_root, prefix)
     locked: dict[str, str] = {}
@@ -105,7 +120,10 @@ def findings(app_root: Path, project: Path,
         for name, version in pins(source).items():
             locked.setdefault(name, version)
     have = installed()
-    drift, hidden = moved(locked, have), shadowing(project, locked, have)
+    drift = moved(locked, have)
+    hidden = [line for folder in import_folders(project, pythonpath, app_root)
+              for line in shadowing(folder, locked, have,
+                                    "." if folder == project else str(folder))]
     report = {"locks": [str(s) for s in sources], "moved": drift, "shadowed": hidden}
     out = []
     if drift:
@@ -115,9 +133,10 @@ def findings(app_root: Path, project: Path,
                            "it), and add packages under the pins: pip install -c "
                            f"{sources[0]} PACKAGE"))
     if hidden:
-        out.append(Finding("warn", "packages", f"modules of the project folder {project} are "
-                           f"named like installed packages, which the workers would import "
-                           f"instead: {', '.join(hidden)}", "rename them"))
+        out.append(Finding("warn", "packages", f"modules of the project folder {project} (or "
+                           "of PYTHONPATH) are named like installed packages, which the "
+                           f"workers would import instead: {', '.join(hidden)}",
+                           "rename them"))
     if not out and sources:
         out.append(Finding("ok", "packages", f"{len(locked)} pinned packages as locked "
                            f"({', '.join(map(str, sources))}); none hidden by the project"))

@@ -51,6 +51,18 @@ def test_modules_of_the_project_named_like_locked_packages_are_reported(tmp_path
         "./torch/ (hides torch)", "./yaml.py (hides pyyaml)"]
 
 
+def test_a_pythonpath_folder_is_checked_too_and_the_checkout_is_not(tmp_path):
+    project, extra, app = tmp_path / "project", tmp_path / "opt-project", tmp_path / "app"
+    for folder in (project, extra, app):
+        folder.mkdir()
+        (folder / "yaml.py").write_text("")
+    (tmp_path / "constraints.txt").write_text(f"pyyaml=={YAML_VERSION}\n")
+    report, found = packages.findings(app, project, prefix=tmp_path,
+                                      pythonpath=f"{app}:{extra}::{tmp_path / 'missing'}")
+    assert report["shadowed"] == ["./yaml.py (hides pyyaml)", f"{extra}/yaml.py (hides pyyaml)"]
+    assert [f.level for f in found] == ["warn"]
+
+
 def test_findings_name_the_pins_source_and_what_to_do(tmp_path):
     venv, project = tmp_path / "venv", tmp_path / "project"
     venv.mkdir()
