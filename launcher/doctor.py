@@ -3,19 +3,22 @@
 Reports what was detected (GPUs with vendor, name, memory, UUID, visibility; driver
 vs the image's torch build), the plan a ``train`` would make (device, backend,
 processes, nodes), /dev/shm, the output folder, network interfaces, the rendezvous
-host's resolution and the image's build manifest. Exits 0 when training would
-start, 2 for an invalid config or environment, 3 when this machine/image cannot run
-it. ``--comm`` adds the preflight check across the local processes/GPUs: a timed matmul
-on each, a timed all-reduce among them (:mod:`launcher.comm`).
+host's resolution, the image's build manifest and the Python packages (a version
+moved from its lock, a project module hiding a package: :mod:`launcher.packages`).
+Exits 0 when training would start, 2 for an invalid config or environment, 3 when this
+machine/image cannot run it. ``--comm`` adds the preflight check across the local
+processes/GPUs: a timed matmul on each, a timed all-reduce among them
+(:mod:`launcher.comm`).
 """
 
 from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 from typing import Any
 
-from launcher import conventions, rdma, system
+from launcher import conventions, packages, rdma, system
 from launcher.environ import Environ
 from launcher.hardware import Finding, TorchBuild
 from train.core.config import DistributedConfig
@@ -54,6 +57,10 @@ def gather(env: Environ, config_path: str | None, overrides: list[str]) -> dict:
     report["build_manifest"] = {"path": env.build_manifest, "present": manifest is not None,
                                 "content": manifest}
     findings += _manifest_findings(manifest, p.torch)
+    # the project folder is the working directory, first on the workers' sys.path
+    report["packages"], more = packages.findings(Path(runner.APP_ROOT), Path.cwd(),
+                                                 pythonpath=env.raw.get("PYTHONPATH"))
+    findings += more
     report["findings"] = [f.to_dict() for f in _dedupe(findings)]
     report["exit_code"] = max((f.exit_code for f in findings if f.level == "fail"), default=0)
     return report

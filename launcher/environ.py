@@ -155,6 +155,10 @@ def read(env: Mapping[str, str] | None = None) -> Environ:
     debug = checked(_flag, "TRAIN_DEBUG", fallback=False)
     dns_wait_s = checked(_seconds, "TRAIN_DNS_WAIT_S", DEFAULT_DNS_WAIT_S,
                          fallback=DEFAULT_DNS_WAIT_S)
+    if errors:  # the launch convention's variables too: every malformed one at once
+        from launcher.conventions import variable_errors
+        named = {e.key for e in errors}
+        errors += variable_errors(read({k: v for k, v in env.items() if k not in named}))
     raise_all(errors)
     return Environ(
         raw=env, visibility=visibility,

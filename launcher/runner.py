@@ -130,7 +130,8 @@ def _config(p: Prepared) -> None:
             p.cfg = default_config()
         else:
             p.cfg = load_config(r.config, list(r.overrides))
-            usercode.check(p.cfg, r.config, sample=True)  # the user's own model, data, loss
+            # the user's own model, data and loss: read, not run (the workers run them)
+            usercode.check_without_running(p.cfg, r.config)
             check_resume_compatible(p.cfg, r.config)
     except UserError as exc:
         p.cfg = None

@@ -70,9 +70,10 @@ def run(argv: list[str], reporter: Reporter | None = None) -> tuple[int, str | N
         if args.print_config:
             sys.stdout.write(to_yaml(cfg))
             return 0, None
-        # the dataset is built just below; a bare worker's model factory is asked here,
-        # before the run directory is written (the launcher asked it for its workers)
-        usercode.check(cfg, args.config, sample=False, module=not env.supervised)
+        # the user's code imported (the launcher only read it); a bare worker's model
+        # factory is asked here, before the run directory is written; the data, model and
+        # loss run on one sample in the build, before step 1: a mistake is exit 2
+        usercode.check(cfg, args.config, module=not env.supervised)
         check_resume_compatible(cfg, args.config)
         from train.trainer import train  # torch is imported only when training
         return train(cfg, args.config, reporter=reporter), None

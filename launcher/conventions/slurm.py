@@ -37,6 +37,10 @@ from launcher.conventions.slurm_hostlist import expand
 from launcher.environ import Environ
 
 NAME = "slurm"
+# Its variables fall back to one another (the step's to the job's: SLURM_STEP_NODELIST,
+# then SLURM_JOB_NODELIST), so asked again without a bad one it would only say the same
+# problem of the next: its first problem is the one said (conventions.variable_errors).
+VARIABLES_FALL_BACK = True
 PORT_BASE, PORT_SPAN = 15000, 5000  # ports 15000..24999, two per job (store + heartbeat)
 REQUEUE_VAR = "TRAIN_REQUEUE_SIGNAL"
 DEFAULT_REQUEUE_SIGNAL = "USR1"

@@ -34,7 +34,7 @@ import torch
 
 def _install(fault, rank):
     if os.environ.get("RANK") != str(rank) or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return  # not that node's worker (the launcher validates the factory too)
+        return  # not that node's worker under torchrun
     real = torch.mm
 
     def nan(a, b):

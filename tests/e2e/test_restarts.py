@@ -17,8 +17,8 @@ from pathlib import Path
 from tests.harness.runs import ENTRY, TINY_GPT, clean_env, limit, merge, write_config
 
 # A dataset whose sample 5 cannot be read (a corrupt record): the same step fails on
-# every attempt. Every build is counted in builds.txt (the launcher's check builds it
-# once too).
+# every attempt. Every build is counted in builds.txt (the workers' only: the launcher
+# reads the factory's source, it does not run it).
 BROKEN_DATA = '''
 import torch
 
@@ -68,8 +68,8 @@ def test_a_failure_that_repeats_is_restarted_once_and_then_no_more(tmp_path):
     assert out.returncode == 1, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
     assert "record 5 is corrupt" in last and "not restarted again" in last, last
-    # the launcher's check, the first attempt, the one restart; none after
-    assert (tmp_path / "builds.txt").read_text().count("built") == 3
+    # the first attempt and the one restart; none after (and none in the launcher)
+    assert (tmp_path / "builds.txt").read_text().count("built") == 2
     # one line per restart, naming the rank and its error; the second ends at once
     said = [ln for ln in out.stderr.splitlines() if "restarting the worker" in ln]
     assert len(said) == 2, said

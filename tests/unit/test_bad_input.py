@@ -106,9 +106,11 @@ CASES = [
     ("a newline in run.name, which YAML would fold into a space", TINY_GPT, None,
      ["run.name=a\nb"], {}, 2, "run.name", "got 'a\\nb'; a non-empty name without '/' or "
                                             "control characters"),
-    ("a model factory returning a non-Module", TINY_MLP, None,
-     ["model.kind=custom", "model.factory=notamodule:make", "model.args={width: 4}"], {}, 2,
-     "model.factory", "notamodule:make returned dict, not a torch.nn.Module"),
+    # (read from its source: what the factory returns, the workers find: test_your_code.py)
+    ("a model factory whose arguments do not fit", TINY_MLP, None,
+     ["model.kind=custom", "model.factory=notamodule:make", "model.args={height: 4}"], {}, 2,
+     "model.args", "got an unexpected keyword argument 'height'; the factory's parameters "
+                   "are (width=8)"),
     ("MLflow on without a server", TINY_MLP, None, ["logging.mlflow.enabled=true"], {}, 2,
      "logging.mlflow.tracking_uri", "MLflow is enabled but has no server"),
     ("W&B mode written as YAML's off", None, "logging:\n  wandb:\n    mode: off\n", [], {}, 2,

@@ -134,6 +134,26 @@ def test_every_bad_environment_variable_is_reported_at_once(tmp_path, command):
         "error: environment: TRAIN_DNS_WAIT_S: got '-1'; expected a number of seconds >= 0"]
 
 
+@pytest.mark.parametrize("command", [["train", QUICKSTART, "--dry-run"], ["doctor"]])
+def test_a_launch_conventions_bad_variables_come_with_the_others_at_once(tmp_path, command):
+    """A convention stops at its first bad variable; all of them are said, together with
+    the environment's own, in one answer."""
+    env = clean_env(OMP_NUM_THREADS="0", PET_NNODES="abc", PET_NPROC_PER_NODE="x",
+                    PET_MAX_RESTARTS="y")
+    out = entry(*command, cwd=tmp_path, env=env, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines[0] == "error: environment: OMP_NUM_THREADS: got '0'; expected a positive integer"
+    assert sorted(lines[1:]) == [
+        "error: environment: PET_MAX_RESTARTS: got 'y'; expected an integer",
+        "error: environment: PET_NNODES: got 'abc'; expected N or MIN:MAX with 1 <= MIN <= MAX",
+        "error: environment: PET_NPROC_PER_NODE: got 'x'; expected an integer"], out.stderr
+    # the same without the environment's own problem: the plan's stage says all three
+    out = entry(*command, cwd=tmp_path, env=dict(env, OMP_NUM_THREADS="1"), timeout=120)
+    said = [line for line in (out.stderr + out.stdout).splitlines() if "PET_" in line]
+    assert out.returncode == 2 and len(said) == 3, out.stderr + out.stdout
+
+
 def test_every_missing_or_bad_store_variable_is_reported_at_once(tmp_path):
     env = clean_env(TRAIN_RDZV_ENDPOINT="store:99999", TRAIN_NNODES="4:1")
     out = entry("train", QUICKSTART, "--dry-run", cwd=tmp_path, env=env, timeout=120)

@@ -72,6 +72,9 @@ def broken(project: Path, name: str) -> None:
     elif name == "raising data":
         (project / "bad.py").write_text("def data():\n    raise OSError('disk gone')\n")
         tree["data"].update(factory="bad:data", args={})
+    elif name == "not a module":
+        (project / "notamodule.py").write_text("def make():\n    return {'width': 8}\n")
+        tree["model"].update(factory="notamodule:make", args={})
     elif name == "no loss":
         tree["train"]["loss"] = "losses:nothing"
     elif name == "factory without custom":
@@ -83,19 +86,58 @@ def broken(project: Path, name: str) -> None:
     ("no module", "model.factory", "cannot import nowhere"),
     ("no attribute", "model.factory", "nets has no 'make'"),
     ("wrong args", "model.args", "unexpected keyword argument 'heigth'"),
-    ("not pairs", "data.factory", "sample 0 is a Tensor; each sample must be an (input, "
-                                  "target) pair"),
-    ("raising data", "data.factory", "bad:data(**data.args) failed: OSError: disk gone"),
     ("no loss", "train.loss", "losses has no 'nothing'"),
     ("factory without custom", "data.factory", "only for data.kind=custom"),
 ])
 def test_mistakes_in_your_code_are_one_line_before_any_worker(project, name, key, fragment):
+    """What reading the source shows: the launcher's line, for train and --dry-run alike."""
     broken(project, name)
-    out = entry("train", "config.yaml", cwd=project, timeout=120)
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
-    assert f"config.yaml: {key}: " in lines[0] and fragment in lines[0], lines[0]
+    for dry in ([], ["--dry-run"]):
+        out = entry("train", "config.yaml", *dry, cwd=project, timeout=120)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+        assert f"config.yaml: {key}: " in lines[0] and fragment in lines[0], lines[0]
     assert not (project / "runs").exists()
+
+
+@pytest.mark.parametrize("name, key, fragment", [
+    ("not pairs", "data.factory", "sample 0 is a Tensor; each sample must be an (input, "
+                                  "target) pair"),
+    ("raising data", "data.factory", "bad:data(**data.args) failed: OSError: disk gone"),
+    ("not a module", "model.factory", "notamodule:make returned dict, not a torch.nn.Module"),
+])
+def test_what_only_running_your_code_shows_is_one_line_from_the_workers_never_restarted(
+        project, name, key, fragment):
+    """The launcher does not run the user's code: the workers find these before step 1,
+    exit 2 with one line, and torchrun's restarts do not try again; nothing but the
+    run's lease and logs is written."""
+    broken(project, name)
+    assert entry("train", "config.yaml", "--dry-run", cwd=project).returncode == 0
+    out = entry("train", "config.yaml", "distributed.nproc_per_node=2",
+                "distributed.max_restarts=2", cwd=project, timeout=180)
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and f"config.yaml: {key}: " in last and fragment in last, \
+        out.stderr[-3000:]
+    assert "restarting the workers" not in out.stderr and "Traceback" not in out.stderr
+    run = project / "runs" / "waves"
+    assert not any((run / name).exists() for name in ("config.yaml", "manifest.json",
+                                                      "checkpoints", "metrics.jsonl"))
+
+
+def test_the_launcher_reads_your_code_and_only_the_workers_import_it(project):
+    """train --dry-run and doctor import nothing of the project (a heavy import would cost
+    seconds there); the workers do (each process counted by the file its import leaves)."""
+    nets = project / "nets.py"
+    nets.write_text("import os\nfrom pathlib import Path\n"
+                    "Path(f'imported-{os.getpid()}').touch()\n" + nets.read_text())
+    for args in (["train", "config.yaml", "--dry-run"], ["doctor", "config.yaml"]):
+        out = entry(*args, cwd=project)
+        assert out.returncode == 0, out.stderr[-2000:]
+    assert not list(project.glob("imported-*"))
+    out = entry("train", "config.yaml", "train.max_steps=2", "distributed.nproc_per_node=2",
+                cwd=project)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(list(project.glob("imported-*"))) == 2  # the two workers, not the launcher
 
 
 # ------------------------------------------------------------------------- launch

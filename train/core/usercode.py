@@ -5,8 +5,11 @@
 directory (the mounted project, ``/workspace`` in the image; the current directory in a
 checkout) or from an installed package, and called with the config's ``args`` as
 keyword arguments. Every mistake is one :class:`~train.core.errors.ConfigError` (exit 2)
-naming the key and the first line of the error, checked by the launcher before any
-worker starts (:func:`check`) and again, the same way, where the worker calls it.
+naming the key and the first line of the error. The launcher checks the paths and the
+arguments by reading the source, running none of it (:func:`check_without_running`,
+:mod:`train.core.usersource`: a factory module that imports transformers would cost
+seconds there, and every worker imports it anyway); each worker imports and checks them
+(:func:`check`), then calls them before step 1, where a failure is the same one line.
 
 The manifest records which of the user's files were imported, with their hashes
 (:func:`imported_files`), so a run says which code it trained.
@@ -91,28 +94,42 @@ def call(path: str, args: dict[str, Any], key: str, source: str) -> Any:
                                                     f"{_first_line(exc)}") from None
 
 
-def check(cfg, source: str, *, sample: bool, module: bool = False) -> None:
-    """The parent's checks: every import path resolves and takes its arguments; with
-    ``sample``, the dataset is built and yields an (input, target) pair; with ``sample``
-    or ``module``, the model factory builds a module (on the meta device)."""
+def check_without_running(cfg, source: str) -> None:
+    """The launcher's checks: every import path is found and the config's arguments fit
+    what its source shows; nothing of the user's code is imported or run."""
+    from train.core import usersource
+    from train.core.config.kinds import BUILT_IN_LOSSES, data_kind, model_kind
+    if model_kind(cfg).factory:
+        usersource.check_path(cfg.model.factory, "model.factory", source, cfg.model.args,
+                              "model.args")
+    if cfg.train.loss not in BUILT_IN_LOSSES:
+        _check_loss_name(cfg.train.loss, BUILT_IN_LOSSES, source)
+        usersource.check_path(cfg.train.loss, "train.loss", source)
+    if data_kind(cfg).factory:
+        usersource.check_path(cfg.data.factory, "data.factory", source, cfg.data.args,
+                              "data.args")
+
+
+def check(cfg, source: str, *, module: bool = False) -> None:
+    """A worker's checks: every import path resolves and takes its arguments; with
+    ``module`` (a worker without the launcher), the model factory builds a module on the
+    meta device before anything is written. The dataset is built, and the model and the
+    loss run on one sample, where the worker builds them (before step 1)."""
     from train.core.config.kinds import BUILT_IN_LOSSES, data_kind, model_kind
     if model_kind(cfg).factory:
         fn = resolve(cfg.model.factory, "model.factory", source)
         check_args(fn, cfg.model.args, "model.args", source)
-        if sample or module:
+        if module:
             check_builds_a_module(fn, cfg.model.factory, cfg.model.args, source)
     if cfg.train.loss not in BUILT_IN_LOSSES:
-        _check_loss_path(cfg.train.loss, BUILT_IN_LOSSES, source)
+        _check_loss_name(cfg.train.loss, BUILT_IN_LOSSES, source)
+        resolve(cfg.train.loss, "train.loss", source)
     if data_kind(cfg).factory:
         fn = resolve(cfg.data.factory, "data.factory", source)
         check_args(fn, cfg.data.args, "data.args", source)
-        if sample:
-            train, _ = split_datasets(call(cfg.data.factory, cfg.data.args, "data", source),
-                                      source)
-            first_sample(train, source)
 
 
-def _check_loss_path(loss: str, built_in: tuple[str, ...], source: str) -> None:
+def _check_loss_name(loss: str, built_in: tuple[str, ...], source: str) -> None:
     """A loss that is not built in is an import path; a bare word is a misspelt built-in."""
     if ":" not in loss and "." not in loss:
         close = difflib.get_close_matches(loss.lower(), built_in, n=1, cutoff=0.7)
@@ -120,7 +137,6 @@ def _check_loss_path(loss: str, built_in: tuple[str, ...], source: str) -> None:
                                                 f"{', '.join(built_in)} or an import path like "
                                                 "'package.module:name'"
                                                 + (f"; did you mean {close[0]}?" if close else ""))
-    resolve(loss, "train.loss", source)
 
 
 def check_builds_a_module(fn: Callable[..., Any], path: str, args: dict[str, Any],
