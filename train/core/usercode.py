@@ -96,6 +96,9 @@ def check(cfg, source: str, *, sample: bool, module: bool = False) -> None:
     ``sample``, the dataset is built and yields an (input, target) pair; with ``sample``
     or ``module``, the model factory builds a module (on the meta device)."""
     from train.core.config.kinds import BUILT_IN_LOSSES, data_kind, model_kind
+    if cfg.model.kind == "hf" and (sample or module):  # no factory: transformers' classes
+        from train.core.config import hf_kind
+        hf_kind.check(cfg, source)
     if model_kind(cfg).factory:
         fn = resolve(cfg.model.factory, "model.factory", source)
         check_args(fn, cfg.model.args, "model.args", source)
