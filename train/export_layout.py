@@ -62,9 +62,14 @@ def write_pretrained(out: Path, saved, weights: dict, max_shard_size: str | None
     with tempfile.TemporaryDirectory(dir=out, prefix=HF_TEMPORARY) as tmp:
         names = hf.save_pretrained(model, weights, Path(tmp), max_shard_size or
                                    hf.DEFAULT_SHARD_SIZE, saved.config["model"])
+        umask = os.umask(0)
+        os.umask(umask)
         for name in names:
             with open(Path(tmp) / name, "rb") as f:
                 os.fsync(f.fileno())
+            # transformers writes some of them private (a temporary file renamed): give
+            # them the mode every other file of the export has
+            os.chmod(Path(tmp) / name, 0o666 & ~umask)
             os.replace(Path(tmp) / name, out / name)
     return names
 

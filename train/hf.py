@@ -90,15 +90,20 @@ def model_io(model: nn.Module) -> dict[str, str]:
 
 
 def save_pretrained(model: nn.Module, weights: dict, folder: Path, max_shard_size: str,
-                    overrides: dict) -> list[str]:
+                    model_section: dict) -> list[str]:
     """``weights`` loaded into ``model`` and saved with ``save_pretrained``; the names of
-    the files written. The training-only settings this project chose (no key/value cache)
-    go back to the class's default, unless the user's overrides set them."""
+    the files written. For model.kind hf, the training-only settings this project chose
+    (no key/value cache) go back to the class's default unless the user's overrides set
+    them; a factory's model is saved as the factory configured it."""
     model.load_state_dict(weights)
-    defaults = type(model.config)()
-    for name in TRAINING_DEFAULTS:
-        if name not in overrides and hasattr(defaults, name):
-            setattr(model.config, name, getattr(defaults, name))
+    if model_section.get("kind") == "hf":
+        overrides = (model_section.get("args") or {}).get("overrides") or {}
+        defaults = type(model.config)()
+        for name in TRAINING_DEFAULTS:
+            if name not in overrides and hasattr(defaults, name):
+                setattr(model.config, name, getattr(defaults, name))
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # export prints what it wrote, in one line
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     return sorted(p.name for p in folder.iterdir())
 
