@@ -186,3 +186,25 @@ def test_without_transformers_kind_hf_is_exit_3_naming_the_extra(tmp_path, monke
     assert err.value.one_line() == (
         "error: transformers is not installed here; model.kind hf needs it: pip install "
         "'trainpod[hf]' (in a checkout: make hf)")
+
+
+def test_a_configuration_directory_gets_the_datas_vocabulary_and_the_overrides(tmp_path):
+    """config: a directory holding config.json (GPT-2's defaults but 3 layers): random
+    init from it, the data's 256 symbols, the override on top; its special token ids,
+    beyond 256 symbols, unset. A pretrained directory without weights is refused."""
+    from transformers import GPT2Config
+
+    from train.core.config.hf_kind import model_config
+    GPT2Config(n_layer=3, n_embd=32, n_head=2).save_pretrained(tmp_path / "arch")
+    tree = merge(TINY_HF, {})
+    tree["model"]["args"] = {"config": str(tmp_path / "arch"), "overrides": {"n_head": 4}}
+    config = write_config(tmp_path / "c.yaml", tree)
+    made = model_config(load_config(config), str(config))
+    assert (made.n_layer, made.n_embd, made.n_head, made.vocab_size) == (3, 32, 4, 256)
+    assert made.bos_token_id is None and made.eos_token_id is None and not made.use_cache
+    line = problem(tmp_path, "model.args.config=null",
+                   f"model.args.pretrained={tmp_path / 'arch'}")
+    assert line == ("error: command line: model.args.pretrained: TMP/arch: no weights in it "
+                    "(model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
+                    "pytorch_model.bin.index.json); for a configuration alone, use "
+                    "model.args.config")

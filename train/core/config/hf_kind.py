@@ -68,7 +68,7 @@ def rules(cfg: Config, fail) -> None:
     for key in given:
         if isinstance(args[key], str) and args[key] and (key == "pretrained"
                                                          or looks_like_path(args[key])):
-            problem = directory_problem(Path(args[key]))
+            problem = directory_problem(Path(args[key]), weights=key == "pretrained")
             if problem:
                 fail(f"model.args.{key}", problem)
 
@@ -77,12 +77,20 @@ def looks_like_path(name: str) -> bool:
     return "/" in name or name.startswith(".") or Path(name).is_dir()
 
 
-def directory_problem(path: Path) -> str | None:
+# The weights files from_pretrained reads, one of which a pretrained directory holds.
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+           "pytorch_model.bin.index.json")
+
+
+def directory_problem(path: Path, *, weights: bool = False) -> str | None:
     if not path.is_dir():
         return (f"{path}: no such directory (only local directories are read; nothing is "
                 "downloaded)")
     if not (path / "config.json").is_file():
         return f"{path}: no config.json in it (a save_pretrained directory has one)"
+    if weights and not any((path / name).is_file() for name in WEIGHTS):
+        return (f"{path}: no weights in it ({', '.join(WEIGHTS)}); for a configuration "
+                "alone, use model.args.config")
     return None
 
 
@@ -122,7 +130,7 @@ def _base_config(cfg: Config, source: str):
     key = "pretrained" if args.get("pretrained") else "config"
     name = args[key]
     if key == "pretrained" or looks_like_path(name):
-        problem = directory_problem(Path(name))
+        problem = directory_problem(Path(name), weights=key == "pretrained")
         if problem:
             raise _error(cfg, source, f"model.args.{key}", problem)
         try:
