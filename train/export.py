@@ -1,29 +1,47 @@
-"""``python -m train.export RUN_DIR [--out DIR] [--step N]`` (``entrypoint.py export RUN_DIR``).
+"""``python -m train.export RUN_DIR [--out DIR] [--step N] [--safetensors] [--max-shard-size S]``
+(``entrypoint.py export RUN_DIR``).
 
-Writes the newest valid checkpoint's (or step-N's) model as plain files usable without this trainer:
-``model.pt`` (a flat state dict of tensors, loadable with ``torch.load(...,
-weights_only=True)``) and ``model.json`` (model config, input shape, number of classes
-or vocabulary, source checkpoint and step, SHA-256 of model.pt, the files it wrote).
+Writes the newest valid checkpoint's (or step-N's) model as plain files usable without this
+trainer, and ``model.json`` (model config, input shape, number of classes or vocabulary,
+source checkpoint and step, SHA-256 of each weights file, the files it wrote). The weights:
+
+- ``model.pt``: a flat state dict of tensors, loadable with ``torch.load(...,
+  weights_only=True)``; or with ``--safetensors``, ``model.safetensors`` (the same
+  tensors, a format that holds no code: :mod:`train.safetensors_io`);
+- a transformers model (``model.kind: hf``, or a factory returning a PreTrainedModel):
+  what ``save_pretrained`` writes (config.json, generation_config.json, model.safetensors,
+  or shards and model.safetensors.index.json above ``--max-shard-size``), so
+  ``AutoModelForCausalLM.from_pretrained(DIR)`` loads it.
+
 Default output: ``RUN_DIR/export/``. Each file is written to a temporary name and
-renamed; an existing ``--out`` is replaced only when it is an earlier export holding
-nothing else, and no folder is ever removed.
+renamed, model.json last; an existing ``--out`` is replaced only when it is an earlier
+export holding nothing else, and no folder is ever removed but the export's own
+temporary one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from train.core import rundir
 from train.core.errors import CannotRunHere, ConfigError, UserError
-from train.core.files import create_new, sha256_file
+from train.export_layout import (
+    EXPORT_FILES,
+    HF_TEMPORARY,
+    SAFETENSORS,
+    SHARD_INDEX,
+    SHARD_SIZE,
+    describe,
+    is_export_file,
+    temporary_name,
+    write_pretrained,
+    write_replacing,
+    write_weights,
+)
 from train.observe.trackers import upload_export
-
-# What an export writes; model.json lists them, and a later export replaces only these.
-EXPORT_FILES = (rundir.EXPORT_WEIGHTS, rundir.EXPORT_META)
 
 
 def check_output(run_dir: Path, out: Path) -> None:
@@ -47,16 +65,13 @@ def check_output(run_dir: Path, out: Path) -> None:
                                                    f"(no model.json); it would be replaced")
     listed = listed_files(out / rundir.EXPORT_META)
     ours = {*listed, *(temporary_name(f) for f in listed)}  # an interrupted export's too
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    foreign = sorted(p.name for p in out.iterdir()
+                     if p.name not in ours and not p.name.startswith(HF_TEMPORARY))
     if foreign:
         raise ConfigError("command line", "--out",
                           f"{out} holds files an export did not write "
                           f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
                           "export replaces only its own files: choose another --out")
-
-
-def temporary_name(name: str) -> str:
-    return f".{name}.tmp"
 
 
 def listed_files(meta_path: Path) -> list[str]:
@@ -68,7 +83,7 @@ def listed_files(meta_path: Path) -> list[str]:
         files = None
     listed = files if isinstance(files, list) and all(isinstance(f, str) for f in files) \
         else EXPORT_FILES
-    return [f for f in listed if f in EXPORT_FILES]
+    return [f for f in listed if is_export_file(f)]
 
 
 def _no_such_step(checkpoints: Path) -> str:
@@ -105,9 +120,8 @@ def non_finite(model: dict) -> list[str]:
     return [k for k, v in model.items() if v.is_floating_point() and not torch.isfinite(v).all()]
 
 
-def export(run_dir: Path, out: Path, step: int | None = None) -> Path:
-    import torch
-
+def export(run_dir: Path, out: Path, step: int | None = None, *, safetensors: bool = False,
+           max_shard_size: str | None = None) -> Path:
     from train.checkpoint.state import Restored
 
     if not run_dir.is_dir():
@@ -123,33 +137,29 @@ def export(run_dir: Path, out: Path, step: int | None = None) -> Path:
         raise ConfigError("command line", "RUN_DIR", f"{path} holds non-finite weights "
                                                      f"({', '.join(bad[:3])}); export an "
                                                      "earlier checkpoint with --step N")
+    hf_class = (saved.model_io or {}).get("transformers")
+    if max_shard_size is not None and not hf_class:
+        raise ConfigError("command line", "--max-shard-size", "only for a transformers model "
+                                                               "(its save_pretrained shards)")
+    if max_shard_size is not None and not SHARD_SIZE.fullmatch(max_shard_size):
+        raise ConfigError("command line", "--max-shard-size", f"{max_shard_size}: expected a "
+                                                               "size such as 5GB, 500MB or 100KB")
     check_output(run_dir, out)
     out.mkdir(parents=True, exist_ok=True)
+    previous = listed_files(out / rundir.EXPORT_META) if (out / rundir.EXPORT_META).is_file() \
+        else []
     # Each file is written beside its final name and renamed over it, model.json last:
-    # its hash of model.pt tells a torn pair apart. Nothing else in `out` is touched.
-    write_replacing(out / rundir.EXPORT_WEIGHTS, lambda f: torch.save(
-        {k: v.contiguous() for k, v in weights.items()}, f))
-    model = saved.config["model"]
-    load = ("torch.load('model.pt', weights_only=True) -> state dict of "
-            + (f"{model['factory']}(**model['args']) (your factory)"
-               if model.get("kind") == "custom" else
-               "train.models.build_model(ModelConfig(**model), input_shape=tuple(io["
-               "'input_shape']), num_classes=io['num_classes'])"))
-    meta = {"model": model, "io": saved.model_io, "checkpoint": str(path), "step": saved.step,
-            "model_pt_sha256": sha256_file(out / rundir.EXPORT_WEIGHTS), "load": load,
-            "files": list(EXPORT_FILES)}
+    # its hashes of the weights tell a torn set apart. Nothing else in `out` is touched.
+    if hf_class:
+        written = write_pretrained(out, saved, weights, max_shard_size, str(run_dir))
+    else:
+        written = [write_weights(out, weights, safetensors)]
+    meta = describe(saved, path, out, written, hf_class)
     text = (json.dumps(meta, indent=2) + "\n").encode()
     write_replacing(out / rundir.EXPORT_META, lambda f: f.write(text))
+    for name in set(previous) - set(meta["files"]):  # an earlier export's, replaced
+        (out / name).unlink(missing_ok=True)
     return out
-
-
-def write_replacing(path: Path, write) -> None:
-    tmp = path.with_name(temporary_name(path.name))
-    with create_new(tmp) as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def load_model(export_dir: str | Path):
@@ -158,10 +168,11 @@ def load_model(export_dir: str | Path):
         from train.export import load_model
         model = load_model("runs/quickstart/export")
 
-    A custom model's factory must be importable (run from your project directory).
-    A model.pt that is damaged, holds more than tensors or does not fit model.json's
-    model is refused (exit 2) before the model is built, as is a model larger than the
-    memory left here (exit 3)."""
+    A custom model's factory must be importable (run from your project directory); a
+    transformers model is rebuilt from the export's config.json instead. Weights that
+    are damaged, hold more than tensors or do not fit model.json's model are refused
+    (exit 2) before the model is built, as is a model larger than the memory left here
+    (exit 3)."""
     import torch
 
     from train.core.config import ModelConfig
@@ -175,13 +186,52 @@ def load_model(export_dir: str | Path):
                            input_shape=tuple(io.get("input_shape") or ()),
                            num_classes=io.get("num_classes") or 0, source=str(export_dir))
 
-    weights = read_weights(export_dir / rundir.EXPORT_WEIGHTS)
+    if io.get("transformers"):
+        from train import hf
+        build = hf.from_export(export_dir, io["transformers"]) or build
+    weights = read_export_weights(export_dir, meta)
     with torch.device("meta"):  # shapes only: nothing is allocated
         shapes = build()
-    check_weights_fit(export_dir, shapes, weights)
+    check_weights_fit(export_dir, shapes, weights, weights_file(meta))
     model = build()
-    model.load_state_dict(weights)
+    model.load_state_dict(weights, strict=False)  # checked: only tied copies are absent
     return model.eval()
+
+
+def weights_file(meta: dict) -> str:
+    files = meta.get("files") or list(EXPORT_FILES)
+    return next((f for f in (rundir.EXPORT_WEIGHTS, SHARD_INDEX) if f in files), SAFETENSORS)
+
+
+def read_export_weights(export_dir: Path, meta: dict) -> dict:
+    """The weights of whichever files the export holds: model.pt, model.safetensors, or
+    save_pretrained's shards (by their index)."""
+    files = meta.get("files") or list(EXPORT_FILES)
+    if rundir.EXPORT_WEIGHTS in files:
+        return read_weights(export_dir / rundir.EXPORT_WEIGHTS)
+    names = [SAFETENSORS]
+    if SHARD_INDEX in files:
+        try:
+            index = json.loads((export_dir / SHARD_INDEX).read_text())["weight_map"]
+            names = sorted(set(index.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError("command line", "RUN_DIR", (
+                f"{export_dir / SHARD_INDEX}: unreadable ({type(exc).__name__}); "
+                "export again")) from None
+    weights = {}
+    for name in names:
+        weights.update(read_safetensors(export_dir / name))
+    return weights
+
+
+def read_safetensors(path: Path) -> dict:
+    from train import safetensors_io
+    try:
+        return safetensors_io.read(path)
+    except (OSError, safetensors_io.FormatError) as exc:
+        raise ConfigError("command line", "RUN_DIR", (
+            f"{path}: damaged or not a safetensors file ({first_line(exc)}); "
+            "export again")) from None
 
 
 def read_weights(path: Path) -> dict:
@@ -212,25 +262,25 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def check_weights_fit(export_dir: Path, shapes, weights: dict) -> None:
+def check_weights_fit(export_dir: Path, shapes, weights: dict, file: str) -> None:
     """model.pt must hold exactly the tensors model.json's model has, shape for shape,
     and the model must fit in the memory left here; checked on ``shapes``, the model
     built on the meta device."""
     from train.core import host
     expected = shapes.state_dict()
-    where = f"{export_dir / rundir.EXPORT_WEIGHTS} does not fit {export_dir / rundir.EXPORT_META}"
-    missing = sorted(set(expected) - set(weights))
+    where = f"{export_dir / file} does not fit {export_dir / rundir.EXPORT_META}"
+    missing = sorted(set(expected) - set(weights) - tied_copies(shapes, weights))
     extra = sorted(set(weights) - set(expected))
     if missing or extra:
         name = (missing or extra)[0]
         raise ConfigError("command line", "RUN_DIR", (
-            f"{where}: {name} is {'missing from model.pt' if missing else 'not in the model'} "
+            f"{where}: {name} is {f'missing from {file}' if missing else 'not in the model'} "
             f"({len(missing)} missing, {len(extra)} unexpected); export again"))
     for name, tensor in expected.items():
-        if tensor.shape != weights[name].shape:
+        if name in weights and tensor.shape != weights[name].shape:
             raise ConfigError("command line", "RUN_DIR", (
                 f"{where}: {name} is {list(tensor.shape)} in the model, "
-                f"{list(weights[name].shape)} in model.pt; export again"))
+                f"{list(weights[name].shape)} in {file}; export again"))
     needed = sum(t.numel() * t.element_size()
                  for t in (*shapes.parameters(), *shapes.buffers()))
     left = host.available_memory()
@@ -240,18 +290,36 @@ def check_weights_fit(export_dir: Path, shapes, weights: dict) -> None:
                             "or use a larger machine")
 
 
+def tied_copies(model, weights: dict) -> set[str]:
+    """Names of parameters shared with another name that ``weights`` holds (a tied
+    output layer, which save_pretrained writes once)."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return {n for group in names.values() if len(group) > 1 and set(group) & set(weights)
+            for n in group}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="export", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path, help="a run directory (output.dir/run.name)")
     parser.add_argument("--out", type=Path, help="output directory (default RUN_DIR/export)")
     parser.add_argument("--step", type=int, help="export checkpoints/step-N instead of the newest")
+    parser.add_argument("--safetensors", action="store_true",
+                        help="weights as model.safetensors instead of model.pt (a transformers "
+                             "model is always written as save_pretrained writes it)")
+    parser.add_argument("--max-shard-size", metavar="SIZE",
+                        help="a transformers model: shard its safetensors above SIZE "
+                             "(save_pretrained's max_shard_size: 5GB, 500MB, ...; default 5GB)")
     args = parser.parse_args(argv)
     try:
-        out = export(args.run_dir, args.out or args.run_dir / rundir.EXPORT, args.step)
+        out = export(args.run_dir, args.out or args.run_dir / rundir.EXPORT, args.step,
+                     safetensors=args.safetensors, max_shard_size=args.max_shard_size)
     except UserError as exc:
         print(exc.one_line(), file=sys.stderr)
         return exc.exit_code
-    print(f"exported {out}/model.pt and {out}/model.json")
+    files = json.loads((out / rundir.EXPORT_META).read_text())["files"]
+    print(f"exported {', '.join(f'{out}/{name}' for name in files)}")
     uploaded = upload_export(args.run_dir, out)
     if uploaded:
         print(uploaded, file=sys.stderr if uploaded.startswith("warning") else sys.stdout)

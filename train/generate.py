@@ -1,12 +1,13 @@
-"""Text from a trained byte-level GPT: ``entrypoint.py generate RUN_DIR --prompt TEXT``.
+"""Text from a trained byte-level language model: ``entrypoint.py generate RUN_DIR --prompt TEXT``.
 
 The quick start's model reads and writes bytes (``data.kind: text``, a vocabulary of
-256), so its samples are text with no tokenizer. This loads the run's export
-(``RUN_DIR/export``, written by ``entrypoint.py export``; or an export folder itself),
-continues the prompt one byte at a time from the last ``model.context_length`` bytes,
-and prints prompt and continuation. Sampling: softmax at ``--temperature`` over the
-``--top-k`` likeliest bytes, from ``--seed`` (the same seed, the same text);
-``--temperature 0`` takes the likeliest byte each time.
+256), so its samples are text with no tokenizer; so does any causal LM trained on that
+data (``model.kind: hf``, or your own model: its output may be a ModelOutput). This
+loads the run's export (``RUN_DIR/export``, written by ``entrypoint.py export``; or an
+export folder itself), continues the prompt one byte at a time from the last
+``model.context_length`` bytes, and prints prompt and continuation. Sampling: softmax at
+``--temperature`` over the ``--top-k`` likeliest bytes, from ``--seed`` (the same seed,
+the same text); ``--temperature 0`` takes the likeliest byte each time.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ def export_folder(path: Path) -> Path:
         f"`entrypoint.py export {path}` first"))
 
 
-def check_byte_gpt(folder: Path) -> dict:
+def check_byte_lm(folder: Path) -> dict:
+    """model.json of a next-token model over bytes, or one line saying what generate
+    supports."""
     try:
         meta = json.loads((folder / rundir.EXPORT_META).read_text(encoding="utf-8"))
         kind = meta.get("model", {}).get("kind")
@@ -40,21 +43,27 @@ def check_byte_gpt(folder: Path) -> dict:
         raise ConfigError("command line", "RUN_DIR", f"{folder / rundir.EXPORT_META}: not an "
                           f"export's model.json ({type(exc).__name__}); export again") from None
     vocabulary = (meta.get("io") or {}).get("num_classes")
-    if kind != "gpt" or vocabulary != BYTES:
+    causal = meta.get("causal_lm", kind == "gpt")  # exports before the field: gpt only
+    if not causal or vocabulary != BYTES:
+        what = (f"a {kind} model over {vocabulary} token ids, which needs a tokenizer"
+                if causal else f"a {kind} model with {vocabulary} outputs, not trained to "
+                               "predict the next token")
         raise ConfigError("command line", "RUN_DIR", (
-            f"{folder}: a {kind} model with {vocabulary} outputs; generate writes text from a "
-            f"byte-level gpt (model.kind=gpt trained on data.kind=text, {BYTES} outputs)"))
+            f"{folder}: {what}; generate writes text from a byte-level causal language model "
+            f"({BYTES} outputs, trained on data.kind=text: model.kind gpt or hf, or your own)"))
     return meta
 
 
 def sample(model, prompt: bytes, count: int, *, temperature: float, top_k: int,
            seed: int, context: int) -> bytes:
     import torch
+
+    from train.losses import logits_of  # a tensor, or a ModelOutput holding the logits
     generator = torch.Generator().manual_seed(seed)
     ids = torch.tensor([list(prompt)], dtype=torch.long)
     with torch.no_grad():
         for _ in range(count):
-            logits = model(ids[:, -context:])[0, -1].float()
+            logits = logits_of(model(ids[:, -context:]))[0, -1].float()
             if temperature == 0:
                 choice = logits.argmax().view(1)
             else:
@@ -94,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(sys.argv[1:] if argv is None else argv)
         folder = export_folder(args.run_dir)
-        meta = check_byte_gpt(folder)
+        meta = check_byte_lm(folder)
         from train.export import load_model
         model = load_model(folder)
         prompt = args.prompt.encode("utf-8", "surrogateescape")  # the bytes as typed

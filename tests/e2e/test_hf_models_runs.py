@@ -2,8 +2,9 @@
 randomly initialised from its config (nothing downloaded), returned by the user's
 factory on the byte-level text data, on two processes. DDP and FSDP (sharded by its
 _no_split_modules) give the same losses, and a run stopped by SIGTERM and started again
-(FSDP) ends with the losses of an uninterrupted one, bitwise. A model returning the wrong
-output is exit 2 before step 1, never trained again. In process: tests/unit/test_model_outputs.py.
+(FSDP) ends with the losses of an uninterrupted one, bitwise; the FSDP run's export is
+read by from_pretrained. A model returning the wrong output is exit 2 before step 1, never
+trained again. In process: tests/unit/test_model_outputs.py.
 
 Needs transformers (`make hf`); skipped without it."""
 
@@ -114,6 +115,34 @@ def test_gpt2_trains_alike_under_ddp_and_fsdp(uninterrupted):
     for step in ddp:  # the same math; only the order of the gradients' reduction differs
         assert math.isclose(ddp[step], fsdp[step], rel_tol=1e-5), (step, ddp[step], fsdp[step])
     assert ddp[STEPS] < ddp[1] - 1  # it learns
+
+
+def test_the_fsdp_runs_export_loads_with_from_pretrained_and_computes_its_logits(
+        project, uninterrupted):
+    """The factory's GPT-2, trained under FSDP (a sharded checkpoint, consolidated by
+    export): the export is what from_pretrained reads, and computes the logits of the
+    factory's model holding the checkpoint's weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(project))
+    try:
+        from hf_gpt2 import gpt2
+    finally:
+        sys.path.remove(str(project))
+    from train.checkpoint.sharded import full_model_state
+    from train.core.rundir import SHARDS
+    run = project / "runs" / "ref-fsdp"
+    out = entry("export", str(run), cwd=project)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert {"config.json", "model.safetensors", "model.json"} <= {
+        p.name for p in (run / "export").iterdir()}
+    trained = gpt2()
+    trained.load_state_dict(full_model_state(run / "checkpoints" / f"step-{STEPS}" / SHARDS))
+    theirs = AutoModelForCausalLM.from_pretrained(run / "export", local_files_only=True)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(theirs.eval()(ids).logits, trained.eval()(ids).logits)
 
 
 # FSDP only: its sharded checkpoint of GPT-2's tied embedding is the harder path, and the

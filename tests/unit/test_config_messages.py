@@ -111,7 +111,7 @@ def test_the_dry_run_shows_the_warning(tmp_path):
      "memory.cpu_offload: needs distributed.strategy=fsdp, got distributed.strategy=ddp "
      "(default)"),
     ({"model": {"kind": "mlp"}}, ["data.kind=text"], "command line",
-     "data.kind: text data needs model.kind gpt or custom, got model.kind=mlp ({config})"),
+     "data.kind: text data needs model.kind gpt, custom or hf, got model.kind=mlp ({config})"),
 ])
 def test_a_cross_key_error_says_where_each_value_came_from(tmp_path, in_file, overrides,
                                                            source, expect):

@@ -9,10 +9,20 @@ import sys
 import pytest
 import torch
 
-from tests.harness.runs import ROOT, TINY_GPT, limit, merge, run_train, worker_env, write_config
+from tests.harness.runs import (
+    ROOT,
+    TINY_GPT,
+    installed,
+    limit,
+    merge,
+    run_train,
+    worker_env,
+    write_config,
+)
+from train import safetensors_io
 from train.core.config import ModelConfig
 from train.core.errors import ConfigError
-from train.export import check_output
+from train.export import check_output, load_model
 from train.models import build_model
 
 
@@ -74,9 +84,9 @@ def trained(tmp_path_factory):
     return root / "x"
 
 
-def export_to(run_dir, out):
+def export_to(run_dir, out, *extra: str):
     return subprocess.run([sys.executable, "entrypoint.py", "export", str(run_dir), "--out",
-                           str(out)], cwd=ROOT, env=worker_env(), capture_output=True,
+                           str(out), *extra], cwd=ROOT, env=worker_env(), capture_output=True,
                           text=True, timeout=limit(120))
 
 
@@ -109,3 +119,55 @@ def test_an_earlier_export_is_replaced_file_by_file(trained, tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["model.json", "model.pt"]
     assert json.loads((out / "model.json").read_text())["model_pt_sha256"] == \
         first["model_pt_sha256"]
+
+
+def test_safetensors_export_holds_the_checkpoints_weights_and_replaces_model_pt(trained,
+                                                                                 tmp_path):
+    """--safetensors over an earlier model.pt export of the same folder: model.pt goes,
+    model.safetensors holds every tensor of the checkpoint (the tied head too), and the
+    model it loads into computes what the model.pt export's does."""
+    out = tmp_path / "shipped"
+    assert export_to(trained, out).returncode == 0
+    before = load_model(out)
+    proc = export_to(trained, out, "--safetensors")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["model.json", "model.safetensors"]
+    meta = json.loads((out / "model.json").read_text())
+    assert meta["files"] == ["model.safetensors", "model.json"] and "model_pt_sha256" not in meta
+    ckpt = torch.load(trained / "checkpoints" / "step-2" / "state.pt", weights_only=True)
+    written = safetensors_io.read(out / "model.safetensors")
+    assert written.keys() == ckpt["model"].keys()
+    assert all(torch.equal(written[k], v) for k, v in ckpt["model"].items())
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(load_model(out)(ids), before(ids))
+
+
+def test_a_damaged_safetensors_file_is_one_line(trained, tmp_path):
+    out = tmp_path / "st"
+    assert export_to(trained, out, "--safetensors").returncode == 0
+    data = (out / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ConfigError, match=r"model.safetensors: damaged or not a safetensors "
+                                          r"file \(FormatError: .*\); export again"):
+        load_model(out)
+
+
+@pytest.mark.skipif(not installed("safetensors"), reason="safetensors is not installed "
+                                                         "(make hf)")
+def test_safetensors_files_agree_with_the_reference_implementation(tmp_path):
+    """Ours written, theirs read, and the other way round: every dtype a model holds,
+    a tied pair, an empty tensor."""
+    from safetensors.torch import load_file, save_file
+    tensors = {"f32": torch.randn(3, 4), "bf16": torch.randn(5).bfloat16(),
+               "f16": torch.randn(2).half(), "i64": torch.arange(6).reshape(2, 3),
+               "empty": torch.zeros(0, 3), "mask": torch.tensor([True, False])}
+    tensors["tied"] = tensors["f32"]
+    with open(tmp_path / "ours.safetensors", "wb") as f:
+        safetensors_io.write(tensors, f)
+    save_file({k: v.clone() for k, v in tensors.items()}, tmp_path / "theirs.safetensors")
+    for read in (load_file(tmp_path / "ours.safetensors"),
+                 safetensors_io.read(tmp_path / "theirs.safetensors")):
+        assert read.keys() == tensors.keys()
+        assert all(read[k].dtype == v.dtype and torch.equal(read[k], v)
+                   for k, v in tensors.items())

@@ -82,9 +82,10 @@ def test_a_model_that_does_not_write_bytes_is_refused(tmp_path):
     out = command(run)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip() == (
-        f"error: command line: RUN_DIR: {run / 'export'}: a mlp model with 4 outputs; generate "
-        "writes text from a byte-level gpt (model.kind=gpt trained on data.kind=text, 256 "
-        "outputs)")
+        f"error: command line: RUN_DIR: {run / 'export'}: a mlp model with 4 outputs, not "
+        "trained to predict the next token; generate writes text from a byte-level causal "
+        "language model (256 outputs, trained on data.kind=text: model.kind gpt or hf, or your "
+        "own)")
 
 
 def test_a_damaged_model_json_is_one_line(tmp_path):

@@ -209,7 +209,7 @@ def test_blocks_named_by_no_split_modules_are_found_also_when_recomputed():
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["train.loss=model"], "needs a model that computes one (model.kind custom), got "
+    (["train.loss=model"], "needs a model that computes one (model.kind custom or hf), got "
                            "model.kind=gpt"),
     (["train.loss=model", "model.kind=custom", "model.factory=nets:build"],
      "model with data.kind=text (c.yaml): its targets are the next tokens already"),

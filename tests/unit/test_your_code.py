@@ -42,6 +42,8 @@ def test_your_model_data_and_loss_train_resume_and_export(project):
     assert exported.returncode == 0, exported.stderr
     meta = json.loads((run / "export" / "model.json").read_text())
     assert meta["model"]["factory"] == "nets:build" and meta["step"] == 40
+    # the keys a custom model reads; the built-in gpt's depth/width/heads would mislead
+    assert sorted(meta["model"]) == ["args", "context_length", "factory", "kind"]
     check = subprocess.run([sys.executable, "-c", """
 import torch
 from train.export import load_model

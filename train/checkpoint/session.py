@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from train import hf
 from train.checkpoint import formats, reader
 from train.checkpoint.policy import choose_checkpoint
 from train.checkpoint.state import Restored, TrainState, payload, rank_payload, set_rng_state
@@ -37,7 +38,7 @@ def save_checkpoint(c: Components, state: TrainState, guard: Guard, *,
                      scaler=c.scaler.state_dict() if c.scaler else None,
                      config=to_dict(c.cfg),
                      model_io={"input_shape": list(c.data.input_shape),
-                               "num_classes": c.data.num_classes},
+                               "num_classes": c.data.num_classes, **hf.model_io(c.model)},
                      format=c.checkpoint_format.name)
     path = c.checkpointer.save(state.step, shared, rank_payload(c.env.rank),
                                background=background, shards=shards)

@@ -116,6 +116,9 @@ def check(cfg, source: str, *, module: bool = False) -> None:
     meta device before anything is written. The dataset is built, and the model and the
     loss run on one sample, where the worker builds them (before step 1)."""
     from train.core.config.kinds import BUILT_IN_LOSSES, data_kind, model_kind
+    if cfg.model.kind == "hf" and (sample or module):  # no factory: transformers' classes
+        from train.core.config import hf_kind
+        hf_kind.check(cfg, source)
     if model_kind(cfg).factory:
         fn = resolve(cfg.model.factory, "model.factory", source)
         check_args(fn, cfg.model.args, "model.args", source)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from train.core import datafiles
+from train.core.config import hf_kind
 from train.core.config.origins import ref, val
 
 if TYPE_CHECKING:
@@ -48,6 +49,10 @@ class ModelKind:
     tokens: bool = False                 # next-token model: data.vocab_size classes, and a
                                          # sample is model.context_length tokens
     factory: bool = False                # made by the user's model.factory
+    takes_args: bool = False             # reads model.args (its factory's, or its own keys)
+    own_loss: bool = False               # may compute its own loss (train.loss: model)
+    # the model.* keys it reads besides kind: what an export's model.json records
+    keys: tuple[str, ...] = ()
     # its parameter count from the config alone (None: only the built model knows)
     parameters: Callable[[Config], int | None] = lambda cfg: None
 
@@ -61,6 +66,7 @@ class DataKind:
     models: tuple[str, ...] | None = None  # the model kinds it feeds (None: any)
     sample_bytes: Callable[[Config], int | None] = lambda cfg: None  # one loaded sample
     factory: bool = False                # made by the user's data.factory
+    takes_args: bool = False             # reads data.args (its factory's)
 
 
 # ---------------------------------------------------------------------- models
@@ -103,11 +109,17 @@ def _mlp_parameters(cfg: Config) -> int | None:
 
 
 MODEL_KINDS: dict[str, ModelKind] = {k.name: k for k in (
-    ModelKind("mlp", "train.models:mlp", parameters=_mlp_parameters),
-    ModelKind("cnn", "train.models:cnn", _cnn_rules),
+    ModelKind("mlp", "train.models:mlp", parameters=_mlp_parameters,
+              keys=("depth", "width", "dropout")),
+    ModelKind("cnn", "train.models:cnn", _cnn_rules, keys=("depth", "width", "dropout")),
     ModelKind("gpt", "train.models:gpt", _gpt_rules, data=("text", "tokens", "custom"),
-              blocks=True, tokens=True, parameters=_gpt_parameters),
-    ModelKind("custom", "train.models:from_factory", blocks=True, factory=True),
+              blocks=True, tokens=True, parameters=_gpt_parameters,
+              keys=("depth", "width", "heads", "context_length", "dropout", "tie_weights")),
+    ModelKind("custom", "train.models:from_factory", blocks=True, factory=True,
+              takes_args=True, own_loss=True, keys=("factory", "args", "context_length")),
+    ModelKind("hf", "train.hf:build", hf_kind.rules, data=("text", "tokens", "custom"),
+              blocks=True, tokens=True, takes_args=True, own_loss=True,
+              keys=("args", "context_length")),
 )}
 
 
@@ -177,7 +189,7 @@ def _tensors_files(cfg: Config, fail: Fail) -> None:
     datafiles.check_tensors(path, d.labels_path)
 
 
-TOKEN_MODELS = ("gpt", "custom")
+TOKEN_MODELS = ("gpt", "custom", "hf")
 DATA_KINDS: dict[str, DataKind] = {k.name: k for k in (
     DataKind("synthetic", "train.data.builders:synthetic", sample_bytes=_synthetic_sample_bytes),
     DataKind("tensors", "train.data.builders:tensors", files=_tensors_files),
@@ -185,7 +197,7 @@ DATA_KINDS: dict[str, DataKind] = {k.name: k for k in (
              sample_bytes=_token_sample_bytes),
     DataKind("tokens", "train.data.builders:tokens", files=_tokens_files, models=TOKEN_MODELS,
              sample_bytes=_token_sample_bytes),
-    DataKind("custom", "train.data.builders:from_factory", factory=True),
+    DataKind("custom", "train.data.builders:from_factory", factory=True, takes_args=True),
 )}
 
 # train.loss names that are no import path (train/losses.py: NAMES); "model" is the
@@ -214,9 +226,13 @@ def check_pairing(cfg: Config, fail: Fail) -> None:
         if kind.factory and not part.factory:
             fail(f"{section}.factory", f"required for {ref(section + '.kind')}: the import "
                                        "path of your factory, e.g. mypkg.module:build")
-        if not kind.factory and (part.factory or part.args):
-            key = f"{section}.factory" if part.factory else f"{section}.args"
-            fail(key, f"only for {section}.kind=custom, got {ref(section + '.kind')}")
+        if not kind.factory and part.factory:
+            fail(f"{section}.factory", f"only for {section}.kind=custom, got "
+                                       f"{ref(section + '.kind')}")
+        elif not kind.takes_args and part.args:
+            fail(f"{section}.args", f"only for {section}.kind="
+                                    f"{'custom or hf' if section == 'model' else 'custom'}, "
+                                    f"got {ref(section + '.kind')}")
     model, data = model_kind(cfg), data_kind(cfg)
     _own_loss_rules(cfg, model, data, fail)
     model.rules(cfg, fail)
@@ -233,9 +249,9 @@ def _own_loss_rules(cfg: Config, model: ModelKind, data: DataKind, fail: Fail) -
     """train.loss=model: the user's model computes it from labels=targets."""
     if cfg.train.loss != "model":
         return
-    if not model.factory:
+    if not model.own_loss:
         fail("train.loss", f"model (the model's own loss) needs a model that computes one "
-                           f"(model.kind custom), got {ref('model.kind')}, which returns "
+                           f"(model.kind custom or hf), got {ref('model.kind')}, which returns "
                            "logits: use cross_entropy or mse")
     elif data.name in ("text", "tokens"):
         # A causal LM shifts its labels itself: given these targets it would learn the

@@ -48,7 +48,8 @@ class OutputConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     kind: Literal[MODEL_KIND_NAMES] = opt(  # the kinds of .kinds
-        "gpt", "Model family: mlp, cnn (3x32x32 images), gpt (decoder-only transformer) or "
+        "gpt", "Model family: mlp, cnn (3x32x32 images), gpt (decoder-only transformer), "
+               "hf (a transformers causal LM named in model.args; needs the hf extra) or "
                "custom (your own, from model.factory).")
     factory: str | None = opt(None, "custom: import path of a callable returning the "
                                     "torch.nn.Module, 'package.module:name' (a function or a "
@@ -56,14 +57,21 @@ class ModelConfig:
                                     "(/workspace in the image) or an installed package.")
     args: dict[str, Any] = opt(dict, "custom: keyword arguments for model.factory (no "
                                      "credentials: a key named like one, password, api_key, "
-                                     "hf_token, is refused).", factory=True)
+                                     "hf_token, is refused). hf: exactly one of `config` (a "
+                                     "transformers configuration class such as GPT2Config, "
+                                     "its model_type such as gpt2, or a local directory with "
+                                     "config.json: random init) and `pretrained` (a local "
+                                     "save_pretrained directory: its weights, read offline, "
+                                     "never downloaded), plus `overrides` (configuration "
+                                     "fields to change, e.g. {n_layer: 2}; vocab_size "
+                                     "defaults to the data's).", factory=True)
     depth: int = opt(4, "Hidden layers (mlp), conv blocks (cnn) or transformer blocks (gpt).",
                      ge=1, le=256)
     width: int = opt(128, "Hidden size (mlp), base channels (cnn) or embedding size (gpt).",
                      ge=1)
     heads: int = opt(4, "Attention heads (gpt); must divide model.width.", ge=1)
-    context_length: int = opt(128, "Tokens per sequence (gpt); also the sample length of "
-                                   "text and tokens data.", ge=2)
+    context_length: int = opt(128, "Tokens per sequence (gpt, hf); also the sample length "
+                                   "of text and tokens data.", ge=2)
     dropout: float = opt(0.0, "Dropout probability.", ge=0.0, le=0.9)
     tie_weights: bool = opt(True, "Share the gpt token embedding with the output layer.")
 
