@@ -321,7 +321,7 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
                 metrics.close(final)
             code = EXIT_OK
         else:
-            c.checkpointer.progress = watchdog.progress
+            c.checkpointer.watch(watchdog)
             code = run_loop(c, state, stop, metrics, guard, watchdog)
         if metrics is not None:  # stopped by a signal, or by another node: resumable
             metrics.close(status="KILLED")

@@ -12,6 +12,11 @@ as the real matmul it wraps, so it is named even if the other node's CPU were th
 as busy; the healthy pair is judged with a ratio of 0.05, so that a busy machine cannot
 make one of its nodes an outlier. The model's own layers do not call ``torch.mm``, so
 training is unchanged.
+
+A node whose links are slow is made so at its edge too, its network interface: three
+hosts in network namespaces (tests/harness/netns.py), tc holding back everything one of
+them sends (a netem delay, or a token-bucket rate on a kernel without netem); the silent
+control with every link alike, and the rule, are in tests/unit/test_preflight_links.py.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import sys
 from pathlib import Path
 
 from tests.harness.multinode import Process, pid_namespaces
-from tests.harness.runs import ENTRY, TINY_MLP, clean_env, merge, write_config
+from tests.harness.runs import ENTRY, TINY_MLP, clean_env, limit, merge, write_config
 
 FAULTY = '''
 import os
@@ -101,8 +106,8 @@ def test_a_healthy_pair_gets_the_summary_line_and_trains(tmp_path):
     assert finish(pods) == [0, 0], pods[0].text()[-3000:]
     out = pods[0].text()
     m = re.search(r"preflight: 2 ranks on 2 nodes in [\d.]+ s: matmul [\d.-]+ [GT]FLOP/s, "
-                  r"all-reduce 1 MiB [\d.-]+ ms", out)
-    assert m, out[-3000:]
+                  r"all-reduce 1 MiB [\d.-]+ ms, links 1 MiB [\d.]+ [MG]B/s", out)
+    assert m, out[-3000:]  # two nodes: their one link timed (naming needs three)
     print(m[0])  # the measurement, in the test's output
     [check] = checks(tmp_path)
     assert check["mode"] == "warn" and check["slow_ratio"] == 0.05
@@ -161,3 +166,38 @@ def test_a_rank_stuck_in_its_matmul_is_named_by_the_hang_watchdog(tmp_path):
     assert "lost the connection to the worker at 127.0.0.1:" in other or \
         "waiting for the other ranks" in other, pods[0].text()[-3000:]
     assert "step 1/" not in pods[0].text() + pods[1].text()
+
+
+def test_a_node_behind_a_slow_link_is_named_and_with_fail_nothing_trains(net, tmp_path):
+    """Three nodes of a static job, node 2's interface held back from the start: every
+    node exits 3 before step 1 naming node 2's links, and no other node. (A matmul
+    ratio of 0.1: three nodes on two busy cores must not make a matmul the outlier.)"""
+    config = write_config(tmp_path / "job.yaml", merge(TINY_MLP, {
+        "output": {"dir": str(tmp_path / "runs")},
+        "train": {"max_steps": STEPS, "eval_batches": 0, "global_batch_size": 12}}))
+    hosts = [net.host(f"node{i}") for i in range(3)]
+    qdisc = net.slow_link(hosts[2])
+    try:
+        nodes = []
+        for rank, host in enumerate(hosts):
+            env = clean_env(MASTER_ADDR="node0", MASTER_PORT="29500", WORLD_SIZE="3",
+                            RANK=str(rank), TRAIN_LOCAL_ADDR=host.addr,
+                            TRAIN_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1")
+            nodes.append(host.process(f"node{rank}", [
+                sys.executable, ENTRY, "train", str(config), "distributed.preflight=fail",
+                "distributed.preflight_slow_ratio=0.1"], env, tmp_path))
+            net.procs.append(nodes[-1].start())
+        codes = [p.wait(limit(300)) for p in nodes]
+    finally:
+        net.fast_link(hosts[2])
+    assert codes == [3, 3, 3], nodes[0].text()[-3000:]
+    for node in nodes:
+        last = node.text().strip().splitlines()[-1]
+        assert re.match(r"error: preflight: node 2 \(node2\) links 0\.\d\dx the other nodes' "
+                        r"\([\d.]+ vs [\d.]+ [MG]B/s each way, its fastest of 2 peer nodes\); "
+                        "distributed.preflight=fail: nothing was trained", last), \
+            node.text()[-3000:]
+        assert "node 0" not in last and "node 1" not in last and "step 1/" not in node.text()
+    [check] = checks(tmp_path)
+    print(f"node 2 behind {qdisc}: {check['problems']}")
+    assert [len(r["links"]) for r in check["ranks"]] == [2, 2, 2]

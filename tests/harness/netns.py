@@ -127,6 +127,31 @@ class Network:
         _ip("-n", a.netns, "route", "del", "blackhole", f"{b.addr}/32", check=False)
         _ip("-n", b.netns, "route", "del", "blackhole", f"{a.addr}/32", check=False)
 
+    def slow_link(self, host: Host, delay_ms: int = 100, rate: str = "50mbit") -> str:
+        """Everything ``host`` sends is held back on its interface (tc, in its namespace):
+        a slow NIC or a congested port on that host's side of every link it has. A netem
+        delay of ``delay_ms``; on a kernel without netem (sch_netem not built, as on this
+        project's development VM), a token bucket at ``rate``: a NIC that negotiated a
+        lower speed. Returns the qdisc used; :meth:`fast_link` removes it."""
+        netem = self._tc(host, "qdisc", "add", "dev", "eth0", "root", "netem", "delay",
+                         f"{delay_ms}ms")
+        if netem.returncode == 0:
+            return f"netem delay {delay_ms}ms"
+        if "unknown" not in netem.stderr.lower():
+            raise RuntimeError(f"tc netem on {host.name}: {netem.stderr.strip()}")
+        tbf = self._tc(host, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate,
+                       "burst", "32kbit", "latency", "100ms")
+        if tbf.returncode:
+            raise RuntimeError(f"tc tbf on {host.name}: {tbf.stderr.strip()}")
+        return f"tbf rate {rate} (no netem in this kernel)"
+
+    def fast_link(self, host: Host) -> None:
+        self._tc(host, "qdisc", "del", "dev", "eth0", "root")
+
+    def _tc(self, host: Host, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["nsenter", f"--net=/run/netns/{host.netns}", "tc", *args],
+                              capture_output=True, text=True)
+
     def close(self) -> None:
         for h in self.members:
             _ip("netns", "del", h.netns, check=False)

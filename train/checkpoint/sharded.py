@@ -167,13 +167,27 @@ def _layout(state: Any) -> Any:
 
 def writer_group():
     """A gloo group for DCP's thread (async save needs a CPU backend, also under NCCL);
-    created at the first background save, which every rank reaches at the same step."""
+    created at the first background save, which every rank reaches at the same step,
+    with the run's collective timeout (distributed.timeout_s)."""
     import torch.distributed as dist
     if not dist.is_initialized():
         return None
     if not _GROUP:
-        _GROUP.append(dist.new_group(backend="gloo"))
+        _GROUP.append(dist.new_group(backend="gloo", timeout=_run_timeout()))
     return _GROUP[0]
+
+
+def _run_timeout():
+    """The default group's timeout: new_group's own default is torch's 30 minutes,
+    whatever the run set. None (torch's default) where this torch does not say."""
+    import torch
+    import torch.distributed as dist
+    for device in ("cpu", "cuda"):
+        try:
+            return dist.group.WORLD._get_backend(torch.device(device)).options._timeout
+        except Exception:  # no backend for that device; a torch without these internals
+            continue
+    return None
 
 
 def _written(folder: Path, digests: dict[Path, str]) -> dict[Path, str]:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,21 @@ class _Save:
         self.partial = f"{self.final}.partial"
 
 
+class _Unwatched:
+    """A background writer's watch when no watchdog is attached (tools, tests)."""
+
+    def progress(self) -> None:
+        pass
+
+    def waits_for(self, what: str) -> None:
+        pass
+
+
+@contextmanager
+def _unwatched(step: int) -> Iterator[_Unwatched]:
+    yield _Unwatched()
+
+
 class Checkpointer:
     """Writes the checkpoints of one run and finds them; ``gather`` exchanges a value
     with every rank (alone: a list of one)."""
@@ -68,6 +84,9 @@ class Checkpointer:
         # The training thread's hang watchdog: told after each round and file written,
         # so a checkpoint is watched part by part (train.guards.watchdog).
         self.progress: Callable[[], None] = lambda: None
+        # ... and its watch over a background save's writer thread, which the training
+        # thread does not wait for (train.guards.watchdog.Watchdog.watching_writer).
+        self.watch_writer = _unwatched
         # Told on rank 0 once a checkpoint is sealed here (the remote tier's upload:
         # train.checkpoint.remote); the tier itself, for a resume to consult.
         self.sealed: Callable[[int], None] = lambda step: None
@@ -95,6 +114,11 @@ class Checkpointer:
             hashes = self._together(lambda: self._write(save, shard_files, self.progress))
             self._together(lambda: self._seal(save, hashes) if self.rank == 0 else None)
         return self.storage.path(save.final)
+
+    def watch(self, watchdog) -> None:
+        """Report to the hang watchdog: the training thread's parts of a checkpoint, and
+        a background save's writer on its own."""
+        self.progress, self.watch_writer = watchdog.progress, watchdog.watching_writer
 
     def wait(self) -> None:
         """Join a background save; its failure is raised here, in the training thread."""
@@ -150,20 +174,30 @@ class Checkpointer:
     def _in_background(self, save: _Save, pending: Callable[[], dict[Path, str]] | None
                        ) -> None:
         try:
-            mine = self._write(save, pending)
-            marker = f"{save.partial}/rank-{self.rank}.done"
-            with writing(self.storage, save.partial, marker):
-                self.storage.replace(marker, json.dumps(mine).encode())
-            if self.rank == 0:
-                self._seal(save, self._markers(save))
+            with self.watch_writer(save.step) as watch:
+                mine = self._write(save, pending, watch.progress)
+                marker = f"{save.partial}/rank-{self.rank}.done"
+                with writing(self.storage, save.partial, marker):
+                    self.storage.replace(marker, json.dumps(mine).encode())
+                if self.rank == 0:
+                    self._seal(save, self._markers(save, watch))
         except BaseException as exc:  # surfaced by wait()
             self._writer_error = exc
 
-    def _markers(self, save: _Save) -> list[dict[str, str]]:
-        """Every rank's hashes, once each has written its marker (rank 0 only)."""
+    def _markers(self, save: _Save, watch=None) -> list[dict[str, str]]:
+        """Every rank's hashes, once each has written its marker (rank 0 only); the
+        watch is told which ranks it waits for, and of each marker that appears."""
+        watch = watch or _Unwatched()
         names = [f"{save.partial}/rank-{r}.done" for r in range(self.world_size)]
         deadline = time.monotonic() + self.async_timeout_s
+        seen = 0
         while not all(self.storage.exists(n) for n in names):
+            missing = [r for r, n in enumerate(names) if not self.storage.exists(n)]
+            if len(names) - len(missing) > seen:
+                seen = len(names) - len(missing)
+                watch.progress()
+            watch.waits_for(f"rank{'s' if len(missing) > 1 else ''} "
+                            f"{', '.join(map(str, missing))} to write {save.partial}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"ranks did not finish writing {save.partial} in time")
             if not self.storage.exists(save.partial):  # a rank's write failed: it went

@@ -12,10 +12,16 @@ wrong, one line each:
   (``preflight: node 1 (host-b) matmul 0.21x the median (3.1 vs 14.8 GFLOP/s)``). A node
   all of whose ranks are slow is named as the node; uniform slowness names nothing.
 
+- a node whose links are all far slower than the other nodes' (a bad NIC, a congested
+  port): the nodes exchange a tensor in pairs, and :mod:`train.core.links` says which
+  node's best link is far below the others' (``preflight: node 2 (host-c) links 0.04x
+  the other nodes' (...)``); three nodes or more.
+
 The all-reduce time is the group's (a ring waits for its slowest link, so every rank
 measures about the same): it is shown as a range in the summary line, never used to
 name a node. With nothing wrong, one summary line:
-``preflight: 4 ranks on 2 nodes in 1.2 s: matmul 14-15 GFLOP/s, all-reduce 1 MiB 2.1-2.4 ms``.
+``preflight: 4 ranks on 2 nodes in 1.2 s: matmul 14-15 GFLOP/s, all-reduce 1 MiB 2.1-2.4 ms,
+links 1 MiB 410-450 MB/s``.
 
 Torch-free and pure, so that the launcher (``doctor --comm``) and the workers judge alike.
 """
@@ -25,6 +31,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from train.core import links as link_rule
 
 OFF, WARN, FAIL = "off", "warn", "fail"   # distributed.preflight
 PREFIX = "preflight: "
@@ -45,12 +53,17 @@ class RankResult:
     allreduce_ok: bool = True          # every repetition summed to the world size
     error: str | None = None           # what raised, in one line
     seconds: float = 0.0               # the whole check on this rank
+    # links: (peer node, the median exchange's ms) for each peer node this rank was
+    # paired with; link_bytes each way per exchange
+    links: tuple[tuple[int, float], ...] = ()
+    link_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class Verdict:
     failures: list[str] = field(default_factory=list)   # NaN, a wrong sum, an error
-    slow: list[str] = field(default_factory=list)       # ranks far below the median
+    slow: list[str] = field(default_factory=list)       # ranks far below the median, and
+                                                        # nodes whose links all are
     summary: str | None = None                          # when nothing is wrong
     hosts: list[str] = field(default_factory=list)      # nodes of the ranks named
 
@@ -75,9 +88,11 @@ def judge(results: Sequence[RankResult], slow_ratio: float) -> Verdict:
     """The lines for these ranks' results (any order)."""
     results = sorted(results, key=lambda r: r.rank)
     failures = _failures(results)
-    slow = _slow(results, slow_ratio)
+    slow_links = link_rule.slow_nodes(_pair_times(results), slow_ratio)
+    slow = _slow(results, slow_ratio) + _slow_link_lines(results, slow_links)
     summary = None if failures or slow else _summary(results)
-    named = [r for r in results if _failure(r)] + _slow_ranks(results, slow_ratio)[1]
+    named = [r for r in results if _failure(r)] + _slow_ranks(results, slow_ratio)[1] + \
+        [r for r in results if r.node in {node for node, *_ in slow_links}]
     return Verdict(failures, slow, summary,
                    sorted({r.scheduler_node or r.host for r in named}))
 
@@ -139,6 +154,34 @@ def _slow(results: Sequence[RankResult], slow_ratio: float) -> list[str]:
     return lines
 
 
+def _pair_times(results: Sequence[RankResult]) -> dict[tuple[int, int], float]:
+    return link_rule.pair_times((r.node, peer, ms) for r in results for peer, ms in r.links)
+
+
+def _slow_link_lines(results: Sequence[RankResult],
+                     slow: list[tuple[int, float, float, int]]) -> list[str]:
+    nbytes = max((r.link_bytes for r in results), default=0)
+    lines = []
+    for node, ms, others, peers in slow:
+        host = next(r.host for r in results if r.node == node)
+        mine, theirs = link_rule.speed(nbytes, ms), link_rule.speed(nbytes, others)
+        lines.append(f"{PREFIX}node {node} ({host}) links {mine / theirs:.2f}x the other "
+                     f"nodes' ({_span((mine, theirs), _mbs, ' vs ')} each way, its fastest "
+                     f"of {peers} peer node{'s' if peers > 1 else ''})")
+    return lines
+
+
+def _links_part(results: Sequence[RankResult]) -> str | None:
+    times = list(_pair_times(results).values())
+    if not times:
+        return None
+    nbytes = max(r.link_bytes for r in results)
+    speeds = [link_rule.speed(nbytes, ms) for ms in times]
+    scale = 1000 if min(speeds) >= 1000 else 1  # one unit for the range
+    unit = "GB/s" if scale > 1 else "MB/s"
+    return f"links {_bytes(nbytes)} {_span(speeds, lambda v: f'{_num(v / scale)} {unit}')}"
+
+
 def _summary(results: Sequence[RankResult]) -> str:
     nodes = len({r.node for r in results})
     seconds = max(r.seconds for r in results)
@@ -150,6 +193,9 @@ def _summary(results: Sequence[RankResult]) -> str:
     if times:
         size = _bytes(max(r.allreduce_bytes for r in results))
         parts.append(f"all-reduce {size} {_span(times, lambda v: f'{_num(v)} ms')}")
+    links = _links_part(results)
+    if links:
+        parts.append(links)
     return (f"{PREFIX}{len(results)} rank{'s' if len(results) > 1 else ''} on {nodes} "
             f"node{'s' if nodes > 1 else ''} in {seconds:.1f} s: " + ", ".join(parts))
 
@@ -161,6 +207,10 @@ def _num(v: float) -> str:
 
 def _rate(gflops: float) -> str:
     return f"{_num(gflops / 1000)} TFLOP/s" if gflops >= 1000 else f"{_num(gflops)} GFLOP/s"
+
+
+def _mbs(mb_s: float) -> str:
+    return f"{_num(mb_s / 1000)} GB/s" if mb_s >= 1000 else f"{_num(mb_s)} MB/s"
 
 
 def _span(values: Sequence[float], show, between: str = "-") -> str:

@@ -9,20 +9,26 @@ default, or fail), every rank measures after the process group is up and before 
   :data:`REPEATS` timed repetitions: the median repetition's GFLOP/s, and whether any
   result held a NaN or inf;
 - an all-reduce of a fixed size (:data:`ALLREDUCE`, float32) with every peer, the same
-  repetitions: the median time, and whether every sum came out as the world size.
+  repetitions: the median time, and whether every sum came out as the world size;
+- its node's links: with every rank's node known, the nodes pair up in a few rounds and
+  exchange a fixed-size tensor both ways (:mod:`train.guards.links`), so that a node
+  whose every link is slow (a bad NIC, a congested port) is named, which the all-reduce,
+  waiting alike on every rank for the slowest link, cannot do.
 
-One all-gather brings every rank's :class:`~train.core.preflight.RankResult` to every
-rank; each judges them alike (:func:`train.core.preflight.judge`), so every rank reaches
-the same verdict without another collective. Rank 0 logs a line per problem (or one
+An all-gather brings every rank's :class:`~train.core.preflight.RankResult` to every
+rank (once for the layout, once more with the links); each judges them alike
+(:func:`train.core.preflight.judge`), so every rank reaches the same verdict without
+another collective. Rank 0 logs a line per problem (or one
 summary line) and appends the measurements to ``preflight.json`` in the run directory.
 With ``fail``, a problem ends the run on every rank with exit 3 (this machine cannot run
 the job: a restart on the same nodes would measure the same), the line naming the node.
 
-About a second on CPUs and GPUs alike. It is bounded by the hang watchdog: each
+A few seconds on CPUs and GPUs alike. It is bounded by the hang watchdog: each
 repetition is a part of the ``preflight`` phase (:mod:`train.guards.watchdog`), so a rank
-stuck in its matmul or in the all-reduce is named within its allowance, never left
+stuck in its matmul, the all-reduce or an exchange is named within its allowance, never left
 to ``distributed.timeout_s``. ``doctor --comm`` runs :func:`measure` in its probes
-(:mod:`train.comm_probe`), so both measure alike.
+(:mod:`train.comm_probe`), so both measure alike (its processes share one node: no
+links to time).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import socket
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -48,6 +54,7 @@ from train.core.files import write_json_atomic
 from train.core.identity import WorkerIdentity
 from train.core.preflight import FAIL, OFF, RankResult, Verdict, judge
 from train.distributed import ranks
+from train.guards import links
 from train.guards.watchdog import PREFLIGHT, Watchdog
 
 log = logging.getLogger("train")
@@ -86,7 +93,12 @@ def check(cfg: Config, env: WorkerIdentity, device: torch.device, run_dir: Path,
           progress: Callable[[], None] = lambda: None) -> Verdict:
     """Measure, gather, judge; rank 0 says it and records it. With distributed.preflight
     fail, a problem raises :class:`CannotRunHere` on every rank."""
+    started = time.perf_counter()
     mine = measure(env, device, progress)
+    results = ranks.gather(env)(mine)
+    mine = replace(mine, links=links.measure(results, mine, device, progress),
+                   link_bytes=links.nbytes(device))
+    mine = replace(mine, seconds=time.perf_counter() - started)
     results = ranks.gather(env)(mine)
     verdict = judge(results, cfg.distributed.preflight_slow_ratio)
     if env.is_main:

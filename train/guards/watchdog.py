@@ -23,6 +23,14 @@ also allows the run's state written at SLOW_DISK_BYTES_S and CHECKPOINTS_OF_SILE
 the longest checkpoint seen so far, within the same cap. The line names the phase: ``in
 step 31``, ``in the evaluation after step 30``, ``in the checkpoint of step 30``, ``in the
 preflight check before training``.
+
+A background checkpoint (``checkpoint.async_save``) is watched on its own: its writer
+thread (:mod:`train.checkpoint.store`) and, for sharded checkpoints, DCP's thread, which
+agrees with the other ranks over a gloo group of its own, may block on a frozen peer or
+a partition while the training thread still steps (or has finished and waits for it).
+:meth:`Watchdog.watching_writer` gives the writer a :class:`WriterWatch`; a writer
+silent past the checkpoint's allowance ends the rank like any hang, ``in the background
+checkpoint of step 30``, naming where the writer (or DCP's thread under it) waits.
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ BACKSTOP_S = 5
 # gradient all-reduce waits for every rank.
 _WAITING = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/")
 _LOADER = "/torch/utils/data/"
+_DCP = "/torch/distributed/checkpoint/"  # DCP's own thread, under a background save
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
 
@@ -107,6 +116,24 @@ def _phase_words(phase: str, step: int) -> str:
     return f"in step {step + 1}"
 
 
+class WriterWatch:
+    """A background checkpoint writer's side of the watchdog: progress() after each part
+    (a file written, a marker seen); waits_for(what) while it waits on other ranks in a
+    way no frame shows (polling for their files)."""
+
+    def __init__(self, step: int, limit: float):
+        self.step, self.limit = step, limit
+        self.ident = threading.get_ident()
+        self.last = time.monotonic()
+        self.waiting: str | None = None
+
+    def progress(self) -> None:
+        self.last, self.waiting = time.monotonic(), None
+
+    def waits_for(self, what: str) -> None:
+        self.waiting = what
+
+
 class Watchdog:
     """pet(step) once per step; ``with watching(phase, step):`` around evaluation and
     checkpoints, whose parts call progress(); pause() where nothing is to be watched."""
@@ -122,6 +149,7 @@ class Watchdog:
         self.armed_at = self.reported_at = -math.inf
         self.last: float | None = None   # the last sign of progress, None while paused
         self.step, self.phase = 0, STEP
+        self.writer: WriterWatch | None = None  # a background checkpoint in flight
         self._thread: threading.Thread | None = None
 
     def pet(self, step: int = 0) -> None:
@@ -143,6 +171,9 @@ class Watchdog:
         if now - self.armed_at >= 1.0:  # arming faulthandler starts a thread: once a second
             faulthandler.dump_traceback_later(self.watched + BACKSTOP_S, exit=True)
             self.armed_at = now
+        self._start()
+
+    def _start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="hang-watchdog",
                                             daemon=True)
@@ -180,6 +211,19 @@ class Watchdog:
             self.armed_at = -math.inf
             self.progress()
 
+    @contextmanager
+    def watching_writer(self, step: int) -> Iterator[WriterWatch]:
+        """In a background checkpoint's writer thread, around its work: watched with
+        the checkpoint's allowance whatever the training thread does meanwhile."""
+        watch = WriterWatch(step, self.checkpoint_limit())
+        self.writer = watch
+        self._start()
+        try:
+            yield watch
+        finally:
+            if self.writer is watch:
+                self.writer = None
+
     def pause(self) -> None:
         """Disarm until the next pet() (which re-arms at once)."""
         faulthandler.cancel_dump_traceback_later()
@@ -191,6 +235,9 @@ class Watchdog:
             last = self.last
             if last is not None and time.monotonic() - last > self.watched:
                 self._hung(time.monotonic() - last)
+            writer = self.writer
+            if writer is not None and time.monotonic() - writer.last > writer.limit:
+                self._writer_hung(writer, time.monotonic() - writer.last)
 
     def _hung(self, silent_s: float) -> None:
         frame = sys._current_frames().get(threading.main_thread().ident)
@@ -205,10 +252,45 @@ class Watchdog:
             limit = f"{STEPS_OF_SILENCE} x its usual step time, at least {FLOOR_S} s"
         error = (f"no progress for {silent_s:.0f} s {_phase_words(self.phase, self.step)} "
                  f"({limit}: {self.watched:.0f} s): {WAITS[kind]} at {at}")
+        self._end(self.step, kind, error)
+
+    def _writer_hung(self, writer: WriterWatch, silent_s: float) -> None:
+        kind, at = _writer_where(writer)
+        waits = f"waiting for {writer.waiting}" if writer.waiting else WAITS[kind]
+        limit = f"{BEFORE_COLLECTIVES:.0%} of distributed.timeout_s" \
+            if writer.limit == self.cap else "the checkpoint's allowance"
+        self._end(writer.step, WAITS_FOR_RANKS if writer.waiting else kind,
+                  f"no progress for {silent_s:.0f} s in the background checkpoint of step "
+                  f"{writer.step} ({limit}: {writer.limit:.0f} s): {waits} at {at}")
+
+    def _end(self, step: int, kind: str, error: str) -> None:
         if self.reporter is not None:
-            self.reporter.hung(self.step, kind, error)
+            self.reporter.hung(step, kind, error)
         rank = self.reporter.ident.rank if self.reporter is not None else 0
         print(f"rank {rank}: hang watchdog: {error}; every thread's stack follows",
               file=sys.stderr, flush=True)
         faulthandler.dump_traceback(all_threads=True)
         os._exit(1)
+
+
+def _writer_where(writer: WriterWatch) -> tuple[str, str]:
+    """Where a background writer waits: in DCP's thread when one is writing (the writer
+    only waits for its result), else in the writer's own frames."""
+    frames = sys._current_frames()
+    main = threading.main_thread().ident
+    for ident, frame in frames.items():
+        inner_dcp = _innermost_dcp(frame)
+        if ident not in (writer.ident, main) and inner_dcp is not None:
+            kind, at = where(frame)
+            return kind, at if at != "?" else inner_dcp
+    return where(frames.get(writer.ident))
+
+
+def _innermost_dcp(frame) -> str | None:
+    """"file:line in function" of the innermost frame of DCP's code, or None."""
+    while frame is not None:
+        if _DCP in frame.f_code.co_filename:
+            code = frame.f_code
+            return f"{Path(code.co_filename).name}:{frame.f_lineno} in {code.co_name} (DCP)"
+        frame = frame.f_back
+    return None

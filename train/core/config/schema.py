@@ -212,13 +212,17 @@ class DistributedConfig:
                                        "rdzv_keep_alive_s x (rdzv_keep_alive_attempts + 1).",
                                        ge=2)
     preflight: Literal["off", "warn", "fail"] = opt(
-        "warn", "Multi-node: before step 1 every rank times a fixed matmul on its device and "
-                "an all-reduce with its peers (about a second); rank 0 names a node far "
-                "slower than the others or failing (NaN, an error) and keeps the numbers in "
+        "warn", "Multi-node: before step 1 every rank times a fixed matmul on its device, "
+                "an all-reduce with its peers and its node's links to a few peer nodes (a "
+                "few seconds); rank 0 names a node far slower than the others (its compute "
+                "or, with 3 nodes or more, its links) or failing (NaN, an error) and keeps "
+                "the numbers in "
                 "RUN_DIR/preflight.json. warn: the lines, training goes on; fail: exit 3 "
                 "before step 1; off: no check. doctor --comm runs the same check.")
     preflight_slow_ratio: float = opt(0.5, "preflight: a rank whose matmul runs below this "
-                                           "fraction of the median rank's is named as slow.",
+                                           "fraction of the median rank's, or a node whose "
+                                           "fastest link runs below this fraction of the "
+                                           "other nodes', is named as slow.",
                                       gt=0.0, le=1.0)
     socket_ifname: str | None = opt(None, "Network interface for NCCL and gloo (sets "
                                           "NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); the "
