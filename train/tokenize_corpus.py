@@ -31,7 +31,7 @@ from train.core.errors import EXIT_STOPPED_BY_SIGNAL, CannotRunHere, ConfigError
 from train.core.files import sha256_file
 
 PIECE = 256 << 10   # text per piece of a long file, cut at a line end
-BATCH = 2 << 20     # text per call of the tokenizer's batch API
+BATCH = 1 << 20     # text per call of the tokenizer's batch API
 TOKENIZER_FILE = "tokenizer.json"
 
 
