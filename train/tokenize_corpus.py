@@ -110,7 +110,11 @@ def pieces(path: Path, stats: dict, size: int = PIECE) -> Iterator[str]:
     it has one; text that is not UTF-8 is one line naming the file and the byte."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     carry, offset = "", 0
-    with path.open("rb") as f:
+    try:
+        f = path.open("rb")
+    except OSError as exc:
+        raise ConfigError(str(path), "CORPUS_DIR", f"cannot read: {exc.strerror}") from None
+    with f:
         while True:
             block = f.read(size)
             pending = len(decoder.getstate()[0])  # bytes of a character cut by the read
@@ -186,7 +190,7 @@ def eos_id(tokenizer, token: str | None) -> int | None:
 
 def tokenize(args: argparse.Namespace) -> str:
     """Write the token file; the summary line."""
-    from train.data.tokenfile import TokenFileWriter, dtype_for
+    from train.data.tokenfile import dtype_for
     files = corpus_files(args.corpus, args.glob)
     check_out(args.out, args.force)
     source = tokenizer_json(args.tokenizer)
@@ -200,24 +204,37 @@ def tokenize(args: argparse.Namespace) -> str:
     eos = eos_id(tokenizer, args.eos)
     digest = sha256_file(source)
     start, stats = time.monotonic(), {"files": 0, "bytes": 0}
-    writer = TokenFileWriter(args.out, dtype)
-    try:
-        for batch in batches(files, stats):
-            writer.append(encode(tokenizer, batch, eos))
-        if writer.count == 0:
-            raise ConfigError(str(args.corpus), "CORPUS_DIR", f"no text: {len(files)} file(s) "
-                                                              "matching --glob, 0 tokens")
-        writer.commit({"vocab_size": vocab, "eos": args.eos,
-                       "tokenizer": {"path": str(source.resolve()), "sha256": digest},
-                       "corpus": {"path": str(args.corpus.resolve()), "glob": args.glob,
-                                  "files": stats["files"], "bytes": stats["bytes"]}})
-    except BaseException:
-        writer.discard()
-        raise
+    count = write(args, dtype, (encode(tokenizer, batch, eos) for batch in batches(files, stats)),
+                  lambda: {"vocab_size": vocab, "eos": args.eos,
+                           "tokenizer": {"path": str(source.resolve()), "sha256": digest},
+                           "corpus": {"path": str(args.corpus.resolve()), "glob": args.glob,
+                                      "files": stats["files"], "bytes": stats["bytes"]}})
     return (f"tokenize: {stats['files']} files, {stats['bytes']:,} bytes -> "
-            f"{writer.count:,} tokens ({dtype}) in {args.out}, {time.monotonic() - start:.1f} s; "
+            f"{count:,} tokens ({dtype}) in {args.out}, {time.monotonic() - start:.1f} s; "
             f"vocab {vocab:,} (train with data.kind=tokens data.path={args.out} "
             f"data.vocab_size={vocab}); {TOKENIZER_FILE} sha256 {digest}")
+
+
+def write(args: argparse.Namespace, dtype: str, chunks: Iterator, description) -> int:
+    """The ids of ``chunks`` as the token file, described by ``description()`` once all
+    are written; the token count. Whatever goes wrong, no partial file is left behind."""
+    from train.data.tokenfile import TokenFileWriter
+    writer = None
+    try:
+        writer = TokenFileWriter(args.out, dtype)
+        for ids in chunks:
+            writer.append(ids)
+        if writer.count == 0:
+            raise ConfigError(str(args.corpus), "CORPUS_DIR", "no text in the files matching "
+                                                              "--glob: 0 tokens")
+        writer.commit(description())
+        return writer.count
+    except OSError as exc:  # reading errors are ConfigErrors already: the output's
+        raise CannotRunHere(f"{args.out}: cannot write ({exc.strerror or exc}); free some "
+                            "space or choose another --out") from None
+    finally:
+        if writer is not None and writer.partial.exists():
+            writer.discard()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import resource
 import signal
 import subprocess
 import sys
@@ -129,7 +130,8 @@ def bad_inputs(made: dict[str, Path], tmp: Path) -> dict[str, tuple[list, str]]:
         "not a tokenizer": ([corpus, "--tokenizer", tmp / "garbage", "--out", out],
                             "not a tokenizer file the tokenizers package reads"),
         "no files": ([tmp / "empty", "--tokenizer", tok, "--out", out], "no file matches"),
-        "no text": ([tmp / "blank", "--tokenizer", tok, "--out", out], "no text: 1 file(s)"),
+        "no text": ([tmp / "blank", "--tokenizer", tok, "--out", out],
+                    "no text in the files matching --glob: 0 tokens"),
         "not UTF-8": ([tmp / "latin1", "--tokenizer", tok, "--out", out],
                       "a.py: CORPUS_DIR: not UTF-8 text at byte 3"),
         "exists": ([corpus, "--tokenizer", tok, "--out", tmp / "exists.bin"],
@@ -219,3 +221,19 @@ def test_killed_mid_write_leaves_the_previous_file_and_a_rerun_completes(made, t
     meta = json.loads(out.with_name("big.bin.json").read_text())
     assert meta["tokens"] * 2 == out.stat().st_size
     assert meta["sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
+
+
+@needs_tokenizers
+def test_a_write_the_disk_refuses_is_exit_3_and_leaves_the_previous_file(made, tmp_path):
+    """A file size limit (RLIMIT_FSIZE) makes the kernel refuse the writes past 64 KiB,
+    as a full disk would: one line, exit 3, the previous file as it was, no partial file."""
+    out = tmp_path / "o.bin"
+    out.write_bytes(b"previous")
+    limited = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))  # noqa: E731
+    proc = subprocess.run([sys.executable, ENTRY, "tokenize", str(made["corpus"]),
+                           "--tokenizer", str(made["tokenizer"]), "--out", str(out), "--force"],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True,
+                          timeout=limit(120), preexec_fn=limited)
+    assert proc.returncode == 3, proc.stderr
+    assert f"{out}: cannot write (File too large)" in one_error_line(proc)
+    assert out.read_bytes() == b"previous" and sorted(tmp_path.iterdir()) == [out]
