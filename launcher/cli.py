@@ -39,6 +39,9 @@ commands:
   export RUN_DIR      consolidated weights + model config from the newest checkpoint
   generate RUN_DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S]
                       text from an exported byte-level GPT (the quick start's model)
+  tokenize CORPUS_DIR --tokenizer DIR --out FILE [--glob GLOB] [--eos TOKEN] [--force]
+                      a text corpus as the token file data.kind: tokens reads, with a
+                      Hugging Face tokenizer from a local folder (make hf installs it)
   anything else       executed as a command: bash, python, tensorboard --logdir runs
 
 """
@@ -161,11 +164,13 @@ def cmd_rendezvous(args: list[str]) -> int:
     return rendezvous.serve(ns.port, log, host=ns.host)
 
 
-def in_training_package(module: str, args: list[str]) -> int:
-    """Commands that load checkpoints or exports with torch run inside the training
-    package: this process becomes ``python -m MODULE``, from any directory."""
+def in_training_package(module: str, args: list[str], *, torch: bool = True) -> int:
+    """Commands that load checkpoints or exports with torch (or, torch=False, that only
+    write data files) run inside the training package: this process becomes ``python -m
+    MODULE``, from any directory."""
     import importlib.util
-    if importlib.util.find_spec("torch") is None:  # the one-line answer of main(), not a traceback
+    # without torch: the one-line answer of main(), not a traceback
+    if torch and importlib.util.find_spec("torch") is None:
         raise ModuleNotFoundError("No module named 'torch'", name="torch")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [APP_ROOT, env.get("PYTHONPATH")]))
@@ -180,21 +185,26 @@ def cmd_generate(args: list[str]) -> int:
     return in_training_package("train.generate", args)
 
 
+def cmd_tokenize(args: list[str]) -> int:
+    return in_training_package("train.tokenize_corpus", args, torch=False)
+
+
 def cmd_exec(args: list[str]) -> int:
     from train.core.errors import ConfigError
     try:
         os.execvp(args[0], args)
     except FileNotFoundError:
         raise ConfigError("command line", args[0], "unknown command: not train, launch, "
-                          "doctor, rendezvous, export or generate, and no such executable on "
-                          "PATH; see --help") from None
+                          "doctor, rendezvous, export, generate or tokenize, and no such "
+                          "executable on PATH; see --help") from None
     except PermissionError:
         raise ConfigError("command line", args[0], "not executable") from None
     return 0  # not reached
 
 
 COMMANDS = {"train": cmd_train, "launch": cmd_launch, "doctor": cmd_doctor,
-            "rendezvous": cmd_rendezvous, "export": cmd_export, "generate": cmd_generate}
+            "rendezvous": cmd_rendezvous, "export": cmd_export, "generate": cmd_generate,
+            "tokenize": cmd_tokenize}
 
 
 def _command_name() -> str:

@@ -54,7 +54,7 @@ E2E_LONGEST_FIRST = (
     "test_sharded_checkpoints", "test_safety_runs", "test_run_files_runs", "test_liveness",
     "test_install", "test_your_code_runs", "test_slow_nodes", "test_tools_runs",
     "test_preflight_runs", "test_checkpoint_runs", "test_slurm_preflight", "test_stragglers",
-    "test_restarts",
+    "test_restarts", "test_tokenize_runs",
 )
 
 

@@ -23,6 +23,7 @@ from train.core.config.kinds import DATA_KINDS, MODEL_KINDS, load_builder
 from train.core.datafiles import check_labels, load_npy, load_pt, text_files
 from train.core.errors import ConfigError
 from train.core.files import sha256_file
+from train.data.tokenfile import read_sidecar
 
 # Hashing a multi-GB token file at every start would cost minutes; above this size the
 # manifest records a hash of the size plus sampled chunks and says so.
@@ -191,7 +192,15 @@ def tokens(cfg: Config, source: str) -> DataBundle:
     path = Path(d.path)
     ids = np.memmap(path, dtype=np.uint16, mode="r")
     return _windows(ids, d, cfg.model.context_length, d.vocab_size, _file_hash(path),
-                    f"tokens {path.name} ({len(ids):,} tokens)", str(path))
+                    f"tokens {path.name} ({len(ids):,} tokens{_made_by(path)})", str(path))
+
+
+def _made_by(path: Path) -> str:
+    """Which tokenizer made a token file (``tokenize``'s FILE.json), for the manifest."""
+    made = (read_sidecar(path) or {}).get("tokenizer")
+    if not isinstance(made, dict) or not isinstance(made.get("sha256"), str):
+        return ""
+    return f", tokenizer.json sha256 {made['sha256']}"
 
 
 class SampleDataset(Dataset):

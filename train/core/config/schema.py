@@ -89,7 +89,8 @@ class DataConfig:
                                      "credentials, as in model.args).", factory=True)
     path: str | None = opt(None, "tensors: .pt file holding {features, labels} or a .npy "
                                  "features file; text: a directory of text files (default: the "
-                                 "Python standard library's source); tokens: the .bin file.")
+                                 "Python standard library's source); tokens: the .bin file "
+                                 "(entrypoint.py tokenize writes one from text).")
     labels_path: str | None = opt(None, "tensors: .npy labels when data.path is a .npy file.")
     text_glob: str = opt("**/*.py", "text: which files under data.path to read, in sorted order.")
     max_bytes: int = opt(8_000_000, "text: stop reading after this many bytes (0 = all).", ge=0)
