@@ -155,9 +155,9 @@ def test_the_scan_is_kept_in_the_run_directory_and_used_while_the_file_is_unchan
     assert not tokenscan._pending
 
 
-def test_the_scan_finds_the_largest_id_in_any_block(tmp_path, monkeypatch):
-    monkeypatch.setattr(tokenscan, "SCAN_BLOCK", 4096)
-    ids = np.zeros(10_000, dtype=np.uint16)
-    ids[7777] = 65535
-    ids.tofile(tmp_path / "t.bin")
-    assert tokenscan.scan(tmp_path / "t.bin") == 65535
+def test_the_scan_finds_the_largest_id_anywhere(tmp_path):
+    for at in (0, 7777, 9999):
+        ids = np.full(10_000, 5, dtype=np.uint16)
+        ids[at] = 65_535 - at // 1000
+        ids.tofile(tmp_path / "t.bin")
+        assert tokenscan.scan(tmp_path / "t.bin") == 65_535 - at // 1000

@@ -25,7 +25,6 @@ from train.core import rundir
 
 SAMPLES = 16                 # chunks hashed to tell two files of equal size and time apart
 SAMPLE_BYTES = 64 << 10
-SCAN_BLOCK = 64 << 20        # read this much at a time: page faults of a map cost more
 
 # scanned in this process and not yet in a run directory: {path: entry}
 _pending: dict[str, dict] = {}
@@ -43,14 +42,10 @@ def fingerprint(path: Path) -> dict:
 
 
 def scan(path: Path) -> int:
-    """The largest id in a uint16 token file, read in large blocks."""
+    """The largest id in a uint16 token file (numpy's max over a memory map: measured
+    4x less CPU than reading it in blocks, bench/tokenscan.py)."""
     import numpy as np
-    top = 0
-    with path.open("rb", buffering=0) as f:
-        block = bytearray(SCAN_BLOCK)
-        while (got := f.readinto(block)) > 0:
-            top = max(top, int(np.frombuffer(block, dtype=np.uint16, count=got // 2).max()))
-    return top
+    return int(np.memmap(path, dtype=np.uint16, mode="r").max())
 
 
 def _recorded(run_dir: Path | None) -> dict[str, dict]:
