@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.harness import s3server
+from tests.harness.checkpoints import rewind
 from tests.harness.runs import ROOT, TINY_GPT, limit, losses, merge, run_train, write_config
 from tests.unit.test_token_shards import config, token_files, windows
 from train.core.errors import CannotRunHere, ConfigError
@@ -134,17 +135,22 @@ def test_the_launchers_checks_of_objects(aws, tmp_path, monkeypatch):
 
 
 def test_a_run_from_objects_has_the_losses_of_the_run_from_local_files(aws, tmp_path):
+    """And resumed from its checkpoint, it continues as it went on (bitwise)."""
     paths = token_files(tmp_path / "data", sizes=(3000, 2500, 4000), vocab=256)
     url = upload(aws, paths, "run")
     tree = merge(TINY_GPT, {"output": {"dir": str(tmp_path / "runs")},
                             "data": {"kind": "tokens", "vocab_size": 256,
                                      "cache_dir": str(tmp_path / "cache")},
-                            "train": {"max_steps": 4}})
+                            "train": {"max_steps": 4}, "checkpoint": {"every_steps": 2}})
     local = write_config(tmp_path / "local.yaml", merge(tree, {"data": {
         "path": str(tmp_path / "data" / "*.bin")}}))
     remote = write_config(tmp_path / "remote.yaml", merge(tree, {"data": {"path": url}}))
     for config_file in (local, remote):
         proc = run_train(config_file, env=aws.env())
         assert proc.returncode == 0, proc.stderr[-3000:]
-    assert losses(tmp_path / "runs" / "remote") == losses(tmp_path / "runs" / "local")
-    assert len(losses(tmp_path / "runs" / "local")) == 4
+    ref = losses(tmp_path / "runs" / "local")
+    assert losses(tmp_path / "runs" / "remote") == ref and len(ref) == 4
+    rewind(tmp_path / "runs" / "remote", 2)
+    proc = run_train(remote, env=aws.env())
+    assert proc.returncode == 0 and "at step 2" in proc.stderr, proc.stderr[-3000:]
+    assert losses(tmp_path / "runs" / "remote") == ref
