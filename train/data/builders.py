@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from train.core.files import sha256_file
 from train.core.tokenfiles import TokenFile
 from train.data.shardcache import ShardCache, default_folder
 from train.data.tokenshards import ShardedWindows, Shards, windows_in
+
+log = logging.getLogger("train")
 
 # Hashing a multi-GB token file at every start would cost minutes; above this size the
 # manifest records a hash of the size plus sampled chunks and says so.
@@ -210,6 +213,12 @@ def sharded_tokens(cfg: Config, files: list[TokenFile], source: str) -> DataBund
         raise ConfigError(source, "data.path", f"{n} window(s) of model.context_length="
                                                f"{length} tokens in {len(files)} file(s); "
                                                "need at least 2")
+    fetched = sum(f.size for f in files if f.remote)
+    if fetched > d.cache_bytes:
+        log.warning("data.cache_bytes=%d holds less than the %d bytes of objects in "
+                    "data.path: every step will fetch files again (a full shuffle reads "
+                    "them all; docs/object-storage.md); raise it to %d", d.cache_bytes,
+                    fetched, fetched)
     n_train, n_val = _split_counts(n, d.val_fraction)
     # objects: their listing (size, ETag) stands for their bytes, which are not here yet
     digest = hashlib.sha256(json.dumps(

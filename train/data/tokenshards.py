@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -33,22 +34,33 @@ def windows_in(f: TokenFile, length: int) -> int:
     return max(0, (f.size // 2 - 1) // length)
 
 
+# How often a process looks whether the cache still holds a file it has mapped: a map
+# keeps an evicted file's pages readable, and its disk space taken, until it is dropped
+RECHECK_S = 1.0
+
+
 class Shards:
     """The token arrays of a dataset's files, mapped on first use in each process."""
 
     def __init__(self, files: list[TokenFile], cache: ShardCache | None):
         self.files, self.cache = files, cache
-        self._arrays: dict[int, tuple[Path, np.ndarray]] = {}
+        self._arrays: dict[int, tuple[Path, np.ndarray, float]] = {}
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_arrays": {}}  # a map is never copied into a worker
 
     def tokens(self, k: int) -> np.ndarray:
         f, known = self.files[k], self._arrays.get(k)
-        if known is not None and (not f.remote or known[0].exists()):
-            return known[1]
+        if known is not None:
+            path, array, checked = known
+            now = time.monotonic()
+            if not f.remote or now - checked < RECHECK_S:
+                return array
+            if path.exists():
+                self._arrays[k] = (path, array, now)
+                return array
         path = self.cache.local(f) if f.remote else Path(f.name)  # evicted: fetched again
-        self._arrays[k] = (path, np.memmap(path, dtype=np.uint16, mode="r"))
+        self._arrays[k] = (path, np.memmap(path, dtype=np.uint16, mode="r"), time.monotonic())
         return self._arrays[k][1]
 
 
