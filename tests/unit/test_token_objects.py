@@ -154,3 +154,15 @@ def test_a_run_from_objects_has_the_losses_of_the_run_from_local_files(aws, tmp_
     proc = run_train(remote, env=aws.env())
     assert proc.returncode == 0 and "at step 2" in proc.stderr, proc.stderr[-3000:]
     assert losses(tmp_path / "runs" / "remote") == ref
+
+
+def test_a_store_that_cannot_be_reached_is_one_line_after_a_few_attempts(aws, tmp_path,
+                                                                         monkeypatch):
+    (path,) = token_files(tmp_path / "data", sizes=(1000,))
+    (f,) = resolve(upload(aws, [path], "gone"), "c.yaml")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # nothing listens
+    cache = ShardCache(tmp_path / "cache", 1 << 30)
+    with pytest.raises(DataFileError, match=r"^s3://ckpt/gone/part-00.bin: cannot fetch "
+                                            r"\(3 attempts\): .*127\.0\.0\.1:9"):
+        cache.local(f)
+    assert not cache.path(f).exists()

@@ -71,7 +71,7 @@ def resolve(path: str | list[str] | None, source: str) -> list[TokenFile]:
 
 
 def _local(entry: str, source: str) -> list[TokenFile]:
-    if any(c in entry for c in MAGIC):
+    if any(c in entry for c in MAGIC) and not Path(entry).is_file():  # data[1].bin: a file
         names = sorted(p for p in glob.glob(entry, recursive=True) if Path(p).is_file())
         if not names:
             raise ConfigError(source, KEY, f"{entry}: no file matches")

@@ -29,6 +29,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from train.core.tokenfiles import TokenFile
 log = logging.getLogger("train")
 
 CHUNK = 8 << 20
+ATTEMPTS = 3     # fetches of one object before its read fails
 PLAIN_MD5 = re.compile(r"^[0-9a-f]{32}$")  # a multipart upload's ETag is not the MD5
 
 
@@ -90,6 +92,27 @@ class ShardCache:
         return S3Storage(bucket, s3=self._client[1])
 
     def _fetch(self, f: TokenFile, path: Path) -> None:
+        """Fetch ``f`` into ``path``; a connection that fails mid-way is tried again
+        (botocore retries a request, not a body cut off while it streams)."""
+        from train.checkpoint.objectstore import missing, said
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                size = self._fetch_once(f, path)
+                break
+            except DataFileError:
+                raise
+            except Exception as exc:  # the store's or the network's answer, in one line
+                if missing(exc):
+                    raise DataFileError(f"{f.name}: not in the store (it was listed when "
+                                        "the run started)") from None
+                if attempt == ATTEMPTS:
+                    raise DataFileError(f"{f.name}: cannot fetch ({ATTEMPTS} attempts): "
+                                        f"{said(exc)}") from None
+                log.warning("fetching %s: %s; trying again", f.name, said(exc))
+                time.sleep(attempt)
+        log.info("fetched %s (%d bytes) into %s", f.name, size, self.folder)
+
+    def _fetch_once(self, f: TokenFile, path: Path) -> int:
         bucket, key = f.bucket_key()
         part = path.with_name(f".{path.name}.{os.getpid()}.part")
         md5, size = hashlib.md5(usedforsecurity=False), 0
@@ -102,17 +125,10 @@ class ShardCache:
                     out.write(chunk)
             _check(f, size, md5.hexdigest())
             os.replace(part, path)
-        except DataFileError:
-            raise
-        except Exception as exc:  # the store's or the network's answer, in one line
-            from train.checkpoint.objectstore import missing, said
-            what = "not in the store (it was listed when the run started)" if missing(exc) \
-                else f"cannot fetch: {said(exc)}"
-            raise DataFileError(f"{f.name}: {what}") from None
         finally:
             with contextlib.suppress(FileNotFoundError):
                 part.unlink()
-        log.info("fetched %s (%d bytes) into %s", f.name, size, self.folder)
+        return size
 
     def _make_room(self, need: int) -> None:
         """Remove the least recently used files until ``need`` more bytes fit."""
