@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -> int:
     from launcher.conventions.slurm import earlier_incarnation
     from launcher.signals import Forwarder
-    from train.core import runlock
+    from train.core import runlock, tokenscan
     plan, cfg = p.plan, p.cfg
     if _finished_already(p, log):
         return 0
@@ -34,6 +34,8 @@ def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -
     lock = runlock.acquire(cfg.run_dir, plan.job, runlock.LeaseTimes.of(cfg), log=log,
                            ended=earlier_incarnation(plan.job)) \
         if plan.program == "train" else None
+    if lock is not None:  # the token files' scan, made while validating: workers skip it
+        tokenscan.record(cfg.run_dir)
     remote = None
     signals = Forwarder(plan.requeue_signal)
     try:

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from train.core import peers, rundir, threads, usercode
+from train.core import peers, rundir, threads, tokenscan, usercode
 from train.core.config import check_resume_compatible, load_config, to_yaml
 from train.core.config.loader import dashed_override
 from train.core.config.origins import config_warnings
@@ -75,6 +75,7 @@ def run(argv: list[str], reporter: Reporter | None = None) -> tuple[int, str | N
         # loss run on one sample in the build, before step 1: a mistake is exit 2
         usercode.check(cfg, args.config, module=not env.supervised)
         check_resume_compatible(cfg, args.config)
+        tokenscan.record(cfg.run_dir)  # a bare worker's scan of the token files, if any
         from train.trainer import train  # torch is imported only when training
         return train(cfg, args.config, reporter=reporter), None
     except UserError as exc:

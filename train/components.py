@@ -166,16 +166,22 @@ def auto_micro_batch(cfg: Config, env: WorkerIdentity, module: nn.Module, data: 
 def train_loader(c: Components, state: TrainState):
     """This rank's micro-batches from ``state``'s position in the global order to the end."""
     cfg, env = c.cfg, c.env
-    order = GlobalOrder(len(c.data.train), cfg.seed)
-    sampler = RankBatchSampler(order, global_batch_size=cfg.train.global_batch_size,
-                               rank=env.rank, world_size=env.world_size,
-                               micro_batch_size=c.micro, start_step=state.step,
-                               end_step=cfg.train.max_steps, first_sample=state.samples_consumed)
+
+    def sampler() -> RankBatchSampler:
+        return RankBatchSampler(GlobalOrder(len(c.data.train), cfg.seed),
+                                global_batch_size=cfg.train.global_batch_size,
+                                rank=env.rank, world_size=env.world_size,
+                                micro_batch_size=c.micro, start_step=state.step,
+                                end_step=cfg.train.max_steps,
+                                first_sample=state.samples_consumed)
+    read_ahead = getattr(c.data.train, "read_ahead", None)
+    if read_ahead is not None:  # files in object storage: a sampler of its own (a thread)
+        read_ahead(sampler())
     workers = cfg.data.num_workers
     if workers == AUTO:
         workers = min(4, env.cpus_per_rank() // 2)
     pin = cfg.data.pin_memory
     pin = c.device.type == "cuda" if pin == AUTO else pin
-    return make_loader(c.data.train, sampler, num_workers=workers, pin_memory=pin,
+    return make_loader(c.data.train, sampler(), num_workers=workers, pin_memory=pin,
                        persistent_workers=cfg.data.persistent_workers,
                        prefetch_factor=cfg.data.prefetch_factor, seed=cfg.seed)

@@ -132,7 +132,7 @@ def problem(tmp_path, *overrides: str) -> str:
     config = write_config(tmp_path / "c.yaml", merge(TINY_HF, {"output": {"dir": str(tmp_path)}}))
     with pytest.raises(ConfigError) as err:
         cfg = load_config(config, list(overrides))
-        usercode.check(cfg, str(config), sample=False, module=True)
+        usercode.check(cfg, str(config), module=True)
     assert err.value.exit_code == 2
     return err.value.one_line().replace(str(tmp_path), "TMP")
 
@@ -182,7 +182,7 @@ def test_without_transformers_kind_hf_is_exit_3_naming_the_extra(tmp_path, monke
     cfg = load_config(config)
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
     with pytest.raises(CannotRunHere) as err:
-        usercode.check(cfg, str(config), sample=False, module=True)
+        usercode.check(cfg, str(config), module=True)
     assert err.value.exit_code == 3
     assert err.value.one_line() == (
         "error: transformers is not installed here; model.kind hf needs it: pip install "

@@ -102,9 +102,3 @@ def check_tensors(path: Path, labels_path: str | None) -> None:
     x = load_npy(path, "data.path", mmap=True)
     y = load_npy(Path(labels_path), "data.labels_path", mmap=False)
     check_labels(x.shape, y, str(labels_path), "data.labels_path")
-
-
-def largest_token(path: Path) -> int:
-    """The largest id in a uint16 token file (read through a memory map)."""
-    import numpy as np
-    return int(np.memmap(path, dtype=np.uint16, mode="r").max())

@@ -99,6 +99,9 @@ def check_without_running(cfg, source: str) -> None:
     what its source shows; nothing of the user's code is imported or run."""
     from train.core import usersource
     from train.core.config.kinds import BUILT_IN_LOSSES, data_kind, model_kind
+    if cfg.model.kind == "hf":  # no user code: transformers' own classes, built on meta
+        from train.core.config import hf_kind
+        hf_kind.check(cfg, source)
     if model_kind(cfg).factory:
         usersource.check_path(cfg.model.factory, "model.factory", source, cfg.model.args,
                               "model.args")
@@ -116,7 +119,7 @@ def check(cfg, source: str, *, module: bool = False) -> None:
     meta device before anything is written. The dataset is built, and the model and the
     loss run on one sample, where the worker builds them (before step 1)."""
     from train.core.config.kinds import BUILT_IN_LOSSES, data_kind, model_kind
-    if cfg.model.kind == "hf" and (sample or module):  # no factory: transformers' classes
+    if cfg.model.kind == "hf" and module:  # a worker without the launcher's check
         from train.core.config import hf_kind
         hf_kind.check(cfg, source)
     if model_kind(cfg).factory:

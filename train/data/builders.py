@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,13 +18,18 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset, default_collate
 
-from train.core import usercode
+from train.core import tokenfiles, usercode
 from train.core.config import Config, DataConfig
 from train.core.config.kinds import DATA_KINDS, MODEL_KINDS, load_builder
 from train.core.datafiles import check_labels, load_npy, load_pt, text_files
 from train.core.errors import ConfigError
 from train.core.files import sha256_file
+from train.core.tokenfiles import TokenFile
+from train.data.shardcache import ShardCache, default_folder
 from train.data.tokenfile import read_sidecar
+from train.data.tokenshards import ShardedWindows, Shards, windows_in
+
+log = logging.getLogger("train")
 
 # Hashing a multi-GB token file at every start would cost minutes; above this size the
 # manifest records a hash of the size plus sampled chunks and says so.
@@ -189,7 +195,10 @@ def text(cfg: Config, source: str) -> DataBundle:
 
 def tokens(cfg: Config, source: str) -> DataBundle:
     d = cfg.data
-    path = Path(d.path)
+    files = tokenfiles.resolve(d.path, source)
+    if len(files) > 1 or files[0].remote:
+        return sharded_tokens(cfg, files, source)
+    path = Path(files[0].name)  # one local file: read as it always was
     ids = np.memmap(path, dtype=np.uint16, mode="r")
     return _windows(ids, d, cfg.model.context_length, d.vocab_size, _file_hash(path),
                     f"tokens {path.name} ({len(ids):,} tokens{_made_by(path)})", str(path))
@@ -201,6 +210,33 @@ def _made_by(path: Path) -> str:
     if not isinstance(made, dict) or not isinstance(made.get("sha256"), str):
         return ""
     return f", tokenizer.json sha256 {made['sha256']}"
+
+
+def sharded_tokens(cfg: Config, files: list[TokenFile], source: str) -> DataBundle:
+    """Several token files, or objects, as one sequence of windows (:mod:`.tokenshards`)."""
+    d, length = cfg.data, cfg.model.context_length
+    cache = ShardCache(Path(d.cache_dir) if d.cache_dir else default_folder(), d.cache_bytes)
+    shards = Shards(files, cache)
+    n = sum(windows_in(f, length) for f in files)
+    if n < 2:
+        raise ConfigError(source, "data.path", f"{n} window(s) of model.context_length="
+                                               f"{length} tokens in {len(files)} file(s); "
+                                               "need at least 2")
+    fetched = sum(f.size for f in files if f.remote)
+    if fetched > d.cache_bytes:
+        log.warning("data.cache_bytes=%d holds less than the %d bytes of objects in "
+                    "data.path: every step will fetch files again (a full shuffle reads "
+                    "them all; docs/object-storage.md); raise it to %d", d.cache_bytes,
+                    fetched, fetched)
+    n_train, n_val = _split_counts(n, d.val_fraction)
+    # objects: their listing (size, ETag) stands for their bytes, which are not here yet
+    digest = hashlib.sha256(json.dumps(
+        [[f.name, f.size, f.etag or _file_hash(Path(f.name))] for f in files]).encode())
+    return DataBundle(ShardedWindows(shards, length, 0, n_train, d.vocab_size),
+                      ShardedWindows(shards, length, n_train, n_val, d.vocab_size),
+                      (length,), d.vocab_size, length, "files:" + digest.hexdigest(),
+                      f"tokens {len(files)} files ({sum(f.size for f in files) // 2:,} "
+                      "tokens)")
 
 
 class SampleDataset(Dataset):

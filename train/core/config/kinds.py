@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from train.core import datafiles
+from train.core import datafiles, tokenfiles, tokenscan
 from train.core.config import hf_kind
-from train.core.config.origins import ref, val
+from train.core.config.origins import ref, source_of, val
 
 if TYPE_CHECKING:
     from train.core.config.schema import Config
@@ -145,6 +145,10 @@ def _required_path(cfg: Config, fail: Fail) -> bool:
     if not cfg.data.path:
         fail("data.path", f"required for {ref('data.kind')}")
         return False
+    if not isinstance(cfg.data.path, str):
+        fail("data.path", f"a list of files is for data.kind=tokens; {ref('data.kind')} "
+                          "reads one path")
+        return False
     if not Path(cfg.data.path).is_file():
         fail("data.path", f"{cfg.data.path}: no such file")
         return False
@@ -155,24 +159,35 @@ def _text_files(cfg: Config, fail: Fail) -> None:
     d = cfg.data
     if d.path is None:
         return  # the standard library's source
-    if not Path(d.path).is_dir():
+    if not isinstance(d.path, str) or not Path(d.path).is_dir():
         return fail("data.path", f"{d.path}: not a directory")
     datafiles.check_text(Path(d.path), d.text_glob, d.max_bytes, cfg.model.context_length)
 
 
 def _tokens_files(cfg: Config, fail: Fail) -> None:
-    if not _required_path(cfg, fail):
-        return
-    path, d = Path(cfg.data.path), cfg.data
-    size = path.stat().st_size
-    if size < 4 or size % 2:
-        return fail("data.path", f"{d.path}: not a uint16 token file (odd or tiny size)")
-    if size <= TOKEN_SCAN_LIMIT:  # larger files are checked batch by batch
-        top = datafiles.largest_token(path)
+    """Every file is there and holds uint16 ids (no id >= data.vocab_size in the local
+    ones, up to TOKEN_SCAN_LIMIT bytes of them; the rest is checked batch by batch);
+    data.cache_bytes holds the largest object."""
+    d = cfg.data
+    files = tokenfiles.resolve(d.path, source_of(cfg, "data.path", "config"))
+    for f in files:
+        if f.size < 4 or f.size % 2:
+            return fail("data.path", f"{f.name}: not a uint16 token file (odd or tiny size)")
+    scanned = 0
+    for f in (f for f in files if not f.remote):
+        scanned += f.size
+        if scanned > TOKEN_SCAN_LIMIT:
+            break
+        top = tokenscan.largest(Path(f.name), cfg.run_dir)
         if top >= d.vocab_size:
-            fail("data.vocab_size", f"{val('data.vocab_size')} but {ref('data.path')} holds "
-                                    f"token id {top}; set data.vocab_size to at least "
-                                    f"{top + 1}")
+            return fail("data.vocab_size", f"{val('data.vocab_size')} but {f.name} (in "
+                                           f"{ref('data.path')}) holds token id {top}; set "
+                                           f"data.vocab_size to at least {top + 1}")
+    largest = max((f.size for f in files if f.remote), default=0)
+    if largest > d.cache_bytes:
+        fail("data.cache_bytes", f"{val('data.cache_bytes')} is less than the largest file "
+                                 f"of {ref('data.path')} ({largest} bytes); raise it to at "
+                                 f"least that (to the dataset's size to fetch each file once)")
 
 
 def _tensors_files(cfg: Config, fail: Fail) -> None:

@@ -87,10 +87,12 @@ class DataConfig:
                                     "validation) of them.")
     args: dict[str, Any] = opt(dict, "custom: keyword arguments for data.factory (no "
                                      "credentials, as in model.args).", factory=True)
-    path: str | None = opt(None, "tensors: .pt file holding {features, labels} or a .npy "
-                                 "features file; text: a directory of text files (default: the "
-                                 "Python standard library's source); tokens: the .bin file "
-                                 "(entrypoint.py tokenize writes one from text).")
+    path: str | list[str] | None = opt(
+        None, "tensors: .pt file holding {features, labels} or a .npy features file; text: a "
+              "directory of text files (default: the Python standard library's source); "
+              "tokens: a .bin file, a glob of them (shards/*.bin), s3://BUCKET/PREFIX/*.bin, "
+              "or a list of those: one dataset, the files in sorted order within each entry "
+              "(entrypoint.py tokenize writes one from text).")
     labels_path: str | None = opt(None, "tensors: .npy labels when data.path is a .npy file.")
     text_glob: str = opt("**/*.py", "text: which files under data.path to read, in sorted order.")
     max_bytes: int = opt(8_000_000, "text: stop reading after this many bytes (0 = all).", ge=0)
@@ -110,6 +112,12 @@ class DataConfig:
     pin_memory: bool | Literal["auto"] = opt(AUTO, "Pin host memory for faster copies "
                                                    "(auto: on GPU only).")
     prefetch_factor: int = opt(2, "Batches each worker loads ahead.", ge=1)
+    cache_dir: str | None = opt(None, "tokens from s3://: where the fetched files are kept, "
+                                      "shared by the ranks of a node (default: "
+                                      "TMPDIR/trainpod-data, node-local).")
+    cache_bytes: int = opt(64 << 30, "tokens from s3://: the most bytes of fetched files kept "
+                                     "in data.cache_dir; at least the largest file (the whole "
+                                     "dataset to fetch each file once).", ge=1 << 20)
 
 
 @dataclass(kw_only=True)

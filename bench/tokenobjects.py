@@ -1,0 +1,148 @@
+"""Token files in object storage against the same files on the local disk, on a real S3
+server (SeaweedFS on 127.0.0.1, started here: ``make s3``).
+
+``--files`` files of ``--mib`` MiB each are uploaded, then read the way a rank reads
+them (train/data/tokenshards.py: the global order's batches of ``--batch`` windows of
+1024 tokens, one rank) in the same run:
+
+- fetch: the cache's fetch of every object (train/data/shardcache.py: checked against its
+  MD5) against boto3's own ``download_file`` of the same objects (ratio: goal about 1);
+- first step from objects with an empty cache (what a new node waits for, the read-ahead
+  on) and from local files;
+- steady state: seconds per batch once the cache holds the files, against local files
+  (the issue's goal: tokens/s within 10 % of local files);
+- a cache half the dataset's size: the bytes fetched over 10 steps, as a multiple of
+  the dataset (the cost of a full shuffle over a cache smaller than it).
+
+    python -m bench.tokenobjects [--files 8] [--mib 16] [--steps 50] [--batch 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tests.harness import s3server
+
+LENGTH = 1024
+EVICTING_STEPS = 10  # each refetches about the whole dataset: a few tell the story
+
+
+def dataset(files, cache_dir: Path | None, limit: int):
+    """The training windows of ``files``, read through a cache at ``cache_dir``."""
+    from train.data.shardcache import ShardCache
+    from train.data.tokenshards import ShardedWindows, Shards, windows_in
+    cache = ShardCache(cache_dir, limit) if cache_dir else None
+    n = sum(windows_in(f, LENGTH) for f in files)
+    return ShardedWindows(Shards(files, cache), LENGTH, 0, n, 1 << 16)
+
+
+def batches(n: int, batch: int, steps: int) -> list[list[int]]:
+    from train.data.order import GlobalOrder
+    order = GlobalOrder(n, seed=0)
+    return [order.global_batch(s, batch) for s in range(steps)]
+
+
+def timed_reads(data, order: list[list[int]]) -> list[float]:
+    """Seconds of each batch's read."""
+    out = []
+    for b in order:
+        start = time.perf_counter()
+        data.__getitems__(b)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def fetch_ratio(server, files, work: Path) -> tuple[float, float]:
+    """(seconds of the cache's fetch of every object, of boto3's download_file)."""
+    from train.data.shardcache import ShardCache
+    cache = ShardCache(work / "fetch", 1 << 40)
+    start = time.perf_counter()
+    for f in files:
+        cache.local(f)
+    ours = time.perf_counter() - start
+    start = time.perf_counter()
+    for k, f in enumerate(files):
+        server.client().download_file(s3server.BUCKET, f.bucket_key()[1], str(work / f"p{k}"))
+    return ours, time.perf_counter() - start
+
+
+class _Fetches(logging.Handler):
+    """Counts the bytes of the cache's "fetched NAME (N bytes)" lines."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.bytes = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("fetched "):
+            self.bytes += int(record.args[1])
+
+
+def evicting(files, work: Path, order: list[list[int]]) -> float:
+    """Bytes fetched through a cache of half the dataset, as a multiple of the dataset."""
+    log, counter = logging.getLogger("train"), _Fetches()
+    log.addHandler(counter)
+    log.setLevel(logging.INFO)
+    try:
+        total = sum(f.size for f in files)
+        timed_reads(dataset(files, work / "half", total // 2), order)
+    finally:
+        log.removeHandler(counter)
+    return counter.bytes / total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, default=8)
+    parser.add_argument("--mib", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batch", type=int, default=64)
+    args = parser.parse_args()
+    if s3server.missing():
+        raise SystemExit(f"bench.tokenobjects: {s3server.missing()}")
+    from train.core.tokenfiles import resolve
+    with tempfile.TemporaryDirectory() as tmp, s3server.s3_server(Path(tmp) / "s3") as server:
+        work = Path(tmp)
+        os.environ.update({k: v for k, v in server.env().items() if k.startswith("AWS_")})
+        rng = np.random.default_rng(0)
+        (work / "local").mkdir()
+        for k in range(args.files):
+            path = work / "local" / f"part-{k:03d}.bin"
+            rng.integers(0, 50000, args.mib << 19, dtype=np.uint16).tofile(path)
+            server.client().upload_file(str(path), s3server.BUCKET, f"tokens/{path.name}")
+        local = resolve(str(work / "local" / "*.bin"), "bench")
+        remote = resolve(f"s3://{s3server.BUCKET}/tokens/*.bin", "bench")
+        ours, plain = fetch_ratio(server, remote, work)
+        warm = dataset(remote, work / "cache", 1 << 40)
+        order = batches(len(warm), args.batch, args.steps)
+        warm.read_ahead(order)
+        cold_first = timed_reads(warm, order[:1])[0]
+        on_disk = dataset(local, None, 0)
+        local_first = timed_reads(on_disk, order[:1])[0]
+        timed_reads(warm, order)  # every file in the cache now (waits for the read-ahead)
+        steady = [(sum(timed_reads(warm, order)), sum(timed_reads(on_disk, order)))
+                  for _ in range(3)]
+        refetched = evicting(remote, work, order[:EVICTING_STEPS])
+    mib = args.files * args.mib
+    print(f"{args.files} objects x {args.mib} MiB, batches of {args.batch} x {LENGTH} tokens:")
+    print(f"  fetch of all: the cache {ours:.2f} s ({mib / ours:.0f} MiB/s), boto3 "
+          f"download_file {plain:.2f} s ({mib / plain:.0f} MiB/s): ratio {plain / ours:.2f}")
+    print(f"  first batch: objects, empty cache {cold_first:.2f} s; local files "
+          f"{local_first:.3f} s")
+    s_obj = min(s for s, _ in steady) / args.steps
+    s_loc = min(s for _, s in steady) / args.steps
+    print(f"  steady state per batch: objects (cached) {s_obj * 1e3:.2f} ms, local files "
+          f"{s_loc * 1e3:.2f} ms: ratio {s_obj / s_loc:.2f} (goal <= 1.1)")
+    print(f"  cache of half the dataset: {refetched:.1f}x the dataset fetched in "
+          f"{min(args.steps, EVICTING_STEPS)} steps (a cache >= the dataset: 1.0x, once)")
+
+
+if __name__ == "__main__":
+    main()

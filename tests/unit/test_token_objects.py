@@ -1,0 +1,168 @@
+"""``data.kind: tokens`` from object storage, against a real S3 server (SeaweedFS on
+127.0.0.1): objects read as the same windows as the local files they were uploaded from,
+fetched once into a bounded cache that several processes share, checked against the
+listing (a changed or vanished object is one line naming it), the launcher's checks,
+and a real training run from objects with the losses of the same run from local files.
+Skips without boto3 and weed (``make s3``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.harness import s3server
+from tests.harness.checkpoints import rewind
+from tests.harness.runs import ROOT, TINY_GPT, limit, losses, merge, run_train, write_config
+from tests.unit.test_token_shards import config, token_files, windows
+from train.core.errors import CannotRunHere, ConfigError
+from train.core.tokenfiles import resolve
+from train.data.builders import build_data
+from train.data.shardcache import DataFileError, ShardCache
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if s3server.missing():
+        pytest.skip(s3server.missing())
+    with s3server.s3_server(tmp_path_factory.mktemp("s3")) as running:
+        yield running
+
+
+@pytest.fixture
+def aws(server, monkeypatch):
+    """This process's AWS variables reach the test server (boto3's default chain)."""
+    for name, value in server.env().items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    return server
+
+
+def upload(server, paths: list[Path], prefix: str) -> str:
+    """The files as objects under ``prefix``; the glob naming them."""
+    for p in paths:
+        server.client().upload_file(str(p), s3server.BUCKET, f"{prefix}/{p.name}")
+    return f"s3://{s3server.BUCKET}/{prefix}/*.bin"
+
+
+def test_objects_read_as_the_windows_of_the_local_files(aws, tmp_path):
+    paths = token_files(tmp_path / "data")
+    url = upload(aws, paths, "same")
+    local = build_data(config(tmp_path, str(tmp_path / "data" / "*.bin")))
+    cache = tmp_path / "cache"
+    remote = build_data(config(tmp_path, url, cache_dir=str(cache)))
+    assert windows(remote.train) == windows(local.train)
+    assert windows(remote.val) == windows(local.val)
+    assert sorted(p.name.split("-", 1)[1] for p in cache.iterdir()
+                  if not p.name.startswith(".")) == [p.name for p in paths]
+
+
+def test_read_ahead_fetches_in_the_order_batches_need_files(aws, tmp_path):
+    paths = token_files(tmp_path / "data")
+    url = upload(aws, paths, "ahead")
+    data = build_data(config(tmp_path, url, cache_dir=str(tmp_path / "cache")))
+    batches = [[len(data.train) - 1], [0], [len(data.train) - 1, 3]]
+    needed = [f.name.rpartition("/")[2] for f in data.train.files_needed(batches)]
+    assert needed == ["part-03.bin", "part-00.bin"]  # the last training window: file 3
+    thread = data.train.shards.cache.read_ahead(data.train.files_needed(batches))
+    thread.join(limit(60))
+    assert sorted(p.name.split("-", 1)[1] for p in (tmp_path / "cache").iterdir()
+                  if not p.name.startswith(".")) == ["part-00.bin", "part-03.bin"]
+
+
+def test_the_cache_stays_within_its_bound_and_refetches_what_it_evicted(aws, tmp_path):
+    paths = token_files(tmp_path / "data", sizes=(3000, 3000, 3000))  # 6000 bytes each
+    files = resolve(upload(aws, paths, "bound"), "c.yaml")
+    cache = ShardCache(tmp_path / "cache", limit=13_000)  # two files fit, not three
+    for f in [*files, files[0]]:
+        path = cache.local(f)
+        assert np.array_equal(np.fromfile(path, dtype=np.uint16),
+                              np.fromfile(tmp_path / "data" / f.name.rpartition("/")[2],
+                                          dtype=np.uint16))
+        held = [p for p in cache.folder.iterdir() if not p.name.startswith(".")]
+        assert sum(p.stat().st_size for p in held) <= 13_000
+
+
+def test_processes_sharing_a_cache_fetch_each_object_once(aws, tmp_path):
+    (path,) = token_files(tmp_path / "data", sizes=(400_000,))
+    url = upload(aws, [path], "shared")
+    script = (f"from train.core.tokenfiles import resolve\n"
+              f"from train.data.shardcache import ShardCache\n"
+              f"import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
+              f"ShardCache({str(tmp_path / 'cache')!r}, 1 << 30).local("
+              f"resolve({url!r}, 'c')[0])\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=aws.env(),
+                              stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    said = [p.communicate(timeout=limit(120))[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert sum("fetched s3://" in s for s in said) == 1, said
+
+
+def test_a_changed_or_vanished_object_is_one_line_naming_it(aws, tmp_path):
+    paths = token_files(tmp_path / "data", sizes=(1000, 1000))
+    files = resolve(upload(aws, paths, "corrupt"), "c.yaml")
+    s3 = aws.client()
+    # the same size, other bytes, after the run listed it: its ETag (MD5) no longer fits
+    s3.put_object(Bucket=s3server.BUCKET, Key="corrupt/part-00.bin", Body=b"\1" * 2000)
+    s3.delete_object(Bucket=s3server.BUCKET, Key="corrupt/part-01.bin")
+    cache = ShardCache(tmp_path / "cache", 1 << 30)
+    for f, said in ((files[0], "MD5"), (files[1], "not in the store")):
+        with pytest.raises(DataFileError) as caught:
+            cache.local(f)
+        line = str(caught.value)
+        assert line.startswith(f.name + ": ") and said in line and "\n" not in line
+    assert not [p for p in cache.folder.iterdir() if p.name.endswith(".part")]
+
+
+def test_the_launchers_checks_of_objects(aws, tmp_path, monkeypatch):
+    paths = token_files(tmp_path / "data", sizes=(1000, 600_000))  # 1.2 MB: over 1 MiB
+    url = upload(aws, paths, "checks")
+    with pytest.raises(ConfigError, match=r"data.path: s3://ckpt/nothing/\*.bin: no object"):
+        config(tmp_path, f"s3://{s3server.BUCKET}/nothing/*.bin")
+    with pytest.raises(ConfigError, match=r"data.path: 's3://Bad_Bucket/x' is not an object"):
+        config(tmp_path, "s3://Bad_Bucket/x")
+    with pytest.raises(ConfigError, match=r"data.cache_bytes: .*largest file .*1200000 bytes"):
+        config(tmp_path, url, cache_bytes=1 << 20)
+    assert config(tmp_path, url).data.path == url
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
+    with pytest.raises(CannotRunHere, match=r"data.path: cannot list .*127\.0\.0\.1:9"):
+        config(tmp_path, url)
+
+
+def test_a_run_from_objects_has_the_losses_of_the_run_from_local_files(aws, tmp_path):
+    """And resumed from its checkpoint, it continues as it went on (bitwise)."""
+    paths = token_files(tmp_path / "data", sizes=(3000, 2500, 4000), vocab=256)
+    url = upload(aws, paths, "run")
+    tree = merge(TINY_GPT, {"output": {"dir": str(tmp_path / "runs")},
+                            "data": {"kind": "tokens", "vocab_size": 256,
+                                     "cache_dir": str(tmp_path / "cache")},
+                            "train": {"max_steps": 4}, "checkpoint": {"every_steps": 2}})
+    local = write_config(tmp_path / "local.yaml", merge(tree, {"data": {
+        "path": str(tmp_path / "data" / "*.bin")}}))
+    remote = write_config(tmp_path / "remote.yaml", merge(tree, {"data": {"path": url}}))
+    for config_file in (local, remote):
+        proc = run_train(config_file, env=aws.env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = losses(tmp_path / "runs" / "local")
+    assert losses(tmp_path / "runs" / "remote") == ref and len(ref) == 4
+    rewind(tmp_path / "runs" / "remote", 2)
+    proc = run_train(remote, env=aws.env())
+    assert proc.returncode == 0 and "at step 2" in proc.stderr, proc.stderr[-3000:]
+    assert losses(tmp_path / "runs" / "remote") == ref
+
+
+def test_a_store_that_cannot_be_reached_is_one_line_after_a_few_attempts(aws, tmp_path,
+                                                                         monkeypatch):
+    (path,) = token_files(tmp_path / "data", sizes=(1000,))
+    (f,) = resolve(upload(aws, [path], "gone"), "c.yaml")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # nothing listens
+    cache = ShardCache(tmp_path / "cache", 1 << 30)
+    with pytest.raises(DataFileError, match=r"^s3://ckpt/gone/part-00.bin: cannot fetch "
+                                            r"\(3 attempts\): .*127\.0\.0\.1:9"):
+        cache.local(f)
+    assert not cache.path(f).exists()
