@@ -274,3 +274,10 @@ def test_no_module_of_the_launcher_or_the_trainer_is_over_350_lines():
     long = [f"{p.relative_to(ROOT)}: {n} lines" for p in modules("launcher") + modules("train")
             if (n := len(p.read_text().splitlines())) > MOST_LINES]
     assert not long, "split by concern:\n" + "\n".join(long)
+
+
+def test_no_bench_module_hides_a_standard_library_module():
+    """bench/plain_ddp.py runs as a script, so bench/ comes first on its sys.path: a
+    bench/tokenize.py once replaced Python's tokenize there, and torch's tracebacks failed."""
+    names = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    assert not names & set(sys.stdlib_module_names)

@@ -10,13 +10,14 @@ background thread uploads it, so training never waits for the network:
    its SHA-256 (the strongest check any S3-compatible store allows: it costs a download
    of what was uploaded, docs/object-storage.md);
 2. ``checksums.json`` itself: the checkpoint is now sealed remotely;
-3. the remote ``latest``, only when it names an older step (never moved backwards by a
-   stale writer), written conditionally on the ETag read where the store supports it;
-4. ``checkpoint.keep_last`` applied to the remote step folders;
-5. the run's record beside them (:data:`RECORD`: metrics.jsonl, manifest.json,
+3. the run's record beside the checkpoints (:data:`RECORD`: metrics.jsonl, manifest.json,
    config.yaml, result.json, and the TensorBoard event files that grew), so that a run
    without a shared volume can be read with ``aws s3 sync`` and a pod with an empty disk
-   continues its metrics where the checkpoint left them.
+   continues its metrics where the checkpoint left them: sent before ``latest`` names
+   the step, so the record beside any step ``latest`` names holds that step's metrics;
+4. the remote ``latest``, only when it names an older step (never moved backwards by a
+   stale writer), written conditionally on the ETag read where the store supports it;
+5. ``checkpoint.keep_last`` applied to the remote step folders.
 
 A failed operation is retried with backoff; a store that stays unreachable is one
 warning for the whole run (the local checkpoints still protect it) and each later
@@ -157,9 +158,10 @@ class RemoteTier:
             self._retry(lambda n=name, d=digest: self._upload(f"{folder}/{n}", d))
         self._retry(lambda: self.remote.upload(f"{folder}/{CHECKSUMS}",
                                                self.local.path(f"{folder}/{CHECKSUMS}")))
+        # the record before latest: whoever resumes from this step finds its metrics
+        self._retry(self.mirror_record)
         self._retry(lambda: self._name_latest(step))
         self._retry(self._prune)
-        self._retry(self.mirror_record)
         self.uploaded = step
         if self.unreachable:
             log.warning("checkpoint uploads to %s work again: step-%d is there", self.where,

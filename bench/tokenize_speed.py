@@ -6,7 +6,7 @@ grows with the corpus shows; rounds alternate which runs first. The tokenizer is
 byte-level BPE trained here on part of the corpus (nothing is downloaded). Prints, per
 corpus size, the medians and the ratios tokenize / plain.
 
-    python -m bench.tokenize [--rounds 2] [--vocab 4096] [--copies 1 3]
+    python -m bench.tokenize_speed [--rounds 2] [--vocab 4096] [--copies 1 3]
 
 Needs the tokenizers package (``make hf``).
 """
