@@ -147,3 +147,26 @@ def slurm_cluster(tmp_path_factory):
     with slurmcluster.SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2,
                                    cpus_per_node=2) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    """A real S3 server (SeaweedFS on 127.0.0.1: tests/harness/s3server.py), one per test
+    module; a skip saying why without boto3 and weed (``make s3``)."""
+    from tests.harness import s3server
+    if s3server.missing():
+        pytest.skip(s3server.missing())
+    with s3server.s3_server(tmp_path_factory.mktemp("s3")) as running:
+        yield running
+
+
+@pytest.fixture
+def aws(s3_server, monkeypatch):
+    """This process's AWS variables reach the module's S3 server (boto3's default chain);
+    the server itself, for its ``client()`` and ``env()``."""
+    for name, value in s3_server.env().items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    return s3_server

@@ -41,12 +41,6 @@ pytestmark = pytest.mark.skipif(s3server.missing() is not None,
 STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with s3server.s3_server(tmp_path_factory.mktemp("s3")) as running:
-        yield running
-
-
 def remote_config(tmp_path: Path, prefix: str, **checkpoint) -> Path:
     tree = merge(TINY_GPT, {"output": {"dir": str(tmp_path / "runs")}, "run": {"name": "r"},
                             "model": {"dropout": 0.1}, "train": {"max_steps": STEPS},
@@ -65,8 +59,8 @@ def shards(step_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in (step_dir / "model").glob("*.distcp")}
 
 
-def flip_a_byte(server, key: str) -> None:
-    s3 = server.client()
+def flip_a_byte(s3_server, key: str) -> None:
+    s3 = s3_server.client()
     data = bytearray(s3.get_object(Bucket=s3server.BUCKET, Key=key)["Body"].read())
     data[len(data) // 2] ^= 0xFF
     s3.put_object(Bucket=s3server.BUCKET, Key=key, Body=bytes(data))
@@ -77,7 +71,7 @@ def files_holding(top: Path, secrets: list[str]) -> list[str]:
             and any(s.encode() in p.read_bytes() for s in secrets)]
 
 
-def test_an_empty_disk_resumes_fsdp_shards_from_the_store_bitwise(server, tmp_path):
+def test_an_empty_disk_resumes_fsdp_shards_from_the_store_bitwise(s3_server, tmp_path):
     """FSDP on two processes (the launcher's torchrun, gloo) uploads step-2 and step-4,
     each rank's shards included. The pod is then replaced by one with an empty disk, and
     one shard of step-4 has a flipped byte in the store: the new pod names the file,
@@ -86,11 +80,11 @@ def test_an_empty_disk_resumes_fsdp_shards_from_the_store_bitwise(server, tmp_pa
     they printed."""
     config = remote_config(tmp_path, "fsdp")
     sharded = ("distributed.strategy=fsdp", "distributed.nproc_per_node=2", "model.depth=2")
-    first = train(config, server.env(), *sharded)
+    first = train(config, s3_server.env(), *sharded)
     assert first.returncode == 0, first.stderr[-3000:]
     run = tmp_path / "runs" / "r"
     reference, final = losses(run), shards(run / "checkpoints" / f"step-{STEPS}")
-    listed = server.client().list_objects_v2(Bucket=s3server.BUCKET, Prefix="fsdp/r/")
+    listed = s3_server.client().list_objects_v2(Bucket=s3server.BUCKET, Prefix="fsdp/r/")
     keys = {o["Key"] for o in listed["Contents"]}
     assert {f"fsdp/r/checkpoints/step-4/model/__{r}_0.distcp" for r in (0, 1)} <= keys
     secrets = [s3server.SECRET_KEY, s3server.ACCESS_KEY]
@@ -98,8 +92,8 @@ def test_an_empty_disk_resumes_fsdp_shards_from_the_store_bitwise(server, tmp_pa
     assert files_holding(run, secrets) == []
     shutil.rmtree(tmp_path / "runs")
 
-    flip_a_byte(server, "fsdp/r/checkpoints/step-4/model/__1_0.distcp")
-    again = train(config, server.env(), *sharded)
+    flip_a_byte(s3_server, "fsdp/r/checkpoints/step-4/model/__1_0.distcp")
+    again = train(config, s3_server.env(), *sharded)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "step-4 is unusable (model/__1_0.distcp does not match its checksum)" in again.stderr
     assert "fetched checkpoint step-2 from s3://ckpt/fsdp/r" in again.stderr
@@ -112,7 +106,7 @@ def test_an_empty_disk_resumes_fsdp_shards_from_the_store_bitwise(server, tmp_pa
     assert not [s for s in secrets if s in outputs]
 
 
-def test_a_store_that_goes_away_mid_run_is_one_warning_and_exit_0(server, tmp_path):
+def test_a_store_that_goes_away_mid_run_is_one_warning_and_exit_0(s3_server, tmp_path):
     """The store answers the worker's check, then is gone before the first upload: every
     checkpoint stays local, one warning says so, the run finishes (exit 0)."""
     home = tmp_path / "s3"
@@ -147,10 +141,10 @@ def rest_of_stderr(proc: subprocess.Popen) -> str:
     return "".join(out)
 
 
-def test_the_launcher_refuses_a_store_it_cannot_reach_before_any_worker(server, tmp_path):
+def test_the_launcher_refuses_a_store_it_cannot_reach_before_any_worker(s3_server, tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
     config = remote_config(tmp_path, "dead")
-    proc = train(config, server.env(AWS_ENDPOINT_URL_S3=dead))
+    proc = train(config, s3_server.env(AWS_ENDPOINT_URL_S3=dead))
     assert proc.returncode == 3, proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert dead in line and "bucket ckpt" in line and "checkpoint.remote" in line
@@ -158,7 +152,7 @@ def test_the_launcher_refuses_a_store_it_cannot_reach_before_any_worker(server, 
     assert not (tmp_path / "runs" / "r" / "checkpoints").exists()
 
 
-def test_a_pod_on_a_new_node_resumes_from_the_store_without_a_shared_volume(server, tmp_path):
+def test_a_pod_on_a_new_node_resumes_from_the_store_without_a_shared_volume(s3_server, tmp_path):
     """The CPU manifests with k8s/kustomize/objectstore, played by the stand-in kubelet
     (tests/harness/kubesim.py): the run directory is the pod's own emptyDir, the
     credentials come from the Secret train-s3. The worker pod's node is lost (killed) after
@@ -168,9 +162,9 @@ def test_a_pod_on_a_new_node_resumes_from_the_store_without_a_shared_volume(serv
     from tests.e2e.test_k8s_sim_runs import SHORT
     from tests.harness.kubesim import JOB, Cluster, kustomized
     folder = kustomized(tmp_path, ["../cpu"], ["../objectstore"])
-    keys = {k: v for k, v in server.env().items() if k.startswith("AWS_")}
+    keys = {k: v for k, v in s3_server.env().items() if k.startswith("AWS_")}
     sim = Cluster(folder, tmp_path, network=False, secrets={"train-s3": keys})
-    s3 = server.client()
+    s3 = s3_server.client()
     remote = ["checkpoint.remote=s3://ckpt/k8s", "checkpoint.every_steps=10"]
 
     def stored(name: str) -> str:

@@ -27,25 +27,6 @@ from train.core.errors import CannotRunHere, ConfigError, RunDirBusy
 needs_s3 = pytest.mark.skipif(s3server.missing() is not None, reason=str(s3server.missing()))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    if s3server.missing():
-        pytest.skip(s3server.missing())
-    with s3server.s3_server(tmp_path_factory.mktemp("s3")) as running:
-        yield running
-
-
-@pytest.fixture
-def aws(server, monkeypatch):
-    """This process's AWS variables reach the test server (boto3's default chain)."""
-    for name, value in server.env().items():
-        if name.startswith("AWS_"):
-            monkeypatch.setenv(name, value)
-    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
-        monkeypatch.delenv(name, raising=False)
-    return server
-
-
 def sealed_run(run_dir: Path, steps: list[int], keep_last: int = 5) -> Checkpointer:
     """A run directory with a real sealed checkpoint for each of ``steps``."""
     store = Checkpointer(run_dir, rank=0, keep_last=keep_last)

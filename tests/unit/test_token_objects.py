@@ -24,25 +24,6 @@ from train.data.builders import build_data
 from train.data.shardcache import DataFileError, ShardCache
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    if s3server.missing():
-        pytest.skip(s3server.missing())
-    with s3server.s3_server(tmp_path_factory.mktemp("s3")) as running:
-        yield running
-
-
-@pytest.fixture
-def aws(server, monkeypatch):
-    """This process's AWS variables reach the test server (boto3's default chain)."""
-    for name, value in server.env().items():
-        if name.startswith("AWS_"):
-            monkeypatch.setenv(name, value)
-    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
-        monkeypatch.delenv(name, raising=False)
-    return server
-
-
 def upload(server, paths: list[Path], prefix: str) -> str:
     """The files as objects under ``prefix``; the glob naming them."""
     for p in paths:
