@@ -7,11 +7,13 @@ a renamed variable or flag breaks the build rather than the cluster."""
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ from launcher import environ
 from launcher.hardware import Gpu, Hardware, TorchBuild
 from launcher.plan import plan
 from tests.harness.runs import ROOT, limit
-from train.core.config import load_config
+from train.core.config import DataConfig, load_config
 from train.core.errors import EXIT_CODES
 from train.core.protocol import restart_can_help
 
@@ -35,8 +37,8 @@ BASE_LINE = re.compile(r"^  - (\.\./\w+)( +# YOURS: (.*))$", re.M)
 # The example's commented lines that add the object storage component, and uncommented
 COMPONENTS = ("# components:\n#   - ../objectstore\n", "components:\n  - ../objectstore\n")
 # A folder of manifests, a kustomization, or (the example, the base its line names
-# instead[, with its object storage lines uncommented])
-Manifests = Path | tuple[Path, str] | tuple[Path, str, bool]
+# instead[, with its object storage lines uncommented[, and a patch added]])
+Manifests = Path | tuple[Path, str] | tuple[Path, str, bool] | tuple[Path, str, bool, str]
 IMAGE = "ghcr.io/train-project/train:{version}-{tag}"
 EXAMPLE_IMAGE = "registry.example.com/team/waves-train:1.0-cu130"
 EXAMPLE_GPU = {"../base": "nvidia.com/gpu", "../amd": "amd.com/gpu", "../cpu": None}
@@ -95,10 +97,11 @@ def example_bases() -> list[str]:
 
 
 @functools.cache
-def rendered_on(folder: Path, base: str, objectstore: bool = False) -> str:
+def rendered_on(folder: Path, base: str, objectstore: bool = False, patch: str = "") -> str:
     """The example rendered after the one edit its comment asks for: its resources line
     naming ``base``, in a copy of k8s/kustomize (the other bases next to it);
-    ``objectstore``: and its two lines for the object storage component uncommented."""
+    ``objectstore``: and its two lines for the object storage component uncommented;
+    ``patch``: and this item added to its patches."""
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "kustomize"
         shutil.copytree(KUSTOMIZE, copy)
@@ -108,6 +111,8 @@ def rendered_on(folder: Path, base: str, objectstore: bool = False) -> str:
         if objectstore:
             assert COMPONENTS[0] in text
             text = text.replace(*COMPONENTS)
+        if patch:
+            text = text.replace("\npatches:\n", f"\npatches:\n{patch}\n", 1)
         kustomization.write_text(text)
         return rendered(kustomization.parent)
 
@@ -297,7 +302,25 @@ def test_the_object_storage_component_needs_no_shared_volume(base):
     runs = next(m for m in container["volumeMounts"] if m["mountPath"] == "/workspace/runs")
     assert "emptyDir" in volumes[runs["name"]]
     assert container["envFrom"] == [{"secretRef": {"name": "train-s3"}}]
-    assert container["args"] == worker((EXAMPLE, base))[2]["args"]  # the config says where
+    # the config says where the checkpoints go; the component, where fetched data is kept
+    args = worker((EXAMPLE, base))[2]["args"]
+    assert container["args"] == [*args, "data.cache_dir=/data-cache"]
+    cache = next(m for m in container["volumeMounts"] if m["mountPath"] == "/data-cache")
+    size = volumes[cache["name"]]["emptyDir"]["sizeLimit"]
+    assert "medium" not in volumes[cache["name"]]["emptyDir"]  # the node's disk, not memory
+    assert size.endswith("Gi") and int(size[:-2]) << 30 > DataConfig().cache_bytes
+
+
+def test_the_data_cache_size_is_changed_by_the_patch_the_component_shows():
+    """The strategic-merge patch its comment offers, added to the example's patches,
+    replaces the sizeLimit by the volume's name."""
+    comment = (KUSTOMIZE / "objectstore" / "kustomization.yaml").read_text().splitlines()
+    block = list(itertools.takewhile(lambda line: line.startswith("#   "),
+                                     comment[comment.index("#   patches:") + 1:]))
+    patch = textwrap.indent(textwrap.dedent("\n".join(line[2:] for line in block)), "  ")
+    _, spec, _ = worker((EXAMPLE, "../base", True, patch))
+    assert [v for v in spec["volumes"] if v["name"] == "data-cache"] == \
+        [{"name": "data-cache", "emptyDir": {"sizeLimit": "500Gi"}}]
 
 
 def test_amd_pods_may_open_the_gpu_devices():
