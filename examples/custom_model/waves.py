@@ -5,6 +5,8 @@ import math
 import torch
 from torch.utils.data import Dataset
 
+from train.data import remote
+
 
 class Waves(Dataset):
     def __init__(self, inputs: torch.Tensor, targets: torch.Tensor):
@@ -27,5 +29,16 @@ def make_waves(samples: int = 2048, window: int = 32, horizon: int = 8, noise: f
     waves = torch.sin(freq * t + phase) + noise * torch.randn(samples, window + horizon,
                                                               generator=g)
     cut = samples - samples // 8
+    x, y = waves[:, :window], waves[:, window:]
+    return Waves(x[:cut], y[:cut]), Waves(x[cut:], y[cut:])
+
+
+def stored_waves(url: str, window: int = 32):
+    """(train, validation) from waves kept in object storage: a tensor [N, window + 8]
+    saved with torch.save and uploaded (``aws s3 cp waves.pt s3://BUCKET/waves.pt``),
+    named by ``data.args: {url: s3://BUCKET/waves.pt}``. Fetched once per node into
+    data.cache_dir and checked (docs/object-storage.md, "Objects in your own data code")."""
+    waves = torch.load(remote.fetch(url), weights_only=True)
+    cut = len(waves) - len(waves) // 8
     x, y = waves[:, :window], waves[:, window:]
     return Waves(x[:cut], y[:cut]), Waves(x[cut:], y[cut:])

@@ -38,7 +38,7 @@ ERROR_CASES = [
     ("tensors file missing", merge(TINY_MLP, {"data": {"kind": "tensors", "path": "/nope.pt"}}),
      [], "data.path", "no such file"),
     ("text dir missing", merge(TINY_GPT, {"data": {"path": "/no/such/dir"}}), [], "data.path",
-     "not a directory"),
+     "/no/such/dir: no such file"),
     ("cpu offload without fsdp", merge(TINY_GPT, {"memory": {"cpu_offload": True}}), [],
      "memory.cpu_offload", "fsdp"),
     ("betas out of range", merge(TINY_GPT, {"optim": {"betas": [0.9, 1.5]}}), [], "optim.betas",

@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
+def is_text_folder(path: str | list[str] | None) -> bool:
+    """Whether ``data.kind: text`` reads a folder (with ``data.text_glob``; None: the
+    standard library's source) rather than the files and objects ``data.path`` names."""
+    return path is None or (isinstance(path, str) and not path.startswith("s3://")
+                            and Path(path).is_dir())
+
+
 def text_files(root: Path, glob: str) -> list[Path]:
     """The files of a text corpus, in the order they are read."""
     return sorted(p for p in root.glob(glob)
@@ -36,16 +43,23 @@ def check_text(root: Path, glob: str, max_bytes: int, context_length: int) -> No
         raise ConfigError(str(root), "data.text_glob", f"no file matches {glob!r} under "
                                                        f"{root}; point data.path at a folder "
                                                        "of text files or change data.text_glob")
-    need, total = 2 * context_length + 1, 0
-    for f in files:
-        total += f.stat().st_size
-        if total >= need or (max_bytes and total >= max_bytes):
+    need, sizes = 2 * context_length + 1, []
+    for f in files:  # stat only as many as it takes
+        sizes.append(f.stat().st_size)
+        if sum(sizes) >= need or (max_bytes and sum(sizes) >= max_bytes):
             break
+    enough_text(str(root), sizes, max_bytes, context_length)
+
+
+def enough_text(source: str, sizes: list[int], max_bytes: int, context_length: int) -> None:
+    """Files of these sizes hold at least two training windows of text, read up to
+    ``max_bytes`` (0: all)."""
+    need, total = 2 * context_length + 1, sum(sizes)
     total = min(total, max_bytes) if max_bytes else total
     if total < need:
-        raise ConfigError(str(root), "data.path", f"{total} bytes of text in {len(files)} "
-                                                  f"file(s); need at least {need} for "
-                                                  f"model.context_length={context_length}")
+        raise ConfigError(source, "data.path", f"{total} bytes of text in {len(sizes)} "
+                                               f"file(s); need at least {need} for "
+                                               f"model.context_length={context_length}")
 
 
 def load_npy(path: Path, key: str, *, mmap: bool) -> np.ndarray:

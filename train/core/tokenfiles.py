@@ -1,13 +1,14 @@
-"""Which files a ``data.kind: tokens`` dataset is made of: ``data.path`` resolved.
+"""Which files a ``data.kind: tokens`` dataset is made of: ``data.path`` resolved (also
+for ``data.kind: text`` when its ``data.path`` names files or objects, not a folder).
 
 ``data.path`` is one entry or a list of them; an entry is a local file, a local glob
 (``shards/*.bin``), an object ``s3://BUCKET/KEY`` or an object glob
-``s3://BUCKET/PREFIX/*.bin``. The dataset is the files in list order, each entry's
-matches sorted by name: the same list on every rank and every start, which the global
-sample order relies on. The launcher resolves it before any worker starts (a pattern
-matching nothing, a missing file or an object the store does not have is exit 2,
-naming it; a store it cannot reach, or no boto3, is exit 3) and the workers resolve it
-again, getting the same list.
+``s3://BUCKET/PREFIX/*.bin`` (``*.txt`` for text). The dataset is the files in list
+order, each entry's matches sorted by name: the same list on every rank and every
+start, which the global sample order relies on. The launcher resolves it before any
+worker starts (a pattern matching nothing, a missing file or an object the store does
+not have is exit 2, naming it; a store it cannot reach, or no boto3, is exit 3) and the
+workers resolve it again, getting the same list.
 
 An object glob lists the objects under the pattern's fixed part (everything before its
 first ``*``, ``?`` or ``[``) and keeps the keys matching it (``fnmatch``: ``*`` also
@@ -53,7 +54,12 @@ def is_remote(path: str | list[str] | None) -> bool:
     return any(e.startswith("s3://") for e in entries(path))
 
 
-def resolve(path: str | list[str] | None, source: str) -> list[TokenFile]:
+# What data.path may name, by data.kind, for the message of an empty one
+EXPECTED = {"tokens": "a .bin file, a glob, an s3:// URL or a list of them",
+            "text": "a folder, a text file, a glob, an s3:// URL or a list of them"}
+
+
+def resolve(path: str | list[str] | None, source: str, kind: str = "tokens") -> list[TokenFile]:
     """The dataset's files in order (see the module's docstring)."""
     found: list[TokenFile] = []
     for entry in entries(path):
@@ -65,8 +71,7 @@ def resolve(path: str | list[str] | None, source: str) -> list[TokenFile]:
                                            "part of the dataset once")
         seen.add(f.name)
     if not found:
-        raise ConfigError(source, KEY, "required for data.kind=tokens: a .bin file, a glob, "
-                                       "an s3:// URL or a list of them")
+        raise ConfigError(source, KEY, f"required for data.kind={kind}: {EXPECTED[kind]}")
     return found
 
 
@@ -87,7 +92,7 @@ def _remote(entry: str, source: str) -> list[TokenFile]:
     if not remote_config.BUCKET.match(bucket) or not pattern.strip("/") \
             or not pattern.isprintable():
         raise ConfigError(source, KEY, f"{entry!r} is not an object URL; "
-                                       "s3://BUCKET/KEY or s3://BUCKET/PREFIX/*.bin")
+                                       "s3://BUCKET/KEY or s3://BUCKET/PREFIX/*.EXT")
     if importlib.util.find_spec("boto3") is None:
         raise CannotRunHere(f"{source}: {KEY}: {entry} needs boto3, which is not installed "
                             f"here: {remote_config.INSTALL}")

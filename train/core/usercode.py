@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from train.core.errors import ConfigError
+from train.core.errors import ConfigError, UserError
 
 # This project's own packages: never counted as the user's code.
 _ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +89,8 @@ def call(path: str, args: dict[str, Any], key: str, source: str) -> Any:
     check_args(fn, args, f"{key}.args", source)
     try:
         return fn(**args)
+    except UserError:
+        raise  # ours, raised in the user's code (train.data.remote): its own line and code
     except Exception as exc:
         raise ConfigError(source, f"{key}.factory", f"{path}(**{key}.args) failed: "
                                                     f"{_first_line(exc)}") from None

@@ -1,7 +1,8 @@
 """The data a run trains on: each kind's datasets (:mod:`.builders`; several token files,
-local or in object storage, as one dataset: :mod:`.tokenshards` and :mod:`.shardcache`),
-the global sample order every rank takes its slice of (:mod:`.order`), and the
-DataLoader that feeds a rank (:mod:`.loader`). The file checks the launcher makes before
-any worker starts are torch-free, in :mod:`train.core.datafiles`,
-:mod:`train.core.tokenfiles` and :mod:`train.core.tokenscan`.
+local or in object storage, as one dataset: :mod:`.tokenshards` and :mod:`.shardcache`;
+objects for the user's own code: :mod:`.remote`), the global sample order every rank
+takes its slice of (:mod:`.order`), and the DataLoader that feeds a rank
+(:mod:`.loader`). The file checks the launcher makes before any worker starts are
+torch-free, in :mod:`train.core.datafiles`, :mod:`train.core.tokenfiles` and
+:mod:`train.core.tokenscan`.
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +22,11 @@ from torch.utils.data import Dataset, Subset, default_collate
 from train.core import tokenfiles, usercode
 from train.core.config import Config, DataConfig
 from train.core.config.kinds import DATA_KINDS, MODEL_KINDS, load_builder
-from train.core.datafiles import check_labels, load_npy, load_pt, text_files
+from train.core.datafiles import check_labels, is_text_folder, load_npy, load_pt, text_files
 from train.core.errors import ConfigError
 from train.core.files import sha256_file
 from train.core.tokenfiles import TokenFile
+from train.data import remote
 from train.data.shardcache import ShardCache, default_folder
 from train.data.tokenfile import read_sidecar
 from train.data.tokenshards import ShardedWindows, Shards, windows_in
@@ -153,9 +155,13 @@ def tensors(cfg: Config, source: str) -> DataBundle:
 
 def read_text_corpus(root: Path, glob: str, max_bytes: int) -> bytes:
     """Files under root matching glob in sorted order, concatenated, cut at max_bytes."""
+    return _joined((p.read_bytes() for p in text_files(root, glob)), max_bytes)
+
+
+def _joined(blobs: Iterator[bytes], max_bytes: int) -> bytes:
+    """The blobs concatenated, cut at max_bytes (0: all); read no further than needed."""
     parts, total = [], 0
-    for p in text_files(root, glob):
-        blob = p.read_bytes()
+    for blob in blobs:
         if max_bytes:
             blob = blob[: max_bytes - total]
         parts.append(blob)
@@ -185,12 +191,39 @@ def default_text_root() -> str:
 
 
 def text(cfg: Config, source: str) -> DataBundle:
+    """Bytes of text: the files under a folder matching data.text_glob, or the files and
+    objects data.path names (:mod:`train.core.tokenfiles`), in order, up to max_bytes."""
     d = cfg.data
-    root = Path(d.path or default_text_root())
-    corpus = read_text_corpus(root, d.text_glob, d.max_bytes)
+    if is_text_folder(d.path):
+        root = Path(d.path or default_text_root())
+        corpus, where = read_text_corpus(root, d.text_glob, d.max_bytes), str(root)
+    else:
+        files = tokenfiles.resolve(d.path, source, "text")
+        corpus = read_text_files(files, d.max_bytes, _cache(d))
+        where = files[0].name if len(files) == 1 else f"{len(files)} files"
     ids = np.frombuffer(corpus, dtype=np.uint8)
     return _windows(ids, d, cfg.model.context_length, 256, hashlib.sha256(corpus).hexdigest(),
-                    f"text {root} ({len(corpus):,} bytes)", str(root))
+                    f"text {where} ({len(corpus):,} bytes)", where)
+
+
+def read_text_files(files: list[TokenFile], max_bytes: int, cache: ShardCache) -> bytes:
+    """The files concatenated in order, cut at max_bytes; objects come through ``cache``
+    (fetched once per node, checked), those that will be read fetched in the background
+    while the first ones are read."""
+    needed, total = [], 0
+    for f in files:
+        if max_bytes and total >= max_bytes:
+            break
+        needed.append(f)
+        total += f.size
+    if any(f.remote for f in needed):
+        cache.read_ahead([f for f in needed if f.remote])
+    return _joined(((cache.local(f) if f.remote else Path(f.name)).read_bytes()
+                    for f in needed), max_bytes)
+
+
+def _cache(d: DataConfig) -> ShardCache:
+    return ShardCache(Path(d.cache_dir) if d.cache_dir else default_folder(), d.cache_bytes)
 
 
 def tokens(cfg: Config, source: str) -> DataBundle:
@@ -215,8 +248,7 @@ def _made_by(path: Path) -> str:
 def sharded_tokens(cfg: Config, files: list[TokenFile], source: str) -> DataBundle:
     """Several token files, or objects, as one sequence of windows (:mod:`.tokenshards`)."""
     d, length = cfg.data, cfg.model.context_length
-    cache = ShardCache(Path(d.cache_dir) if d.cache_dir else default_folder(), d.cache_bytes)
-    shards = Shards(files, cache)
+    shards = Shards(files, _cache(d))
     n = sum(windows_in(f, length) for f in files)
     if n < 2:
         raise ConfigError(source, "data.path", f"{n} window(s) of model.context_length="
@@ -260,6 +292,7 @@ def from_factory(cfg: Config, source: str) -> DataBundle:
     """data.kind custom: the user's factory (train.core.usercode); a validation set of its
     own, or the tail data.val_fraction of the training set."""
     d = cfg.data
+    remote.use_cache(d.cache_dir, d.cache_bytes)  # where the factory's fetch() keeps copies
     train, val = usercode.split_datasets(usercode.call(d.factory, d.args, "data", source),
                                          source)
     x, _ = usercode.first_sample(train, source)

@@ -156,12 +156,19 @@ def _required_path(cfg: Config, fail: Fail) -> bool:
 
 
 def _text_files(cfg: Config, fail: Fail) -> None:
+    """A folder holds enough text under data.text_glob; or the files and objects data.path
+    names are there, hold enough text, and data.cache_bytes holds the largest object."""
     d = cfg.data
     if d.path is None:
         return  # the standard library's source
-    if not isinstance(d.path, str) or not Path(d.path).is_dir():
-        return fail("data.path", f"{d.path}: not a directory")
-    datafiles.check_text(Path(d.path), d.text_glob, d.max_bytes, cfg.model.context_length)
+    if datafiles.is_text_folder(d.path):
+        return datafiles.check_text(Path(d.path), d.text_glob, d.max_bytes,
+                                    cfg.model.context_length)
+    source = source_of(cfg, "data.path", "config")
+    files = tokenfiles.resolve(d.path, source, "text")
+    datafiles.enough_text(source, [f.size for f in files], d.max_bytes,
+                          cfg.model.context_length)
+    _cache_holds_each(cfg, files, fail)
 
 
 def _tokens_files(cfg: Config, fail: Fail) -> None:
@@ -183,8 +190,12 @@ def _tokens_files(cfg: Config, fail: Fail) -> None:
             return fail("data.vocab_size", f"{val('data.vocab_size')} but {f.name} (in "
                                            f"{ref('data.path')}) holds token id {top}; set "
                                            f"data.vocab_size to at least {top + 1}")
+    _cache_holds_each(cfg, files, fail)
+
+
+def _cache_holds_each(cfg: Config, files: list[tokenfiles.TokenFile], fail: Fail) -> None:
     largest = max((f.size for f in files if f.remote), default=0)
-    if largest > d.cache_bytes:
+    if largest > cfg.data.cache_bytes:
         fail("data.cache_bytes", f"{val('data.cache_bytes')} is less than the largest file "
                                  f"of {ref('data.path')} ({largest} bytes); raise it to at "
                                  f"least that (to the dataset's size to fetch each file once)")

@@ -89,12 +89,14 @@ class DataConfig:
                                      "credentials, as in model.args).", factory=True)
     path: str | list[str] | None = opt(
         None, "tensors: .pt file holding {features, labels} or a .npy features file; text: a "
-              "directory of text files (default: the Python standard library's source); "
-              "tokens: a .bin file, a glob of them (shards/*.bin), s3://BUCKET/PREFIX/*.bin, "
-              "or a list of those: one dataset, the files in sorted order within each entry "
-              "(entrypoint.py tokenize writes one from text).")
+              "directory of text files (default: the Python standard library's source), or "
+              "files as for tokens (a file, a glob, s3://BUCKET/PREFIX/*.txt, or a list of "
+              "those); tokens: a .bin file, a glob of them (shards/*.bin), "
+              "s3://BUCKET/PREFIX/*.bin, or a list of those: one dataset, the files in sorted "
+              "order within each entry (entrypoint.py tokenize writes one from text).")
     labels_path: str | None = opt(None, "tensors: .npy labels when data.path is a .npy file.")
-    text_glob: str = opt("**/*.py", "text: which files under data.path to read, in sorted order.")
+    text_glob: str = opt("**/*.py", "text: which files under a directory data.path to read, "
+                                    "in sorted order.")
     max_bytes: int = opt(8_000_000, "text: stop reading after this many bytes (0 = all).", ge=0)
     vocab_size: int = opt(50304, "tokens, and custom data with gpt: number of token ids (ids "
                                  "must be below it).", ge=2, le=65536)
@@ -112,10 +114,11 @@ class DataConfig:
     pin_memory: bool | Literal["auto"] = opt(AUTO, "Pin host memory for faster copies "
                                                    "(auto: on GPU only).")
     prefetch_factor: int = opt(2, "Batches each worker loads ahead.", ge=1)
-    cache_dir: str | None = opt(None, "tokens from s3://: where the fetched files are kept, "
-                                      "shared by the ranks of a node (default: "
-                                      "TMPDIR/trainpod-data, node-local).")
-    cache_bytes: int = opt(64 << 30, "tokens from s3://: the most bytes of fetched files kept "
+    cache_dir: str | None = opt(None, "objects from s3:// (tokens, text, and "
+                                      "train.data.remote in custom data): where the fetched "
+                                      "files are kept, shared by the ranks of a node "
+                                      "(default: TMPDIR/trainpod-data, node-local).")
+    cache_bytes: int = opt(64 << 30, "objects from s3://: the most bytes of fetched files kept "
                                      "in data.cache_dir; at least the largest file (the whole "
                                      "dataset to fetch each file once).", ge=1 << 20)
 
