@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.checkpoint.policy import Cadence
-from train.checkpoint.session import finish_uploads, resume, save_checkpoint
+from train.checkpoint.session import finish_uploads, node_local, resume, save_checkpoint
 from train.checkpoint.state import TrainState
 from train.components import Components, build, preflight, train_loader
 from train.core import rundir, runlock, usercode
@@ -139,7 +139,10 @@ def evaluate(c: Components, progress: Callable[[], None] = lambda: None) -> dict
 # ------------------------------------------------------------------------- loop
 
 def prepare_run_dir(c: Components) -> None:
-    shared_dir.prepare(c.run_dir, c.env)  # on several nodes: one directory for all
+    """On several nodes: one directory for all, or node-local ones with checkpoint.remote."""
+    nodes = shared_dir.prepare(c.run_dir, c.env, remote=bool(c.cfg.checkpoint.remote))
+    if nodes is not None:
+        node_local(c, nodes)
 
 
 def start_logging(c: Components, state: TrainState, shutdown: Shutdown) -> MetricsLogger | None:

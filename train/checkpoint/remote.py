@@ -31,16 +31,28 @@ save; one that does not verify is named and the previous remote one tried. An em
 directory also gets the record a resumed run continues (metrics.jsonl, rewound to the
 checkpoint's step as on any resume, and manifest.json). The local
 choice (:mod:`.policy`) then resumes from it exactly as from a checkpoint written here.
+
+Node-local run directories (:mod:`train.guards.shared_dir`): each node's first rank has a
+tier (:meth:`RemoteTier.node_local`) and uploads its node's part, each file verified as
+above, then a marker ``step-N/.parts/node-K.json`` listing those files, their SHA-256 and
+the save's token. Rank 0's tier then waits for every node's marker of that save and
+writes ``checksums.json`` only when they are all there and agree (with each other, and
+with the checksums the ranks exchanged, for a foreground save); steps 3-5 follow as
+above, from rank 0 alone. A resume downloads the chosen checkpoint on every node
+(:meth:`RemoteTier.fetch`: the files a node already holds with the right checksum are
+kept, not downloaded again), since each rank may read every rank's shards.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from train.checkpoint.objectstore import S3Storage, missing, said
 from train.checkpoint.storage import LocalStorage
@@ -60,12 +72,18 @@ from train.core.rundir import (
 log = logging.getLogger("train")
 
 BACKOFF_S = (1.0, 2.0, 4.0)   # between the attempts at one operation
+POLL_S = 0.5                  # between looks for the other nodes' parts
+PARTS = ".parts"              # a step's node markers (node-local mode)
 RECORD = (METRICS, MANIFEST, CONFIG, RESULT)  # the run's own files, mirrored with each seal
 CONTINUED = (METRICS, MANIFEST)  # those a resumed run appends to
 
 
 class RemoteError(Exception):
     """The store did not take (or give back) a checkpoint."""
+
+
+class Superseded(Exception):
+    """A newer checkpoint sealed while this one waited for other nodes' parts."""
 
 
 class RemoteTier:
@@ -82,6 +100,20 @@ class RemoteTier:
         self.unreachable = False             # warned once: no more backoff after that
         self.uploaded: int | None = None     # the newest step sealed remotely by this run
         self._board_sent: dict[str, int] = {}  # event file -> size last uploaded
+        self.node: int | None = None         # node-local mode: this node's index ...
+        self.nodes: list[int] = []           # ... and every node's (the first is rank 0's)
+        self.parts_timeout_s = 600.0         # how long rank 0 waits for the other parts
+        self._seals: dict[int, tuple[str | None, dict | None]] = {}  # step -> token, sums
+
+    def node_local(self, node: int, nodes: list[int], parts_timeout_s: float) -> None:
+        """This tier uploads node ``node``'s part of each checkpoint; on ``nodes[0]``
+        (rank 0's) it also seals the checkpoint once every node's part is there."""
+        self.node, self.nodes, self.parts_timeout_s = node, nodes, parts_timeout_s
+
+    @property
+    def publishes(self) -> bool:
+        """This tier writes checksums.json, the record and latest (rank 0's)."""
+        return self.node is None or self.node == self.nodes[0]
 
     @classmethod
     def from_url(cls, url: str, run_name: str, local: LocalStorage,
@@ -95,10 +127,13 @@ class RemoteTier:
                    keep_last, where)
 
     # ------------------------------------------------------------ uploading
-    def sealed(self, step: int) -> None:
-        """A checkpoint was sealed locally: upload it in the background."""
+    def sealed(self, step: int, token: str | None = None, whole: dict | None = None) -> None:
+        """A checkpoint (node-local mode: this node's part of it, of the save ``token``,
+        with every rank's checksums ``whole`` when known) was sealed locally: upload it
+        in the background."""
         with self._lock:
             self._pending = step
+            self._seals[step] = (token, whole)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._uploads, daemon=True,
                                                 name="checkpoint-upload")
@@ -125,11 +160,16 @@ class RemoteTier:
             with self._lock:
                 step, self._pending = self._pending, None
                 self._busy = step
+                seal = self._seals.pop(step, (None, None))
+                self._seals.clear()  # older ones skipped
                 if step is None:
                     self._lock.notify_all()
                     return
             try:
-                self.mirror(step)
+                self.mirror(step, *seal)
+            except Superseded:
+                log.info("checkpoint step-%d not sealed remotely: a newer one sealed while it "
+                         "waited for the other nodes' parts", step)
             except Exception as exc:  # the run goes on: its local checkpoints protect it
                 if self.local.exists(f"{CHECKPOINTS}/{rundir.step_name(step)}"):
                     self._unreachable(step, exc)
@@ -150,18 +190,29 @@ class RemoteTier:
         else:
             log.debug("checkpoint step-%d not uploaded: %s", step, said(exc))
 
-    def mirror(self, step: int) -> None:
-        """Upload the locally sealed step, verify it, seal it remotely, name it latest."""
+    def mirror(self, step: int, token: str | None = None, whole: dict | None = None) -> None:
+        """Upload the locally sealed step, verify it, seal it remotely, name it latest.
+        Node-local mode: this node's part, its marker, and on rank 0 the seal once every
+        node's part is there."""
         folder = f"{CHECKPOINTS}/{rundir.step_name(step)}"
         sums = json.loads(self.local.read_text(f"{folder}/{CHECKSUMS}"))
         for name, digest in sums.items():
             self._retry(lambda n=name, d=digest: self._upload(f"{folder}/{n}", d))
-        self._retry(lambda: self.remote.upload(f"{folder}/{CHECKSUMS}",
-                                               self.local.path(f"{folder}/{CHECKSUMS}")))
-        # the record before latest: whoever resumes from this step finds its metrics
-        self._retry(self.mirror_record)
-        self._retry(lambda: self._name_latest(step))
-        self._retry(self._prune)
+        if self.node is None:
+            self._retry(lambda: self.remote.upload(f"{folder}/{CHECKSUMS}",
+                                                   self.local.path(f"{folder}/{CHECKSUMS}")))
+        else:
+            part = json.dumps({"token": token, "files": sums}, indent=1).encode()
+            self._retry(lambda: self.remote.replace(self.part_name(step, self.node), part))
+            if self.publishes:
+                sealed = self._wait_for_parts(step, token, whole)
+                self._retry(lambda: self.remote.replace(
+                    f"{folder}/{CHECKSUMS}", (json.dumps(sealed, indent=1) + "\n").encode()))
+        if self.publishes:
+            # the record before latest: whoever resumes from this step finds its metrics
+            self._retry(self.mirror_record)
+            self._retry(lambda: self._name_latest(step))
+            self._retry(self._prune)
         self.uploaded = step
         if self.unreachable:
             log.warning("checkpoint uploads to %s work again: step-%d is there", self.where,
@@ -185,23 +236,69 @@ class RemoteTier:
                 self.remote.upload(name, path)
                 self._board_sent[name] = size
 
+    @staticmethod
+    def part_name(step: int, node: int) -> str:
+        return f"{CHECKPOINTS}/{rundir.step_name(step)}/{PARTS}/node-{node}.json"
+
+    def parts(self, step: int, token: str | None, whole: dict | None) -> dict | None:
+        """One look at the nodes' markers of ``step``: the whole checkpoint's checksums
+        when every node's part of the save ``token`` is there, or None. A part that
+        disagrees (a file two nodes list with other checksums, or not what the ranks
+        reported: ``whole``) is a RemoteError: never sealed."""
+        merged: dict[str, str] = {}
+        for node in self.nodes:
+            try:
+                part = json.loads(self.remote.read(self.part_name(step, node))[0])
+            except Exception as exc:
+                if missing(exc):
+                    return None
+                raise
+            if part.get("token") != token:  # an earlier save of this step: not yet
+                return None
+            for name, digest in part["files"].items():
+                if merged.setdefault(name, digest) != digest:
+                    raise RemoteError(f"two nodes uploaded {name} of step-{step} with "
+                                      "different checksums")
+        if whole is not None and merged != whole:
+            raise RemoteError(f"the nodes' parts of step-{step} in the store do not list the "
+                              "files and checksums the ranks wrote")
+        return dict(sorted(merged.items()))
+
+    def _wait_for_parts(self, step: int, token: str | None, whole: dict | None) -> dict:
+        """Every node's part of ``step``, up to ``parts_timeout_s``; Superseded as soon as
+        a newer checkpoint waits for upload (its nodes may skip this one)."""
+        deadline = time.monotonic() + self.parts_timeout_s
+        while True:
+            merged = self._retry(lambda: self.parts(step, token, whole))
+            if merged is not None:
+                return merged
+            with self._lock:
+                if self._pending is not None:
+                    raise Superseded()
+            if time.monotonic() > deadline:
+                raise RemoteError(f"not every node's part of step-{step} reached the store "
+                                  f"within {self.parts_timeout_s:.0f} s")
+            self.sleep(POLL_S)
+
     def _upload(self, name: str, digest: str) -> None:
         self.remote.upload(name, self.local.path(name))
         stored = self.remote.digest(name)
         if stored != digest:
             raise RemoteError(f"{name} reads back with another checksum than was uploaded")
 
-    def _retry(self, action: Callable[[], object]) -> None:
-        """``action``, again after each failure with backoff; once the store has been
-        found unreachable, a single attempt (the next checkpoint tries again)."""
+    def _retry(self, action: Callable[[], Any]) -> Any:
+        """``action``'s result, trying again after each failure with backoff; once the
+        store has been found unreachable, a single attempt (the next checkpoint tries
+        again)."""
         delays = () if self.unreachable else BACKOFF_S
         for delay in delays:
             try:
-                action()
-                return
+                return action()
+            except RemoteError:
+                raise  # a disagreement: another attempt reads the same
             except Exception:  # retried; the last attempt's error is the one raised
                 self.sleep(delay)
-        action()
+        return action()
 
     def _name_latest(self, step: int) -> None:
         """``latest`` names ``step`` unless it names a newer one already. Conditional on
@@ -285,7 +382,20 @@ class RemoteTier:
                         "one", self.where, CHECKPOINTS, rundir.step_name(step), problem)
         return None
 
-    def _fetch(self, step: int) -> str | None:
+    def sealed_steps(self) -> list[int]:
+        """The remote checkpoints a resume may take, newest first: sealed, up to
+        ``latest``. Raises when the store cannot be read."""
+        latest, _ = self.latest()
+        return [] if latest is None else [s for s in self.steps(sealed=True) if s <= latest]
+
+    def fetch(self, step: int) -> str | None:
+        """Node-local mode, each node's first rank: the remote checkpoint ``step`` into
+        this node's run directory, whole and verified (the files already here with their
+        checksum are kept), sealed locally; rank 0's node also gets the record. None, or
+        what is wrong."""
+        return self._fetch(step, record=self.publishes)
+
+    def _fetch(self, step: int, record: bool = True) -> str | None:
         """Download one remote checkpoint and seal it locally; None, or what is wrong."""
         final = f"{CHECKPOINTS}/{rundir.step_name(step)}"
         partial = f"{final}.partial"
@@ -298,9 +408,11 @@ class RemoteTier:
         if isinstance(sums, str):
             self.local.delete(partial)
             return sums
+        self.local.delete(final)  # node-local mode: this node's part of it, now complete
         self.local.move(partial, final)
         self.local.replace(f"{CHECKPOINTS}/{LATEST}", f"{rundir.step_name(step)}\n".encode())
-        self._fetch_record()
+        if record:
+            self._fetch_record()
         return None
 
     def _fetch_record(self) -> None:
@@ -321,10 +433,22 @@ class RemoteTier:
         for name, digest in sums.items():
             target = self.local.path(f"{partial}/{name}")
             target.parent.mkdir(parents=True, exist_ok=True)
+            if self._kept(f"{final}/{name}", digest, target):
+                continue
             if self.remote.download(f"{final}/{name}", target) != digest:
                 return f"{name} does not match its checksum"
         self.local.replace(f"{partial}/{CHECKSUMS}", data)
         return sums
+
+
+    def _kept(self, name: str, digest: str, target: Path) -> bool:
+        """A file already here with ``digest`` (this node's own part): linked into the
+        folder being fetched instead of downloaded again."""
+        have = self.local.path(name)
+        if not have.is_file() or self.local.digest(name) != digest:
+            return False
+        os.link(have, target)
+        return True
 
 
 def _code(exc: BaseException) -> str | None:
