@@ -50,8 +50,9 @@ def pytest_make_collect_report(collector):
 E2E_LONGEST_FIRST = (
     "test_k8s_sim_runs", "test_trackers_runs", "test_hf_models_runs", "test_vanish",
     "test_strategies_runs", "test_slurm", "test_training_runs", "test_credentials_runs",
-    "test_object_storage_runs", "test_token_objects_runs", "test_hangs", "test_multinode_runs",
-    "test_sharded_checkpoints", "test_safety_runs", "test_run_files_runs", "test_liveness",
+    "test_object_storage_runs", "test_node_local_runs", "test_token_objects_runs",
+    "test_hangs", "test_multinode_runs", "test_sharded_checkpoints", "test_safety_runs",
+    "test_run_files_runs", "test_liveness",
     "test_install", "test_your_code_runs", "test_slow_nodes", "test_tools_runs",
     "test_preflight_runs", "test_checkpoint_runs", "test_slurm_preflight", "test_stragglers",
     "test_restarts", "test_tokenize_runs",
