@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.harness import s3server
+from tests.harness.kubesim import free_port
 from tests.harness.multinode import Process, pid_namespaces
 from tests.harness.runs import ENTRY, TINY_GPT, clean_env, losses, merge, write_config
 
@@ -26,15 +26,9 @@ STEPS = 4
 PREFIX = "nodes"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def job(tmp_path: Path, server, start: int) -> list[Process]:
     """Two nodes of one process each (world size 2: FSDP shards across the nodes), the
-    Kubeflow convention, each node with its own run directory; their exit codes."""
+    Kubeflow convention, each node with its own run directory, started."""
     port, namespaces = free_port(), pid_namespaces()
     nodes = []
     for rank in (0, 1):

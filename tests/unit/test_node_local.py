@@ -29,11 +29,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def aws(server, monkeypatch):
-    for name, value in server.env().items():
-        if name.startswith("AWS_"):
-            monkeypatch.setenv(name, value)
-    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
-        monkeypatch.delenv(name, raising=False)
+    server.reach_in_process(monkeypatch)
     return server
 
 
@@ -101,10 +97,10 @@ def test_parts_that_disagree_with_what_the_ranks_wrote_are_never_sealed(aws, tmp
 def test_latest_never_moves_backwards_and_a_node_fetches_what_it_lacks(aws, tmp_path):
     tier0, tier1 = node_tier(tmp_path, "order", 0), node_tier(tmp_path, "order", 1)
     for step in (2, 4):
-        zero, one = two_parts(tmp_path, step)
+        two_parts(tmp_path, step)
         tier1.mirror(step, f"t{step}")
         tier0.mirror(step, f"t{step}")  # a background save: no rank checksums to compare
-    zero, one = two_parts(tmp_path, 2)
+    two_parts(tmp_path, 2)
     tier1.mirror(2, "again")
     tier0.mirror(2, "again")  # a stale writer's older step
     assert tier0.latest()[0] == 4 and tier0.sealed_steps() == [4, 2]

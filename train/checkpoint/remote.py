@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -447,7 +448,10 @@ class RemoteTier:
         have = self.local.path(name)
         if not have.is_file() or self.local.digest(name) != digest:
             return False
-        os.link(have, target)
+        try:
+            os.link(have, target)
+        except OSError:  # a file system without hard links
+            shutil.copyfile(have, target)
         return True
 
 
