@@ -138,11 +138,8 @@ def evaluate(c: Components, progress: Callable[[], None] = lambda: None) -> dict
 
 # ------------------------------------------------------------------------- loop
 
-def prepare_run_dir(c: Components) -> None:
-    """On several nodes: one directory for all, or node-local ones with checkpoint.remote."""
-    nodes = shared_dir.prepare(c.run_dir, c.env, remote=bool(c.cfg.checkpoint.remote))
-    if nodes is not None:
-        node_local(c, nodes)
+def prepare_run_dir(c: Components) -> None:  # several nodes: one directory, or node-local
+    node_local(c, shared_dir.prepare(c.run_dir, c.env, remote=bool(c.cfg.checkpoint.remote)))
 
 
 def start_logging(c: Components, state: TrainState, shutdown: Shutdown) -> MetricsLogger | None:

@@ -71,10 +71,12 @@ def resume(c: Components) -> TrainState:
     return state
 
 
-def node_local(c: Components, nodes: list[int]) -> None:
-    """Node-local run directories (``nodes``: each rank's node index): this node's run
-    directory holds its ranks' files only, and its first rank uploads its part of each
-    checkpoint (rank 0's node seals them in the store)."""
+def node_local(c: Components, nodes: list[int] | None) -> None:
+    """Node-local run directories (``nodes``: each rank's node index; None: one shared
+    directory, nothing to do): this node's run directory holds its ranks' files only, and
+    its first rank uploads its part of each checkpoint (rank 0's seals them remotely)."""
+    if nodes is None:
+        return
     me = nodes[c.env.rank]
     c.checkpointer.node_local([r for r, n in enumerate(nodes) if n == me])
     if not c.checkpointer.seals:
