@@ -50,8 +50,9 @@ def pytest_make_collect_report(collector):
 E2E_LONGEST_FIRST = (
     "test_k8s_sim_runs", "test_trackers_runs", "test_hf_models_runs", "test_vanish",
     "test_strategies_runs", "test_slurm", "test_training_runs", "test_credentials_runs",
-    "test_object_storage_runs", "test_token_objects_runs", "test_hangs", "test_multinode_runs",
-    "test_sharded_checkpoints", "test_safety_runs", "test_run_files_runs", "test_liveness",
+    "test_object_storage_runs", "test_node_local_runs", "test_token_objects_runs",
+    "test_hangs", "test_multinode_runs", "test_sharded_checkpoints", "test_safety_runs",
+    "test_run_files_runs", "test_liveness",
     "test_install", "test_your_code_runs", "test_slow_nodes", "test_tools_runs",
     "test_preflight_runs", "test_checkpoint_runs", "test_slurm_preflight", "test_stragglers",
     "test_restarts", "test_tokenize_runs",
@@ -164,9 +165,5 @@ def s3_server(tmp_path_factory):
 def aws(s3_server, monkeypatch):
     """This process's AWS variables reach the module's S3 server (boto3's default chain);
     the server itself, for its ``client()`` and ``env()``."""
-    for name, value in s3_server.env().items():
-        if name.startswith("AWS_"):
-            monkeypatch.setenv(name, value)
-    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
-        monkeypatch.delenv(name, raising=False)
+    s3_server.reach_in_process(monkeypatch)
     return s3_server

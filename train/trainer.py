@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.checkpoint.policy import Cadence
-from train.checkpoint.session import finish_uploads, resume, save_checkpoint
+from train.checkpoint.session import finish_uploads, node_local, resume, save_checkpoint
 from train.checkpoint.state import TrainState
 from train.components import Components, build, preflight, train_loader
 from train.core import rundir, runlock, usercode
@@ -138,8 +138,8 @@ def evaluate(c: Components, progress: Callable[[], None] = lambda: None) -> dict
 
 # ------------------------------------------------------------------------- loop
 
-def prepare_run_dir(c: Components) -> None:
-    shared_dir.prepare(c.run_dir, c.env)  # on several nodes: one directory for all
+def prepare_run_dir(c: Components) -> None:  # several nodes: one directory, or node-local
+    node_local(c, shared_dir.prepare(c.run_dir, c.env, remote=bool(c.cfg.checkpoint.remote)))
 
 
 def start_logging(c: Components, state: TrainState, shutdown: Shutdown) -> MetricsLogger | None:

@@ -52,6 +52,15 @@ class S3Server:
     def env(self, **extra: str) -> dict:
         return s3_env(self.endpoint, **extra)
 
+    def reach_in_process(self, monkeypatch) -> None:
+        """This test process's AWS variables (boto3's default chain) reach the server."""
+        for name, value in self.env().items():
+            if name.startswith("AWS_"):
+                monkeypatch.setenv(name, value)
+        for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN",
+                     "AWS_ENDPOINT_URL"):
+            monkeypatch.delenv(name, raising=False)
+
     def client(self):
         import boto3
         import botocore.config

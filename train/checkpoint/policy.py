@@ -6,6 +6,9 @@ last one is written in the foreground, so exit 0 or 143 means it is on disk; the
 others in the background with ``checkpoint.async_save``.
 
 Resuming: rank 0 picks (:func:`choose_checkpoint`) and every rank loads the same one.
+With node-local run directories (a node holds only its own ranks' part of each local
+checkpoint) the one to resume comes from the store: rank 0 lists the remote sealed ones
+and every node fetches the chosen one whole (:func:`_from_the_store`).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from train.checkpoint.reader import CheckpointsUnusable
 from train.checkpoint.store import Checkpointer
 from train.core import rundir
 from train.core.config import AUTO, Config
-from train.core.errors import ConfigError
+from train.core.errors import CannotRunHere, ConfigError
 from train.core.files import describe_load_error
 from train.core.identity import WorkerIdentity
+from train.core.remote_config import said
 from train.distributed import ranks
 
 log = logging.getLogger("train")
@@ -53,6 +57,8 @@ def choose_checkpoint(checkpointer: Checkpointer, choice: str, env: WorkerIdenti
     and, on rank 0, what it already loaded."""
     if choice == "none" and env.continuing:
         choice = AUTO  # a restart of this attempt continues it instead of starting over
+    if checkpointer.is_node_local:
+        return _from_the_store(checkpointer, choice, env, source), None
     if choice == "none":
         if env.is_main:
             moved = retention.set_aside(checkpointer.storage)
@@ -72,6 +78,61 @@ def choose_checkpoint(checkpointer: Checkpointer, choice: str, env: WorkerIdenti
     if problem:
         raise ConfigError(source, "checkpoint.resume_from", problem)
     return (Path(path) if path else None), loaded
+
+
+def _from_the_store(checkpointer: Checkpointer, choice: str, env: WorkerIdentity,
+                    source: str) -> Path | None:
+    """Node-local mode: the newest remote checkpoint that every node fetches and verifies
+    (each node's first rank, into its own run directory), the same on every rank; None
+    for a fresh start. Collective."""
+    if choice not in (AUTO, "none"):
+        raise CannotRunHere(f"checkpoint.resume_from={choice}: a path needs a run directory "
+                            "every node sees; with node-local run directories a run resumes "
+                            "from checkpoint.remote (auto) or starts over (none)")
+    seals = checkpointer.seals
+    if seals:
+        retention.remove_leftovers(checkpointer.storage)
+    if choice == "none":
+        moved = retention.set_aside(checkpointer.storage) if seals else None
+        if moved:
+            log.warning("checkpoint.resume_from=none: earlier checkpoints moved to %s", moved)
+        ranks.barrier(env)()
+        return None
+    steps, problem = _remote_steps(checkpointer) if env.is_main else (None, None)
+    steps, problem = ranks.from_main((steps, problem), env)
+    if problem:
+        raise CannotRunHere(problem)
+    gather = ranks.gather(env)
+    for step in steps:
+        problems = [p for p in gather(checkpointer.remote.fetch(step) if seals else None) if p]
+        if not problems:
+            if seals:
+                log.info("fetched checkpoint step-%d from %s", step, checkpointer.remote.where)
+                retention.set_aside_newer_than(checkpointer.storage, step)
+            ranks.barrier(env)()
+            return checkpointer.dir / rundir.step_name(step)
+        if env.is_main:
+            log.warning("remote checkpoint %s/%s/%s is unusable (%s); trying the previous "
+                        "one", checkpointer.remote.where, rundir.CHECKPOINTS,
+                        rundir.step_name(step), problems[0])
+    held = any(gather(seals and bool(rundir.candidates(checkpointer.dir))))
+    if steps or held:  # never a silent start from step 0
+        raise ConfigError(source, "checkpoint.resume_from",
+                          "the run directories are node-local (each node holds its part of "
+                          "a checkpoint), so a run resumes from checkpoint.remote, and "
+                          f"{'no checkpoint there could be fetched' if steps else 'it holds none'}"
+                          "; set checkpoint.resume_from=none to start over")
+    return None
+
+
+def _remote_steps(checkpointer: Checkpointer) -> tuple[list[int] | None, str | None]:
+    """Rank 0: the remote checkpoints to try, newest first, or why the store cannot say."""
+    try:
+        return checkpointer.remote.sealed_steps(), None
+    except Exception as exc:
+        return None, (f"cannot read checkpoints from {checkpointer.remote.where} "
+                      f"({said(exc)}) and the run directories are node-local, so a resume "
+                      "needs the store: start the job again when it answers")
 
 
 def _pick(checkpointer: Checkpointer, choice: str

@@ -31,6 +31,19 @@ save; one that does not verify is named and the previous remote one tried. An em
 directory also gets the record a resumed run continues (metrics.jsonl, rewound to the
 checkpoint's step as on any resume, and manifest.json). The local
 choice (:mod:`.policy`) then resumes from it exactly as from a checkpoint written here.
+
+Node-local run directories (:mod:`train.guards.shared_dir`): each node's first rank has a
+tier (:meth:`RemoteTier.node_local`) and uploads its node's part, each file verified as
+above, then a marker ``step-N/.parts/node-K.json`` listing those files, their SHA-256 and
+the save's token. Rank 0's tier then waits for every node's marker of that save and
+writes ``checksums.json`` only when they are all there and agree (with each other, and
+with the checksums the ranks exchanged, for a foreground save); steps 3-5 follow as
+above, from rank 0 alone. A resume downloads the chosen checkpoint on every node
+(:meth:`RemoteTier.fetch`: the files a node already holds with the right checksum are
+kept, not downloaded again), since each rank may read every rank's shards.
+
+What the tier reads back from the store (``latest``, the step folders, the nodes' parts,
+the fetch of a checkpoint) is :mod:`.remote_reads`'.
 """
 
 from __future__ import annotations
@@ -41,8 +54,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from train.checkpoint.objectstore import S3Storage, missing, said
+from train.checkpoint.objectstore import S3Storage, said
+from train.checkpoint.remote_reads import RemoteError, StoreReads
 from train.checkpoint.storage import LocalStorage
 from train.core import remote_config, rundir
 from train.core.rundir import (
@@ -54,21 +69,20 @@ from train.core.rundir import (
     MANIFEST,
     METRICS,
     RESULT,
-    STEP_DIR,
 )
 
 log = logging.getLogger("train")
 
 BACKOFF_S = (1.0, 2.0, 4.0)   # between the attempts at one operation
+POLL_S = 0.5                  # between looks for the other nodes' parts
 RECORD = (METRICS, MANIFEST, CONFIG, RESULT)  # the run's own files, mirrored with each seal
-CONTINUED = (METRICS, MANIFEST)  # those a resumed run appends to
 
 
-class RemoteError(Exception):
-    """The store did not take (or give back) a checkpoint."""
+class Superseded(Exception):
+    """A newer checkpoint sealed while this one waited for other nodes' parts."""
 
 
-class RemoteTier:
+class RemoteTier(StoreReads):
     """Mirrors one run's sealed checkpoints (``local``: the run directory's storage)."""
 
     def __init__(self, remote: S3Storage, local: LocalStorage, keep_last: int, where: str,
@@ -82,6 +96,20 @@ class RemoteTier:
         self.unreachable = False             # warned once: no more backoff after that
         self.uploaded: int | None = None     # the newest step sealed remotely by this run
         self._board_sent: dict[str, int] = {}  # event file -> size last uploaded
+        self.node: int | None = None         # node-local mode: this node's index ...
+        self.nodes: list[int] = []           # ... and every node's (the first is rank 0's)
+        self.parts_timeout_s = 600.0         # how long rank 0 waits for the other parts
+        self._seals: dict[int, tuple[str | None, dict | None]] = {}  # step -> token, sums
+
+    def node_local(self, node: int, nodes: list[int], parts_timeout_s: float) -> None:
+        """This tier uploads node ``node``'s part of each checkpoint; on ``nodes[0]``
+        (rank 0's) it also seals the checkpoint once every node's part is there."""
+        self.node, self.nodes, self.parts_timeout_s = node, nodes, parts_timeout_s
+
+    @property
+    def publishes(self) -> bool:
+        """This tier writes checksums.json, the record and latest (rank 0's)."""
+        return self.node is None or self.node == self.nodes[0]
 
     @classmethod
     def from_url(cls, url: str, run_name: str, local: LocalStorage,
@@ -95,10 +123,13 @@ class RemoteTier:
                    keep_last, where)
 
     # ------------------------------------------------------------ uploading
-    def sealed(self, step: int) -> None:
-        """A checkpoint was sealed locally: upload it in the background."""
+    def sealed(self, step: int, token: str | None = None, whole: dict | None = None) -> None:
+        """A checkpoint (node-local mode: this node's part of it, of the save ``token``,
+        with every rank's checksums ``whole`` when known) was sealed locally: upload it
+        in the background."""
         with self._lock:
             self._pending = step
+            self._seals[step] = (token, whole)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._uploads, daemon=True,
                                                 name="checkpoint-upload")
@@ -125,11 +156,16 @@ class RemoteTier:
             with self._lock:
                 step, self._pending = self._pending, None
                 self._busy = step
+                seal = self._seals.pop(step, (None, None))
+                self._seals.clear()  # older ones skipped
                 if step is None:
                     self._lock.notify_all()
                     return
             try:
-                self.mirror(step)
+                self.mirror(step, *seal)
+            except Superseded:
+                log.info("checkpoint step-%d not sealed remotely: a newer one sealed while it "
+                         "waited for the other nodes' parts", step)
             except Exception as exc:  # the run goes on: its local checkpoints protect it
                 if self.local.exists(f"{CHECKPOINTS}/{rundir.step_name(step)}"):
                     self._unreachable(step, exc)
@@ -150,18 +186,29 @@ class RemoteTier:
         else:
             log.debug("checkpoint step-%d not uploaded: %s", step, said(exc))
 
-    def mirror(self, step: int) -> None:
-        """Upload the locally sealed step, verify it, seal it remotely, name it latest."""
+    def mirror(self, step: int, token: str | None = None, whole: dict | None = None) -> None:
+        """Upload the locally sealed step, verify it, seal it remotely, name it latest.
+        Node-local mode: this node's part, its marker, and on rank 0 the seal once every
+        node's part is there."""
         folder = f"{CHECKPOINTS}/{rundir.step_name(step)}"
         sums = json.loads(self.local.read_text(f"{folder}/{CHECKSUMS}"))
         for name, digest in sums.items():
             self._retry(lambda n=name, d=digest: self._upload(f"{folder}/{n}", d))
-        self._retry(lambda: self.remote.upload(f"{folder}/{CHECKSUMS}",
-                                               self.local.path(f"{folder}/{CHECKSUMS}")))
-        # the record before latest: whoever resumes from this step finds its metrics
-        self._retry(self.mirror_record)
-        self._retry(lambda: self._name_latest(step))
-        self._retry(self._prune)
+        if self.node is None:
+            self._retry(lambda: self.remote.upload(f"{folder}/{CHECKSUMS}",
+                                                   self.local.path(f"{folder}/{CHECKSUMS}")))
+        else:
+            part = json.dumps({"token": token, "files": sums}, indent=1).encode()
+            self._retry(lambda: self.remote.replace(self.part_name(step, self.node), part))
+            if self.publishes:
+                sealed = self._wait_for_parts(step, token, whole)
+                self._retry(lambda: self.remote.replace(
+                    f"{folder}/{CHECKSUMS}", (json.dumps(sealed, indent=1) + "\n").encode()))
+        if self.publishes:
+            # the record before latest: whoever resumes from this step finds its metrics
+            self._retry(self.mirror_record)
+            self._retry(lambda: self._name_latest(step))
+            self._retry(self._prune)
         self.uploaded = step
         if self.unreachable:
             log.warning("checkpoint uploads to %s work again: step-%d is there", self.where,
@@ -185,23 +232,41 @@ class RemoteTier:
                 self.remote.upload(name, path)
                 self._board_sent[name] = size
 
+    def _wait_for_parts(self, step: int, token: str | None, whole: dict | None) -> dict:
+        """Every node's part of ``step``, up to ``parts_timeout_s``; Superseded as soon as
+        a newer checkpoint waits for upload (its nodes may skip this one)."""
+        deadline = time.monotonic() + self.parts_timeout_s
+        while True:
+            merged = self._retry(lambda: self.parts(step, token, whole))
+            if merged is not None:
+                return merged
+            with self._lock:
+                if self._pending is not None:
+                    raise Superseded()
+            if time.monotonic() > deadline:
+                raise RemoteError(f"not every node's part of step-{step} reached the store "
+                                  f"within {self.parts_timeout_s:.0f} s")
+            self.sleep(POLL_S)
+
     def _upload(self, name: str, digest: str) -> None:
         self.remote.upload(name, self.local.path(name))
         stored = self.remote.digest(name)
         if stored != digest:
             raise RemoteError(f"{name} reads back with another checksum than was uploaded")
 
-    def _retry(self, action: Callable[[], object]) -> None:
-        """``action``, again after each failure with backoff; once the store has been
-        found unreachable, a single attempt (the next checkpoint tries again)."""
+    def _retry(self, action: Callable[[], Any]) -> Any:
+        """``action``'s result, trying again after each failure with backoff; once the
+        store has been found unreachable, a single attempt (the next checkpoint tries
+        again)."""
         delays = () if self.unreachable else BACKOFF_S
         for delay in delays:
             try:
-                action()
-                return
+                return action()
+            except RemoteError:
+                raise  # a disagreement: another attempt reads the same
             except Exception:  # retried; the last attempt's error is the one raised
                 self.sleep(delay)
-        action()
+        return action()
 
     def _name_latest(self, step: int) -> None:
         """``latest`` names ``step`` unless it names a newer one already. Conditional on
@@ -227,27 +292,6 @@ class RemoteTier:
                 return
         raise RemoteError("the remote latest kept changing under this writer")
 
-    def latest(self) -> tuple[int | None, str | None]:
-        """(the step the remote ``latest`` names, its ETag), or (None, None)."""
-        try:
-            data, etag = self.remote.read(f"{CHECKPOINTS}/{LATEST}")
-        except Exception as exc:
-            if missing(exc):
-                return None, None
-            raise
-        match = STEP_DIR.match(data.decode("utf-8", "replace").strip())
-        return (int(match[1]) if match else None), etag
-
-    def steps(self, sealed: bool = False) -> list[int]:
-        """The remote step folders, newest first; ``sealed``: only those with their
-        checksums.json (some stores list a folder whose objects are all deleted)."""
-        found = sorted((int(m[1]) for n in self.remote.names(CHECKPOINTS)
-                        if (m := STEP_DIR.match(n))), reverse=True)
-        if sealed:
-            found = [s for s in found if self.remote.exists(
-                f"{CHECKPOINTS}/{rundir.step_name(s)}/{CHECKSUMS}")]
-        return found
-
     def _prune(self) -> None:
         """keep_last remotely: the newest ``keep_last`` up to ``latest``; nothing newer
         than ``latest`` is touched (another writer's, or one being uploaded)."""
@@ -258,73 +302,6 @@ class RemoteTier:
         # older ones, and uploads that never sealed (a store that went away mid-way)
         for step in [s for s in self.steps() if s <= latest and s not in kept]:
             self.remote.delete(f"{CHECKPOINTS}/{rundir.step_name(step)}")
-
-    # ------------------------------------------------------------ resuming
-    def fetch_newer(self) -> int | None:
-        """Rank 0, before choosing a checkpoint: the newest remote checkpoint (up to the
-        remote ``latest``) newer than every local one, downloaded, verified and sealed
-        locally. The step fetched, or None (none newer, or the store unreachable: a
-        warning, and the local checkpoints are used)."""
-        try:
-            latest, _ = self.latest()
-            if latest is None:
-                return None
-            local = max((rundir.step_of(p) for p in rundir.step_dirs(self.local.path(
-                CHECKPOINTS))), default=-1)
-            newer = [s for s in self.steps(sealed=True) if local < s <= latest]
-        except Exception as exc:
-            log.warning("cannot read checkpoints from %s (%s); resuming from the local "
-                        "ones", self.where, said(exc))
-            return None
-        for step in newer:
-            problem = self._fetch(step)
-            if problem is None:
-                log.info("fetched checkpoint step-%d from %s", step, self.where)
-                return step
-            log.warning("remote checkpoint %s/%s/%s is unusable (%s); trying the previous "
-                        "one", self.where, CHECKPOINTS, rundir.step_name(step), problem)
-        return None
-
-    def _fetch(self, step: int) -> str | None:
-        """Download one remote checkpoint and seal it locally; None, or what is wrong."""
-        final = f"{CHECKPOINTS}/{rundir.step_name(step)}"
-        partial = f"{final}.partial"
-        self.local.delete(partial)
-        try:
-            sums = self._download_all(final, partial)
-        except Exception as exc:
-            self.local.delete(partial)
-            return said(exc)
-        if isinstance(sums, str):
-            self.local.delete(partial)
-            return sums
-        self.local.move(partial, final)
-        self.local.replace(f"{CHECKPOINTS}/{LATEST}", f"{rundir.step_name(step)}\n".encode())
-        self._fetch_record()
-        return None
-
-    def _fetch_record(self) -> None:
-        """Into a run directory that has none: the record a resumed run goes on with."""
-        for name in CONTINUED:
-            if not self.local.exists(name):
-                try:
-                    self.local.replace(name, self.remote.read(name)[0])
-                except Exception as exc:  # a run that mirrored none yet: start it afresh
-                    if not missing(exc):
-                        log.warning("cannot fetch %s from %s (%s); it starts afresh here",
-                                    name, self.where, said(exc))
-
-    def _download_all(self, final: str, partial: str) -> dict | str:
-        """Every file of ``final`` into ``partial``, checked: the checksums, or a problem."""
-        data, _ = self.remote.read(f"{final}/{CHECKSUMS}")
-        sums = json.loads(data)
-        for name, digest in sums.items():
-            target = self.local.path(f"{partial}/{name}")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if self.remote.download(f"{final}/{name}", target) != digest:
-                return f"{name} does not match its checksum"
-        self.local.replace(f"{partial}/{CHECKSUMS}", data)
-        return sums
 
 
 def _code(exc: BaseException) -> str | None:

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from train import hf
-from train.checkpoint import formats, reader
+from train.checkpoint import formats, reader, remote
 from train.checkpoint.policy import choose_checkpoint
 from train.checkpoint.state import Restored, TrainState, payload, rank_payload, set_rng_state
 from train.components import Components
@@ -71,18 +71,34 @@ def resume(c: Components) -> TrainState:
     return state
 
 
+def node_local(c: Components, nodes: list[int] | None) -> None:
+    """Node-local run directories (``nodes``: each rank's node index; None: one shared
+    directory, nothing to do): this node's run directory holds its ranks' files only, and
+    its first rank uploads its part of each checkpoint (rank 0's seals them remotely)."""
+    if nodes is None:
+        return
+    me = nodes[c.env.rank]
+    c.checkpointer.node_local([r for r, n in enumerate(nodes) if n == me])
+    if not c.checkpointer.seals:
+        return
+    tier = c.checkpointer.remote or remote.tier_for(
+        c.cfg.checkpoint.remote, c.run_dir, c.cfg.run.name, c.cfg.checkpoint.keep_last)
+    tier.node_local(me, list(dict.fromkeys(nodes)), c.cfg.distributed.timeout_s)
+    c.checkpointer.remote, c.checkpointer.sealed = tier, tier.sealed
+
+
 def finish_uploads(c: Components, signalled: bool) -> None:
-    """Rank 0 with ``checkpoint.remote``: wait for the upload in flight (the last
-    checkpoint's), within half the grace period after a signal (the rest is the
-    platform's margin), else within ``distributed.timeout_s``; what stays only local is
-    named in a warning. Then the run's record once more, with what was logged after the
-    last checkpoint (the final evaluation, result.json)."""
+    """Rank 0 (node-local mode: each node's first rank) with ``checkpoint.remote``: wait
+    for the upload in flight (the last checkpoint's), within half the grace period after
+    a signal (the rest is the platform's margin), else within ``distributed.timeout_s``;
+    what stays only local is named in a warning. Then (rank 0) the run's record once more,
+    with what was logged after the last checkpoint (the final evaluation, result.json)."""
     tier = c.checkpointer.remote
     if tier is None:
         return
     behind = tier.wait(c.cfg.distributed.grace_period_s / 2 if signalled
                        else c.cfg.distributed.timeout_s)
-    if behind is None and not tier.unreachable:
+    if behind is None and not tier.unreachable and tier.publishes:
         try:
             tier.mirror_record()
         except Exception as exc:  # the checkpoints are there; the record is a convenience

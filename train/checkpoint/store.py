@@ -14,6 +14,13 @@ background save, whose thread may not use the training thread's process group, t
 a marker file per rank in the partial folder. Nothing else differs. The bytes go
 through a :class:`~.storage.LocalStorage` (the seam for other storage); keeping the last
 few and moving stale trajectories aside is :mod:`.retention`'s.
+
+Node-local run directories (``checkpoint.remote`` on nodes that do not share one,
+:mod:`train.guards.shared_dir`): each node's first rank seals that node's part (its
+``checksums.json`` lists its own ranks' files, a background save waits only for their
+markers) and hands it to its remote tier; the checkpoint as a whole is sealed in the
+store (:mod:`.remote`). Every save of the job carries one token, rank 0's, exchanged in
+the save's first collective, so that the parts of one save are never mixed with another's.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,6 +52,7 @@ class _Save:
     step: int
     files: dict[str, Any]                   # name in the folder -> what torch.save writes
     shards: Shards | None = None
+    token: str = ""                         # rank 0's, the same on every rank
     partial: str = field(init=False)        # names relative to the run directory
     final: str = field(init=False)
 
@@ -89,8 +98,24 @@ class Checkpointer:
         self.watch_writer = _unwatched
         # Told on rank 0 once a checkpoint is sealed here (the remote tier's upload:
         # train.checkpoint.remote); the tier itself, for a resume to consult.
-        self.sealed: Callable[[int], None] = lambda step: None
+        self.sealed: Callable[..., None] = lambda step, **seal: None
         self.remote = None
+        # The ranks whose files this run directory holds: every rank's (shared), or in
+        # node-local mode this node's (set by node_local()).
+        self.here = list(range(world_size))
+
+    def node_local(self, here: list[int]) -> None:
+        """The run directory holds only the files of the ranks ``here`` (this node's)."""
+        self.here = here
+
+    @property
+    def is_node_local(self) -> bool:
+        return len(self.here) < self.world_size
+
+    @property
+    def seals(self) -> bool:
+        """This rank seals what the run directory holds: rank 0, or each node's first."""
+        return self.rank == self.here[0]
 
     def save(self, step: int, shared_state: dict[str, Any], rank_state: dict[str, Any],
              *, background: bool = False, shards: Shards | None = None) -> Path:
@@ -101,7 +126,7 @@ class Checkpointer:
         if self.rank == 0:
             files[STATE_FILE] = shared_state
         save = _Save(step, files, shards)
-        self._together(lambda: self._prepare(save))
+        save.token = self._together(lambda: self._prepare(save))[0]
         folder = self.storage.path(f"{save.partial}/{SHARDS}")
         if background:
             pending = shards(folder) if shards is not None else None  # DCP stages now
@@ -112,7 +137,7 @@ class Checkpointer:
         else:
             shard_files = (lambda: shards(folder)) if shards is not None else None
             hashes = self._together(lambda: self._write(save, shard_files, self.progress))
-            self._together(lambda: self._seal(save, hashes) if self.rank == 0 else None)
+            self._together(lambda: self._seal(save, hashes) if self.seals else None)
         return self.storage.path(save.final)
 
     def watch(self, watchdog) -> None:
@@ -147,12 +172,14 @@ class Checkpointer:
             raise CheckpointWriteError(failed[0])
         return [r for _, r in exchanged]
 
-    def _prepare(self, save: _Save) -> None:
+    def _prepare(self, save: _Save) -> str | None:
         """A background save still in flight ends first (its failure fails this save);
-        rank 0 clears what a failed write of this step may have left."""
+        the sealer clears what a failed write of this step may have left. Rank 0's
+        answer: the save's token."""
         self.wait()
-        if self.rank == 0:
+        if self.seals:
             self.storage.delete(save.partial)
+        return uuid.uuid4().hex if self.rank == 0 else None
 
     def _write(self, save: _Save, shard_files: Callable[[], dict[Path, str]] | None,
                progress: Callable[[], None] = lambda: None) -> dict[str, str]:
@@ -179,20 +206,22 @@ class Checkpointer:
                 marker = f"{save.partial}/rank-{self.rank}.done"
                 with writing(self.storage, save.partial, marker):
                     self.storage.replace(marker, json.dumps(mine).encode())
-                if self.rank == 0:
+                if self.seals:
                     self._seal(save, self._markers(save, watch))
         except BaseException as exc:  # surfaced by wait()
             self._writer_error = exc
 
     def _markers(self, save: _Save, watch=None) -> list[dict[str, str]]:
-        """Every rank's hashes, once each has written its marker (rank 0 only); the
-        watch is told which ranks it waits for, and of each marker that appears."""
+        """The hashes of every rank whose files are here, once each has written its
+        marker (the sealer only); the watch is told which ranks it waits for, and of each
+        marker that appears."""
         watch = watch or _Unwatched()
-        names = [f"{save.partial}/rank-{r}.done" for r in range(self.world_size)]
+        names = [f"{save.partial}/rank-{r}.done" for r in self.here]
         deadline = time.monotonic() + self.async_timeout_s
         seen = 0
         while not all(self.storage.exists(n) for n in names):
-            missing = [r for r, n in enumerate(names) if not self.storage.exists(n)]
+            missing = [r for r, n in zip(self.here, names, strict=True)
+                       if not self.storage.exists(n)]
             if len(names) - len(missing) > seen:
                 seen = len(names) - len(missing)
                 watch.progress()
@@ -209,10 +238,14 @@ class Checkpointer:
         return hashes
 
     def _seal(self, save: _Save, hashes: list[dict[str, str]]) -> None:
-        """checksums.json (every rank's files) makes the folder complete; it is renamed
-        into place and ``latest`` names it. The same step saved again (after a resume):
-        the old copy stays loadable until the new one is in place and named."""
-        sums = dict(sorted((name, digest) for part in hashes for name, digest in part.items()))
+        """checksums.json (the files of every rank here) makes the folder complete; it is
+        renamed into place and ``latest`` names it. The same step saved again (after a
+        resume): the old copy stays loadable until the new one is in place and named.
+        ``hashes``: every rank's (a foreground save), or those here (a background one)."""
+        whole = _merged(hashes) if len(hashes) == self.world_size else None
+        if len(hashes) > len(self.here):
+            hashes = [hashes[r] for r in self.here]
+        sums = _merged(hashes)
         with writing(self.storage, save.partial, f"{save.partial}/{CHECKSUMS}"):
             self.storage.replace(f"{save.partial}/{CHECKSUMS}",
                                  (json.dumps(sums, indent=1) + "\n").encode())
@@ -225,7 +258,10 @@ class Checkpointer:
                                  f"{rundir.step_name(save.step)}\n".encode())
             self.storage.delete(replaced)
         retention.prune(self.storage, self.keep_last)
-        self.sealed(save.step)
+        if self.is_node_local:
+            self.sealed(save.step, token=save.token, whole=whole)
+        else:
+            self.sealed(save.step)
 
     # ------------------------------------------------------------- finding them
     def latest_name(self) -> str | None:
@@ -240,3 +276,7 @@ class Checkpointer:
 
     verify = staticmethod(reader.verify)
     load = staticmethod(reader.load)
+
+
+def _merged(hashes: list[dict[str, str]]) -> dict[str, str]:
+    return dict(sorted((name, digest) for part in hashes for name, digest in part.items()))

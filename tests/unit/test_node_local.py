@@ -1,0 +1,102 @@
+"""Node-local run directories with ``checkpoint.remote``: each node's tier uploads its
+part of a checkpoint and a marker, rank 0's seals the checkpoint in the store only when
+every node's part of that save is there and agrees; ``latest`` never moves backwards; a
+node fetches a sealed checkpoint whole, keeping the files it already holds. Against a
+real S3 server (SeaweedFS on 127.0.0.1). Whole jobs of two nodes:
+tests/e2e/test_node_local_runs.py. Skips without boto3 and weed (``make s3``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.harness import s3server
+from train.checkpoint.storage import LocalStorage
+
+BUCKET = s3server.BUCKET
+
+
+def part(run: Path, step: int, files: dict[str, bytes]) -> dict[str, str]:
+    """A node's locally sealed part of ``step``: its files and their checksums.json."""
+    folder = run / "checkpoints" / f"step-{step}"
+    sums = {}
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+        sums[name] = hashlib.sha256(data).hexdigest()
+    (folder / "checksums.json").write_text(json.dumps(sums))
+    return sums
+
+
+def node_tier(tmp_path: Path, prefix: str, node: int):
+    from train.checkpoint.remote import RemoteTier
+    tier = RemoteTier.from_url(f"s3://{BUCKET}/{prefix}", "run",
+                               LocalStorage(tmp_path / f"node{node}"), keep_last=2)
+    tier.node_local(node, [0, 1], parts_timeout_s=1)
+    return tier
+
+
+def two_parts(tmp_path: Path, step: int) -> tuple[dict, dict]:
+    zero = part(tmp_path / "node0", step, {"state.pt": b"s" * 10, "rank-0.pt": b"a" * step,
+                                           "model/__0_0.distcp": b"x" * 99})
+    one = part(tmp_path / "node1", step, {"rank-1.pt": b"b" * step,
+                                          "model/__1_0.distcp": b"y" * 77})
+    return zero, one
+
+
+def test_a_checkpoint_is_sealed_remotely_only_once_every_nodes_part_is_there(aws, tmp_path):
+    from train.checkpoint.remote import RemoteError
+    zero, one = two_parts(tmp_path, 2)
+    tier0, tier1 = node_tier(tmp_path, "seal", 0), node_tier(tmp_path, "seal", 1)
+    with pytest.raises(RemoteError, match="not every node's part of step-2"):
+        tier0.mirror(2, "save-a", {**zero, **one})  # node 1's part is missing
+    assert not tier0.remote.exists("checkpoints/step-2/checksums.json")
+    assert tier0.latest() == (None, None)
+
+    tier1.mirror(2, "save-b")  # another save's part of the same step: not this one's
+    assert tier0.parts(2, "save-a", None) is None
+    tier1.mirror(2, "save-a")
+    assert not tier1.remote.exists("checkpoints/step-2/checksums.json")  # node 1 never seals
+    tier0.mirror(2, "save-a", {**zero, **one})
+    sealed = json.loads(tier0.remote.read("checkpoints/step-2/checksums.json")[0])
+    assert sealed == {**zero, **one} and tier0.latest()[0] == 2
+    assert tier0.sealed_steps() == [2]
+
+
+def test_parts_that_disagree_with_what_the_ranks_wrote_are_never_sealed(aws, tmp_path):
+    from train.checkpoint.remote import RemoteError
+    zero, one = two_parts(tmp_path, 2)
+    tier0, tier1 = node_tier(tmp_path, "mismatch", 0), node_tier(tmp_path, "mismatch", 1)
+    tier1.mirror(2, "t")
+    wrong = {**zero, **one, "rank-1.pt": "0" * 64}
+    with pytest.raises(RemoteError, match="do not list the files and checksums"):
+        tier0.mirror(2, "t", wrong)
+    with pytest.raises(RemoteError, match="do not list"):
+        tier0.parts(2, "t", {**zero})  # a file the ranks wrote is missing from the parts
+    assert not tier0.remote.exists("checkpoints/step-2/checksums.json")
+    assert tier0.latest() == (None, None)
+
+
+def test_latest_never_moves_backwards_and_a_node_fetches_what_it_lacks(aws, tmp_path):
+    tier0, tier1 = node_tier(tmp_path, "order", 0), node_tier(tmp_path, "order", 1)
+    for step in (2, 4):
+        two_parts(tmp_path, step)
+        tier1.mirror(step, f"t{step}")
+        tier0.mirror(step, f"t{step}")  # a background save: no rank checksums to compare
+    two_parts(tmp_path, 2)
+    tier1.mirror(2, "again")
+    tier0.mirror(2, "again")  # a stale writer's older step
+    assert tier0.latest()[0] == 4 and tier0.sealed_steps() == [4, 2]
+
+    kept = tmp_path / "node1" / "checkpoints" / "step-4" / "model" / "__1_0.distcp"
+    inode = kept.stat().st_ino
+    assert tier1.fetch(4) is None
+    folder = tmp_path / "node1" / "checkpoints" / "step-4"
+    assert (folder / "state.pt").read_bytes() == b"s" * 10  # node 0's file, downloaded
+    assert (folder / "model" / "__1_0.distcp").stat().st_ino == inode  # its own, kept
+    from train.checkpoint import reader
+    assert reader.verify(folder) is None
+    assert not (tmp_path / "node1" / "metrics.jsonl").exists()  # rank 0's node's record
