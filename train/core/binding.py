@@ -48,6 +48,7 @@ BACKLOG = 4096  # what torch's own listener asks for
 _STORE_ARGS = ("host_name", "port", "world_size", "is_master", "timeout", "wait_for_workers",
                "multi_tenant", "master_listen_fd", "use_libuv")
 POLL_S = 0.02  # how often a client tries a store server not listening yet
+RESOLVE_EVERY_S = 1.0  # and looks its name up again
 
 
 def _is_loopback(address: str) -> bool:
@@ -192,17 +193,38 @@ def client_when_listening(base: type, named: dict):
 
 
 def listening(host: str, port: int, deadline: float) -> bool:
-    """Whether ``host:port`` accepts a TCP connection before the monotonic ``deadline``."""
+    """Whether ``host:port`` accepts a TCP connection before the monotonic ``deadline``.
+    The name is looked up again at most every RESOLVE_EVERY_S (a pod's name may resolve
+    only once it runs), not at each try: many workers polling must not flood the DNS."""
+    addresses: list[tuple[int, tuple]] = []
+    resolved_at = -float("inf")
     while True:
-        left = deadline - time.monotonic()
-        try:
-            socket.create_connection((host.strip("[]"), port), timeout=max(0.1, min(left, 1.0))
-                                     ).close()
+        if time.monotonic() - resolved_at >= RESOLVE_EVERY_S:
+            addresses, resolved_at = _addresses(host, port), time.monotonic()
+        wait = max(0.1, min(deadline - time.monotonic(), 1.0))
+        if any(_accepts(family, address, wait) for family, address in addresses):
             return True
+        if deadline - time.monotonic() <= POLL_S:
+            return False
+        time.sleep(POLL_S)
+
+
+def _addresses(host: str, port: int) -> list[tuple[int, tuple]]:
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return [(family, address) for family, _, _, _, address in infos]
+
+
+def _accepts(family: int, address: tuple, timeout: float) -> bool:
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(address)
         except OSError:
-            if left <= POLL_S:
-                return False
-            time.sleep(POLL_S)
+            return False
+    return True
 
 
 def _bound_server(host: str, port: int, say: Callable[[str], None]) -> dict:
