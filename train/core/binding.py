@@ -21,8 +21,8 @@ Clients, in the workers (``wait_for_server``): torch's client retries a refused
 connection only after a backoff of about a second, and a worker of rank 1 is often
 there before rank 0 (which hosts the process group's store when torchrun's agent does
 not share its own, as under the launcher) listens. Measured on torch 2.13 with two
-workers on one machine: rank 1 joined 1.0-1.4 s after rank 0 listened, a second of
-every start. Here a client first polls the port every :data:`POLL_S` (a plain connect,
+workers on one machine: rank 1 joined 1.0-1.4 s after rank 0 listened, whenever it
+had asked first. Here a client first polls the port every :data:`POLL_S` (a plain connect,
 closed at once: the server takes it for a client that left) and is built once the port
 accepts, within the store's own timeout; a server that never comes gets torch's client
 with what is left of that timeout, so its error is torch's, as late as before.
