@@ -66,32 +66,21 @@ def gradient_sync(model: nn.Module, enabled: bool):
 
 def train_step(c: Components, batches, phases: StepPhases) -> torch.Tensor:
     """Forward and backward over `accum` micro-batches; returns this rank's mean loss.
-    ``phases`` times what does not wait for the other ranks (stragglers.py). One
-    micro-batch (no accumulation) is the loss itself: no sum, and no division by 1 (a
-    tensor op in the forward and one in the backward, exact either way)."""
-    if c.accum == 1:
-        return micro_step(c, batches, phases, last=True).detach()
-    total = torch.zeros((), device=c.device)
+    ``phases`` times what does not wait for the other ranks (stragglers.py)."""
+    total = None  # the micro-batches' losses, summed in float32
     for i in range(c.accum):
-        total += micro_step(c, batches, phases, last=i == c.accum - 1).detach()
+        with phases.data():
+            x, y = next(batches)
+        x = x.to(c.device, non_blocking=True)
+        y = y.to(c.device, non_blocking=True)
+        with gradient_sync(c.model, enabled=i == c.accum - 1):
+            with c.autocast(), phases.compute():
+                loss = c.objective(c.model, x, y)[0]
+                loss = loss / c.accum if c.accum > 1 else loss  # no op for a division by 1
+            with phases.backward():
+                (c.scaler.scale(loss) if c.scaler else loss).backward()
+        total = loss.detach().float() if total is None else total + loss.detach().float()
     return total
-
-
-def micro_step(c: Components, batches, phases: StepPhases, last: bool) -> torch.Tensor:
-    """Forward and backward of one micro-batch; its loss, as its share of the step's.
-    ``last``: the micro-batch whose backward all-reduces the gradients."""
-    with phases.data():
-        x, y = next(batches)
-    x = x.to(c.device, non_blocking=True)
-    y = y.to(c.device, non_blocking=True)
-    with gradient_sync(c.model, enabled=last):
-        with c.autocast(), phases.compute():
-            loss = c.objective(c.model, x, y)[0]
-            if c.accum > 1:
-                loss = loss / c.accum
-        with phases.backward():
-            (c.scaler.scale(loss) if c.scaler else loss).backward()
-    return loss
 
 
 def optimizer_step(c: Components, guard: Guard, step: int) -> tuple[float, bool]:
