@@ -20,6 +20,8 @@ time a rank waits in a collective for its slower peer is not charged to that col
 code more than torch's kernels, so the shares are upper bounds.
 
     python -m bench.ddp_overhead [--rounds 3] [--steps 160] [--short 20]
+
+``--rounds 0`` runs the profile alone (CPU time: usable on a busy machine).
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ def print_profile(rows: list[tuple[str, float]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="0: the profile alone")
     parser.add_argument("--steps", type=int, default=160)
     parser.add_argument("--short", type=int, default=20, help="steps of the short runs")
     parser.add_argument("--warmup", type=int, default=10)
@@ -179,7 +181,7 @@ def main() -> None:
                   f"{t_wall * 1000:.1f}; CPU plain {cpus['plain'][-1] * 1000:.1f} ms/step, "
                   f"trainer {cpus['trainer'][-1] * 1000:.1f}", flush=True)
         rows = profile(config, args.steps)
-    for kind, values in (("wall", walls), ("CPU", cpus)):
+    for kind, values in (("wall", walls), ("CPU", cpus)) if args.rounds else ():
         p, t = statistics.median(values["plain"]), statistics.median(values["trainer"])
         print(f"median {kind} time per step: plain {p * 1000:.1f} ms, trainer {t * 1000:.1f} "
               f"ms; ratio trainer/plain {t / p:.3f}")

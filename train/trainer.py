@@ -67,7 +67,7 @@ def gradient_sync(model: nn.Module, enabled: bool):
 def train_step(c: Components, batches, phases: StepPhases) -> torch.Tensor:
     """Forward and backward over `accum` micro-batches; returns this rank's mean loss.
     ``phases`` times what does not wait for the other ranks (stragglers.py)."""
-    total = torch.zeros((), device=c.device)
+    total = None  # the micro-batches' losses, summed in float32
     for i in range(c.accum):
         with phases.data():
             x, y = next(batches)
@@ -75,10 +75,11 @@ def train_step(c: Components, batches, phases: StepPhases) -> torch.Tensor:
         y = y.to(c.device, non_blocking=True)
         with gradient_sync(c.model, enabled=i == c.accum - 1):
             with c.autocast(), phases.compute():
-                loss = c.objective(c.model, x, y)[0] / c.accum
+                loss = c.objective(c.model, x, y)[0]
+                loss = loss / c.accum if c.accum > 1 else loss  # no op for a division by 1
             with phases.backward():
                 (c.scaler.scale(loss) if c.scaler else loss).backward()
-        total += loss.detach()
+        total = loss.detach().float() if total is None else total + loss.detach().float()
     return total
 
 

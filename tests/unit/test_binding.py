@@ -92,6 +92,64 @@ def test_torch_store_servers_bind_the_address_they_are_named_by(monkeypatch):
     assert server.get("k") == b"v" and said == []
 
 
+def test_a_client_started_before_its_server_is_built_once_the_port_listens():
+    """The workers' clients poll a server that is not there yet (torch's own retry waits
+    about a second) and torch's client is built once it listens, with the store's own
+    timeout."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+    port = _free_port()
+    servers: list = []
+
+    def serve_soon() -> None:
+        time.sleep(0.3)  # the client polls by then (and if not, what is asserted holds)
+        servers.append(dist.TCPStore("127.0.0.1", port, 2, True, _timeout(),
+                                     wait_for_workers=False))
+
+    built_while_listening: list[bool] = []
+
+    def torch_client(**named):
+        built_while_listening.append(_accepts("127.0.0.1", port))
+        return dist.TCPStore(**named)
+
+    thread = threading.Thread(target=serve_soon)
+    thread.start()
+    try:
+        client = binding.client_when_listening(torch_client, {
+            "host_name": "127.0.0.1", "port": port, "world_size": 2, "is_master": False,
+            "timeout": _timeout()})
+    finally:
+        thread.join()
+    assert built_while_listening == [True] and client.timeout == _timeout()
+    client.set("k", "v")
+    assert servers[0].get("k") == b"v"
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:  # nothing listens on it once closed
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_client_whose_server_never_comes_fails_as_torch_says_it():
+    """Its timeout spent polling, torch's own client still says why (with the rest of
+    the timeout, at least a second), and the bound class builds it too."""
+    import torch.distributed as dist
+    bound = binding.bound_store_class(dist.TCPStore, print, wait_for_server=True)
+    with pytest.raises(dist.DistNetworkError):
+        bound("127.0.0.1", _free_port(), 2, False, datetime.timedelta(seconds=2))
+
+
 def test_a_store_whose_port_is_taken_fails_as_torch_says_it():
     import torch.distributed as dist
     bound = binding.bound_store_class(dist.TCPStore, print)

@@ -17,15 +17,27 @@ interface, each said in one line by the caller:
 - a name that is not a loopback name resolves to loopback here (``127.0.1.1 host`` in
   Debian's /etc/hosts) while other machines may resolve it to the node's real address.
 
+Clients, in the workers (``wait_for_server``): torch's client retries a refused
+connection only after a backoff of about a second, and a worker of rank 1 is often
+there before rank 0 (which hosts the process group's store when torchrun's agent does
+not share its own, as under the launcher) listens. Measured on torch 2.13 with two
+workers on one machine: rank 1 joined 1.0-1.4 s after rank 0 listened, whenever it
+had asked first. Here a client first polls the port every :data:`POLL_S` (a plain connect,
+closed at once: the server takes it for a client that left) and is built once the port
+accepts, within the store's own timeout; a server that never comes gets torch's client
+with what is left of that timeout, so its error is torch's, as late as before.
+
 Torch-free: the launcher's torchrun agent and the workers each give :func:`install` the
 ``TCPStore`` class of their torch.
 """
 
 from __future__ import annotations
 
+import datetime
 import errno
 import ipaddress
 import socket
+import time
 from collections.abc import Callable, Iterable
 from types import ModuleType
 
@@ -35,6 +47,8 @@ BACKLOG = 4096  # what torch's own listener asks for
 # TCPStore's constructor arguments, in its positional order (torch 2.x).
 _STORE_ARGS = ("host_name", "port", "world_size", "is_master", "timeout", "wait_for_workers",
                "multi_tenant", "master_listen_fd", "use_libuv")
+POLL_S = 0.02  # how often a client tries a store server not listening yet
+RESOLVE_EVERY_S = 1.0  # and looks its name up again
 
 
 def _is_loopback(address: str) -> bool:
@@ -126,11 +140,14 @@ def store_arguments(args: tuple, kwargs: dict) -> dict:
     return {**dict(zip(_STORE_ARGS[:len(args)], args, strict=True)), **kwargs}
 
 
-def bound_store_class(base: type, say: Callable[[str], None]) -> type:
+def bound_store_class(base: type, say: Callable[[str], None],
+                      wait_for_server: bool = False) -> type:
     """A stand-in for torch's ``TCPStore`` class that builds a ``TCPStore`` whose server
     listens on a socket bound by :func:`listener` (clients, and stores given a socket,
-    are built as they were asked). What it builds is a ``base``, and an instance of the
-    stand-in too, so ``isinstance(store, torch.distributed.TCPStore)`` still holds."""
+    are built as they were asked; with ``wait_for_server``, a client once its server's
+    port accepts: :func:`client_when_listening`). What it builds is a ``base``, and an
+    instance of the stand-in too, so ``isinstance(store, torch.distributed.TCPStore)``
+    still holds."""
 
     class Meta(type(base)):  # type: ignore[misc]
         """What the stand-in builds is a ``base``: ``isinstance`` says so both ways."""
@@ -150,10 +167,64 @@ def bound_store_class(base: type, say: Callable[[str], None]) -> type:
             named = store_arguments(args, kwargs)
             if named.get("is_master") and named.get("master_listen_fd") is None:
                 named.update(_bound_server(str(named["host_name"]), int(named["port"]), say))
+            elif wait_for_server and not named.get("is_master"):
+                return client_when_listening(base, named)
             return base(**named)
 
     BoundTCPStore.__name__ = BoundTCPStore.__qualname__ = "TCPStore"
     return BoundTCPStore
+
+
+def client_when_listening(base: type, named: dict):
+    """A client ``base(**named)``, built once its server's port accepts a connection
+    (polled every POLL_S, within the store's timeout; the module docstring says why).
+    Without a timeout among the arguments (torch's default applies), built at once."""
+    timeout = named.get("timeout")
+    if not isinstance(timeout, datetime.timedelta):
+        return base(**named)
+    deadline = time.monotonic() + timeout.total_seconds()
+    if listening(str(named["host_name"]), int(named["port"]), deadline):
+        return base(**named)
+    # never came: torch's own connect, with the rest of the timeout (at least a second)
+    left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+    store = base(**{**named, "timeout": left})
+    store.set_timeout(timeout)  # later waits and gets keep the store's own timeout
+    return store
+
+
+def listening(host: str, port: int, deadline: float) -> bool:
+    """Whether ``host:port`` accepts a TCP connection before the monotonic ``deadline``.
+    The name is looked up again at most every RESOLVE_EVERY_S (a pod's name may resolve
+    only once it runs), not at each try: many workers polling must not flood the DNS."""
+    addresses: list[tuple[int, tuple]] = []
+    resolved_at = -float("inf")
+    while True:
+        if time.monotonic() - resolved_at >= RESOLVE_EVERY_S:
+            addresses, resolved_at = _addresses(host, port), time.monotonic()
+        wait = max(0.1, min(deadline - time.monotonic(), 1.0))
+        if any(_accepts(family, address, wait) for family, address in addresses):
+            return True
+        if deadline - time.monotonic() <= POLL_S:
+            return False
+        time.sleep(POLL_S)
+
+
+def _addresses(host: str, port: int) -> list[tuple[int, tuple]]:
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return []
+    return [(family, address) for family, _, _, _, address in infos]
+
+
+def _accepts(family: int, address: tuple, timeout: float) -> bool:
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(address)
+        except OSError:
+            return False
+    return True
 
 
 def _bound_server(host: str, port: int, say: Callable[[str], None]) -> dict:
@@ -169,15 +240,16 @@ def _bound_server(host: str, port: int, say: Callable[[str], None]) -> dict:
 
 
 def install(distributed: ModuleType, users: Iterable[ModuleType],
-            say: Callable[[str], None]) -> type:
+            say: Callable[[str], None], wait_for_server: bool = False) -> type:
     """Make ``distributed.TCPStore`` (``torch.distributed``) and each module in ``users``
     that imported it by name (torchrun's rendezvous backends, ``init_process_group``'s
     ``env://``: pass ``sys.modules.values()`` once they are imported) create bound
-    servers; returns the class. Idempotent."""
+    servers (and, ``wait_for_server``, clients once their server listens); returns the
+    class. Idempotent."""
     current = distributed.TCPStore
     if getattr(current, "_bound", False):
         return current
-    bound = bound_store_class(current, say)
+    bound = bound_store_class(current, say, wait_for_server)
     bound._bound = True
     distributed.TCPStore = bound
     for module in list(users):

@@ -11,8 +11,9 @@ a watching thread writes the rank's report (where its main
 thread is: the innermost frame of the run's own code, outside Python's library and
 torch, and whether the thread waits for the other ranks, for the DataLoader's workers,
 or is in code of its own), prints every thread's stack to the rank's log and exits 1.
-faulthandler backs the thread up BACKSTOP_S later, should it not get to run (a C call
-holding the GIL): then only the stack dump is there.
+faulthandler backs the thread up BACKSTOP_S later (up to a twentieth of the limit more:
+it is re-armed that seldom), should it not get to run (a C call holding the GIL): then
+only the stack dump is there.
 
 Evaluation and checkpoints are watched too (their collectives are where a partition or a
 frozen peer would otherwise wait out ``distributed.timeout_s`` unnamed): each is a phase
@@ -65,6 +66,7 @@ SLOW_DISK_BYTES_S = 50e6
 CHECKPOINTS_OF_SILENCE = 3
 PROGRESS_EVERY_S = 1.0  # a small file replaced by rename: nothing measurable per step
 BACKSTOP_S = 5
+REARM_SHARE = 0.05  # faulthandler's backstop is re-armed this far into the limit
 # Frames that mean "waiting for the other ranks": collectives, and backward, where DDP's
 # gradient all-reduce waits for every rank.
 _WAITING = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/")
@@ -168,8 +170,12 @@ class Watchdog:
             return
         now = time.monotonic()
         self.last = now
-        if now - self.armed_at >= 1.0:  # arming faulthandler starts a thread: once a second
-            faulthandler.dump_traceback_later(self.watched + BACKSTOP_S, exit=True)
+        # Arming faulthandler starts a thread: at most every REARM_SHARE of the limit (a
+        # second at least), each time that much later, so it never fires earlier than
+        # BACKSTOP_S after the limit (every 6 s for the floor's 120 s)
+        rearm = max(1.0, self.watched * REARM_SHARE)
+        if now - self.armed_at >= rearm:
+            faulthandler.dump_traceback_later(self.watched + BACKSTOP_S + rearm, exit=True)
             self.armed_at = now
         self._start()
 
