@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import cgroups
 from tests.harness.procs import cmdline, environ, pids
 from tests.harness.runs import (
     ENTRY,
@@ -296,6 +297,44 @@ def test_scancel_stops_with_one_checkpoint_and_a_resubmission_resumes(cluster, r
     assert_same_losses(losses(run), reference, rel=1e-6)
     assert steps_logged(run) == list(range(1, STEPS + 1))
     print(f"scancel -> every task stopped with its checkpoint: {stopped_s:.1f} s")
+
+
+STARVED = 0.02  # of one CPU, for every process of a job on a node: far busier than its cores
+
+
+def test_a_stop_on_nodes_starved_of_cpu_ends_with_the_launchers_own_code_in_killwait(cluster):
+    """scancel while every process of the job is held to 2 % of a CPU on its node (a
+    cgroup quota): the stop checkpoint, then on each node the launcher's verdict and its
+    own exit 143, inside the cluster's KillWait (30 s) rather than SIGKILLed at its end.
+    What follows the checkpoint (torchrun's and the launcher's ends) needs little CPU."""
+    why = cgroups.available()
+    if why:
+        pytest.skip(f"no CPU quota here: {why}")
+    name = "starved"
+    _, job, out = training_job(cluster, name)
+    quotas = [cgroups.CpuLimit(STARVED) for _ in cluster.hosts]
+    try:
+        for quota, host in zip(quotas, cluster.hosts, strict=True):
+            pids_there = processes_of(job, host.name)
+            assert pids_there, f"the job runs on {host.name}"
+            for pid in pids_there:
+                quota.add(pid)
+        cluster.scancel(job)
+        release(out, held(cluster.work, name))
+        ended = [wait_for_text(out, f"task {task}: ", 120) for task in (0, 1)][-1]
+    finally:
+        for quota in quotas:
+            quota.close()
+    lines = ended.splitlines()
+    tasks = [line for line in lines if re.search(r"node\d: task \d: ", line)]
+    assert sorted(line.split("task ")[1] for line in tasks) == \
+        ["0: Exited with exit code 143", "1: Exited with exit code 143"], ended[-3000:]
+    verdicts = [i for i, line in enumerate(lines) if line == "stopped by SIGTERM; rerun the "
+                "same command to resume from the last checkpoint"]
+    saved = [i for i, line in enumerate(lines) if "checkpoint saved" in line]
+    assert len(verdicts) == 2 and saved[-1] < verdicts[0], ended[-3000:]
+    assert verdicts[0] < min(lines.index(line) for line in tasks), ended[-3000:]  # said, exited
+    assert "Killed" not in ended and "Timed out" not in ended, ended[-3000:]
 
 
 def processes_of(job: int, node: str) -> list[int]:
