@@ -43,8 +43,9 @@ this process only; the workers keep the user's ``TORCH_CPP_LOG_LEVEL``.
 
 Once torchrun has returned (its workers ended, their logs copied), the process ends
 at once (:func:`train.core.host.exit_now`): the interpreter's teardown of a process
-that loaded torch is seconds of CPU on a loaded node, all of it after the stop
-checkpoint and inside the platform's grace period.
+that loaded torch is about 0.6 s of CPU, tens of seconds on a node that leaves it a few
+percent of one, all of it after the stop checkpoint and inside the platform's grace
+period (docs/slurm.md).
 """
 
 from __future__ import annotations
