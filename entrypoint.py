@@ -3,9 +3,7 @@
 or any other command, executed as is. See ``entrypoint.py --help`` and launcher/cli.py.
 """
 
-import sys
-
-from launcher.cli import main
+from launcher.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -2,7 +2,8 @@
 ``trainpod`` command a pip install of the project gives (the same code path).
 
 Only dispatch lives here; each command's work is in its own module. Nothing heavy
-is imported before a command needs it, so ``--help`` answers at once.
+is imported before a command needs it, so ``--help`` answers at once, and nothing is
+torn down after it ended (:func:`entry`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 APP_ROOT = str(Path(__file__).resolve().parent.parent)  # the checkout, or /app in the image
 
@@ -247,3 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except KeyboardInterrupt:
         return 143  # before any worker started: nothing to checkpoint
+
+
+def entry() -> NoReturn:
+    """The command's process (entrypoint.py, ``trainpod``): main's exit code, without the
+    interpreter's teardown (:func:`train.core.host.exit_now`), which after a stop would
+    spend the platform's grace period (SLURM's KillWait) on a node starved of CPU."""
+    from train.core.host import exit_now
+    exit_now(main())

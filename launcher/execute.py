@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from launcher import system
+from launcher.requeue import requeue, requeue_without
 from launcher.runner import Prepared
 from train.core import rundir
 from train.core.errors import EXIT_STOPPED_BY_SIGNAL
@@ -47,12 +48,11 @@ def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -
         if lock is not None:
             lock.release()
     code = outcome.code
-    # after the release: the next incarnation takes the run
+    # after the release: the next incarnation takes the run. (Imported beforehand: after a
+    # stop nothing is loaded, on a node whose CPU may be scarce.)
     if signals.requeue_asked and code == EXIT_STOPPED_BY_SIGNAL and plan.requeue:
-        from launcher.requeue import requeue
         requeue(plan.requeue, log)
     elif outcome.unfit_hosts and plan.requeue:
-        from launcher.requeue import requeue_without
         requeue_without(plan.requeue, outcome.unfit_hosts, log)
     return code
 

@@ -74,6 +74,10 @@ def _child_setup(launcher_pid: int, ignored: int | None = None) -> Callable[[], 
 
 # A flapping store could otherwise relaunch forever; each relaunch resumes from a checkpoint.
 MAX_STORE_RELAUNCHES = 10
+# How long a stopped watcher may take to say goodbye to the other nodes (a node that
+# vanishes without one is called lost by the others, whose workers may still be
+# writing their stop checkpoint); the launcher's exit waits no longer for it.
+GOODBYE_S = 2.0
 
 
 def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
@@ -275,6 +279,8 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
     finally:
         if watcher is not None:
             watcher.stop.set()
+            if watcher.is_alive():  # its goodbye, before this process ends (exit_now)
+                watcher.join(GOODBYE_S)
         if pulse is not None:
             pulse.close()
 

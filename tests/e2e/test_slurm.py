@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import cgroups
 from tests.harness.procs import cmdline, environ, pids
 from tests.harness.runs import (
     ENTRY,
@@ -296,6 +297,47 @@ def test_scancel_stops_with_one_checkpoint_and_a_resubmission_resumes(cluster, r
     assert_same_losses(losses(run), reference, rel=1e-6)
     assert steps_logged(run) == list(range(1, STEPS + 1))
     print(f"scancel -> every task stopped with its checkpoint: {stopped_s:.1f} s")
+
+
+STARVED = 0.02  # of one CPU: what a node far busier than its cores leaves a process
+
+
+def test_a_stop_on_starved_nodes_ends_with_the_launchers_own_code_inside_killwait(cluster):
+    """scancel while each node's launcher and torchrun are held to 2 % of a CPU (a cgroup
+    quota; the workers write their stop checkpoint at their own pace): on each node the
+    launcher's verdict, then its own exit 143, inside the cluster's KillWait (30 s), not
+    SIGKILLed at its end. What follows the checkpoint needs little CPU: torchrun's
+    interpreter teardown alone, 0.6 s of CPU, took 30 s there."""
+    why = cgroups.available()
+    if why:
+        pytest.skip(f"no CPU quota here: {why}")
+    name = "starved"
+    _, job, out = training_job(cluster, name)
+    quotas = [cgroups.CpuLimit(STARVED) for _ in cluster.hosts]
+    try:
+        for quota, host in zip(quotas, cluster.hosts, strict=True):
+            argvs = {pid: cmdline(pid).split() for pid in processes_of(job, host.name)}
+            tail = [pid for pid, argv in argvs.items() if argv[:1] == [sys.executable] and
+                    (argv[1:2] == [ENTRY] or argv[1:3] == ["-m", "launcher.torchrun"])]
+            assert len(tail) == 2, f"{host.name}: the launcher and torchrun: {argvs}"
+            for pid in tail:
+                quota.add(pid)
+        cluster.scancel(job)
+        release(out, held(cluster.work, name))
+        ended = [wait_for_text(out, f"task {task}: ", 120) for task in (0, 1)][-1]
+    finally:
+        for quota in quotas:
+            quota.close()
+    lines = ended.splitlines()
+    tasks = [line for line in lines if re.search(r"node\d: task \d: ", line)]
+    assert sorted(line.split("task ")[1] for line in tasks) == \
+        ["0: Exited with exit code 143", "1: Exited with exit code 143"], ended[-3000:]
+    verdicts = [i for i, line in enumerate(lines) if line == "stopped by SIGTERM; rerun the "
+                "same command to resume from the last checkpoint"]
+    saved = [i for i, line in enumerate(lines) if "checkpoint saved" in line]
+    assert len(verdicts) == 2 and saved[-1] < verdicts[0], ended[-3000:]
+    assert verdicts[0] < min(lines.index(line) for line in tasks), ended[-3000:]  # said, exited
+    assert "Killed" not in ended and "Timed out" not in ended, ended[-3000:]
 
 
 def processes_of(job: int, node: str) -> list[int]:

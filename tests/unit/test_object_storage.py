@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -268,6 +269,24 @@ def test_one_job_at_a_time_holds_a_remote_run(aws):
     assert lease_record(aws, "lease/run/lease.json")["job"] == "job-b"
     other.release()
     assert lease_record(aws, "lease/run/lease.json")["released"]
+
+
+@needs_s3
+def test_a_release_waits_no_longer_than_its_bound_for_a_store_that_stopped_answering(aws):
+    """The launcher releases the lease as it ends, often after a stop signal, within the
+    platform's grace period: a store that stopped answering there (paused) holds the
+    release up only as long as asked (each of its calls would wait a minute); the lease
+    then expires by itself."""
+    lease = remote_lease.acquire(f"s3://{s3server.BUCKET}/paused", "run", "job-d", QUICK,
+                                 lambda line: None)
+    releasing = threading.Thread(target=lease.release, kwargs={"wait_s": 0.5})
+    os.killpg(aws.proc.pid, signal.SIGSTOP)
+    try:
+        releasing.start()
+        releasing.join(limit(30))
+        assert not releasing.is_alive(), "the release still waits for the store"
+    finally:
+        os.killpg(aws.proc.pid, signal.SIGCONT)
 
 
 @needs_s3

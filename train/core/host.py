@@ -184,11 +184,15 @@ def die_with_parent(signum: int, parent: int | None = None) -> None:
 
 
 def exit_now(code: int) -> NoReturn:
-    """End a worker with ``code`` once its work is done and its report written, without
-    the interpreter's finalisation: there, the destructors of torch's C++ threads of a
-    gloo process group aborted a rank now and then ("terminate called without an active
-    exception", exit -6) after a run had finished and saved, which read as a failure.
-    Logs and output are flushed first; nothing of a run relies on atexit."""
+    """End a process (a worker, torchrun, the launcher) with ``code`` once its work is
+    done and its files written, without the interpreter's finalisation. There, the
+    destructors of torch's C++ threads of a gloo process group aborted a rank now and
+    then ("terminate called without an active exception", exit -6) after a run had
+    finished and saved, which read as a failure; and tearing down a process that loaded
+    torch costs about 0.6 s of CPU, which a node held to a few percent of a CPU turns
+    into tens of seconds, past SLURM's KillWait after a stop (docs/slurm.md). Logs and
+    output are flushed first; nothing here relies on atexit, and the threads still
+    running are daemons."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -28,6 +28,9 @@ from train.core.runlock import LeaseTimes
 
 NAME = "lease.json"
 LOGGED_EVERY_S = 15
+# The most a release waits for the store: it runs as the launcher ends, often after a
+# stop signal, within the platform's grace period; a lease not marked released expires.
+RELEASE_WAIT_S = 5.0
 
 
 class RemoteLease:
@@ -76,10 +79,18 @@ class RemoteLease:
             except Exception:  # the store is away: the next renewal tries again
                 continue
 
-    def release(self) -> None:
-        """Marked released (other members of the job, still running, renew it again)."""
+    def release(self, wait_s: float = RELEASE_WAIT_S) -> None:
+        """Marked released (other members of the job, still running, renew it again),
+        waiting at most ``wait_s`` for the store (each of its calls may take a minute)."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        marking = threading.Thread(target=self._mark_released, name="remote-lease-release",
+                                   daemon=True)
+        marking.start()
+        marking.join(wait_s)
+
+    def _mark_released(self) -> None:
+        if self._thread.is_alive():
+            self._thread.join()  # a renewal under way lands first
         if self.lost:
             return
         try:
