@@ -120,7 +120,8 @@ def _attempts(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],
             env["TORCHELASTIC_RESTART_COUNT"] = str(restarts)
             if verbose or restarts:
                 log(f"set TORCHELASTIC_RESTART_COUNT={restarts}")
-        for stale in (protocol.ATTEMPTS, STOPPED_BY_LAUNCHER):  # torchrun counts from 0 again
+        for stale in (protocol.ATTEMPTS, STOPPED_BY_LAUNCHER,  # torchrun counts from 0 again
+                      protocol.STOPPING_AFTER_FAILURE):
             (folder / stale).unlink(missing_ok=True)
         rc, ended = _start_and_wait(plan, env, keep_fds, forwarder, log, abort)
         if ended is not None:  # the lease was lost, or a static job's node vanished
