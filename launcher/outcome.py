@@ -141,7 +141,7 @@ def _final(e: Ending) -> Outcome:
     unfit = tuple(r.unfit_hosts or ())
     if e.mode == "direct":
         return Outcome(r.exit_code, unfit_hosts=unfit)
-    if not r.details:  # said on the console (a torch with no log folders)
+    if not r.details:  # the rank said it on the console itself (no log folder)
         return Outcome(r.exit_code, r.error or f"error: rank {r.rank} exited {r.exit_code}; "
                                                "see its output above", unfit)
     return Outcome(r.exit_code, f"{r.error or f'error: exit {r.exit_code}'} (rank {r.rank} "
