@@ -154,8 +154,7 @@ def _repeated(e: Ending) -> Outcome:
     r = e.first_failure
     first = r.repeated
     what = f" hung: {r.error}" if first.culprit else f": {r.error}"
-    log = f"its log {first.details or f'{first.log_dir}/stderr.log'}" if first.log_dir \
-        else _log(r)
+    log = f"its log {first.log_dir}/stderr.log" if first.log_dir else _log(r)
     return Outcome(EXIT_TRAINING_FAILED,
                    f"error: training failed: rank {first.rank}{what}; details in {log}")
 

@@ -55,7 +55,7 @@ import sys
 from types import SimpleNamespace
 
 from launcher.rdzv_state import load_state
-from train.core import binding, protocol
+from train.core import binding, failure_log, protocol
 from train.core.errors import EXIT_PEER_STOPPED
 from train.core.identity import STATUS_DIR_VAR
 
@@ -182,7 +182,7 @@ def _account_for_failed_attempts() -> None:
         result = monitor(self, worker_group)
         failures = getattr(result, "failures", None) or {}
         if failures:  # torch has stopped the attempt's other processes
-            protocol.stopping_after_failure(os.environ.get(STATUS_DIR_VAR), now=False)
+            failure_log.stopping_after_failure(os.environ.get(STATUS_DIR_VAR), now=False)
         if not failures or not hasattr(self, "_remaining_restarts"):
             return result
         if all(f.exitcode == EXIT_PEER_STOPPED for f in failures.values()):
@@ -217,7 +217,7 @@ def _note_the_first_to_end() -> None:
         if failed and getattr(self, _FIRST, None) is None:
             setattr(self, _FIRST, frozenset(failed))
             # before torch stops the rest: their stop is not the job's (train.core.failure_log)
-            protocol.stopping_after_failure(os.environ.get(STATUS_DIR_VAR), now=True)
+            failure_log.stopping_after_failure(os.environ.get(STATUS_DIR_VAR), now=True)
 
     context._capture_process_failures = capture_noting_first
 

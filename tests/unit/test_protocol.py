@@ -174,8 +174,8 @@ def test_a_rank_knows_torchrun_stops_it_because_another_failed(tmp_path):
     from train.core import failure_log
     ident = WorkerIdentity(rank=0, status_dir=str(tmp_path), log_dir=str(tmp_path))
     assert not failure_log.stopped_for_another(ident)  # a stop of the whole job
-    protocol.stopping_after_failure(tmp_path, now=True)
+    failure_log.stopping_after_failure(tmp_path, now=True)
     assert failure_log.stopped_for_another(ident)
     assert not failure_log.stopped_for_another(WorkerIdentity(rank=0, status_dir=str(tmp_path)))
-    protocol.stopping_after_failure(tmp_path, now=False)
+    failure_log.stopping_after_failure(tmp_path, now=False)
     assert not failure_log.stopped_for_another(ident)

@@ -20,12 +20,14 @@ from __future__ import annotations
 import traceback
 from pathlib import Path
 
-from train.core import protocol
 from train.core.credentials import redacted
 from train.core.identity import WorkerIdentity
 
 # Beside torchrun's stdout.log and stderr.log of the rank, which it does not tee.
 TRACEBACK = "traceback.log"
+# In the launcher's status folder while torchrun's agent stops the other processes of an
+# attempt in which one failed (launcher.torchrun): their stop signal is not the job's.
+STOPPING_AFTER_FAILURE = "stopping-after-failure"
 
 
 def summed_up(ident: WorkerIdentity) -> bool:
@@ -62,7 +64,23 @@ def stopped_for_another(ident: WorkerIdentity) -> bool:
     """torchrun is stopping this rank because another process of its attempt failed: its
     agent said so before it sent the stop signal (:mod:`launcher.torchrun`). A stop of
     the whole job (Ctrl-C, the platform's SIGTERM) is not such a stop."""
-    return summed_up(ident) and protocol.stopping_after_failure(ident.status_dir)
+    return summed_up(ident) and stopping_after_failure(ident.status_dir)
+
+
+def stopping_after_failure(folder: str | Path | None, now: bool | None = None) -> bool:
+    """Whether torchrun is stopping an attempt's processes because one failed; ``now``:
+    say it starts (True) or is over (False)."""
+    if not folder:
+        return False
+    path = Path(folder) / STOPPING_AFTER_FAILURE
+    try:
+        if now:
+            path.touch()
+        elif now is False:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass  # saying it must never turn a result into a crash
+    return path.exists()
 
 
 def kept_stop(line: str) -> bool:

@@ -48,9 +48,6 @@ TRAINING = "training"                 # a rank's stage while it steps
 FAILURES = "failures.jsonl"
 ATTEMPTS = "attempts.jsonl"
 CONFIG_SNAPSHOT = "validated-config.yaml"
-# Present while torchrun's agent stops the other processes of an attempt in which one
-# failed (launcher.torchrun): the stop signal they get then is not the job's own.
-STOPPING_AFTER_FAILURE = "stopping-after-failure"
 
 # What a hung rank's main thread waited for (train.guards.watchdog): the other ranks (a
 # collective), its DataLoader workers, or its own code.
@@ -80,7 +77,6 @@ class Failure:
     checkpoint: str | None = None     # the run's newest checkpoint when it failed
     hung: str | None = None           # WAITS_FOR_* / STUCK_IN_OWN_CODE when it hung
     log_dir: str | None = None
-    details: str | None = None        # Report.details
 
     @property
     def culprit(self) -> bool:
@@ -175,7 +171,7 @@ class Report:
 
     def as_failure(self) -> Failure:
         return Failure(self.restart, self.rank, self.error, self.checkpoint, self.hung,
-                       self.log_dir, self.details)
+                       self.log_dir)
 
     def path_in(self, folder: str | Path) -> Path:
         """One file per local process: a rendezvous round after a membership change
@@ -203,15 +199,13 @@ class Reporter:
     config it loaded), so that an ending names the checkpoint the run stood at: how a
     restart tells a failure that repeats from one that a restart fixed. ``unfit_hosts``:
     the hosts a check found unfit, for a scheduler that can requeue without them.
-    ``details``: the file the process wrote its failure to instead of the console
-    (:mod:`train.core.failure_log`).
     """
 
     def __init__(self, ident: WorkerIdentity, kind: str = RANK):
         self.ident, self.kind = ident, kind
         self.checkpoints: Path | None = None
         self.unfit_hosts: list[str] | None = None  # set when a check found them
-        self.details: str | None = None
+        self.details: str | None = None  # where its failure went (train.core.failure_log)
 
     @classmethod
     def from_environ(cls, kind: str = RANK) -> Reporter:
@@ -320,22 +314,6 @@ def _read_lines(folder: str | Path, name: str, parse):
     return out
 
 
-def stopping_after_failure(folder: str | Path | None, now: bool | None = None) -> bool:
-    """Whether torchrun is stopping an attempt's processes because one failed; ``now``:
-    say it starts (True) or is over (False)."""
-    if not folder:
-        return False
-    path = Path(folder) / STOPPING_AFTER_FAILURE
-    try:
-        if now:
-            path.touch()
-        elif now is False:
-            path.unlink(missing_ok=True)
-    except OSError:
-        pass  # reporting must never turn a result into a crash
-    return path.exists()
-
-
 def record_attempt(folder: str | Path | None, attempt: Attempt) -> None:
     _append(folder, ATTEMPTS, json.dumps(dataclasses.asdict(attempt)))
 
@@ -368,7 +346,5 @@ def read_all(folder: str | Path, kind: str = RANK) -> list[Report]:
 
 def latest_round(reports: list[Report]) -> list[Report]:
     """Elastic restarts renumber ranks: keep only the last restart round's reports."""
-    if not reports:
-        return []
-    last = max(r.restart for r in reports)
+    last = max((r.restart for r in reports), default=0)
     return [r for r in reports if r.restart == last]
