@@ -102,6 +102,12 @@ def _log(r: Report) -> str:
     return f"its log {r.log_dir}/stderr.log" if r.log_dir else "its output above"
 
 
+def _details(r: Report) -> str:
+    """Where a failed rank's error is: the file it kept it in, off the console
+    (:mod:`train.core.failure_log`), else its log."""
+    return f"its log {r.details}" if r.details else _log(r)
+
+
 # What a signal that ended a worker usually means.
 _SIGNAL_HINTS = {
     signal.SIGKILL: "often out of memory: dmesg, kubectl describe pod; or a kill -9",
@@ -135,8 +141,11 @@ def _final(e: Ending) -> Outcome:
     unfit = tuple(r.unfit_hosts or ())
     if e.mode == "direct":
         return Outcome(r.exit_code, unfit_hosts=unfit)
-    return Outcome(r.exit_code, r.error or f"error: rank {r.rank} exited {r.exit_code}; "
-                                           "see its output above", unfit)
+    if not r.details:  # the rank said it on the console itself (no log folder)
+        return Outcome(r.exit_code, r.error or f"error: rank {r.rank} exited {r.exit_code}; "
+                                               "see its output above", unfit)
+    return Outcome(r.exit_code, f"{r.error or f'error: exit {r.exit_code}'} (rank {r.rank} "
+                                f"failed first; details in {_details(r)})", unfit)
 
 
 def _repeated(e: Ending) -> Outcome:
@@ -191,10 +200,10 @@ def _failed(e: Ending) -> Outcome:
         return Outcome(EXIT_TRAINING_FAILED,
                        f"error: {_failed_text(e)}: a worker died, or its node did: rank "
                        f"{r.rank} {lost}{more}; that worker's own log says why (rank "
-                       f"{r.rank}'s: {_log(r)})")
+                       f"{r.rank}'s: {_details(r)})")
     what = r.error or f"exit code {r.exit_code}"
     return Outcome(EXIT_TRAINING_FAILED, f"error: {_failed_text(e)}: rank {r.rank}: {what}"
-                                         f"{more}; details in {_log(r)}")
+                                         f"{more}; details in {_details(r)}")
 
 
 def _died_log(e: Ending, x: Exit) -> str:

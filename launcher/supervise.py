@@ -44,7 +44,7 @@ from launcher.rendezvous import RoundWatcher, reachable
 from launcher.restarts import STOPPED_BY_LAUNCHER, failed_attempt, restarting
 from launcher.signals import Forwarder
 from launcher.torchrun import LOCAL_ID_VAR, STORE_LOST
-from train.core import protocol
+from train.core import failure_log, protocol
 from train.core.credentials import redacted
 from train.core.errors import EXIT_STOPPED_BY_SIGNAL, EXIT_TRAINING_FAILED
 from train.core.files import write_atomic
@@ -124,7 +124,8 @@ def _attempts(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],
             env["TORCHELASTIC_RESTART_COUNT"] = str(restarts)
             if verbose or restarts:
                 log(f"set TORCHELASTIC_RESTART_COUNT={restarts}")
-        for stale in (protocol.ATTEMPTS, STOPPED_BY_LAUNCHER):  # torchrun counts from 0 again
+        for stale in (protocol.ATTEMPTS, STOPPED_BY_LAUNCHER,  # torchrun counts from 0 again
+                      failure_log.STOPPING_AFTER_FAILURE):
             (folder / stale).unlink(missing_ok=True)
         rc, ended = _start_and_wait(plan, env, keep_fds, forwarder, log, abort)
         if ended is not None:  # the lease was lost, or a static job's node vanished

@@ -9,8 +9,8 @@ arguments and differs in what it says and in one identity detail.
   Here: one line and exit :data:`STORE_LOST`, which tells the launcher to wait for the
   store and start torchrun again (see :mod:`launcher.supervise`). The same when the
   store cannot be reached at start.
-- A worker failing ends torchrun with a 20-line "Root Cause" table; here one line (the
-  launcher names the failing rank, its error and its log).
+- A worker failing ends torchrun with a 20-line "Root Cause" table; here nothing: the
+  launcher's last line names the rank that failed first, its error and its log.
 - On a stop torchrun also logs "Received 15 death signal, shutting down workers" and a
   "Sending process N closing signal SIGTERM" per worker: the lines above say that once,
   so those two messages are dropped; so is "no error file defined for parent" after a
@@ -61,7 +61,7 @@ import sys
 from types import SimpleNamespace
 
 from launcher.rdzv_state import load_state
-from train.core import binding, protocol
+from train.core import binding, failure_log, protocol
 from train.core.errors import EXIT_PEER_STOPPED
 from train.core.host import exit_now
 from train.core.identity import STATUS_DIR_VAR
@@ -188,6 +188,8 @@ def _account_for_failed_attempts() -> None:
         # Read right before the agent decides to restart (and spends one restart on it)
         result = monitor(self, worker_group)
         failures = getattr(result, "failures", None) or {}
+        if failures:  # torch has stopped the attempt's other processes
+            failure_log.stopping_after_failure(os.environ.get(STATUS_DIR_VAR), now=False)
         if not failures or not hasattr(self, "_remaining_restarts"):
             return result
         if all(f.exitcode == EXIT_PEER_STOPPED for f in failures.values()):
@@ -221,6 +223,8 @@ def _note_the_first_to_end() -> None:
         failed = getattr(self, "_failures", None)
         if failed and getattr(self, _FIRST, None) is None:
             setattr(self, _FIRST, frozenset(failed))
+            # before torch stops the rest: their stop is not the job's (train.core.failure_log)
+            failure_log.stopping_after_failure(os.environ.get(STATUS_DIR_VAR), now=True)
 
     context._capture_process_failures = capture_noting_first
 
@@ -310,10 +314,7 @@ def main() -> int:
         print(f"torchrun: lost the rendezvous store ({_first_line(exc)}); workers were told "
               "to checkpoint and exit", file=sys.stderr, flush=True)
         return STORE_LOST
-    except ChildFailedError as exc:  # the workers' own reports tell the launcher the rest
-        failures = ", ".join(f"local rank {f.local_rank} (exit {f.exitcode})"
-                             for f in exc.failures.values())
-        print(f"torchrun: worker(s) failed: {failures}", file=sys.stderr, flush=True)
+    except ChildFailedError:  # the launcher's last line names the rank, from the reports
         return 1
     except RendezvousStateError as exc:  # refused by the allow-list: someone wrote it
         print(f"torchrun: the rendezvous state in the store is not torch's, not loaded "

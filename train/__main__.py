@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from train.core import peers, rundir, threads, tokenscan, usercode
+from train.core import failure_log, peers, rundir, threads, tokenscan, usercode
 from train.core.config import check_resume_compatible, load_config, to_yaml
 from train.core.config.loader import dashed_override
 from train.core.config.origins import config_warnings
@@ -79,19 +79,39 @@ def run(argv: list[str], reporter: Reporter | None = None) -> tuple[int, str | N
         from train.trainer import train  # torch is imported only when training
         return train(cfg, args.config, reporter=reporter), None
     except UserError as exc:
-        print(exc.one_line(), file=sys.stderr)
+        # with the traceback of what your own code raised, when that is the cause
+        cause = exc.__cause__ or exc.__context__
+        if not _kept(reporter, failure_log.kept_off_console(_ident(reporter), exc.one_line(),
+                                                            cause)):
+            print(exc.one_line(), file=sys.stderr)
         if isinstance(exc, UnfitNodes) and reporter is not None:
             reporter.unfit_hosts = list(exc.hosts)
         return exc.exit_code, exc.one_line()
     except Exception as exc:  # one line here; the traceback goes to this rank's log
         record_for_torchrun(exc)
         message = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, always
-        ident = WorkerIdentity.from_environ()
-        if not peers.survived(ident.rank, message, ident.log_dir):
+        ident = _ident(reporter)
+        line = f"error: rank {ident.rank}: {printable(message)}"
+        kept = peers.survived(ident.rank, message, ident.log_dir,
+                              quiet=failure_log.summed_up(ident)) or \
+            failure_log.kept_off_console(ident, line, exc)
+        if not _kept(reporter, kept):
             import logging
             logging.getLogger("train").exception("training failed")
-            print(f"error: rank {ident.rank}: {printable(message)}", file=sys.stderr)
+            print(line, file=sys.stderr)
         return EXIT_TRAINING_FAILED, f"{type(exc).__name__}: {exc}"
+
+
+def _ident(reporter: Reporter | None) -> WorkerIdentity:
+    return reporter.ident if reporter is not None else WorkerIdentity.from_environ()
+
+
+def _kept(reporter: Reporter | None, kept: Path | None) -> bool:
+    """The failure went to this rank's log folder (:mod:`train.core.failure_log`): the
+    report names the file, for the launcher's line."""
+    if kept is not None and reporter is not None:
+        reporter.details = str(kept)
+    return kept is not None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import signal
 import sys
 
+from train.core import failure_log
 from train.core.errors import EXIT_TRAINING_FAILED
 from train.core.host import die_with_parent, exit_now
 from train.core.protocol import Reporter
@@ -24,8 +25,8 @@ def refused(reporter: Reporter) -> int | None:
     rank = reporter.ident.rank
     earlier = reporter.earlier_final()
     if earlier is not None:
-        print(f"rank {rank}: not restarting: rank {earlier.rank} ended with exit "
-              f"{earlier.exit_code}, which a restart cannot change", file=sys.stderr)
+        _say(reporter, f"rank {rank}: not restarting: rank {earlier.rank} ended with exit "
+                       f"{earlier.exit_code}, which a restart cannot change")
         reporter.ended(earlier.exit_code, earlier.error, earlier.repeated)
         return earlier.exit_code
     again = reporter.repeated_failure()
@@ -33,10 +34,16 @@ def refused(reporter: Reporter) -> int | None:
         where = again.checkpoint or "the start (no checkpoint yet)"
         error = (f"{again.error} (the same failure in two attempts in a row, from "
                  f"{where}: a restart cannot fix it, not restarted again)")
-        print(f"rank {rank}: not restarting: {error}", file=sys.stderr)
+        _say(reporter, f"rank {rank}: not restarting: {error}")
         reporter.ended(EXIT_TRAINING_FAILED, error, repeated=again)
         return EXIT_TRAINING_FAILED
     return None
+
+
+def _say(reporter: Reporter, line: str) -> None:
+    """On the console, unless the launcher's last line says it (train.core.failure_log)."""
+    if failure_log.kept_off_console(reporter.ident, line) is None:
+        print(line, file=sys.stderr)
 
 
 def main(argv: list[str]) -> int:

@@ -23,6 +23,7 @@ from tests.harness.runs import (
     TINY_GPT,
     clean_env,
     entry,
+    failure_lines,
     installed,
     last_line,
     limit,
@@ -176,10 +177,14 @@ def test_a_base_model_without_logits_is_exit_2_before_step_1_and_not_restarted(p
     out = entry("train", "gpt2.yaml", "model.factory=hf_gpt2:base", "run.name=base",
                 "distributed.max_restarts=3", cwd=project)
     assert out.returncode == 2, out.stderr[-3000:]
-    assert last_line(out.stderr) == (
+    last = last_line(out.stderr)
+    assert last.startswith(
         "error: gpt2.yaml: train.loss: cross_entropy needs the model's logits (a tensor, a "
         "ModelOutput or dict with `logits`, or a tuple whose first item is the logits); the "
         "model returned BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=[1, 32, "
-        "128] float32)")
+        "128] float32) (rank "), last
+    assert last.endswith("/traceback.log)"), last  # the first rank's, named
+    # both workers met it: said once
+    assert failure_lines(out.stdout + out.stderr, "needs the model's logits") == [last]
     assert "restarting the workers" not in out.stderr  # torchrun did not restart it
     assert "step 1/" not in out.stderr and "Traceback" not in out.stderr

@@ -1,8 +1,8 @@
 """Restart only what a restart can fix. Real launches, real torchrun.
 
 - a loss that cannot compare the model's outputs with the targets fails before step 1
-  (on one sample) with exit 2, one line naming both shapes, and torchrun does not
-  restart it;
+  (on one sample) with exit 2, one line naming both shapes (said once, though both
+  workers meet it), and torchrun does not restart it;
 - a failure that repeats (the same error, from the same checkpoint) is restarted once,
   then no more: one line says each restart, one that it is not restarted again.
 """
@@ -14,7 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.harness.runs import ENTRY, TINY_GPT, clean_env, limit, merge, write_config
+from tests.harness.runs import (
+    ENTRY,
+    TINY_GPT,
+    clean_env,
+    failure_lines,
+    limit,
+    merge,
+    write_config,
+)
 
 # A dataset whose sample 5 cannot be read (a corrupt record): the same step fails on
 # every attempt. Every build is counted in builds.txt (the workers' only: the launcher
@@ -53,6 +61,10 @@ def test_a_loss_that_cannot_compare_is_exit_2_and_torchrun_does_not_retry_it(tmp
     assert last.startswith(f"error: {config}: train.loss: mse cannot compare the model's "
                            "outputs [1, 16, 256] float32 with the targets [1, 16] int64"), last
     assert "restarting the workers" not in out.stderr  # torchrun did not restart it
+    # both workers met it: said once, naming the first and where its details are
+    assert failure_lines(out.stdout + out.stderr, "cannot compare") == [last], out.stderr
+    assert re.search(r"\(rank [01] failed first; details in its log \S+/traceback\.log\)$",
+                     last), last
 
 
 def test_a_failure_that_repeats_is_restarted_once_and_then_no_more(tmp_path):

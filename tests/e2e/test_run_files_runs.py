@@ -25,6 +25,7 @@ from tests.harness.runs import (
     TINY_GPT,
     clean_env,
     entry,
+    failure_lines,
     limit,
     merge,
     tiny_run_config,
@@ -110,6 +111,9 @@ def test_a_full_disk_is_one_line_and_no_futile_restart(tmp_path, strategy):
     assert "LEFT:" in out.stdout.splitlines(), out.stdout  # nothing left on the full disk
     assert "Traceback" not in out.stderr
     assert "restarting the workers" not in out.stderr, out.stderr[-3000:]  # not restarted
+    # every rank met it: said once, by the launcher
+    assert failure_lines(out.stdout + out.stderr, "cannot write checkpoint") == [last], \
+        out.stderr[-3000:]
 
 
 def test_a_checkpoint_folder_turned_read_only_is_one_line(tmp_path):

@@ -19,6 +19,7 @@ from tests.harness.runs import (
     SMALL,
     clean_env,
     entry,
+    failure_lines,
     last_line,
     limit,
     losses,
@@ -94,7 +95,7 @@ def test_two_process_node_recovers_from_a_lost_worker_bitwise(tmp_path):
 def test_a_killed_rank_is_named_not_the_survivor_under_fsdp(tmp_path):
     """kill -9 of rank 1 under FSDP with async sharded saves, no restart: the last line
     names rank 1 and SIGKILL with its log, not rank 0 that lost its connection to it, and
-    no traceback reaches the console."""
+    no traceback reaches the console, nor rank 0's stop."""
     log = (tmp_path / "out.log").open("w")
     launcher = subprocess.Popen(
         [sys.executable, ENTRY, "train", str(ROOT / "configs" / "quickstart.yaml"), *SMALL,
@@ -116,6 +117,8 @@ def test_a_killed_rank_is_named_not_the_survivor_under_fsdp(tmp_path):
                                         "(often out of memory"), text()[-3000:]
     assert last_line(text()).endswith("/attempt_0/1/stderr.log")
     assert "Traceback" not in text(), text()[-3000:]
+    # nothing of rank 0, which torchrun stopped after it (SIGTERM), nor of torchrun's stop
+    assert failure_lines(text(), "killed by SIGKILL") == [last_line(text())], text()[-3000:]
 
 
 def test_a_second_launch_of_a_running_run_waits_then_exits_6(tmp_path):

@@ -1,16 +1,24 @@
 """Your own code across processes (examples/): your model on two processes follows one,
-FSDP and activation checkpointing over your model's blocks, and a signal reaching your
-own script, which stops with 143. One process: tests/unit/test_your_code.py."""
+FSDP and activation checkpointing over your model's blocks, a data factory that fails
+in both workers said once, and a signal reaching your own script, which stops with 143.
+One process: tests/unit/test_your_code.py."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
 import time
 
 from tests.harness.examples import FAST, SCRIPT
-from tests.harness.runs import ENTRY, clean_env, entry, limit, losses
+from tests.harness.runs import ENTRY, clean_env, entry, failure_lines, last_line, limit, losses
+
+# A data factory that fails where it runs: in the workers (the launcher reads its source).
+BROKEN = """
+def make(**args):
+    raise ValueError("no such table: samples")
+"""
 
 
 def test_your_model_on_two_processes_follows_one(project):
@@ -29,6 +37,24 @@ def test_fsdp_and_activation_checkpointing_use_the_models_blocks(project):
                 cwd=project)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "activation checkpointing on 2 blocks" in out.stderr
+
+
+def test_a_factory_failing_in_two_workers_is_said_once(project):
+    """Both workers meet the error: the console says it once, in the launcher's last line,
+    naming the first rank and the file that keeps the factory's traceback; exit 2, as
+    with one process."""
+    (project / "broken.py").write_text(BROKEN)
+    out = entry("train", "config.yaml", "data.factory=broken:make",
+                "distributed.nproc_per_node=2", cwd=project)
+    assert out.returncode == 2, out.stderr[-3000:]
+    last = last_line(out.stderr)
+    assert failure_lines(out.stdout + out.stderr, "no such table") == [last], out.stderr
+    assert last.startswith("error: config.yaml: data.factory: broken:make(**data.args) "
+                           "failed: ValueError: no such table: samples"), last
+    kept = re.search(r"\(rank [01] failed first; details in its log (\S+/attempt_0/[01]/"
+                     r"traceback\.log)\)$", last)
+    assert kept, last
+    assert 'broken.py", line 3, in make' in (project / kept[1]).read_text()  # your traceback
 
 
 def test_a_signal_reaches_your_script_which_stops_with_143(tmp_path):

@@ -146,6 +146,17 @@ def last_line(text: str) -> str:
     return text.strip().splitlines()[-1]
 
 
+# What torchrun, or a rank it stops after another failed, would add to a failure's line.
+STOP_NOISE = ("SIGTERM", "closing signal", "Traceback", "ChildFailedError", "worker(s) failed")
+
+
+def failure_lines(console: str, error: str) -> list[str]:
+    """The console's lines that say ``error``, and any of :data:`STOP_NOISE`: a failure of
+    several processes is said once, in the launcher's last line."""
+    return [ln for ln in console.splitlines()
+            if error in ln or any(noise in ln for noise in STOP_NOISE)]
+
+
 def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
     """Until ``predicate()`` is true; fails saying ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + limit(timeout)

@@ -4,6 +4,7 @@ under real torchrun: tests/e2e/test_launcher_supervise_runs.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import time
@@ -69,6 +70,23 @@ def test_worker_killed_without_report_is_1():
 
 def test_worker_exit_2_or_3_passes_through():
     assert classify(3, [rep(0, 3)], [], 1, "direct").code == 3
+
+
+def test_a_worker_error_kept_off_the_console_is_said_once_naming_rank_and_file():
+    """Every rank met the same config error and kept it in its log folder
+    (train.core.failure_log): the one line is that error, the first rank and its file."""
+    said = "error: run.yaml: data.factory: make(**data.args) failed: ValueError: no table"
+    kept = [dataclasses.replace(rep(r, 2, said, time=t),
+                                details=f"/runs/x/logs/a/attempt_0/{r}/traceback.log")
+            for r, t in ((0, 2.0), (1, 1.0))]
+    out = classify(1, kept, [], 2, "torchrun")
+    assert out.code == 2
+    assert out.message == f"{said} (rank 1 failed first; details in its log " \
+                          "/runs/x/logs/a/attempt_0/1/traceback.log)"
+    failed = classify(1, [dataclasses.replace(rep(0, 1, "ValueError: bad"),
+                                              details="/logs/0/traceback.log")], [], 2,
+                      "torchrun")
+    assert failed.message.endswith("ValueError: bad; details in its log /logs/0/traceback.log")
 
 
 def test_older_restart_rounds_are_ignored(tmp_path):

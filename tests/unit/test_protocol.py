@@ -143,3 +143,39 @@ def test_a_report_has_no_free_form_fields():
     """The protocol is typed: every field a launcher reads is named (no dict of extras)."""
     assert not [f.name for f in dataclasses.fields(Report) if "dict" in str(f.type) or
                 "Any" in str(f.type)]
+
+
+# ------------------------------------------------- a failure said once (failure_log)
+
+def test_a_failure_goes_to_the_ranks_log_folder_only_where_the_launcher_sums_up(tmp_path):
+    from train.core import failure_log
+    logs = tmp_path / "attempt_0" / "1"
+    logs.mkdir(parents=True)
+    summed = WorkerIdentity(rank=1, status_dir=str(tmp_path), log_dir=str(logs))
+    try:
+        raise ValueError("no such table")
+    except ValueError as exc:
+        kept = failure_log.kept_off_console(summed, "error: x.yaml: data.factory: ...", exc)
+        # one process, or plain torchrun: nobody else says it, the caller prints it
+        alone = failure_log.kept_off_console(WorkerIdentity(rank=0), "error: ...", exc)
+        bare = failure_log.kept_off_console(WorkerIdentity(rank=1, log_dir=str(logs)), "e")
+    assert kept == logs / failure_log.TRACEBACK and alone is None and bare is None
+    text = kept.read_text()
+    assert "Traceback" in text and "ValueError: no such table" in text
+    assert text.splitlines()[-1] == "error: x.yaml: data.factory: ..."
+    # the report names the file, for the launcher's line
+    mine = reporter(tmp_path, rank=1)
+    mine.details = str(kept)
+    assert mine.ended(2, "error: ...").details == str(kept)
+    assert protocol.read_all(tmp_path)[0].details == str(kept)
+
+
+def test_a_rank_knows_torchrun_stops_it_because_another_failed(tmp_path):
+    from train.core import failure_log
+    ident = WorkerIdentity(rank=0, status_dir=str(tmp_path), log_dir=str(tmp_path))
+    assert not failure_log.stopped_for_another(ident)  # a stop of the whole job
+    failure_log.stopping_after_failure(tmp_path, now=True)
+    assert failure_log.stopped_for_another(ident)
+    assert not failure_log.stopped_for_another(WorkerIdentity(rank=0, status_dir=str(tmp_path)))
+    failure_log.stopping_after_failure(tmp_path, now=False)
+    assert not failure_log.stopped_for_another(ident)

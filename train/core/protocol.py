@@ -141,6 +141,7 @@ class Report:
     exit_code: int | None = None        # how it ended; None while it runs
     error: str | None = None            # one line
     log_dir: str | None = None          # where the rank's full log is
+    details: str | None = None          # its failure's file, kept off the console
     stage: str | None = None            # training | comm: start, init, allreduce, done, error
     step: int | None = None             # the last step a training rank reached
     hung: str | None = None             # set by the hang watchdog: what it waited for
@@ -204,6 +205,7 @@ class Reporter:
         self.ident, self.kind = ident, kind
         self.checkpoints: Path | None = None
         self.unfit_hosts: list[str] | None = None  # set when a check found them
+        self.details: str | None = None  # where its failure went (train.core.failure_log)
 
     @classmethod
     def from_environ(cls, kind: str = RANK) -> Reporter:
@@ -230,7 +232,7 @@ class Reporter:
         an earlier one repeated."""
         report = self.report(exit_code=exit_code, error=error, repeated=repeated,
                              checkpoint=self.newest_checkpoint(),
-                             unfit_hosts=self.unfit_hosts)
+                             unfit_hosts=self.unfit_hosts, details=self.details)
         write(self.folder, report)
         if exit_code == EXIT_TRAINING_FAILED and repeated is None:
             record_failure(self.folder, report)
@@ -344,7 +346,5 @@ def read_all(folder: str | Path, kind: str = RANK) -> list[Report]:
 
 def latest_round(reports: list[Report]) -> list[Report]:
     """Elastic restarts renumber ranks: keep only the last restart round's reports."""
-    if not reports:
-        return []
-    last = max(r.restart for r in reports)
+    last = max((r.restart for r in reports), default=0)
     return [r for r in reports if r.restart == last]

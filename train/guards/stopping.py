@@ -12,6 +12,7 @@ import signal
 import torch
 import torch.distributed as dist
 
+from train.core import failure_log
 from train.guards.shutdown import SIGNALLED_S, Shutdown
 
 log = logging.getLogger("train")
@@ -53,7 +54,8 @@ class StopFlag:
             if not self.requested:
                 log.warning("received %s during the run's end: ending within %.0f s", name,
                             SIGNALLED_S)
-        elif not self.requested:
+        elif not self.requested and not failure_log.kept_stop(
+                f"received {name}: torchrun stops this rank, another process failed"):
             log.warning("received %s: stopping with a checkpoint", name)
         self.requested = True
         if self.shutdown is not None:
