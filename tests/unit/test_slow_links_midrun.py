@@ -142,9 +142,12 @@ def test_two_nodes_say_how_their_link_compares_with_the_preflight():
     assert watch._judge(70, {(0, 1): 6.0}, 1.0) == []
 
 
-def test_two_nodes_without_a_preflight_compare_with_their_first_timing():
+def test_two_nodes_without_a_preflight_compare_with_their_first_timing(monkeypatch):
+    timings = iter([[(0, ((1, 5.0),)), (1, ((0, 5.5),))]])
+    monkeypatch.setattr(slowlinks.links, "measure", lambda *a, **k: ())
+    monkeypatch.setattr(slowlinks.ranks, "gather", lambda env: lambda mine: next(timings))
     watch = links(2)
-    assert watch._judge(40, {(0, 1): 5.0}, 1.0) == []   # the baseline timing
+    assert watch.check(40) == [] and watch.baseline == {(0, 1): 5.0}  # the first timing
     [found] = watch._judge(90, {(0, 1): 40.0}, 1.0)
     assert "runs at 0.12x its earlier speed" in found.line()
 
