@@ -44,10 +44,9 @@ from train.guards.stopping import StopFlag
 from train.guards.watchdog import CHECKPOINT, EVALUATION, Watchdog
 from train.losses import logits_of
 from train.models import count_parameters
-from train.observe.intervals import Intervals
+from train.observe.intervals import Intervals, StepPhases
 from train.observe.manifest import update_manifest
 from train.observe.metrics import MetricsLogger, gpu_memory_stats
-from train.observe.stragglers import StepPhases
 from train.optim import grad_norm_and_clip
 
 log = logging.getLogger("train")
@@ -179,26 +178,24 @@ def make_guard(c: Components, state: TrainState) -> Guard:
 
 
 def run_loop(c: Components, state: TrainState, stop: StopFlag,
-             metrics: MetricsLogger | None, guard: Guard, watchdog: Watchdog,
-             preflight_links: dict[tuple[int, int], float] | None = None) -> int:
+             metrics: MetricsLogger | None, guard: Guard, watchdog: Watchdog) -> int:
     """Train to train.max_steps, or to a stop; the loader's workers end with it, within
-    the shutdown's bound (a worker stuck on its way out is killed). ``preflight_links``:
-    the preflight's pair times, the baseline of a two-node job's mid-run link checks."""
+    the shutdown's bound (a worker stuck on its way out is killed)."""
     batches = iter(train_loader(c, state))
     try:
-        return train_steps(c, state, stop, metrics, guard, watchdog, batches, preflight_links)
+        return train_steps(c, state, stop, metrics, guard, watchdog, batches)
     finally:
         stop.shutdown.abandon(end_workers(batches, stop.shutdown.seconds_left))
 
 
 def train_steps(c: Components, state: TrainState, stop: StopFlag,
                 metrics: MetricsLogger | None, guard: Guard, watchdog: Watchdog,
-                batches, preflight_links: dict[tuple[int, int], float] | None = None) -> int:
+                batches) -> int:
     cfg, env = c.cfg, c.env
     every_log, every_eval = cfg.logging.every_steps, cfg.train.eval_every_steps
     cadence = Cadence.from_config(cfg)
     samples_per_step = cfg.train.global_batch_size * max(1, c.data.tokens_per_sample)
-    intervals = Intervals(cfg, env, c.device, state.step, c.model, preflight_links)
+    intervals = Intervals(cfg, env, c.device, state.step, c.model, c.preflight_links)
     while state.step < cfg.train.max_steps:
         watchdog.pet(state.step)
         loss = train_step(c, batches, intervals.phases)
@@ -222,7 +219,7 @@ def train_steps(c: Components, state: TrainState, stop: StopFlag,
                 values.update(gpu_memory_stats(c.device))
                 metrics.log(step, values, step_time=step_time,
                             ranks=intervals.judge.worst if env.distributed else None)
-                for finding in named:
+                for finding in named:  # stragglers and slow links
                     metrics.named(finding)
         if every_eval and step % every_eval == 0 and step < cfg.train.max_steps:
             with watchdog.watching(EVALUATION, step):
@@ -312,7 +309,7 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
         prepare_run_dir(c)
         refuse_a_diverged_restart(c)
         watchdog = Watchdog(cfg.distributed.timeout_s, reporter, state_bytes=checkpoint_bytes(c))
-        verdict = check_before_training(cfg, env, c.device, c.run_dir, watchdog)  # multi-node
+        c = c.with_preflight(check_before_training(cfg, env, c.device, c.run_dir, watchdog))
         state = resume(c)
         metrics = start_logging(c, state, shutdown)
         guard = make_guard(c, state)
@@ -325,8 +322,7 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
             code = EXIT_OK
         else:
             c.checkpointer.watch(watchdog)
-            code = run_loop(c, state, stop, metrics, guard, watchdog,
-                            verdict.link_times if verdict else None)
+            code = run_loop(c, state, stop, metrics, guard, watchdog)
         if metrics is not None:  # stopped by a signal, or by another node: resumable
             metrics.close(status="KILLED")
         c.checkpointer.wait()
