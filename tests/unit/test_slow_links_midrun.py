@@ -131,6 +131,8 @@ def test_three_nodes_name_the_node_whose_best_link_is_slow_and_only_it():
     assert "at step 70" in line and "node 0" not in line and "node 1" not in line
     assert found[0].record()["event"] == "slow_link"
     assert watch._judge(70, {(0, 1): 5.0, (0, 2): 5.5, (1, 2): 6.0}, 1.5) == []
+    [far] = watch._judge(80, {(0, 1): 5.0, (0, 2): 900.0, (1, 2): 950.0}, 1.5)
+    assert " links 0.006x the other nodes' " in far.line(), far.line()  # not 0.00x
 
 
 def test_two_nodes_say_how_their_link_compares_with_the_preflight():

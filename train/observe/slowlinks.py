@@ -106,10 +106,10 @@ class LinkFinding:
             return f"slow link: {self._where()} keeps pace again at step {self.step}"
         speeds = f"{self.mbps:.3g} vs {self.others_mbps:.3g} MB/s each way"
         if self.against == "other nodes":
-            return (f"slow link: {self._where()} links {self.ratio:.2f}x the other nodes' "
+            return (f"slow link: {self._where()} links {_times(self.ratio)}x the other nodes' "
                     f"({speeds}, its fastest peer) at step {self.step}; every step waits "
                     f"for it")
-        return (f"slow link: {self._where()} runs at {self.ratio:.2f}x its {self.against} "
+        return (f"slow link: {self._where()} runs at {_times(self.ratio)}x its {self.against} "
                 f"speed ({speeds}) at step {self.step}; two nodes: nothing tells which end")
 
     def _where(self) -> str:
@@ -121,6 +121,11 @@ class LinkFinding:
                 "node": self.node, "host": self.host, "ratio": round(self.ratio, 3),
                 "mbps": round(self.mbps, 3), "others_mbps": round(self.others_mbps, 3),
                 "against": self.against, "check_seconds": round(self.seconds, 3)}
+
+
+def _times(ratio: float) -> str:
+    """0.25, or 0.004 where two decimals would say 0.00."""
+    return f"{ratio:.2f}" if ratio >= 0.01 else f"{ratio:.1g}"
 
 
 class SlowLinks:
