@@ -18,7 +18,8 @@ off. Two measurements:
    :class:`~train.observe.stragglers.StepPhases` and without, interleaved block by
    block: its CPU microseconds per step, and what they are of the trainer's step.
 
-The last line is the trainer's ratio, on / off.
+Also printed: what rank 0's slow-link watch (:mod:`train.observe.slowlinks`) costs per
+logging step, in one process. The last line is the trainer's ratio, on / off.
 
     python -m bench.stragglers [--rounds 3] [--steps 160] [--short 20]
 """
@@ -137,6 +138,19 @@ def _step(model, optim, x, phases) -> None:
         optim.zero_grad(set_to_none=True)
 
 
+def link_watch_alone(world: int = 64, calls: int = 2000) -> float:
+    """CPU seconds rank 0's slow-link watch takes per logging step (train/observe/
+    slowlinks.py): ``world`` ranks' figures, 50 ms steps logged every step, so that its
+    window holds some 200 intervals (10 s), the most it keeps at that pace."""
+    from train.observe.slowlinks import CommWait
+    watch = CommWait(ratio=1.3, steps=30)
+    rows = [(0.05, 0.005, 0.03)] * world
+    start = time.process_time()
+    for _ in range(calls):
+        watch.observe(1, rows, 0.05)
+    return (time.process_time() - start) / calls
+
+
 class _Untimed:
     """StepPhases' shape with nothing inside: the loop's code without the timing."""
 
@@ -155,6 +169,9 @@ def main() -> None:
     print(f"the timing alone (one process, a tiny model, {hooked} parameter tensors hooked): "
           f"{(timed_s - plain_s) * 1e6:+.0f} us CPU a step ({plain_s * 1e6:.0f} us without, "
           f"{timed_s * 1e6:.0f} us with)", flush=True)
+    print(f"the slow-link watch alone (rank 0, 64 ranks' figures, a window of 200 "
+          f"intervals): {link_watch_alone() * 1e6:.0f} us CPU a logging step; no collective "
+          f"is added, the figures ride in the logging step's all-gather", flush=True)
     rounds = trainer_rounds(args)
     on_wall, off_wall = (statistics.median(rounds[s]["wall"]) for s in ("on", "off"))
     print(f"median wall time per step: on {on_wall * 1000:.1f} ms, off "

@@ -54,8 +54,8 @@ E2E_LONGEST_FIRST = (
     "test_hangs", "test_multinode_runs", "test_sharded_checkpoints", "test_safety_runs",
     "test_run_files_runs", "test_liveness",
     "test_install", "test_your_code_runs", "test_slow_nodes", "test_tools_runs",
-    "test_preflight_runs", "test_checkpoint_runs", "test_slurm_preflight", "test_stragglers",
-    "test_restarts", "test_tokenize_runs",
+    "test_preflight_runs", "test_checkpoint_runs", "test_slurm_preflight",
+    "test_slow_link_midrun", "test_stragglers", "test_restarts", "test_tokenize_runs",
 )
 
 

@@ -9,7 +9,7 @@ loop. Progress lives in :class:`train.checkpoint.state.TrainState`.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from train.core.config.checks import check_batch_memory
 from train.core.errors import CannotRunHere
 from train.core.host import OUTPUT_DIR_FIX, available_memory, output_dir_problem
 from train.core.identity import WorkerIdentity
+from train.core.preflight import Verdict
 from train.data.builders import DataBundle, build_data
 from train.data.loader import make_loader
 from train.data.order import GlobalOrder, RankBatchSampler
@@ -56,6 +57,8 @@ class Components:
     checkpointer: Checkpointer
     checkpoint_format: formats.Format   # full or sharded, chosen once from the config
     objective: losses.Objective  # the model's forward and train.loss, for one batch
+    # the preflight's link times, (node, peer node) -> ms: a two-node job's link baseline
+    preflight_links: dict[tuple[int, int], float] | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -63,6 +66,10 @@ class Components:
 
     def autocast(self):
         return autocast(self.device.type, self.cfg.precision)
+
+    def with_preflight(self, verdict: Verdict | None) -> Components:
+        """With the preflight's link times (None: it did not run: a single node, off)."""
+        return replace(self, preflight_links=verdict.link_times) if verdict else self
 
 
 @dataclass(frozen=True)

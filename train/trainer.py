@@ -44,9 +44,9 @@ from train.guards.stopping import StopFlag
 from train.guards.watchdog import CHECKPOINT, EVALUATION, Watchdog
 from train.losses import logits_of
 from train.models import count_parameters
+from train.observe.intervals import Intervals, StepPhases
 from train.observe.manifest import update_manifest
 from train.observe.metrics import MetricsLogger, gpu_memory_stats
-from train.observe.stragglers import Intervals, StepPhases
 from train.optim import grad_norm_and_clip
 
 log = logging.getLogger("train")
@@ -196,7 +196,7 @@ def train_steps(c: Components, state: TrainState, stop: StopFlag,
     every_log, every_eval = cfg.logging.every_steps, cfg.train.eval_every_steps
     cadence = Cadence.from_config(cfg)
     samples_per_step = cfg.train.global_batch_size * max(1, c.data.tokens_per_sample)
-    intervals = Intervals(cfg, env, c.device, state.step, c.model)
+    intervals = Intervals(cfg, env, c.device, state.step, c.model, c.preflight_links)
     while state.step < cfg.train.max_steps:
         watchdog.pet(state.step)
         loss = train_step(c, batches, intervals.phases)
@@ -210,7 +210,7 @@ def train_steps(c: Components, state: TrainState, stop: StopFlag,
         if metrics is not None:
             metrics.step(step)
         if log_now:
-            loss_value, step_time, stragglers, anyone = intervals.end(step, loss, stop.requested)
+            loss_value, step_time, named, anyone = intervals.end(step, loss, stop.requested)
             stop.pace(step_time, step, anyone)  # this step's stop agreement rode on the gather
             watchdog.pace(step_time)
             guard.loss(step, loss_value, applied)
@@ -220,8 +220,8 @@ def train_steps(c: Components, state: TrainState, stop: StopFlag,
                 values.update(gpu_memory_stats(c.device))
                 metrics.log(step, values, step_time=step_time,
                             ranks=intervals.judge.worst if env.distributed else None)
-                for finding in stragglers:
-                    metrics.straggler(finding)
+                for finding in named:  # stragglers and slow links
+                    metrics.named(finding)
         if every_eval and step % every_eval == 0 and step < cfg.train.max_steps:
             with watchdog.watching(EVALUATION, step):
                 log_eval(c, metrics, step, watchdog.progress)
@@ -310,7 +310,7 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
         prepare_run_dir(c)
         refuse_a_diverged_restart(c)
         watchdog = Watchdog(cfg.distributed.timeout_s, reporter, state_bytes=checkpoint_bytes(c))
-        check_before_training(cfg, env, c.device, c.run_dir, watchdog)  # multi-node only
+        c = c.with_preflight(check_before_training(cfg, env, c.device, c.run_dir, watchdog))
         state = resume(c)
         metrics = start_logging(c, state, shutdown)
         guard = make_guard(c, state)

@@ -66,6 +66,8 @@ class Verdict:
                                                         # nodes whose links all are
     summary: str | None = None                          # when nothing is wrong
     hosts: list[str] = field(default_factory=list)      # nodes of the ranks named
+    # (node, peer node) -> the pair's exchange ms: a two-node job's mid-run link baseline
+    link_times: dict[tuple[int, int], float] = field(default_factory=dict)
 
     @property
     def problems(self) -> list[str]:
@@ -88,13 +90,14 @@ def judge(results: Sequence[RankResult], slow_ratio: float) -> Verdict:
     """The lines for these ranks' results (any order)."""
     results = sorted(results, key=lambda r: r.rank)
     failures = _failures(results)
-    slow_links = link_rule.slow_nodes(_pair_times(results), slow_ratio)
+    link_times = _pair_times(results)
+    slow_links = link_rule.slow_nodes(link_times, slow_ratio)
     slow = _slow(results, slow_ratio) + _slow_link_lines(results, slow_links)
     summary = None if failures or slow else _summary(results)
     named = [r for r in results if _failure(r)] + _slow_ranks(results, slow_ratio)[1] + \
         [r for r in results if r.node in {node for node, *_ in slow_links}]
     return Verdict(failures, slow, summary,
-                   sorted({r.scheduler_node or r.host for r in named}))
+                   sorted({r.scheduler_node or r.host for r in named}), link_times)
 
 
 def _who(results: Sequence[RankResult], flagged: Sequence[RankResult]) -> str:

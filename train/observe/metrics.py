@@ -29,6 +29,7 @@ from train.observe.trackers import Trackers
 if TYPE_CHECKING:
     import torch
 
+    from train.observe.slowlinks import LinkFinding
     from train.observe.stragglers import Finding
 
 log = logging.getLogger("train")
@@ -88,14 +89,14 @@ class MetricsLogger:
         self.trackers.log(step, recorded)
         self.console.row(step, values, step_time)
 
-    def straggler(self, finding: Finding) -> None:
-        """A rank named slow (or keeping pace again): the console, metrics.jsonl and
-        TensorBoard's text tab."""
+    def named(self, finding: Finding | LinkFinding) -> None:
+        """A rank or a node's link named slow (or keeping pace again): the console,
+        metrics.jsonl and TensorBoard's text tab."""
         self.console.end_line()
         log.warning("%s", finding.line())
         self.jsonl.write(json_text({**finding.record(), "time": time.time()}) + "\n")
         if self.tb:
-            self.tb.note(finding.step, "stragglers", finding.line())
+            self.tb.note(finding.step, finding.TAG, finding.line())
 
     def step(self, step: int) -> None:
         """Every step: moves the console's bar and feeds its ETA (no device sync)."""

@@ -30,19 +30,15 @@ no median; all ranks slowing together keeps every ratio near 1.
 from __future__ import annotations
 
 import bisect
-import socket
 import statistics
 import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
-
-from train.core.config import Config
-from train.core.identity import WorkerIdentity
-from train.distributed import ranks
 
 PHASES = ("data", "compute")
 MIN_COST = 0.05  # of a step: a rank slower than this by less costs nothing worth a line
@@ -126,6 +122,7 @@ class StepPhases:
 @dataclass(frozen=True)
 class Finding:
     """A rank named slow (or no longer slow) at ``step``."""
+    TAG: ClassVar[str] = "stragglers"  # TensorBoard's text tab
     step: int
     rank: int
     host: str
@@ -198,9 +195,7 @@ class Stragglers:
         return findings
 
     def _covers(self, intervals) -> bool:
-        """Enough to judge: ``steps`` steps and WINDOW_S seconds."""
-        return sum(n for n, _, _ in intervals) >= self.steps and \
-            sum(n * t for n, _, t in intervals) >= WINDOW_S
+        return window_covers([(n, t) for n, _, t in intervals], self.steps)
 
     def _slowest_phase(self, mine_by_phase: tuple[float, ...], by_phase: list[list[float]],
                        step_time: float) -> tuple[str, float, float] | None:
@@ -226,6 +221,12 @@ class Stragglers:
         return self.hosts[rank] if rank < len(self.hosts) else "?"
 
 
+def window_covers(intervals: list[tuple[int, float]], steps: int) -> bool:
+    """Enough to judge: (steps, seconds a step) intervals of ``steps`` steps and
+    WINDOW_S seconds in all."""
+    return sum(n for n, _ in intervals) >= steps and sum(n * t for n, t in intervals) >= WINDOW_S
+
+
 def _median_without(ordered: list[float], value: float) -> float:
     """The median of ``ordered`` (sorted) without one ``value`` it holds: each rank against
     the others, in O(log n) rather than a sort per rank (hundreds of ranks)."""
@@ -235,37 +236,3 @@ def _median_without(ordered: list[float], value: float) -> float:
     def at(k: int) -> float:
         return ordered[k] if k < gap else ordered[k + 1]
     return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
-
-
-class Intervals:
-    """The logging intervals of one rank: its step time and phase times since the last
-    logging step, exchanged with every rank's in the one collective that averages the
-    loss; rank 0 judges the stragglers."""
-
-    def __init__(self, cfg: Config, env: WorkerIdentity, device: torch.device, step: int,
-                 model: torch.nn.Module):
-        self.env, self.device = env, device
-        self.phases = StepPhases(device)
-        self.last_time, self.last_step = time.perf_counter(), step
-        hosts = ranks.gather(env)(socket.gethostname()) \
-            if env.distributed and cfg.logging.straggler_ratio > 0 else []
-        self.judge = Stragglers(cfg.logging.straggler_ratio, cfg.logging.straggler_steps,
-                                hosts)
-        if hosts:
-            self.phases.watch(model)
-
-    def end(self, step: int, loss: torch.Tensor, stopping: bool = False
-            ) -> tuple[float, float, list[Finding], bool]:
-        """Collective, at a logging step: (mean loss, mean step time, stragglers named
-        or recovered: rank 0's, empty elsewhere, whether any rank is ``stopping``: the
-        stop agreement rides on this gather)."""
-        now, count = time.perf_counter(), step - self.last_step
-        data_s, compute_s = self.phases.take()
-        rows = ranks.gather_over_ranks(
-            [loss, (now - self.last_time) / count, data_s / count, compute_s / count,
-             float(stopping)], self.device, self.env.distributed)
-        self.last_time, self.last_step = now, step
-        loss_value, step_time = ranks.mean_of(rows, 2)
-        findings = self.judge.observe(step, count, [(r[2], r[3]) for r in rows], step_time) \
-            if self.env.is_main else []
-        return loss_value, step_time, findings, any(r[4] for r in rows)

@@ -234,7 +234,7 @@ class DistributedConfig:
     preflight_slow_ratio: float = opt(0.5, "preflight: a rank whose matmul runs below this "
                                            "fraction of the median rank's, or a node whose "
                                            "fastest link runs below this fraction of the "
-                                           "other nodes', is named as slow.",
+                                           "other nodes' (also in a mid-run check), is slow.",
                                       gt=0.0, le=1.0)
     socket_ifname: str | None = opt(None, "Network interface for NCCL and gloo (sets "
                                           "NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); the "
@@ -303,11 +303,14 @@ class LoggingConfig:
                                                           "a terminal, plain lines otherwise.")
     tensorboard: bool = opt(True, "Write TensorBoard events to the run's tb/ directory.")
     straggler_ratio: float = opt(1.3, "Name a rank whose data wait or compute per step is "
-                                      "this many times the other ranks' median (0 = off).",
-                                 ge=0.0)
-    straggler_steps: int = opt(30, "Stragglers are judged over the last N steps (and 10 s at "
-                                   "least), by each rank's median logging interval: a slow "
-                                   "step now and then is no alarm.", ge=1)
+                                      "this many times the other ranks' median; on several "
+                                      "nodes, time the links when the communication wait "
+                                      "grows this many times more than the rest of the step "
+                                      "since earlier in the run (0 = both off).", ge=0.0)
+    straggler_steps: int = opt(30, "Stragglers and the communication wait are judged over "
+                                   "the last N steps (and 10 s at least), by the median "
+                                   "logging interval: one slow step now and then is no alarm.",
+                               ge=1)
     mlflow: MlflowConfig = opt(MlflowConfig, "MLflow tracking (optional).", factory=True)
     wandb: WandbConfig = opt(WandbConfig, "Weights & Biases tracking (optional).", factory=True)
 
