@@ -89,14 +89,11 @@ class DataConfig:
                                      "credentials, as in model.args).", factory=True)
     path: str | list[str] | None = opt(
         None, "tensors: .pt file holding {features, labels} or a .npy features file; text: a "
-              "directory of text files (default: the Python standard library's source), or "
-              "files as for tokens (a file, a glob, s3://BUCKET/PREFIX/*.txt, or a list of "
-              "those); tokens: a .bin file, a glob of them (shards/*.bin), "
-              "s3://BUCKET/PREFIX/*.bin, or a list of those: one dataset, the files in sorted "
-              "order within each entry (entrypoint.py tokenize writes one from text).")
+              "directory (default: the Python standard library's source) or files as for "
+              "tokens; tokens: a .bin file, a glob (shards/*.bin), s3://BUCKET/PREFIX/*.bin, "
+              "or a list of those: one dataset, files sorted within each entry.")
     labels_path: str | None = opt(None, "tensors: .npy labels when data.path is a .npy file.")
-    text_glob: str = opt("**/*.py", "text: which files under a directory data.path to read, "
-                                    "in sorted order.")
+    text_glob: str = opt("**/*.py", "text: which files of a directory data.path, sorted.")
     max_bytes: int = opt(8_000_000, "text: stop reading after this many bytes (0 = all).", ge=0)
     vocab_size: int = opt(50304, "tokens, and custom data with gpt: number of token ids (ids "
                                  "must be below it).", ge=2, le=65536)
