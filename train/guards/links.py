@@ -6,7 +6,9 @@ once every rank's node and local rank are known. In each round of
 :func:`train.core.links.schedule` a rank exchanges :data:`LINK` bytes both ways at once
 with the rank of the same local rank on its node's peer (a send and a receive posted
 together: ``batch_isend_irecv``, which NCCL needs to avoid a deadlock and gloo takes
-too), a warm-up and :data:`REPEATS` timed exchanges, and keeps the median. A rank with
+too), a warm-up and :data:`REPEATS` timed exchanges, and keeps the fastest: a process
+starved of CPU (a busy node) only adds its waits to an exchange, now and then, while a
+link held back (a bad NIC, tc) is slow every time, so the fastest is the link's. A rank with
 no peer in a round (an odd number of nodes, or no rank of its local rank on the peer
 node) sits it out. Each exchange is a part of the watched ``preflight`` phase, so a
 link that never delivers is named by the hang watchdog like a stuck all-reduce.
@@ -17,7 +19,6 @@ exchanges, whatever the size of the job.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,7 +36,7 @@ WARMUP, REPEATS = 1, 3
 
 def measure(results: Sequence[RankResult], me: RankResult, device: torch.device,
             progress: Callable[[], None] = lambda: None) -> tuple[tuple[int, float], ...]:
-    """(peer node, median ms) for every round this rank had a partner in. Collective
+    """(peer node, fastest ms) for every round this rank had a partner in. Collective
     over the pairs: every rank of the job calls it with the same ``results``."""
     layout = {(r.node, r.local_rank): r.rank for r in results}
     nodes = sorted({r.node for r in results})
@@ -55,7 +56,7 @@ def measure(results: Sequence[RankResult], me: RankResult, device: torch.device,
 
 def _exchange(mine: torch.Tensor, theirs: torch.Tensor, peer: int, device: torch.device,
               progress: Callable[[], None]) -> float:
-    """The median timed exchange with ``peer``, in milliseconds."""
+    """The fastest timed exchange with ``peer``, in milliseconds."""
     times = []
     for i in range(WARMUP + REPEATS):  # the warm-up waits for the peer to arrive
         _sync(device)
@@ -67,7 +68,7 @@ def _exchange(mine: torch.Tensor, theirs: torch.Tensor, peer: int, device: torch
         if i >= WARMUP:
             times.append(time.perf_counter() - start)
         progress()
-    return statistics.median(times) * 1000
+    return min(times) * 1000
 
 
 def nbytes(device: torch.device) -> int:
