@@ -90,6 +90,14 @@ def test_a_named_rank_that_keeps_pace_again_is_said_once():
     assert found[1].record()["event"] == "straggler_over"
 
 
+def test_a_named_rank_near_the_bar_stays_named_until_within_half_the_margin():
+    hovering = [slow(2, compute=0.063), slow(2, compute=0.064)] * 3  # 1.26-1.28x: near 1.3
+    found = run(judge(), [slow(2, compute=0.2)] * 3 + hovering + [normal()] * 3)
+    assert [(f.rank, f.steps > 0) for f in found] == [(2, True), (2, False)], found
+    assert found[1].step == 110  # cleared once back under 1.15x, never re-named
+    assert run(judge(), hovering) == []  # the same figures never name a rank not named
+
+
 def test_off_and_alone_say_nothing():
     assert run(judge(ratio=0), [slow(2, compute=0.5)] * 5) == []
     alone = Stragglers(ratio=1.3, steps=20, hosts=["a"])

@@ -22,7 +22,8 @@ collective per step). Rank 0 compares each rank's median logging interval over t
 median of the others': a rank at
 ``logging.straggler_ratio`` times that or more, whose excess costs the job at least
 :data:`MIN_COST` of a step, is slow, and is named once, on the console and in
-metrics.jsonl and TensorBoard; when it keeps pace again, that is said too. A slow
+metrics.jsonl and TensorBoard; when it keeps pace again (within half those margins, so
+that a rank near the bar is not named and cleared by turns), that is said too. A slow
 interval now and then (a hiccup; a busy machine preempting the ranks by turns) moves
 no median; all ranks slowing together keeps every ratio near 1.
 """
@@ -183,7 +184,7 @@ class Stragglers:
         by_phase = [sorted(m[i] for m in means) for i in range(len(PHASES))]
         findings = []
         for rank in range(len(means)):
-            slow = self._slowest_phase(means[rank], by_phase, mean_step)
+            slow = self._slowest_phase(means[rank], by_phase, mean_step, rank in self.named)
             if slow is None:
                 findings += self._recovered(step, rank)
                 continue
@@ -198,15 +199,19 @@ class Stragglers:
         return window_covers([(n, t) for n, _, t in intervals], self.steps)
 
     def _slowest_phase(self, mine_by_phase: tuple[float, ...], by_phase: list[list[float]],
-                       step_time: float) -> tuple[str, float, float] | None:
+                       step_time: float, named: bool) -> tuple[str, float, float] | None:
         """(phase, its seconds, the others' median) of a rank's slowest phase, if slow;
-        ``by_phase``: every rank's figure of each phase, sorted."""
+        ``by_phase``: every rank's figure of each phase, sorted. A rank already ``named``
+        stays slow until it is within half the margins (ratio and cost): near the bar,
+        a median that noise moves across it would name and clear it by turns."""
+        ratio = 1 + (self.ratio - 1) / 2 if named else self.ratio
+        cost = MIN_COST / 2 if named else MIN_COST
         worst = None
         for i, phase in enumerate(PHASES):
             mine = mine_by_phase[i]
             others = _median_without(by_phase[i], mine)
-            costly = mine - others >= MIN_COST * max(step_time, 1e-9)
-            if costly and mine >= self.ratio * others and (
+            costly = mine - others >= cost * max(step_time, 1e-9)
+            if costly and mine >= ratio * others and (
                     worst is None or mine - others > worst[1] - worst[2]):
                 worst = (phase, mine, others)
         return worst
