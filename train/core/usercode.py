@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from train.core.errors import ConfigError, UserError
+from train.core.usersource import split_path
 
 # This project's own packages: never counted as the user's code.
 _ROOT = Path(__file__).resolve().parents[2]
@@ -49,12 +50,7 @@ def _first_line(exc: BaseException) -> str:
 def resolve(path: str, key: str, source: str) -> Callable[..., Any]:
     """The callable ``path`` names; ConfigError naming ``key`` when it cannot be found."""
     project_dir()
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(source, key, f"got {path!r}; expected an import path like "
-                                       "'package.module:name'")
+    module_name, attr = split_path(path, key, source)
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or an error raised while importing the module

@@ -29,7 +29,7 @@ from train.core.tokenfiles import TokenFile
 from train.data import remote
 from train.data.shardcache import ShardCache, default_folder
 from train.data.tokenfile import read_sidecar
-from train.data.tokenshards import ShardedWindows, Shards, windows_in
+from train.data.tokenshards import ShardedWindows, Shards, Windows, windows_in
 
 log = logging.getLogger("train")
 
@@ -55,7 +55,7 @@ class ArrayDataset(Dataset):
         return self.features[idx], self.labels[idx]
 
 
-class WindowDataset(Dataset):
+class WindowDataset(Windows):
     """Next-token windows over a 1-D token array: sample i is tokens [i*L, i*L+L+1)."""
 
     def __init__(self, tokens: np.ndarray, length: int, first: int, count: int,
@@ -70,16 +70,8 @@ class WindowDataset(Dataset):
         start = (self.first + i) * self.length
         return np.asarray(self.tokens[start:start + self.length + 1], dtype=np.int64)
 
-    def __getitem__(self, i: int):
-        w = torch.from_numpy(self._window(i))
-        return w[:-1], w[1:]
-
-    def __getitems__(self, indices: list[int]):
-        w = torch.from_numpy(np.stack([self._window(i) for i in indices]))
-        if self.vocab_size < 1 << 16 and int(w.max()) >= self.vocab_size:
-            raise ValueError(f"{self.source}: token id {int(w.max())} >= data.vocab_size="
-                             f"{self.vocab_size}")
-        return w[:, :-1], w[:, 1:]
+    def _source_of(self, index: int) -> str:
+        return self.source
 
 
 @dataclass

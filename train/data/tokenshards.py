@@ -64,7 +64,35 @@ class Shards:
         return self._arrays[k][1]
 
 
-class ShardedWindows(Dataset):
+class Windows(Dataset):
+    """Next-token windows of ``length + 1`` tokens: (input, target) pairs shifted by one.
+    A subclass says where window i lies (``_window``) and which file a row came from
+    (``_source_of``), for the one-line error on an id outside the vocabulary."""
+
+    length: int
+    vocab_size: int
+
+    def _window(self, i: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _source_of(self, index: int) -> str:
+        raise NotImplementedError
+
+    def __getitem__(self, i: int):
+        w = torch.from_numpy(self._window(i))
+        return w[:-1], w[1:]
+
+    def __getitems__(self, indices: list[int]):
+        w = torch.from_numpy(np.stack([self._window(i) for i in indices]))
+        # uint16 files hold ids up to 65535: only a smaller vocabulary can be exceeded
+        if self.vocab_size < 1 << 16 and int(w.max()) >= self.vocab_size:
+            row = int(w.max(dim=1).values.argmax())
+            raise ValueError(f"{self._source_of(indices[row])}: token id {int(w.max())} >= "
+                             f"data.vocab_size={self.vocab_size}")
+        return w[:, :-1], w[:, 1:]
+
+
+class ShardedWindows(Windows):
     """Windows ``[first, first+count)`` of the files' sequence of windows."""
 
     def __init__(self, shards: Shards, length: int, first: int, count: int, vocab_size: int):
@@ -84,17 +112,8 @@ class ShardedWindows(Dataset):
         start = (self.first + i - self.starts[k]) * self.length
         return np.asarray(self.shards.tokens(k)[start:start + self.length + 1], dtype=np.int64)
 
-    def __getitem__(self, i: int):
-        w = torch.from_numpy(self._window(i))
-        return w[:-1], w[1:]
-
-    def __getitems__(self, indices: list[int]):
-        w = torch.from_numpy(np.stack([self._window(i) for i in indices]))
-        if self.vocab_size < 1 << 16 and int(w.max()) >= self.vocab_size:
-            row = int(w.max(dim=1).values.argmax())
-            raise ValueError(f"{self.shards.files[self.file_of(indices[row])].name}: token "
-                             f"id {int(w.max())} >= data.vocab_size={self.vocab_size}")
-        return w[:, :-1], w[:, 1:]
+    def _source_of(self, index: int) -> str:
+        return self.shards.files[self.file_of(index)].name
 
     def files_needed(self, batches: Iterable[list[int]]) -> Iterator[TokenFile]:
         """The remote files ``batches`` read, each once, in the order first read."""
