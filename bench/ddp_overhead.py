@@ -90,7 +90,7 @@ MACHINERY = (
     ("metrics (jsonl, TensorBoard)", "train/observe/metrics.py", ("step", "log")),
     ("loss, step time and phase times over ranks", "train/distributed/ranks.py",
      "gather_over_ranks"),
-    ("straggler phases (data, compute, gradient hooks)", "train/observe/stragglers.py",
+    ("straggler phases (and gradient hooks)", "train/observe/stragglers.py",
      ("data", "compute", "take", "observe", "_gradient_made")),
     ("stop agreement", "train/guards/stopping.py", ("agreed", "pace")),
     ("gradient norm (clipping, divergence guard)", "train/optim.py", "grad_norm_and_clip"),
