@@ -290,7 +290,7 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
     ranks.configure_logging(env.rank)
     faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) shows every stack
     shutdown = Shutdown(cfg.train.shutdown_timeout_s)
-    stop = StopFlag(shutdown)
+    stop = StopFlag(shutdown, cfg.logging.every_steps)
     stop.install()  # before the slow build, so an early SIGTERM is not lost
     clean = False
     c, metrics, lock = None, None, None

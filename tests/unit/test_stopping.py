@@ -1,9 +1,10 @@
 """The stop agreement between ranks (train/guards/stopping.py), in 2 real processes on
 gloo (127.0.0.1): a request on one rank stops both after the same step: the first
 logging step after it (the agreement rides on that step's gather), or the second
-agreement of its own after it (one comes 0.5 s of steps after the last agreement and
-reads the reduction the previous one started). The trainer's signal path end to end:
-tests/e2e/test_checkpoint_runs.py (SIGTERM to one rank)."""
+agreement of its own after it (one comes 0.5 s of steps after the last agreement, unless
+a logging step is as near, and reads the reduction the previous one started). The
+trainer's signal path end to end: tests/e2e/test_checkpoint_runs.py (SIGTERM to one
+rank)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 said = []
 for request, log_every, step_time in json.loads(sys.argv[1]):
-    stop = StopFlag()
+    stop = StopFlag(log_every=log_every)
     for step in range(1, 1000):
         if rank == 1 and step == request:
             stop.requested = True  # what its SIGTERM handler sets
@@ -46,22 +47,25 @@ CASES = [
     (8, 1000, 0.3),   # no logging step near: its own agreements every 2 steps (0.6 s)
     (7, 1000, 0.05),  # short steps: every 10
     (7, 8, 0.05),     # logging every 8 steps: the agreement rides on it, none of its own
-    (21, 12, 0.05),   # its own agreement at 22 starts a reduction; logging step 24 decides
+    (21, 12, 0.05),   # none of its own at 22: logging step 24 is nearer than 10 steps
+    (14, 10, 0.17),   # every 3: 16 starts a reduction, none at 19 (logging step 20 is near)
+    (12, 10, 0.17),   # 13 starts a reduction, 16 reads it
     (5, 1000, 2.0),   # steps longer than 0.5 s: every step
 ]
 
 
 def expected_stop(request: int, log_every: int, step_time: float) -> int:
     """The rule: a logging step agrees on the flags of that step; any other step agrees
-    when the last agreement is ceil(0.5 s / step time) steps old, on the flags all-reduced
-    at the previous such step (that reduction was left to finish meanwhile)."""
+    when the last agreement is ceil(0.5 s / step time) steps old and no logging step is
+    as near, on the flags all-reduced at the previous such step (that reduction was left
+    to finish meanwhile)."""
     every, last, in_flight = math.ceil(0.5 / step_time), 0, None
     for step in range(1, 1000):
         if step == 1 or step % log_every == 0:
             last = step
             if step >= request:
                 return step
-        elif step - last >= every:
+        elif step - last >= every and log_every - step % log_every >= every:
             last = step
             if in_flight is not None and in_flight >= request:
                 return step

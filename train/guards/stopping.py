@@ -26,18 +26,23 @@ class StopFlag:
     is a point where the faster rank waits for the slower. So it rides on the collective
     of each logging step (the loss and step times are gathered there anyway:
     :meth:`pace`), and a reduction of its own runs only when the last agreement is `every`
-    steps old, sized from the step time all ranks share to AGREE_EVERY_S: none at all when
-    logging steps come that often. That one is started without waiting for it and read
-    at the next such step (long done by then), so no rank waits for another there; a
-    signal stops training within about two AGREE_EVERY_S (or two steps, when steps are
-    longer), well inside torchrun's ~30 s between SIGTERM and SIGKILL. Every rank counts
+    steps old, sized from the step time all ranks share to AGREE_EVERY_S, and no logging
+    step comes within as many steps (it agrees then: none at all when logging steps come
+    that often, each 10th step of 0.1 s say). That one is started without waiting for it
+    and read at the next such step (long done by then), so no rank waits for another
+    there; a signal stops training within about two AGREE_EVERY_S (or two steps, when
+    steps are longer; an agreement is skipped only for a logging step that decides
+    sooner), well inside torchrun's ~30 s between SIGTERM and SIGKILL. Every rank counts
     the same steps, so all agree at the same ones, on the same values.
     """
 
     AGREE_EVERY_S = 0.5
 
-    def __init__(self, shutdown: Shutdown | None = None) -> None:
+    def __init__(self, shutdown: Shutdown | None = None, log_every: int = 0) -> None:
+        """``log_every``: the steps between logging steps (logging.every_steps; 0: none
+        to count on), whose gathers carry the flags."""
         self.requested = False
+        self.log_every = log_every
         self.every = 1
         self.told: tuple[int, bool] = (-1, False)  # (step, any rank's flag) from a gather
         self.last_agreed = 0                        # the step of the last agreement
@@ -75,7 +80,7 @@ class StopFlag:
         if self.told[0] == step:  # this step's logging gather carried every rank's flag
             self.last_agreed = step
             return self.told[1]
-        if step - self.last_agreed < self.every:
+        if step - self.last_agreed < self.every or self._gather_within_every(step):
             return False
         self.last_agreed = step
         if self._heard():  # what every rank's flag was at the previous agreement of its own
@@ -83,6 +88,9 @@ class StopFlag:
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
         self.pending = flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
         return False
+
+    def _gather_within_every(self, step: int) -> bool:
+        return self.log_every > 0 and self.log_every - step % self.log_every < self.every
 
     def _heard(self) -> bool:
         if self.pending is None:

@@ -30,6 +30,9 @@ VAL_TAGS = {"val/loss": "loss", "val/accuracy": "score/accuracy"}
 # HParams columns: what tells runs apart first, then everything else in config order.
 HPARAM_ORDER = ("model.", "optim.", "train.global_batch_size", "train.micro_batch_size",
                 "train.max_steps", "schedule.", "precision", "seed")
+# The HParams plugin's names (tensorboard.plugins.hparams.metadata, whose import loads
+# TensorBoard's TensorFlow stub: 0.4 s at every run's end for five constants).
+HPARAMS_PLUGIN, HPARAMS_VERSION, HPARAMS_TAG = "hparams", 0, "_hparams_/"
 
 
 def tag(key: str, tags: dict[str, str]) -> str:
@@ -50,7 +53,7 @@ def hparams_summaries(hparams: dict[str, Any], metric_tags: list[str]) -> list:
     """The experiment, session-start and session-end summaries of one finished run."""
     from google.protobuf import struct_pb2
     from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
-    from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
+    from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
 
     infos, start = [], plugin_data_pb2.SessionStartInfo(start_time_secs=time.time())
     for name, value in hparams.items():
@@ -71,39 +74,37 @@ def hparams_summaries(hparams: dict[str, Any], metric_tags: list[str]) -> list:
                                          end_time_secs=time.time())
 
     def summary(tag_name: str, **data) -> Any:
-        content = plugin_data_pb2.HParamsPluginData(version=metadata.PLUGIN_DATA_VERSION, **data)
+        content = plugin_data_pb2.HParamsPluginData(version=HPARAMS_VERSION, **data)
         meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(
-            plugin_name=metadata.PLUGIN_NAME, content=content.SerializeToString()))
+            plugin_name=HPARAMS_PLUGIN, content=content.SerializeToString()))
         return Summary(value=[Summary.Value(tag=tag_name, metadata=meta)])
 
-    return [summary(metadata.EXPERIMENT_TAG, experiment=experiment),
-            summary(metadata.SESSION_START_INFO_TAG, session_start_info=start),
-            summary(metadata.SESSION_END_INFO_TAG, session_end_info=end)]
+    return [summary(HPARAMS_TAG + "experiment", experiment=experiment),
+            summary(HPARAMS_TAG + "session_start_info", session_start_info=start),
+            summary(HPARAMS_TAG + "session_end_info", session_end_info=end)]
 
 
 class Board:
     """The two TensorBoard runs of one training run (rank 0 only)."""
 
     def __init__(self, tb_dir: Path, start_step: int, config_text: str):
-        from torch.utils.tensorboard import SummaryWriter
+        from train.observe.events import EventWriter
         # purge_step: after a resume, the rerun's events replace those past the checkpoint
-        self._writer = lambda name: SummaryWriter(str(tb_dir / name), purge_step=start_step + 1)
+        self._writer = lambda name: EventWriter(tb_dir / name, purge_step=start_step + 1)
         self.train = self._writer("train")
         self.val = None  # created by the first evaluation
-        self.train.add_text("config", "```\n" + config_text + "\n```", start_step)
+        self.train.text("config", "```\n" + config_text + "\n```", start_step)
 
     def log_train(self, step: int, values: dict[str, float]) -> None:
-        for key, value in values.items():
-            self.train.add_scalar(tag(key, TRAIN_TAGS), value, step)
+        self.train.scalars(step, {tag(k, TRAIN_TAGS): v for k, v in values.items()})
 
     def note(self, step: int, name: str, text: str) -> None:
         """A line of text at a step (the Text tab): a straggler named, say."""
-        self.train.add_text(name, text, step)
+        self.train.text(name, text, step)
 
     def log_val(self, step: int, values: dict[str, float]) -> None:
         self.val = self.val or self._writer("val")
-        for key, value in values.items():
-            self.val.add_scalar(tag(key, VAL_TAGS), value, step)
+        self.val.scalars(step, {tag(k, VAL_TAGS): v for k, v in values.items()})
 
     def close(self, hparams: dict[str, Any] | None = None, metrics: list[str] = ()) -> None:
         """``metrics``: metrics.jsonl keys of the final evaluation (the HParams metrics)."""
@@ -111,7 +112,7 @@ class Board:
             writer = self.val if metrics and self.val else self.train
             tags = [tag(k, VAL_TAGS) for k in metrics] if writer is self.val else ["loss"]
             for pb in hparams_summaries(ordered_hparams(hparams), tags):
-                writer._get_file_writer().add_summary(pb)
+                writer.summary(pb)
         for writer in (self.train, self.val):
             if writer is not None:
                 writer.close()
