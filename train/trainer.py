@@ -77,7 +77,7 @@ def train_step(c: Components, batches, phases: StepPhases) -> torch.Tensor:
             with c.autocast(), phases.compute():
                 loss = c.objective(c.model, x, y)[0]
                 loss = loss / c.accum if c.accum > 1 else loss  # no op for a division by 1
-            with phases.backward():
+            with phases.backward(loss):
                 (c.scaler.scale(loss) if c.scaler else loss).backward()
         total = loss.detach().float() if total is None else total + loss.detach().float()
     return total

@@ -57,19 +57,24 @@ class StepPhases:
         self.compute_s = 0.0
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.last_gradient: float | None = None  # when this rank's last gradient was made
+        self.watching = False
 
     def watch(self, model: torch.nn.Module) -> None:
-        """On the CPU, the backward pass counts up to this rank's last gradient, made
-        before DDP's final wait for the all-reduce: a hook per parameter (a clock read).
-        A GPU's kernels finish later than their hooks run: there the forward pass alone
-        (its CUDA events) stands for compute."""
-        if self.cuda:
-            return
-        for param in model.parameters():
-            if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._gradient_made)
+        """On the CPU, the backward pass counts up to the end of this rank's gradients,
+        before DDP's final wait for the all-reduce (see :meth:`backward`). A GPU's kernels
+        finish later than the host returns: there the forward pass alone (its CUDA
+        events) stands for compute."""
+        self.watching = not self.cuda
 
-    def _gradient_made(self, param: torch.Tensor) -> None:
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        # The autograd engine runs its queued callbacks in order once the graph is done.
+        # DDP queues the one that waits for the slowest rank (Reducer::finalize_backward)
+        # when its last gradient bucket is ready, after this one: this clock read comes
+        # after every gradient of this rank and before that wait. One hook a step, where
+        # one per parameter cost a Python call per parameter.
+        torch.autograd.Variable._execution_engine.queue_callback(self._gradients_done)
+
+    def _gradients_done(self) -> None:
         self.last_gradient = time.perf_counter()
 
     @contextmanager
@@ -94,9 +99,12 @@ class StepPhases:
         self.compute_s += time.perf_counter() - start_s
 
     @contextmanager
-    def backward(self) -> Iterator[None]:
-        """The backward pass, up to its last gradient (the CPU only; see :meth:`watch`)."""
+    def backward(self, loss: torch.Tensor) -> Iterator[None]:
+        """The backward pass of ``loss``, up to its last gradient (the CPU only; see
+        :meth:`watch`)."""
         start, self.last_gradient = time.perf_counter(), None
+        if self.watching and loss.requires_grad:
+            loss.register_hook(self._backward_started)  # its gradient is the first made
         yield
         if self.last_gradient is not None:
             self.compute_s += self.last_gradient - start
