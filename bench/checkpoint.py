@@ -15,7 +15,9 @@ durably (fsync), at the same time as the other rank, twice: through the page cac
 64 MiB writes, and with O_DIRECT in 8 MiB writes. The faster one is "the disk's"
 bandwidth; a save's bandwidth is the checkpoint's bytes over the time from the save call
 to the sealed checkpoint (the full format's gather onto rank 0 is printed apart, as
-"collect"). Ratios are taken per round, then the median over rounds.
+"collect"). Ratios are taken per round, then the median over rounds. CPU seconds per
+save (the busiest rank's process, every thread) are printed beside the plain write's and
+those of SHA-256 over the same bytes alone: they hold at any load, where the times do not.
 
 The small job: the quick start's model (a byte GPT, 3 x 160) with its AdamW state, one
 process, saved by the Checkpointer against a hand-written ``torch.save`` of the same
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import mmap
 import os
@@ -128,7 +131,7 @@ def _save(fmt: str, ckpt, model, optimizer, step: int, background: bool) -> dict
     start = time.perf_counter()
     model_state, optim_state, shards = formats.FORMATS[fmt].collect(model, optimizer,
                                                                     background)
-    collected = time.perf_counter()
+    collected, cpu = time.perf_counter(), time.process_time()
     shared = {"step": step, "model": model_state, "optimizer": optim_state, "format": fmt}
     ckpt.save(step, shared, rank_payload(dist.get_rank()), background=background,
               shards=shards)
@@ -137,7 +140,7 @@ def _save(fmt: str, ckpt, model, optimizer, step: int, background: bool) -> dict
     dist.barrier()  # sealed by rank 0
     end = time.perf_counter()
     return {"collect_s": collected - start, "blocking_s": blocked - start,
-            "save_s": end - collected}
+            "save_s": end - collected, "cpu_s": time.process_time() - cpu}
 
 
 def _rank_bytes(folder: Path, rank: int) -> int:
@@ -154,8 +157,20 @@ def _reference(folder: Path, size: int) -> dict:
     out = {}
     for kind, direct in (("buffered", False), ("direct", True)):
         dist.barrier()
+        cpu = time.process_time()
         out[f"{kind}_s"] = plain_write(folder / f"plain-{dist.get_rank()}", size, direct)
+        out[f"{kind}_cpu_s"] = time.process_time() - cpu
     return out
+
+
+def sha256_cpu(size: int) -> float:
+    """CPU seconds for SHA-256 over ``size`` bytes in memory: a save's floor, since every
+    file is hashed, one stream per file."""
+    block, cpu = os.urandom(MiB) * 64, time.process_time()
+    digest = hashlib.sha256()
+    for start in range(0, size, len(block)):
+        digest.update(memoryview(block)[:size - start])
+    return time.process_time() - cpu
 
 
 def worker(fmt: str, width: int, layers: int, run_dir: Path) -> None:
@@ -172,6 +187,7 @@ def worker(fmt: str, width: int, layers: int, run_dir: Path) -> None:
     folder = run_dir / "checkpoints" / "step-1"
     row["bytes"] = _rank_bytes(folder, rank)
     row["ref"] = _reference(run_dir, row["bytes"])
+    row["sha256_cpu_s"] = sha256_cpu(row["bytes"])
     if fmt == "sharded":
         from train.checkpoint import sharded
         sharded.writer_group()  # made once per process, at the first background save
@@ -225,7 +241,10 @@ def figures(run: list[dict]) -> dict:
     out = {"MB": total, "collect_s": slowest["collect_s"], "save_s": slowest["save_s"],
            "save_MBps": total / slowest["save_s"], "buffered_MBps": ref["buffered"],
            "direct_MBps": ref["direct"], "disk_MBps": max(ref.values()),
-           "load_s": max(r["load_s"] for r in run)}
+           "load_s": max(r["load_s"] for r in run),
+           "save_cpu_s": slowest["cpu_s"],  # the busiest rank's
+           "plain_cpu_s": max(r["ref"]["direct_cpu_s"] for r in run),
+           "sha256_cpu_s": max(r["sha256_cpu_s"] for r in run)}
     out["ratio"] = out["save_MBps"] / out["disk_MBps"]
     if "async" in run[0]:
         sync_blocking = slowest["blocking_s"]
@@ -316,6 +335,11 @@ def main() -> None:
     print(f"async save blocks {s['async_blocking_s']:.2f} s = {s['async_ratio']:.2f} of a "
           f"synchronous one's {s['sync_blocking_s']:.2f} s (the first async save of a "
           f"process {s['async_first_blocking_s']:.2f} s: it allocates the staging copy)")
+    for fmt in FORMATS:
+        row = last[fmt]
+        print(f"{fmt} save CPU: {row['save_cpu_s']:.2f} s on the busiest rank, the plain "
+              f"durable write's {row['plain_cpu_s']:.2f} s, SHA-256 of the same bytes alone "
+              f"{row['sha256_cpu_s']:.2f} s")
     for fmt in FORMATS:
         row = last[fmt]
         print(f"{fmt} save bandwidth: {row['save_MBps']:.0f} MB/s = {row['ratio']:.2f} of "

@@ -24,7 +24,10 @@ from train.core import bulk
 from train.core.files import sha256_file
 
 CHUNK = bulk.CHUNK
-SIZES = [0, 1, CHUNK - 1, CHUNK, bulk.INLINE + 1, 5 * CHUNK + 4095]
+# the last: every chunk of the pipeline goes round twice (a chunk not handed back
+# by the hashing or the writing thread would stop the writes)
+SIZES = [0, 1, CHUNK - 1, CHUNK, bulk.INLINE + 1, 5 * CHUNK + 4095,
+         bulk.INLINE + 2 * bulk.DEPTH * CHUNK + 7]
 
 
 @pytest.fixture
