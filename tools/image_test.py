@@ -2,8 +2,9 @@
 
 1. fill a wheelhouse (``build/wheelhouse-pyXY``, cached by lock hash) with ``pip
    download``: the hash-locked runtime set, pytest's few wheels, the CPU torch wheel;
-   first, every ``requirements/torch-*.lock`` must resolve for its image's platform
-   (``scripts/check-torch-resolution locks``: index metadata, no download);
+   every ``requirements/torch-*.lock`` must resolve for its image's platform
+   (``scripts/check-torch-resolution locks``: index metadata, no download), asked while
+   the images build;
 2. build every image at once (no package index inside a build): Dockerfile.cpu, and
    unless skipped its second build (step 6) and Dockerfile.cuda and Dockerfile.rocm
    (step 5); independent builds overlap well even on 2 cores (each spends much of its
@@ -39,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +112,10 @@ class ImageTest:
         log(f"building {', '.join(tag for _, tag, _ in builds)} at once (base: {self.base})")
         self.engine.build_all([(file, tag, [*self.provenance(), *args])
                                for file, tag, args in builds], context=str(self.image_wheels))
+
+    def locks_resolve(self) -> None:
+        log("torch locks resolve for their images' Python and glibc (index metadata only)")
+        sh(sys.executable, str(ROOT / "scripts/check-torch-resolution"), "locks")
 
     # -------------------------------------------------------------- wheelhouse
     def fill_wheelhouse(self) -> None:
@@ -270,10 +276,11 @@ class ImageTest:
     def main(self) -> None:
         log(f"engine: {self.engine.name}")
         self.fill_wheelhouse()
-        if "locks" not in self.skip:
-            log("torch locks resolve for their images' Python and glibc (index metadata only)")
-            sh(sys.executable, str(ROOT / "scripts/check-torch-resolution"), "locks")
-        self.build_images()
+        with ThreadPoolExecutor(max_workers=1) as aside:  # the index's answers, not the CPU
+            locks = None if "locks" in self.skip else aside.submit(self.locks_resolve)
+            self.build_images()
+            if locks is not None:
+                locks.result()
         self.plumbing()
         runs = Path(tempfile.mkdtemp(prefix="image-test-runs.", dir=ROOT / "build"))
         runs.chmod(0o777)  # the container user (UID 1000, group 0) writes here on any host
