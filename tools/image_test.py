@@ -5,10 +5,9 @@
    every ``requirements/torch-*.lock`` must resolve for its image's platform
    (``scripts/check-torch-resolution locks``: index metadata, no download), asked while
    the images build;
-2. build every image at once (no package index inside a build): Dockerfile.cpu, and
-   unless skipped its second build (step 6) and Dockerfile.cuda and Dockerfile.rocm
-   (step 5); independent builds overlap well even on 2 cores (each spends much of its
-   time unpacking wheels and writing layers, one process at a time);
+2. build every image before any check, two at a time (no package index inside a
+   build): Dockerfile.cpu, and unless skipped its second build (step 6), then
+   Dockerfile.cuda and Dockerfile.rocm (step 5) (``Engine.build_all``: why two);
 3. run it as its non-root user with a host run directory: doctor, a short quickstart
    training, a 2-process gloo run, a fast subset of the suite; check the run
    directories on the host;
@@ -99,7 +98,7 @@ class ImageTest:
 
     def build_images(self) -> None:
         """The CPU image and, unless skipped, its second build and the vendor images on the
-        CPU base, side by side (build/image-test-*.log)."""
+        CPU base, two at a time (build/image-test-*.log)."""
         builds = [("Dockerfile.cpu", self.img, self.base_args)]
         if "rebuild" not in self.skip:
             builds = [(file, tag, [*args, "--no-cache"])
@@ -109,7 +108,8 @@ class ImageTest:
             builds += [(f"Dockerfile.{flavor}", f"{self.tag}:{flavor}-on-cpu",
                         [f"--build-arg=BASE_IMAGE={self.base}", "--build-arg=TORCH_VARIANT=cpu"])
                        for flavor in VENDORS]
-        log(f"building {', '.join(tag for _, tag, _ in builds)} at once (base: {self.base})")
+        log(f"building {', '.join(tag for _, tag, _ in builds)}, two at a time "
+            f"(base: {self.base})")
         self.engine.build_all([(file, tag, [*self.provenance(), *args])
                                for file, tag, args in builds], context=str(self.image_wheels))
 
