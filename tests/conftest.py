@@ -42,20 +42,23 @@ def pytest_make_collect_report(collector):
     return report
 
 
-# The slow tier's longest files, longest first (their tests' seconds summed, measured with
-# --durations=0). pytest-xdist hands a whole file to the first free worker, in collection
-# order (the Makefile turns off its own reordering by test count), so the longest start
-# first and the tier ends on short files, not on one worker still running a long file
-# while the other has nothing left. Files not named here follow, in name order.
+# The slow tier's files, longest first (their tests' seconds summed: the longest tests
+# from CI's --durations of 2026-12-04, 2 idle cores, TEST_TIME_SCALE=2; the short files
+# measured alone). pytest-xdist hands a whole file to the first free worker, in
+# collection order (the Makefile turns off its own reordering by test count), so the
+# longest start first and the tier ends on files of seconds, not on one worker still
+# running a long file while the others have nothing left. Every file is named (a static
+# test checks): a new one goes where its time puts it.
 E2E_LONGEST_FIRST = (
-    "test_k8s_sim_runs", "test_trackers_runs", "test_hf_models_runs", "test_vanish",
-    "test_strategies_runs", "test_slurm", "test_training_runs", "test_credentials_runs",
-    "test_object_storage_runs", "test_node_local_runs", "test_token_objects_runs",
-    "test_hangs", "test_multinode_runs", "test_sharded_checkpoints", "test_safety_runs",
-    "test_run_files_runs", "test_liveness",
-    "test_install", "test_your_code_runs", "test_slow_nodes", "test_tools_runs",
-    "test_preflight_runs", "test_checkpoint_runs", "test_slurm_preflight",
-    "test_slow_link_midrun", "test_stragglers", "test_restarts", "test_tokenize_runs",
+    "test_vanish", "test_slurm", "test_k8s_sim_runs", "test_sharded_checkpoints",
+    "test_hangs", "test_trackers_runs", "test_strategies_runs", "test_hf_models_runs",
+    "test_training_runs", "test_credentials_runs", "test_object_storage_runs",
+    "test_liveness", "test_safety_runs", "test_multinode_runs", "test_preflight_runs",
+    "test_checkpoint_runs", "test_stragglers", "test_node_local_runs", "test_run_files_runs",
+    "test_your_code_runs", "test_slow_nodes", "test_slow_link_midrun", "test_binding_runs",
+    "test_install", "test_token_objects_runs", "test_entrypoint_runs", "test_grace",
+    "test_restarts", "test_slurm_preflight", "test_tools_runs", "test_tokenize_runs",
+    "test_launcher_supervise_runs", "test_run_lease_runs", "test_slurm_cluster",
 )
 
 

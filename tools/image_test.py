@@ -2,9 +2,12 @@
 
 1. fill a wheelhouse (``build/wheelhouse-pyXY``, cached by lock hash) with ``pip
    download``: the hash-locked runtime set, pytest's few wheels, the CPU torch wheel;
-   first, every ``requirements/torch-*.lock`` must resolve for its image's platform
-   (``scripts/check-torch-resolution locks``: index metadata, no download);
-2. build Dockerfile.cpu from it (no package index inside the build);
+   every ``requirements/torch-*.lock`` must resolve for its image's platform
+   (``scripts/check-torch-resolution locks``: index metadata, no download), asked while
+   the images build;
+2. build every image before any check, two at a time (no package index inside a
+   build): Dockerfile.cpu, and unless skipped its second build (step 6), then
+   Dockerfile.cuda and Dockerfile.rocm (step 5) (``Engine.build_all``: why two);
 3. run it as its non-root user with a host run directory: doctor, a short quickstart
    training, a 2-process gloo run, a fast subset of the suite; check the run
    directories on the host;
@@ -13,10 +16,11 @@
    shm, training must still work, torch.compile must work (g++ kept); build the user
    image of examples/custom_model/Dockerfile on it and run its default command the same
    way (the custom model, loss and data trained);
-5. build Dockerfile.cuda and Dockerfile.rocm on the CPU base with the CPU torch wheel
-   (TORCH_VARIANT=cpu): every line but the vendor base and wheel;
-6. rebuild the CPU image without cache and compare the builds: package sets, then every
-   file's path, mode and content (``scripts/file-manifest``).
+5. Dockerfile.cuda and Dockerfile.rocm, built on the CPU base with the CPU torch wheel
+   (TORCH_VARIANT=cpu: every line but the vendor base and wheel), train;
+6. the CPU image's two builds, both without cache (neither may reuse the other's layers
+   while they run side by side), are compared: package sets, then every file's path,
+   mode and content (``scripts/file-manifest``).
 
 ``scripts/image-test`` finds the engine and runs this module. Settings (environment):
 ``OCI_ENGINE`` (docker | podman), ``OCI_BUILD_FLAGS``, ``OCI_RUN_FLAGS``,
@@ -35,6 +39,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +84,7 @@ class ImageTest:
         self.image_wheels = ROOT / "build" / f"wheelhouse-{self.pyv}-image"
         self.pytest_req = ROOT / "build" / f"image-test-pytest-{self.pyv}.txt"
         self.img = f"{self.tag}:cpu"
+        self.again = f"{self.tag}:cpu-rebuild"
 
     def provenance(self) -> list[str]:
         describe = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
@@ -90,8 +96,26 @@ class ImageTest:
         return [f"--build-arg=VCS_REF={rev}", f"--build-arg=CODE_VERSION={version}+git.{describe}",
                 f"--build-arg=TORCH_LOCK={self.env.get('TORCH_LOCK', 'auto')}"]
 
-    def build(self, file: str, tag: str, *args: str) -> None:
-        self.engine.build(file, tag, *self.provenance(), *args, context=str(self.image_wheels))
+    def build_images(self) -> None:
+        """The CPU image and, unless skipped, its second build and the vendor images on the
+        CPU base, two at a time (build/image-test-*.log)."""
+        builds = [("Dockerfile.cpu", self.img, self.base_args)]
+        if "rebuild" not in self.skip:
+            builds = [(file, tag, [*args, "--no-cache"])
+                      for file, tag, args in (*builds, ("Dockerfile.cpu", self.again,
+                                                        self.base_args))]
+        if "vendor" not in self.skip:
+            builds += [(f"Dockerfile.{flavor}", f"{self.tag}:{flavor}-on-cpu",
+                        [f"--build-arg=BASE_IMAGE={self.base}", "--build-arg=TORCH_VARIANT=cpu"])
+                       for flavor in VENDORS]
+        log(f"building {', '.join(tag for _, tag, _ in builds)}, two at a time "
+            f"(base: {self.base})")
+        self.engine.build_all([(file, tag, [*self.provenance(), *args])
+                               for file, tag, args in builds], context=str(self.image_wheels))
+
+    def locks_resolve(self) -> None:
+        log("torch locks resolve for their images' Python and glibc (index metadata only)")
+        sh(sys.executable, str(ROOT / "scripts/check-torch-resolution"), "locks")
 
     # -------------------------------------------------------------- wheelhouse
     def fill_wheelhouse(self) -> None:
@@ -214,11 +238,9 @@ class ImageTest:
                         "--entrypoint", "python3", self.img, "-c", COMPILE)
 
     def vendors(self) -> None:
-        for flavor in ("cuda", "rocm"):
+        for flavor in VENDORS:
             tag = f"{self.tag}:{flavor}-on-cpu"
-            log(f"building Dockerfile.{flavor} with BASE_IMAGE={self.base} and the CPU wheel")
-            self.build(f"Dockerfile.{flavor}", tag, f"--build-arg=BASE_IMAGE={self.base}",
-                       "--build-arg=TORCH_VARIANT=cpu")
+            log(f"Dockerfile.{flavor} built with BASE_IMAGE={self.base} and the CPU wheel")
             manifest = self.manifest_of(tag, ROOT / f"build/image-test-manifest-{flavor}.json")
             print(check_build_manifest(manifest, self.torch_version, flavor))
             self.engine.run("--entrypoint", "bash", tag, "-c", VENDOR_RDMA)  # RDMA for NCCL
@@ -228,13 +250,11 @@ class ImageTest:
                             f"run.name={flavor}")
 
     def rebuild(self) -> None:
-        log("rebuilding Dockerfile.cpu without cache; comparing package sets, then every file")
-        again = f"{self.tag}:cpu-rebuild"
-        self.build("Dockerfile.cpu", again, *self.base_args, "--no-cache")
+        log("two builds of Dockerfile.cpu without cache: package sets, then every file")
         first = json.loads((ROOT / "build/image-test-manifest-1.json").read_text())
         print(compare_build_manifests(first, self.manifest_of(
-            again, ROOT / "build/image-test-manifest-2.json")))
-        for n, tag in ((1, self.img), (2, again)):
+            self.again, ROOT / "build/image-test-manifest-2.json")))
+        for n, tag in ((1, self.img), (2, self.again)):
             listing = self.engine.run(
                 "--user", "0", "-v", f"{ROOT / 'scripts/file-manifest'}:/tmp/file-manifest:ro",
                 "--entrypoint", "python3", tag, "/tmp/file-manifest", "list", "/",
@@ -245,8 +265,8 @@ class ImageTest:
               str(ROOT / "build/image-test-files-2.tsv"), check=False).returncode:
             raise Failed("two builds of the CPU image differ (above; "
                          "build/image-test-files-*.tsv)")
-        print(layers_line(*(self.layers(t) for t in (self.img, again))))
-        sh(self.engine.name, "rmi", again, capture=True)
+        print(layers_line(*(self.layers(t) for t in (self.img, self.again))))
+        sh(self.engine.name, "rmi", self.again, capture=True)
 
     def layers(self, tag: str) -> tuple[str, list[str]]:
         return self.engine.inspect(tag, "{{.Id}}").strip(), \
@@ -256,11 +276,11 @@ class ImageTest:
     def main(self) -> None:
         log(f"engine: {self.engine.name}")
         self.fill_wheelhouse()
-        if "locks" not in self.skip:
-            log("torch locks resolve for their images' Python and glibc (index metadata only)")
-            sh(sys.executable, str(ROOT / "scripts/check-torch-resolution"), "locks")
-        log(f"building Dockerfile.cpu (base: {self.base})")
-        self.build("Dockerfile.cpu", self.img, *self.base_args)
+        with ThreadPoolExecutor(max_workers=1) as aside:  # the index's answers, not the CPU
+            locks = None if "locks" in self.skip else aside.submit(self.locks_resolve)
+            self.build_images()
+            if locks is not None:
+                locks.result()
         self.plumbing()
         runs = Path(tempfile.mkdtemp(prefix="image-test-runs.", dir=ROOT / "build"))
         runs.chmod(0o777)  # the container user (UID 1000, group 0) writes here on any host
@@ -286,6 +306,7 @@ class ImageTest:
             shutil.rmtree(runs, ignore_errors=True)
 
 
+VENDORS = ("cuda", "rocm")
 SHORT = ("train.max_steps=4", "schedule.warmup_steps=2", "train.eval_every_steps=4",
          "checkpoint.every_steps=4")
 TRAININGS = (

@@ -32,7 +32,10 @@ def test_the_wheel_gives_a_command_that_trains_a_project_from_its_own_folder(tmp
     env = clean_env()
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '/usr/bin:/bin')}"
     env.pop("PYTHONPATH", None)  # nothing of the checkout: only what the wheel installed
-    pip = [venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    # --no-compile: pip's byte-compiling of every module it installs (torch's thousands)
+    # was a third of this test's time; Python compiles what it imports as it imports it.
+    pip = [venv / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check",
+           "--no-compile"]
     installed = _run([*pip, wheel], tmp_path, env)
     assert installed.returncode == 0, installed.stderr[-3000:]
     project = tmp_path / "my-project"

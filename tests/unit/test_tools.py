@@ -3,7 +3,8 @@ the GPU check's notes, the image test's checks, lock reading. The GPU check's st
 run on the CPU: tests/e2e/test_tools_runs.py.
 
 The image test's engine runs are exercised by `make image-test` itself; here are the
-decisions it makes from what the engine returns.
+decisions it makes from what the engine returns, and its builds side by side (a stand-in
+engine that builds nothing).
 """
 
 from __future__ import annotations
@@ -124,6 +125,65 @@ def test_engine_flags_follow_the_engine(monkeypatch):
     assert podman.tmp_flags == []
     docker = image_test.Engine.from_environ({"OCI_ENGINE": "docker"})
     assert docker.tmp_flags == ["--tmpfs", "/tmp:exec"] and docker.build_flags == []
+
+
+# A container engine that builds nothing: a build fails if it sees more than two
+# running, and waits until two are (or every one of the batch has started), so builds
+# run one after another never finish; it fails for a tag named "bad". ``image inspect`` answers
+# for any tag.
+FAKE_ENGINE = """#!/usr/bin/env python3
+import os, sys, time
+from pathlib import Path
+here = Path(os.environ["FAKE_ENGINE_DIR"])
+if sys.argv[1] == "image":
+    print("1000" if "Size" in sys.argv[4] else "sha256:" + sys.argv[5])
+    sys.exit(0)
+tag = sys.argv[sys.argv.index("-t") + 1].replace(":", "_")
+count = lambda what: len(list(here.glob(what + "-*")))
+(here / f"started-{tag}").touch()
+try:
+    if count("started") - count("ended") > 2 or "bad" in tag:
+        sys.exit(1)
+    deadline = time.monotonic() + float(os.environ["FAKE_ENGINE_WAIT_S"])
+    while count("started") - count("ended") < 2 and \\
+            count("started") < int(os.environ["FAKE_ENGINE_BUILDS"]):
+        if time.monotonic() > deadline:
+            sys.exit(2)
+        time.sleep(0.05)
+    time.sleep(0.5)  # a third build started at once would be there by now
+    if count("started") - count("ended") > 2:
+        sys.exit(3)
+    (here / f"done-{tag}").touch()
+finally:
+    (here / f"ended-{tag}").touch()
+"""
+
+
+def _fake_engine(tmp_path, monkeypatch, builds: int) -> image_test.Engine:
+    engine = tmp_path / "engine"
+    engine.write_text(FAKE_ENGINE)
+    engine.chmod(0o755)
+    (tmp_path / "build").mkdir()
+    monkeypatch.setattr("tools.oci.ROOT", tmp_path)  # the build logs go to its build/
+    monkeypatch.setenv("FAKE_ENGINE_DIR", str(tmp_path))
+    monkeypatch.setenv("FAKE_ENGINE_BUILDS", str(builds))
+    monkeypatch.setenv("FAKE_ENGINE_WAIT_S", str(limit(60)))
+    return image_test.Engine(str(engine))
+
+
+def test_the_images_build_two_at_a_time(tmp_path, monkeypatch):
+    engine = _fake_engine(tmp_path, monkeypatch, builds=5)
+    engine.build_all([("Dockerfile.cpu", f"t:{n}", ["--no-cache"]) for n in range(5)],
+                     context=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.glob("done-*")) == [f"done-t_{n}" for n in range(5)]
+
+
+def test_a_failed_build_fails_the_batch_once_the_others_have_ended(tmp_path, monkeypatch):
+    engine = _fake_engine(tmp_path, monkeypatch, builds=3)
+    with pytest.raises(image_test.Failed, match=r"build of Dockerfile\.cuda failed"):
+        engine.build_all([("Dockerfile.cpu", "t:cpu", []), ("Dockerfile.cuda", "t:bad", []),
+                          ("Dockerfile.rocm", "t:rocm", [])], context=str(tmp_path))
+    assert sorted(p.name for p in tmp_path.glob("done-*")) == ["done-t_cpu", "done-t_rocm"]
 
 
 # ------------------------------------------------------------------ locks
