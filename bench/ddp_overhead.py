@@ -91,7 +91,8 @@ MACHINERY = (
     ("loss, step time and phase times over ranks", "train/distributed/ranks.py",
      "gather_over_ranks"),
     ("straggler phases (and their backward hook)", "train/observe/stragglers.py",
-     ("data", "compute", "take", "observe", "_backward_started", "_gradients_done")),
+     ("data", "compute", "_device_compute", "backward", "optimizer", "take", "observe",
+      "_started", "_gradients_done", "__enter__", "__exit__")),
     ("stop agreement", "train/guards/stopping.py", ("agreed", "pace")),
     ("gradient norm (clipping, divergence guard)", "train/optim.py", "grad_norm_and_clip"),
     ("divergence guard", "train/guards/divergence.py", ("gradients", "loss")),
@@ -105,11 +106,14 @@ MACHINERY_GOAL = 0.005
 
 # A worker under cProfile: its main() in this process, the profile written before the
 # exit (the worker's own exit skips the interpreter's finalisation, so cProfile's would not).
-# The clock is the process's CPU time: a rank waiting in a collective for a slower peer
-# (which a plain loop waits out at its next gradient all-reduce instead) costs nothing.
+# The clock is the main thread's CPU time: a rank waiting in a collective for a slower
+# peer (which a plain loop waits out at its next gradient all-reduce instead) costs
+# nothing, and the CPU that gloo's threads spend on DDP's bucket all-reduces while the
+# main thread runs some small function is not charged to that function (with the
+# process's CPU time it was: the callback ending the backward pass read 0.1 ms a call).
 PROFILED = """import cProfile, os, sys, time
 import train.__main__ as worker
-profile = cProfile.Profile(time.process_time)
+profile = cProfile.Profile(time.thread_time)
 code = profile.runcall(worker.main, sys.argv[2:])
 profile.dump_stats(sys.argv[1].format(rank=os.environ.get("RANK", "0")))
 sys.stdout.flush()

@@ -31,11 +31,12 @@ no median; all ranks slowing together keeps every ratio near 1.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import statistics
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -48,15 +49,63 @@ FLOOR_S = 1e-4   # the others' time taken as at least this for a ratio (no data 
 WINDOW_S = 10.0
 
 
+class _Span:
+    """Adds the seconds spent inside it (a plain class: these run several times a step,
+    where a generator-based context manager costs several calls each time)."""
+
+    __slots__ = ("seconds", "start")
+
+    def __init__(self) -> None:
+        self.seconds, self.start = 0.0, 0.0
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds += time.perf_counter() - self.start
+
+
+class _Backward:
+    """Adds the seconds of a backward pass up to the end of this rank's gradients, before
+    DDP's final wait for the all-reduce. The autograd engine runs its queued callbacks in
+    order once the graph is done; DDP queues the one that waits for the slowest rank
+    (Reducer::finalize_backward) when its last gradient bucket is ready, after the one
+    queued here when the loss's own gradient is made (the first of the pass). One hook a
+    pass, where one per parameter cost a Python call per parameter."""
+
+    __slots__ = ("done", "loss", "span", "start")
+
+    def __init__(self, span: _Span) -> None:
+        self.span, self.loss = span, None
+        self.start = self.done = 0.0
+
+    def __enter__(self) -> None:
+        self.start, self.done = time.perf_counter(), 0.0
+        self.loss.grad_fn.register_prehook(self._started)
+        self.loss = None
+
+    def _started(self, grad_outputs: tuple) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._gradients_done)
+
+    def _gradients_done(self) -> None:
+        self.done = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.done:
+            self.span.seconds += self.done - self.start
+
+
+_NOTHING = contextlib.nullcontext()
+
+
 class StepPhases:
     """This rank's seconds in each phase since the last :meth:`take`."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.data_s = 0.0
-        self.compute_s = 0.0
+        self._data, self._compute = _Span(), _Span()  # the CPU's clock
+        self._backward = _Backward(self._compute)
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.last_gradient: float | None = None  # when this rank's last gradient was made
         self.watching = False
 
     def watch(self, model: torch.nn.Module) -> None:
@@ -66,65 +115,43 @@ class StepPhases:
         events) stands for compute."""
         self.watching = not self.cuda
 
-    def _backward_started(self, grad: torch.Tensor) -> None:
-        # The autograd engine runs its queued callbacks in order once the graph is done.
-        # DDP queues the one that waits for the slowest rank (Reducer::finalize_backward)
-        # when its last gradient bucket is ready, after this one: this clock read comes
-        # after every gradient of this rank and before that wait. One hook a step, where
-        # one per parameter cost a Python call per parameter.
-        torch.autograd.Variable._execution_engine.queue_callback(self._gradients_done)
+    def data(self) -> _Span:
+        """Waiting for the next batch."""
+        return self._data
 
-    def _gradients_done(self) -> None:
-        self.last_gradient = time.perf_counter()
-
-    @contextmanager
-    def data(self) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        self.data_s += time.perf_counter() - start
-
-    @contextmanager
-    def compute(self) -> Iterator[None]:
+    def compute(self) -> AbstractContextManager:
         """The forward pass and loss."""
-        if self.cuda:  # kernels run later than Python returns: time them on the device
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self.events.append((start, end))
-            return
-        start_s = time.perf_counter()
-        yield
-        self.compute_s += time.perf_counter() - start_s
+        return self._device_compute() if self.cuda else self._compute
 
     @contextmanager
-    def backward(self, loss: torch.Tensor) -> Iterator[None]:
+    def _device_compute(self) -> Iterator[None]:
+        # kernels run later than Python returns: time them on the device
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.events.append((start, end))
+
+    def backward(self, loss: torch.Tensor) -> AbstractContextManager:
         """The backward pass of ``loss``, up to its last gradient (the CPU only; see
         :meth:`watch`)."""
-        start, self.last_gradient = time.perf_counter(), None
-        if self.watching and loss.requires_grad:
-            loss.register_hook(self._backward_started)  # its gradient is the first made
-        yield
-        if self.last_gradient is not None:
-            self.compute_s += self.last_gradient - start
+        if not self.watching or loss.grad_fn is None:
+            return _NOTHING
+        self._backward.loss = loss
+        return self._backward
 
-    @contextmanager
-    def optimizer(self) -> Iterator[None]:
+    def optimizer(self) -> AbstractContextManager:
         """The optimizer's update (the CPU only: on a GPU it is asynchronous)."""
-        start = time.perf_counter()
-        yield
-        if not self.cuda:
-            self.compute_s += time.perf_counter() - start
+        return contextlib.nullcontext() if self.cuda else self._compute
 
     def take(self) -> tuple[float, float]:
         """(data, compute) seconds since the last take; starts counting again."""
-        compute = self.compute_s
+        compute = self._compute.seconds
         for start, end in self.events:
             end.synchronize()
             compute += start.elapsed_time(end) / 1000
-        taken = (self.data_s, compute)
-        self.data_s, self.compute_s, self.events = 0.0, 0.0, []
+        taken = (self._data.seconds, compute)
+        self._data.seconds, self._compute.seconds, self.events = 0.0, 0.0, []
         return taken
 
 
