@@ -32,6 +32,7 @@ from tests.harness.runs import (
     limit,
     losses,
     merge,
+    patched_on_import,
     read_until,
     write_config,
 )
@@ -152,36 +153,20 @@ def test_the_launcher_refuses_a_store_it_cannot_reach_before_any_worker(s3_serve
     assert not (tmp_path / "runs" / "r" / "checkpoints").exists()
 
 
-# With HOLD_DIR set, every rank waits after its step HOLD_AT (once it is logged) until
-# HOLD_DIR/go exists, so that a pod is lost at a known step whatever the machine's speed.
-HOLD = """
-import importlib.abc, importlib.util, os, sys, time
-from pathlib import Path
-
-class Hold(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "train.checkpoint.policy":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-        def exec_module(module):
-            run(module)
-            due = module.Cadence.due
-            def held(self, step, last):
-                folder = Path(os.environ["HOLD_DIR"])
-                if step == int(os.environ["HOLD_AT"]) and not (folder / "go").exists():
-                    (folder / f"held-{os.environ['RANK']}").touch()
-                    while not (folder / "go").exists():
-                        time.sleep(0.05)
-                return due(self, step, last)
-            module.Cadence.due = held
-        spec.loader.exec_module = exec_module
-        return spec
-
-if os.environ.get("HOLD_DIR"):
-    sys.meta_path.insert(0, Hold())
-"""
+# A sitecustomize for the pods given it: every rank waits after its step HOLD_AT (once it
+# is logged) until HOLD_DIR/go exists, so that a pod is lost at a known step whatever the
+# machine's speed.
+HOLD = patched_on_import("train.checkpoint.policy", """
+due = module.Cadence.due
+def held(self, step, last):
+    folder = Path(os.environ["HOLD_DIR"])
+    if step == int(os.environ["HOLD_AT"]) and not (folder / "go").exists():
+        (folder / f"held-{os.environ['RANK']}").touch()
+        while not (folder / "go").exists():
+            time.sleep(0.05)
+    return due(self, step, last)
+module.Cadence.due = held
+""")
 
 
 def test_a_pod_on_a_new_node_resumes_a_two_pod_job_from_the_store(s3_server, tmp_path):
