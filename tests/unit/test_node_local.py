@@ -146,3 +146,23 @@ def test_a_node_fetches_what_its_ranks_read_and_seals_only_that(aws, tmp_path):
         "model/__0_0.distcp does not match its checksum"
     assert not (tmp_path / "other" / "checkpoints" / "step-2.partial").exists()
     assert not (tmp_path / "other" / "checkpoints" / "step-2").exists()
+
+
+def test_a_start_that_finds_a_part_alone_fetches_the_whole_checkpoint(aws, tmp_path):
+    """A job that shrank to one node (one run directory again) finds on its disk the part
+    it kept of the newest checkpoint: that part is no local checkpoint, so the whole one
+    comes from the store (its own files kept), and is no longer marked a part."""
+    from train.checkpoint.remote import RemoteTier
+    zero, one = two_parts(tmp_path, 2)
+    tier0, tier1 = node_tier(tmp_path, "shrunk", 0), node_tier(tmp_path, "shrunk", 1)
+    tier1.mirror(2, "t")
+    tier0.mirror(2, "t")
+    folder = tmp_path / "node1" / "checkpoints" / "step-2"
+    (folder / ".node-part").touch()  # as the node sealed it
+    alone = RemoteTier.from_url(f"s3://{BUCKET}/shrunk", "run",
+                                LocalStorage(tmp_path / "node1"), keep_last=2)
+    assert alone.fetch_newer() == 2
+    assert json.loads((folder / "checksums.json").read_text()) == {**zero, **one}
+    assert not (folder / ".node-part").exists()
+    from train.checkpoint import reader
+    assert reader.verify(folder) is None
