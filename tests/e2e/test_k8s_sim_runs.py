@@ -3,8 +3,9 @@
 the manifests' commands, arguments and environment, through pod loss, scale-up, the
 loss of the rendezvous pod, a drain, completion and a late pod; a recreated Job waits
 for its predecessor's last checkpoint; pods with node-local run directories (the
-object storage component) refuse a job of two nodes. A broken config:
-tests/unit/test_k8s_sim.py.
+object storage component) refuse a job of two nodes without checkpoint.remote (with it,
+a two-pod job through a pod's replacement: tests/e2e/test_object_storage_runs.py). A
+broken config: tests/unit/test_k8s_sim.py.
 
 The constant schedule (an override) lets a run's length be decided as it goes: the
 last stage finishes 20 steps after the drain, and the uninterrupted reference runs
@@ -147,8 +148,9 @@ def test_a_recreated_job_waits_for_its_predecessors_last_checkpoint(sim, tmp_pat
 
 def test_pods_with_node_local_run_directories_stop_a_multi_node_job_naming_them(tmp_path):
     """k8s/kustomize/objectstore gives each pod its run directory on its node: two pods of
-    one job would each hold part of every checkpoint. Both stop before step 1 in one line
-    (exit 3: the Job fails at once, no retry can help)."""
+    one job would each hold part of every checkpoint. Without checkpoint.remote (which
+    would seal the parts in the store) both stop before step 1 in one line (exit 3: the
+    Job fails at once, no retry can help)."""
     folder = kustomized(tmp_path, ["../cpu"], ["../objectstore"])
     sim = Cluster(folder, tmp_path, network=False, secrets={"train-s3": {}})
     try:

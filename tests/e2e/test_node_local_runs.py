@@ -3,8 +3,9 @@ folder, tests/harness/multinode.py) with ``checkpoint.remote`` on a real S3 serv
 (SeaweedFS, tests/harness/s3server.py): FSDP's sharded checkpoints, written in the
 background, each node uploading its own part and rank 0 sealing them in the store. Both
 nodes then start again with empty run directories and resume from the store bitwise as the
-uninterrupted run went on. The seal's rules in process: tests/unit/test_node_local.py.
-Skips without boto3 and weed (``make s3``)."""
+uninterrupted run went on, each node fetching only its own rank's files and shards. The
+seal's rules in process: tests/unit/test_node_local.py. Skips without boto3 and weed
+(``make s3``)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ def shards(run: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in step.glob("*.distcp")}
 
 
+def held(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
 def stored(server, key: str) -> bytes:
     return server.client().get_object(Bucket=s3server.BUCKET,
                                       Key=f"{PREFIX}/r/{key}")["Body"].read()
@@ -67,8 +72,9 @@ def stored(server, key: str) -> bytes:
 def test_nodes_with_empty_run_directories_resume_from_the_store_bitwise(s3_server, tmp_path):
     """Each node keeps its own part locally (node 1 never holds state.pt); the store's
     checksums.json lists both nodes' files. With both run directories gone and the newer
-    remote checkpoints too, the job resumes from step-2 (each node fetching it whole) and
-    logs the uninterrupted run's losses and writes its final shards bitwise."""
+    remote checkpoints too, the job resumes from step-2 and
+    logs the uninterrupted run's losses and writes its final shards bitwise. Each node
+    fetched only what its rank reads: the shared state, its own rank file and shards."""
     codes = finished(job(tmp_path, s3_server, 1))
     text = lambda nodes: "\n=====\n".join(n.text()[-3000:] for n in nodes)  # noqa: E731
     assert codes == [0, 0], text([])
@@ -79,7 +85,7 @@ def test_nodes_with_empty_run_directories_resume_from_the_store_bitwise(s3_serve
     assert {"state.pt", "rank-0.pt", "rank-1.pt", "model/.metadata", "model/__0_0.distcp",
             "model/__1_0.distcp"} <= set(sums)
     reference, final = losses(node0), {**shards(node0), **shards(node1)}
-    assert sorted(final) == ["__0_0.distcp", "__1_0.distcp"]
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(final)
 
     shutil.rmtree(tmp_path / "node0")
     shutil.rmtree(tmp_path / "node1")
@@ -92,6 +98,16 @@ def test_nodes_with_empty_run_directories_resume_from_the_store_bitwise(s3_serve
     nodes = job(tmp_path, s3_server, 2)
     codes = finished(nodes)
     assert codes == [0, 0], text(nodes)
+    # each node fetched what its rank reads: the shared state, its rank file, the index,
+    # its own shards (the same world size and strategy) and the small files of values DCP
+    # keeps once for every rank (__R_1), never the other rank's shards
+    sums = json.loads(stored(s3_server, "checkpoints/step-2/checksums.json"))
+    small = [n for n in sums if n.endswith("_1.distcp")]
+    for node, rank in ((node0, 0), (node1, 1)):
+        fetched = node / "checkpoints" / "step-2"
+        assert held(fetched) == sorted([".node-part", "checksums.json", "model/.metadata",
+                                        f"model/__{rank}_0.distcp", *small,
+                                        f"rank-{rank}.pt", "state.pt"])
     said = nodes[0].text()
     assert f"fetched checkpoint step-2 from s3://{s3server.BUCKET}/{PREFIX}/r" in said
     assert "at step 2, sample 16 (saved with world size 2, now 2)" in said

@@ -4,8 +4,8 @@ from the store bitwise as the uninterrupted run went on (FSDP shards of two proc
 passing over a remote checkpoint with a flipped byte (named); a store that goes away
 mid-run is one warning and exit 0; a store the launcher cannot reach is exit 3 before
 any worker starts; the credentials appear in nothing a run writes or prints; and the
-Kubernetes manifests with k8s/kustomize/objectstore (no shared volume) resume a lost
-pod's run from the store. The
+Kubernetes manifests with k8s/kustomize/objectstore (no shared volume) resume a two-pod
+job whose pod was replaced on a new node from the store. The
 tier in process: tests/unit/test_object_storage.py. Skips without boto3 and weed
 (``make s3``)."""
 
@@ -32,6 +32,7 @@ from tests.harness.runs import (
     limit,
     losses,
     merge,
+    patched_on_import,
     read_until,
     write_config,
 )
@@ -152,20 +153,46 @@ def test_the_launcher_refuses_a_store_it_cannot_reach_before_any_worker(s3_serve
     assert not (tmp_path / "runs" / "r" / "checkpoints").exists()
 
 
-def test_a_pod_on_a_new_node_resumes_from_the_store_without_a_shared_volume(s3_server, tmp_path):
+# A sitecustomize for the pods given it: every rank waits after its step HOLD_AT (once it
+# is logged) until HOLD_DIR/go exists, so that a pod is lost at a known step whatever the
+# machine's speed.
+HOLD = patched_on_import("train.checkpoint.policy", """
+due = module.Cadence.due
+def held(self, step, last):
+    folder = Path(os.environ["HOLD_DIR"])
+    if step == int(os.environ["HOLD_AT"]) and not (folder / "go").exists():
+        (folder / f"held-{os.environ['RANK']}").touch()
+        while not (folder / "go").exists():
+            time.sleep(0.05)
+    return due(self, step, last)
+module.Cadence.due = held
+""")
+
+
+def test_a_pod_on_a_new_node_resumes_a_two_pod_job_from_the_store(s3_server, tmp_path):
     """The CPU manifests with k8s/kustomize/objectstore, played by the stand-in kubelet
-    (tests/harness/kubesim.py): the run directory is the pod's own emptyDir, the
-    credentials come from the Secret train-s3. The worker pod's node is lost (killed) after
-    a checkpoint reached the store; its replacement starts with an empty disk, fetches
-    that checkpoint and the metrics, and trains the next steps to exactly the losses the
-    lost pod had logged for them; the store then holds every step's metrics once."""
+    (tests/harness/kubesim.py): two worker pods (TRAIN_NNODES=2, FSDP's sharded
+    checkpoints), each with its run directory in its own emptyDir, the credentials from
+    the Secret train-s3. After step-10 is sealed in the store (both pods' parts) and step
+    12 is logged, pod 1's node is lost; its replacement starts with an empty disk, the
+    other pod keeps its own. The job resumes from the store at step 10, the exact next
+    sample, logs the lost attempt's losses for steps 11 and 12 bitwise, and finishes;
+    the new pod fetched only its own rank's shards, and the store's metrics hold every
+    step once."""
     from tests.e2e.test_k8s_sim_runs import SHORT
     from tests.harness.kubesim import JOB, Cluster, kustomized
     folder = kustomized(tmp_path, ["../cpu"], ["../objectstore"])
     keys = {k: v for k, v in s3_server.env().items() if k.startswith("AWS_")}
     sim = Cluster(folder, tmp_path, network=False, secrets={"train-s3": keys})
     s3 = s3_server.client()
-    remote = ["checkpoint.remote=s3://ckpt/k8s", "checkpoint.every_steps=10"]
+    hold, site = tmp_path / "hold", tmp_path / "site"
+    hold.mkdir()
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HOLD)
+    end = 16
+    args = [*SHORT, "checkpoint.remote=s3://ckpt/k8s", "checkpoint.every_steps=10",
+            "distributed.strategy=fsdp", f"train.max_steps={end}"]
+    two = {"TRAIN_NNODES": "2"}
 
     def stored(name: str) -> str:
         got = s3.get_object(Bucket=s3server.BUCKET, Key=f"k8s/train-demo/{name}")
@@ -179,24 +206,32 @@ def test_a_pod_on_a_new_node_resumes_from_the_store_without_a_shared_volume(s3_s
 
     try:
         sim.start_deployment("train-rendezvous").wait_for(r"listening on", 60)
-        lost = sim.start_index(JOB, 0, [*SHORT, *remote, "train.max_steps=100000"])
-        wait_until(sealed_remotely, limit(240), lost)
-        lost.kill()  # the node is gone, and its disk with it
-        step = sealed_remotely()
-        before = losses(tmp_path / "pods" / lost.name / "runs" / "train-demo")
-        assert max(before) > step  # it trained past the checkpoint it lost
-        end = min(max(before), step + 10)
-        new = sim.start_index(JOB, 0, [*SHORT, *remote, f"train.max_steps={end}"])
-        assert new.wait(limit(300)) == 0, new.text()[-3000:]
+        pods = [sim.start_index(JOB, i, args, env={**two, "PYTHONPATH": str(site),
+                                                  "HOLD_DIR": str(hold), "HOLD_AT": "12"})
+                for i in (0, 1)]
+        wait_until(lambda: len(list(hold.glob("held-*"))) == 2 or None, limit(240), pods[0])
+        wait_until(sealed_remotely, limit(120), pods[0])
+        assert sealed_remotely() == 10
+        runs = [tmp_path / "pods" / p.name / "runs" / "train-demo" for p in pods]
+        before = next(losses(r) for r in runs if (r / "metrics.jsonl").exists())  # rank 0's
+        pods[1].kill()  # the node is gone, and its disk with it
+        (hold / "go").touch()
+        new = sim.start_index(JOB, 1, args, env=two)
+        codes = [pods[0].wait(limit(300)), new.wait(limit(300))]
     finally:
         sim.close()
-    assert f"fetched checkpoint step-{step} from s3://ckpt/k8s/train-demo" in new.text()
-    assert f"at step {step}, sample" in new.text()
-    after = losses(tmp_path / "pods" / new.name / "runs" / "train-demo")
-    assert [after[s] for s in range(step + 1, end + 1)] == \
-        [before[s] for s in range(step + 1, end + 1)]
+    said = pods[0].text() + new.text()
+    assert codes == [0, 0], said[-5000:]
+    assert "the run directory is node-local" in said
+    assert "fetched checkpoint step-10 from s3://ckpt/k8s/train-demo" in said
+    assert f"at step 10, sample {10 * 24} (saved with world size 2, now 2)" in said
     rows = [json.loads(line) for line in stored("metrics.jsonl").splitlines()]
+    after = {r["step"]: r["loss"] for r in rows if "loss" in r}
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, end + 1))
+    assert [after[s] for s in (11, 12)] == [before[s] for s in (11, 12)]
+    fetched = tmp_path / "pods" / new.name / "runs" / "train-demo" / "checkpoints" / "step-10"
+    shards = sorted(p.name for p in (fetched / "model").glob("__*_0.distcp"))
+    assert len(shards) == 1, shards  # its own rank's; the other pod's stayed there
     assert not (tmp_path / "pvc").exists()  # no shared volume was there to use
 
 

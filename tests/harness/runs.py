@@ -22,6 +22,7 @@ import queue
 import re
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -246,27 +247,38 @@ def slow_state_writes(seconds: int) -> str:
     """A sitecustomize.py (its folder put first on PYTHONPATH) that makes every write of
     a checkpoint's state.pt take ``seconds`` longer, in every process that imports the
     checkpoint store: a stop checkpoint that needs its grace period."""
-    return f'''
-import importlib.abc, importlib.util, sys, time
+    return patched_on_import("train.checkpoint.store", f"""
+real = module.save_object
+def slow(storage, name, obj):
+    digest = real(storage, name, obj)
+    if name.endswith("/state.pt"):
+        time.sleep({seconds})
+    return digest
+module.save_object = slow
+""")
 
-class SlowSave(importlib.abc.MetaPathFinder):
+
+def patched_on_import(name: str, patch: str) -> str:
+    """A sitecustomize.py (its folder put first on PYTHONPATH) that runs ``patch`` (Python
+    source; ``module`` is the module, and os, sys, time and Path are imported) once the
+    module ``name`` is imported, in every process that imports it."""
+    body = textwrap.indent(textwrap.dedent(patch).strip(), " " * 12)
+    return f'''
+import importlib.abc, importlib.util, os, sys, time
+from pathlib import Path
+
+class Patch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "train.checkpoint.store":
+        if name != {name!r}:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         run = spec.loader.exec_module
         def exec_module(module):
             run(module)
-            real = module.save_object
-            def slow(storage, name, obj):
-                digest = real(storage, name, obj)
-                if name.endswith("/state.pt"):
-                    time.sleep({seconds})
-                return digest
-            module.save_object = slow
+{body}
         spec.loader.exec_module = exec_module
         return spec
 
-sys.meta_path.insert(0, SlowSave())
+sys.meta_path.insert(0, Patch())
 '''

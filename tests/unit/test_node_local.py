@@ -100,3 +100,69 @@ def test_latest_never_moves_backwards_and_a_node_fetches_what_it_lacks(aws, tmp_
     from train.checkpoint import reader
     assert reader.verify(folder) is None
     assert not (tmp_path / "node1" / "metrics.jsonl").exists()  # rank 0's node's record
+
+
+def test_a_node_fetches_what_its_ranks_read_and_seals_only_that(aws, tmp_path):
+    """The two halves of a node-local fetch into an empty run directory: first state.pt,
+    this node's rank files and the shards' index (verified), then the shard files its
+    ranks name; its checksums.json lists what it holds, and it is marked as one node's
+    part (a start that finds it alone fetches the whole one, the launcher does not refuse
+    it). A shard with a flipped byte in the store fails the second half and leaves
+    nothing behind."""
+    tier0, tier1 = node_tier(tmp_path, "part", 0), node_tier(tmp_path, "part", 1)
+    zero, _ = two_parts(tmp_path, 2)
+    part(tmp_path / "node0", 2, {**{n: (tmp_path / "node0" / "checkpoints" / "step-2" / n)
+                                   .read_bytes() for n in zero},
+                                 "model/.metadata": b"index"})
+    tier1.mirror(2, "t")
+    tier0.mirror(2, "t")
+    empty = node_tier(tmp_path, "part", 1)
+    empty.local = LocalStorage(tmp_path / "fresh")
+    assert empty.fetch_part(2, [1]) is None
+    partial = tmp_path / "fresh" / "checkpoints" / "step-2.partial"
+    held = lambda folder: sorted(p.relative_to(folder).as_posix()  # noqa: E731
+                                 for p in folder.rglob("*") if p.is_file())
+    assert held(partial) == ["checksums.json", "model/.metadata", "rank-1.pt", "state.pt"]
+    assert empty.fetch_rest(2, {"model/__1_0.distcp"}) is None
+    folder = tmp_path / "fresh" / "checkpoints" / "step-2"
+    assert held(folder) == [".node-part", "checksums.json", "model/.metadata",
+                            "model/__1_0.distcp", "rank-1.pt", "state.pt"]
+    from train.checkpoint import reader
+    assert not partial.exists()
+    (folder / ".node-part").unlink()
+    assert reader.verify(folder) is None  # what it holds is whole and verified
+    (folder / ".node-part").touch()
+    assert "one node's part of a checkpoint" in reader.verify(folder)  # never resumed alone
+    from train.core import rundir
+    assert rundir.usable_problem(folder.parent) is None  # nor refused by the launcher
+
+    data = bytearray(tier0.remote.read("checkpoints/step-2/model/__0_0.distcp")[0])
+    data[0] ^= 0xFF
+    tier0.remote.replace("checkpoints/step-2/model/__0_0.distcp", bytes(data))
+    other = node_tier(tmp_path, "part", 1)
+    other.local = LocalStorage(tmp_path / "other")
+    assert other.fetch_part(2, [0]) is None
+    assert other.fetch_rest(2, {"model/__0_0.distcp"}) == \
+        "model/__0_0.distcp does not match its checksum"
+    assert not (tmp_path / "other" / "checkpoints" / "step-2.partial").exists()
+    assert not (tmp_path / "other" / "checkpoints" / "step-2").exists()
+
+
+def test_a_start_that_finds_a_part_alone_fetches_the_whole_checkpoint(aws, tmp_path):
+    """A job that shrank to one node (one run directory again) finds on its disk the part
+    it kept of the newest checkpoint: that part is no local checkpoint, so the whole one
+    comes from the store (its own files kept), and is no longer marked a part."""
+    from train.checkpoint.remote import RemoteTier
+    zero, one = two_parts(tmp_path, 2)
+    tier0, tier1 = node_tier(tmp_path, "shrunk", 0), node_tier(tmp_path, "shrunk", 1)
+    tier1.mirror(2, "t")
+    tier0.mirror(2, "t")
+    folder = tmp_path / "node1" / "checkpoints" / "step-2"
+    (folder / ".node-part").touch()  # as the node sealed it
+    alone = RemoteTier.from_url(f"s3://{BUCKET}/shrunk", "run",
+                                LocalStorage(tmp_path / "node1"), keep_last=2)
+    assert alone.fetch_newer() == 2
+    assert json.loads((folder / "checksums.json").read_text()) == {**zero, **one}
+    assert not (folder / ".node-part").exists()
+    from train.checkpoint import reader
+    assert reader.verify(folder) is None

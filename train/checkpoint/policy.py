@@ -8,17 +8,21 @@ others in the background with ``checkpoint.async_save``.
 Resuming: rank 0 picks (:func:`choose_checkpoint`) and every rank loads the same one.
 With node-local run directories (a node holds only its own ranks' part of each local
 checkpoint) the one to resume comes from the store: rank 0 lists the remote sealed ones
-and every node fetches the chosen one whole (:func:`_from_the_store`).
+and every node fetches from the chosen one what its ranks read (:func:`_from_the_store`):
+the shared state, its ranks' own files and, of a sharded checkpoint, the shard files
+its ranks' shards overlap.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from train.checkpoint import reader, retention
 from train.checkpoint.reader import CheckpointsUnusable
+from train.checkpoint.remote_reads import SHARDS_INDEX
 from train.checkpoint.store import Checkpointer
 from train.core import rundir
 from train.core.config import AUTO, Config
@@ -29,6 +33,9 @@ from train.core.remote_config import said
 from train.distributed import ranks
 
 log = logging.getLogger("train")
+
+# The files of a sharded checkpoint's folder this rank's load reads (sharded.files_read).
+Reads = Callable[[Path], set[str]]
 
 
 @dataclass(frozen=True)
@@ -50,15 +57,17 @@ class Cadence:
 
 
 def choose_checkpoint(checkpointer: Checkpointer, choice: str, env: WorkerIdentity,
-                      source: str) -> tuple[Path | None, tuple | None]:
+                      source: str, reads: Reads | None = None
+                      ) -> tuple[Path | None, tuple | None]:
     """Rank 0 picks the checkpoint (the newest that verifies and loads, with a warning for
     each one passed over) and every rank loads that one: ranks deciding on their own could
     resume from different steps after one of them failed to read a file. Returns the path
-    and, on rank 0, what it already loaded."""
+    and, on rank 0, what it already loaded. ``reads``: which files of a sharded
+    checkpoint this rank loads (node-local mode fetches only those)."""
     if choice == "none" and env.continuing:
         choice = AUTO  # a restart of this attempt continues it instead of starting over
     if checkpointer.is_node_local:
-        return _from_the_store(checkpointer, choice, env, source), None
+        return _from_the_store(checkpointer, choice, env, source, reads), None
     if choice == "none":
         if env.is_main:
             moved = retention.set_aside(checkpointer.storage)
@@ -81,10 +90,10 @@ def choose_checkpoint(checkpointer: Checkpointer, choice: str, env: WorkerIdenti
 
 
 def _from_the_store(checkpointer: Checkpointer, choice: str, env: WorkerIdentity,
-                    source: str) -> Path | None:
+                    source: str, reads: Reads | None) -> Path | None:
     """Node-local mode: the newest remote checkpoint that every node fetches and verifies
-    (each node's first rank, into its own run directory), the same on every rank; None
-    for a fresh start. Collective."""
+    (each node's first rank, into its own run directory: what its ranks read), the same
+    on every rank; None for a fresh start. Collective."""
     if choice not in (AUTO, "none"):
         raise CannotRunHere(f"checkpoint.resume_from={choice}: a path needs a run directory "
                             "every node sees; with node-local run directories a run resumes "
@@ -104,7 +113,7 @@ def _from_the_store(checkpointer: Checkpointer, choice: str, env: WorkerIdentity
         raise CannotRunHere(problem)
     gather = ranks.gather(env)
     for step in steps:
-        problems = [p for p in gather(checkpointer.remote.fetch(step) if seals else None) if p]
+        problems = _fetch_everywhere(checkpointer, env, step, reads)
         if not problems:
             if seals:
                 log.info("fetched checkpoint step-%d from %s", step, checkpointer.remote.where)
@@ -123,6 +132,41 @@ def _from_the_store(checkpointer: Checkpointer, choice: str, env: WorkerIdentity
                           f"{'no checkpoint there could be fetched' if steps else 'it holds none'}"
                           "; set checkpoint.resume_from=none to start over")
     return None
+
+
+def _fetch_everywhere(checkpointer: Checkpointer, env: WorkerIdentity, step: int,
+                      reads: Reads | None) -> list[str]:
+    """Collective: each node's first rank fetches ``step``: first what every rank reads
+    (state.pt, its ranks' rank files, a sharded checkpoint's index), then the shard files
+    its ranks load, which each rank names from that index (every file when one cannot).
+    What went wrong on any node (nothing: fetched everywhere), on every rank."""
+    gather, seals, tier = ranks.gather(env), checkpointer.seals, checkpointer.remote
+    problems = [p for p in gather(tier.fetch_part(step, checkpointer.here) if seals
+                                  else None) if p]
+    if problems:
+        if seals:
+            tier.drop_fetch(step)
+        return problems
+    wanted = gather(_shards_read(checkpointer.dir / f"{rundir.step_name(step)}.partial", reads))
+    mine = [wanted[r] for r in checkpointer.here]
+    shards = None if None in mine else set().union(*mine)
+    return [p for p in gather(tier.fetch_rest(step, shards) if seals else None) if p]
+
+
+def _shards_read(folder: Path, reads: Reads | None) -> set[str] | None:
+    """The shard files this rank loads from the checkpoint being fetched into ``folder``
+    (nothing more for the full format), or None: every one."""
+    index = folder / rundir.SHARDS
+    if not (index / SHARDS_INDEX).is_file():
+        return set()
+    if reads is None:
+        return None
+    try:
+        return {f"{rundir.SHARDS}/{name}" for name in reads(index)}
+    except Exception as exc:  # what the load will say too: fetch it all, let it say so
+        log.info("cannot tell from %s which shard files this rank reads (%s): fetching "
+                 "every one", index / SHARDS_INDEX, said(exc))
+        return None
 
 
 def _remote_steps(checkpointer: Checkpointer) -> tuple[list[int] | None, str | None]:

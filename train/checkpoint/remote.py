@@ -38,9 +38,10 @@ above, then a marker ``step-N/.parts/node-K.json`` listing those files, their SH
 the save's token. Rank 0's tier then waits for every node's marker of that save and
 writes ``checksums.json`` only when they are all there and agree (with each other, and
 with the checksums the ranks exchanged, for a foreground save); steps 3-5 follow as
-above, from rank 0 alone. A resume downloads the chosen checkpoint on every node
-(:meth:`RemoteTier.fetch`: the files a node already holds with the right checksum are
-kept, not downloaded again), since each rank may read every rank's shards.
+above, from rank 0 alone. A resume downloads on every node what its ranks read of the
+chosen checkpoint (:meth:`RemoteTier.fetch_part`, then :meth:`RemoteTier.fetch_rest`
+with the shard files the ranks name: the files a node already holds with the right
+checksum are kept, not downloaded again), marked as that node's part.
 
 What the tier reads back from the store (``latest``, the step folders, the nodes' parts,
 the fetch of a checkpoint) is :mod:`.remote_reads`'.

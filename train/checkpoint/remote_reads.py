@@ -8,17 +8,29 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
 from train.checkpoint.objectstore import missing, said
 from train.core import rundir
-from train.core.rundir import CHECKPOINTS, CHECKSUMS, LATEST, MANIFEST, METRICS, STEP_DIR
+from train.core.rundir import (
+    CHECKPOINTS,
+    CHECKSUMS,
+    LATEST,
+    MANIFEST,
+    METRICS,
+    NODE_PART,
+    SHARDS,
+    STEP_DIR,
+)
 
 log = logging.getLogger("train")
 
 CONTINUED = (METRICS, MANIFEST)  # the record files a resumed run appends to
 PARTS = ".parts"                 # a step's node markers (node-local mode)
+SHARDS_INDEX = ".metadata"       # DCP's index of a sharded checkpoint, in SHARDS/
+RANK_FILE = re.compile(r"^rank-(\d+)\.pt$")  # rundir.rank_file's names
 
 
 class RemoteError(Exception):
@@ -87,7 +99,7 @@ class StoreReads:
             if latest is None:
                 return None
             local = max((rundir.step_of(p) for p in rundir.step_dirs(self.local.path(
-                CHECKPOINTS))), default=-1)
+                CHECKPOINTS)) if not rundir.is_part(p)), default=-1)
             newer = [s for s in self.steps(sealed=True) if local < s <= latest]
         except Exception as exc:
             log.warning("cannot read checkpoints from %s (%s); resuming from the local "
@@ -109,14 +121,66 @@ class StoreReads:
         return [] if latest is None else [s for s in self.steps(sealed=True) if s <= latest]
 
     def fetch(self, step: int) -> str | None:
-        """Node-local mode, each node's first rank: the remote checkpoint ``step`` into
-        this node's run directory, whole and verified (the files already here with their
-        checksum are kept), sealed locally; rank 0's node also gets the record. None, or
+        """The remote checkpoint ``step`` into this node's run directory, whole and
+        verified, sealed locally (:meth:`fetch_part` then :meth:`fetch_rest`). None, or
         what is wrong."""
-        return self._fetch(step, record=self.publishes)
+        return self.fetch_part(step, None) or self.fetch_rest(step, None)
 
-    def _fetch(self, step: int, record: bool = True) -> str | None:
-        """Download one remote checkpoint and seal it locally; None, or what is wrong."""
+    def fetch_part(self, step: int, ranks: list[int] | None) -> str | None:
+        """Node-local mode, each node's first rank, first half of a fetch: into
+        ``step-N.partial``, what every rank of this node reads whatever its shards
+        (state.pt, the rank files of ``ranks``, None: every one, and a sharded
+        checkpoint's index), each file verified; the remote checksums.json is kept
+        there for :meth:`fetch_rest`. None, or what is wrong (nothing left behind)."""
+        final = f"{CHECKPOINTS}/{rundir.step_name(step)}"
+        partial = f"{final}.partial"
+        self.local.delete(partial)
+        try:
+            data, _ = self.remote.read(f"{final}/{CHECKSUMS}")
+            sums = json.loads(data)
+            problem = self._download(final, partial, sums,
+                                     [n for n in sums if _read_by_every_rank(n, ranks)])
+            if problem is None:
+                self.local.replace(f"{partial}/{CHECKSUMS}", data)
+        except Exception as exc:
+            problem = said(exc)
+        if problem is not None:
+            self.local.delete(partial)
+        return problem
+
+    def fetch_rest(self, step: int, shards: set[str] | None) -> str | None:
+        """Second half: the shard files ``shards`` (names in the checkpoint; None: every
+        file not fetched yet), verified; then the checkpoint is sealed locally with a
+        checksums.json listing the files this node holds, and rank 0's node gets the
+        record. None, or what is wrong (nothing left behind)."""
+        final = f"{CHECKPOINTS}/{rundir.step_name(step)}"
+        partial = f"{final}.partial"
+        try:
+            sums = json.loads(self.local.read_text(f"{partial}/{CHECKSUMS}"))
+            here = [n for n in sums if self.local.exists(f"{partial}/{n}")]
+            wanted = [n for n in sums if n not in here and (shards is None or n in shards)]
+            problem = self._download(final, partial, sums, wanted)
+        except Exception as exc:
+            problem = said(exc)
+        if problem is not None:
+            self.local.delete(partial)
+            return problem
+        held = {n: d for n, d in sums.items() if n in here or n in wanted}
+        self.local.replace(f"{partial}/{CHECKSUMS}", (json.dumps(held, indent=1) + "\n").encode())
+        if held != sums:  # this node's part: never resumed alone
+            self.local.replace(f"{partial}/{NODE_PART}", b"")
+        self._seal_fetched(step)
+        if self.publishes:
+            self._fetch_record()
+        return None
+
+    def drop_fetch(self, step: int) -> None:
+        """A fetch another node failed: its first half goes."""
+        self.local.delete(f"{CHECKPOINTS}/{rundir.step_name(step)}.partial")
+
+    def _fetch(self, step: int) -> str | None:
+        """Download one remote checkpoint whole and seal it locally (a run directory the
+        ranks share); None, or what is wrong."""
         final = f"{CHECKPOINTS}/{rundir.step_name(step)}"
         partial = f"{final}.partial"
         self.local.delete(partial)
@@ -128,12 +192,15 @@ class StoreReads:
         if isinstance(sums, str):
             self.local.delete(partial)
             return sums
-        self.local.delete(final)  # node-local mode: this node's part of it, now complete
-        self.local.move(partial, final)
-        self.local.replace(f"{CHECKPOINTS}/{LATEST}", f"{rundir.step_name(step)}\n".encode())
-        if record:
-            self._fetch_record()
+        self._seal_fetched(step)
+        self._fetch_record()
         return None
+
+    def _seal_fetched(self, step: int) -> None:
+        final = f"{CHECKPOINTS}/{rundir.step_name(step)}"
+        self.local.delete(final)  # node-local mode: this node's part of it, now complete
+        self.local.move(f"{final}.partial", final)
+        self.local.replace(f"{CHECKPOINTS}/{LATEST}", f"{rundir.step_name(step)}\n".encode())
 
     def _fetch_record(self) -> None:
         """Into a run directory that has none: the record a resumed run goes on with."""
@@ -150,16 +217,25 @@ class StoreReads:
         """Every file of ``final`` into ``partial``, checked: the checksums, or a problem."""
         data, _ = self.remote.read(f"{final}/{CHECKSUMS}")
         sums = json.loads(data)
-        for name, digest in sums.items():
-            target = self.local.path(f"{partial}/{name}")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if self._kept(f"{final}/{name}", digest, target):
-                continue
-            if self.remote.download(f"{final}/{name}", target) != digest:
-                return f"{name} does not match its checksum"
+        problem = self._download(final, partial, sums, list(sums))
+        if problem is not None:
+            return problem
         self.local.replace(f"{partial}/{CHECKSUMS}", data)
         return sums
 
+    def _download(self, final: str, partial: str, sums: dict, names: list[str]
+                  ) -> str | None:
+        """The files ``names`` of ``final`` into ``partial``, each checked against
+        ``sums`` as it arrives (one this node holds already is kept): None, or what is
+        wrong."""
+        for name in names:
+            target = self.local.path(f"{partial}/{name}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if self._kept(f"{final}/{name}", sums[name], target):
+                continue
+            if self.remote.download(f"{final}/{name}", target) != sums[name]:
+                return f"{name} does not match its checksum"
+        return None
 
     def _kept(self, name: str, digest: str, target: Path) -> bool:
         """A file already here with ``digest`` (this node's own part): linked into the
@@ -172,3 +248,12 @@ class StoreReads:
         except OSError:  # a file system without hard links
             shutil.copyfile(have, target)
         return True
+
+
+def _read_by_every_rank(name: str, ranks: list[int] | None) -> bool:
+    """A checkpoint file every rank of a node holding ``ranks`` reads, whatever its
+    shards: state.pt, those ranks' own rank files, a sharded checkpoint's index."""
+    if name.startswith(f"{SHARDS}/"):
+        return name == f"{SHARDS}/{SHARDS_INDEX}"
+    own = RANK_FILE.match(name)
+    return own is None or ranks is None or int(own[1]) in ranks

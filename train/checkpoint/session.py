@@ -13,7 +13,7 @@ import logging
 import torch
 
 from train import hf
-from train.checkpoint import formats, reader, remote
+from train.checkpoint import formats, reader, remote, sharded
 from train.checkpoint.policy import choose_checkpoint
 from train.checkpoint.state import Restored, TrainState, payload, rank_payload, set_rng_state
 from train.components import Components
@@ -48,8 +48,9 @@ def save_checkpoint(c: Components, state: TrainState, guard: Guard, *,
 
 def resume(c: Components) -> TrainState:
     """The progress to start from: a fresh state, or the chosen checkpoint's, loaded."""
-    path, loaded = choose_checkpoint(c.checkpointer, c.cfg.checkpoint.resume_from, c.env,
-                                     c.source)
+    path, loaded = choose_checkpoint(
+        c.checkpointer, c.cfg.checkpoint.resume_from, c.env, c.source,
+        reads=lambda folder: sharded.files_read(c.model, c.optimizer, folder))
     if path is None:
         return TrainState()
     shared, mine = loaded if loaded is not None else reader.load(path, c.env.rank)

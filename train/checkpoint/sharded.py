@@ -2,9 +2,10 @@
 with torch.distributed.checkpoint (DCP), so that no rank ever holds the full state.
 
 The shards go into ``step-N.partial/model/`` (``rundir.SHARDS``: ``__<rank>_0.distcp``
-per rank, and the ``.metadata`` index rank 0 writes) under the same protocol as everything else
-(:mod:`.store`): each rank fsyncs and hashes its own files, rank 0 lists every hash in
-``checksums.json`` and renames the folder into place. DCP writes its files through
+per rank, its own shards, ``__<rank>_1.distcp`` beside it under FSDP for the small values
+every rank reads, and the ``.metadata`` index rank 0 writes) under the same protocol as
+everything else (:mod:`.store`): each rank fsyncs and hashes its own files, rank 0 lists
+every hash in ``checksums.json`` and renames the folder into place. DCP writes its files through
 :class:`_BulkFileSystem`: the same pipeline as every other checkpoint file
 (:class:`train.core.bulk.BulkFile`: large writes, O_DIRECT where it pays, hashed while
 written), so no file is read back to be hashed. The rest of the checkpoint (step,
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -60,7 +62,26 @@ def _writer(folder: Path):
             if Path(path) in self.digests:
                 self.digests[Path(new_path)] = self.digests.pop(Path(path))
 
-    writer = dcp.FileSystemWriter(str(folder), sync_files=False, single_file_per_rank=True)
+    class _SplitWriter(dcp.FileSystemWriter):
+        """Two files per rank: ``__<rank>_0.distcp``, this rank's own shards, and
+        ``__<rank>_1.distcp``, the values DCP has this rank write for every rank
+        (replicated tensors such as the optimizer's step counts, and non-tensor state,
+        spread over the ranks); one, ``__<rank>_0.distcp``, where it has only one kind
+        (no shards: DDP, one process). A rank that loads with the same world size and strategy
+        then reads its own shard file and the small ones: a node resuming from object
+        storage fetches only those (:mod:`.remote_reads`), not every rank's shards."""
+
+        def write_data(self, plan, planner):
+            from torch.distributed.checkpoint.planner import WriteItemType
+            own = [i for i in plan.items if i.type == WriteItemType.SHARD]
+            shared = [i for i in plan.items if i.type != WriteItemType.SHARD]
+            files: queue.Queue = queue.Queue()
+            for number, items in enumerate(b for b in (own, shared) if b):
+                name = f"{plan.storage_data.prefix}{number}.distcp"
+                files.put((self.fs.concat_path(self.path, name), name, items))
+            return self._write_data(planner, files)
+
+    writer = _SplitWriter(str(folder), sync_files=False, single_file_per_rank=True)
     writer.fs = _BulkFileSystem()
     return writer
 
@@ -224,6 +245,21 @@ def load(model, optimizer, folder: Path) -> None:
                  no_dist=not dist.is_initialized())
     set_state_dict(state_target(model), optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"], options=_options())
+
+
+def files_read(model, optimizer, folder: Path) -> set[str]:
+    """The files of the sharded checkpoint ``folder`` that :func:`load` reads on this
+    rank, from its index (``.metadata``) alone: DCP's own load plan for this rank's
+    shards, each piece it reads mapped to the file that holds it. With the world size
+    and strategy it was saved with, a rank's own file (and any file DCP put a replicated
+    value in); resharded, the files its new shards overlap."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state_dicts(model, optimizer), metadata, is_coordinator=False)
+    return {metadata.storage_data[item.storage_index].relative_path
+            for item in planner.create_local_plan().items}
 
 
 def full_model_state(folder: Path) -> dict[str, Any]:

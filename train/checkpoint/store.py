@@ -39,7 +39,7 @@ from train.checkpoint import reader, retention
 from train.checkpoint.serializer import CheckpointWriteError, save_object, snapshot, writing
 from train.checkpoint.storage import LocalStorage
 from train.core import rundir
-from train.core.rundir import CHECKPOINTS, CHECKSUMS, LATEST, SHARDS, STATE_FILE
+from train.core.rundir import CHECKPOINTS, CHECKSUMS, LATEST, NODE_PART, SHARDS, STATE_FILE
 
 # Shards: a collective writer of sharded state into a folder, returning the files this
 # rank wrote with their SHA-256, hashed while written (in the background: a function that
@@ -249,6 +249,8 @@ class Checkpointer:
         with writing(self.storage, save.partial, f"{save.partial}/{CHECKSUMS}"):
             self.storage.replace(f"{save.partial}/{CHECKSUMS}",
                                  (json.dumps(sums, indent=1) + "\n").encode())
+            if self.is_node_local:  # never resumed alone: the store holds the whole one
+                self.storage.replace(f"{save.partial}/{NODE_PART}", b"")
             replaced = f"{save.final}.replaced"
             if self.storage.exists(save.final):
                 self.storage.delete(replaced)

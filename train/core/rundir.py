@@ -48,6 +48,9 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "state.pt"           # shared state: model, optimizer, schedule, position, config
 CHECKSUMS = "checksums.json"      # every file's SHA-256: written last, it seals the folder
 SHARDS = "model"                  # a sharded checkpoint's model and optimizer (DCP)
+# ... and in one node's part of a checkpoint (node-local run directories: the whole one is
+# in checkpoint.remote), beside the files of that node's ranks its checksums.json lists
+NODE_PART = ".node-part"
 # In an export
 EXPORT_WEIGHTS = "model.pt"
 EXPORT_META = "model.json"
@@ -106,6 +109,11 @@ def step_dirs(folder: Path) -> list[Path]:
     return [p for p in folder.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
 
 
+def is_part(path: Path) -> bool:
+    """The checkpoint ``path`` holds one node's part only (:data:`NODE_PART`)."""
+    return (path / NODE_PART).exists()
+
+
 def latest_name(folder: Path) -> str | None:
     """The step folder ``latest`` names; None when it is missing or unreadable (garbage
     in it is ignored with a warning: the newest verified checkpoint wins)."""
@@ -132,6 +140,9 @@ def candidates(folder: Path) -> list[Path]:
 
 def quick_check(path: Path) -> str | None:
     """What a look at a checkpoint's files (no hashing) finds wrong, or None."""
+    if is_part(path):
+        return ("one node's part of a checkpoint (a node-local run directory): the whole one "
+                "is resumed from checkpoint.remote")
     try:
         sums = json.loads((path / CHECKSUMS).read_text())
     except (OSError, ValueError):
@@ -145,7 +156,7 @@ def quick_check(path: Path) -> str | None:
 def usable_problem(folder: Path) -> str | None:
     """The parent's cheap check before a resume: checkpoints exist, but none of them
     even has its files. None when there are none, or one looks whole."""
-    found = candidates(folder)
+    found = [p for p in candidates(folder) if not is_part(p)]  # resumed through the store
     problems = [(p.name, quick_check(p)) for p in found]
     if not found or any(problem is None for _, problem in problems):
         return None
