@@ -145,7 +145,7 @@ def _save(fmt: str, ckpt, model, optimizer, step: int, background: bool) -> dict
 
 def _rank_bytes(folder: Path, rank: int) -> int:
     """The bytes rank ``rank`` wrote into a sealed checkpoint folder."""
-    mine = [f"rank-{rank}.pt", f"model/__{rank}_0.distcp"]
+    mine = [f"rank-{rank}.pt", f"model/__{rank}_0.distcp", f"model/__{rank}_1.distcp"]
     if rank == 0:
         mine += ["state.pt", "model/.metadata", "checksums.json"]
     return sum((folder / name).stat().st_size for name in mine if (folder / name).exists())
