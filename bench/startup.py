@@ -16,12 +16,18 @@ plain script's "plain: ready" or the trainer's "INFO model" line), the first ste
 ratios, each against torchrun + the plain script: the trainer under plain torchrun, and
 the trainer's own command.
 
+The project's modules are byte-compiled first, as a pip install and the images do: in a
+shell with PYTHONDONTWRITEBYTECODE set, every process would compile them from source at
+each start (the launcher, torchrun's agent, each worker), a cost of the checkout that no
+installed copy pays and the one-file plain script hardly has.
+
     python -m bench.startup [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import os
 import re
@@ -148,6 +154,8 @@ def main() -> None:
     args = parser.parse_args()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     runs: dict[str, list[dict[str, float]]] = {}
+    for package in ("launcher", "train", "bench"):  # see the module's docstring
+        compileall.compile_dir(ROOT / package, quiet=1)
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         config = bench_config(Path(tmp), 5)
         for round_ in range(args.rounds):
