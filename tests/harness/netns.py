@@ -145,6 +145,11 @@ class Network:
             raise RuntimeError(f"tc tbf on {host.name}: {tbf.stderr.strip()}")
         return f"tbf rate {rate} (no netem in this kernel)"
 
+    def sysctl(self, host: Host, setting: str) -> None:
+        """A network setting of ``host``'s own namespace (``net.ipv4.tcp_wmem=...``)."""
+        subprocess.run(["nsenter", f"--net=/run/netns/{host.netns}", "sysctl", "-q", "-w",
+                        setting], check=True, capture_output=True, text=True)
+
     def fast_link(self, host: Host) -> None:
         self._tc(host, "qdisc", "del", "dev", "eth0", "root")
 

@@ -8,6 +8,7 @@ preflight in a real multi-node start: tests/e2e/test_preflight_runs.py."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 import time
@@ -118,6 +119,9 @@ def _wait(path, procs, timeout: float) -> dict:
 
 def test_three_hosts_alike_then_one_whose_link_tc_holds_back_is_named(net, tmp_path):
     hosts = [net.host(f"node{i}") for i in range(3)]
+    # node2's kernel buffers a whole 1 MiB send at once: its side of an exchange is then
+    # fast to it (a buffered send, a fast receive) however slowly its data leaves
+    net.sysctl(hosts[2], "net.ipv4.tcp_wmem=4096 4194304 16777216")
     env = worker_env({"PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "eth0"})
     procs = [h.process("links", [sys.executable, "-c", SCRIPT, str(i), str(tmp_path)], env,
                        tmp_path).start() for i, h in enumerate(hosts)]
@@ -138,6 +142,10 @@ def test_three_hosts_alike_then_one_whose_link_tc_holds_back_is_named(net, tmp_p
     [line] = delayed["lines"]
     assert line.startswith("preflight: node 2 (node2) links 0.") and \
         "its fastest of 2 peer nodes" in line, line
+    # 50 mbit is 6.25 MB/s: no exchange of node2's can be timed faster than that (a load
+    # only slows it); a send timed as done when merely buffered read 124 MB/s here
+    slow = re.search(r"\((\d+(?:\.\d+)?) (?:MB/s )?vs ", line)
+    assert slow and float(slow.group(1)) <= 2 * 6.25, line
     assert [len(r) for r in delayed["links"]] == [2, 2, 2]  # every pair of three, timed
     assert delayed["parts"] == 2 * 2 * 4  # two checks, two peers, a warm-up and 3 timed
 

@@ -56,14 +56,22 @@ def measure(results: Sequence[RankResult], me: RankResult, device: torch.device,
 
 def _exchange(mine: torch.Tensor, theirs: torch.Tensor, peer: int, device: torch.device,
               progress: Callable[[], None]) -> float:
-    """The fastest timed exchange with ``peer``, in milliseconds."""
+    """The fastest timed exchange with ``peer``, in milliseconds.
+
+    Each exchange ends with a one-element acknowledgement both ways, sent once this
+    side has received the peer's tensor: a send counts as done when the kernel has
+    buffered it, so without it the side whose outgoing link is held back (tc on its
+    egress, a bad NIC's transmit) would time only its fast receive and its buffered
+    send, and the pair, judged by its faster side, would look healthy."""
+    done, ack = torch.ones(1, device=device), torch.empty(1, device=device)
     times = []
     for i in range(WARMUP + REPEATS):  # the warm-up waits for the peer to arrive
         _sync(device)
         start = time.perf_counter()
-        ops = [dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, theirs, peer)]
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+        for pair in ((mine, theirs), (done, ack)):
+            ops = [dist.P2POp(dist.isend, pair[0], peer), dist.P2POp(dist.irecv, pair[1], peer)]
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
         _sync(device)
         if i >= WARMUP:
             times.append(time.perf_counter() - start)
