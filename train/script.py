@@ -7,18 +7,28 @@ torchrun (or the launcher, for one process) starts this in place of the trainer 
 ended, so the launcher can name the failing rank in one line and map the exit codes as
 for training. Like a training worker, it stops when its parent (torchrun or the
 launcher) dies.
+
+It ends the way the trainer does, without the interpreter's finalisation
+(:func:`train.core.host.exit_now`): there, the destructors of a gloo process group's C++
+threads now and then abort a rank that has finished ("terminate called without an active
+exception"), which read as a failed run. What a script may rely on from a normal exit
+still happens first, in Python's order: its non-daemon threads are joined, then its
+``atexit`` functions run; only objects' finalisers at teardown (which Python never
+promises) are skipped.
 """
 
 from __future__ import annotations
 
+import atexit
 import runpy
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
 from train.core import peers
-from train.core.host import die_with_parent
+from train.core.host import die_with_parent, exit_now
 from train.core.identity import WorkerIdentity
 from train.core.protocol import Reporter
 
@@ -55,11 +65,22 @@ def run(argv: list[str]) -> tuple[int, str | None]:
     return 0, None
 
 
+def finish_like_python() -> None:
+    """What the interpreter does at a normal exit before it tears objects down: wait for
+    the script's non-daemon threads, then run its atexit functions."""
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+
+
 def main(argv: list[str]) -> int:
     die_with_parent(signal.SIGTERM)
     code, error = 1, None
     try:
         code, error = run(argv)
+        finish_like_python()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -68,4 +89,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))

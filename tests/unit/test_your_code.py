@@ -159,6 +159,24 @@ def test_your_script_runs_on_two_processes_and_a_failing_rank_is_named(tmp_path)
         "error: the script failed: rank 1: ValueError: rank 1 refuses; details in its log ")
 
 
+def test_a_scripts_threads_and_atexit_functions_finish_before_it_exits(tmp_path):
+    """The script's process ends without the interpreter's teardown, yet what a normal
+    exit promises still happens, in Python's order: a non-daemon thread is joined, then
+    the atexit functions run; the script's exit code is the one reported."""
+    (tmp_path / "late.py").write_text(
+        "import atexit, sys, threading, time\n"
+        "from pathlib import Path\n"
+        "def slow():\n    time.sleep(0.5)\n    Path('thread-done').touch()\n"
+        "def at_exit():\n"
+        "    Path('atexit-saw-thread').write_text(str(Path('thread-done').exists()))\n"
+        "atexit.register(at_exit)\n"
+        "threading.Thread(target=slow).start()\n"
+        "sys.exit(7)\n")
+    out = entry("launch", "late.py", cwd=tmp_path)
+    assert out.returncode == 1 and "rank 0: exit code 7;" in out.stderr, out.stderr[-2000:]
+    assert (tmp_path / "atexit-saw-thread").read_text() == "True"
+
+
 def test_launch_plans_like_train_and_refuses_bad_input(tmp_path):
     plan = entry("launch", "--dry-run", "distributed.nproc_per_node=2", str(SCRIPT), "--x",
                  cwd=tmp_path)
