@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from train.core.host import exit_now
 from train.core.protocol import COMM, Probe, Reporter
 
 STAGES = ("start", "init", "matmul", "allreduce", "done")
@@ -65,4 +66,4 @@ def child(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(child(sys.argv[1:]))
+    exit_now(child(sys.argv[1:]))  # no teardown of gloo threads (train/script.py says why)
