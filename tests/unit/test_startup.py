@@ -1,17 +1,16 @@
-"""What a worker loads before its first step: nothing of torch's compiler stack
-(torch._dynamo, torch._inductor: ~800 modules, ~1 CPU-s a worker) on its own account.
-
-torch 2.13's optimizers and DDP import that stack themselves (their wrappers call into
-torch._dynamo), and so does a plain hand-written loop; what the trainer must not do is
-pull it in earlier or elsewhere, as an unconditional ``use_deterministic_algorithms(False)``
-did. Real processes: a fresh interpreter, and a real run of ``python -m train`` watched
-by an import hook that only records (it loads nothing itself)."""
+"""What a worker loads before and during its run: nothing of torch's compiler stack
+(torch._dynamo, torch._inductor: ~800 modules, ~1.3 CPU-s a process) unless it compiles,
+though torch 2.13's optimizers, DDP and state-dict API reach for it (train/compiler_stack.py
+answers them), and nothing of TensorBoard's summary API. Real processes: a fresh
+interpreter, and real runs of ``python -m train`` under torchrun, watched by an import
+hook that only records (it loads nothing itself)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -51,10 +50,11 @@ def test_determinism_off_loads_no_compiler_and_on_still_sets_every_switch():
 
 
 # Runs `python -m train` as it is; the hook records where the first module of each watched
-# package was imported from (the innermost frames), into the JSON file named by argv[1].
+# package was imported from (the innermost frames), into the JSON file named by argv[1]
+# with this rank appended.
 WATCHED_RUN = """
-import json, runpy, sys, traceback
-out = sys.argv.pop(1)
+import json, os, runpy, sys, traceback
+out = sys.argv.pop(1) + "." + os.environ.get("RANK", "0")
 first = {{}}
 class FirstImport:
     def find_spec(self, name, path=None, target=None):
@@ -75,35 +75,81 @@ TENSORBOARD_API = ("torch.utils.tensorboard", "tensorboard.summary",
 
 @pytest.fixture(scope="module")
 def first_imports(tmp_path_factory) -> dict[str, list[list[str]]]:
-    """Watched package -> the stack that first imported it in a real one-process run
-    (3 steps, TensorBoard on, a checkpoint at the end), innermost last; absent when
-    nothing did."""
+    """Watched package -> the stack that first imported it in any rank of real two-process
+    DDP runs (4 steps with TensorBoard, evaluations and checkpoints, then a resume to
+    step 6), innermost last; absent when nothing did."""
     tmp_path = tmp_path_factory.mktemp("watched")
-    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
-        "output": {"dir": str(tmp_path)}, "train": {"max_steps": 3},
-        "logging": {"tensorboard": True}}))
     record = tmp_path / "first-imports.json"
-    cmd = [sys.executable, "-c", WATCHED_RUN.format(watched=COMPILER + TENSORBOARD_API),
-           str(record), str(config)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True,
-                          timeout=limit(180))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert list(tmp_path.glob("*/tb/train/events.out.tfevents.*"))  # TensorBoard was on
-    return json.loads(record.read_text()) if record.exists() else {}
+    hook = WATCHED_RUN.format(watched=COMPILER + TENSORBOARD_API)
+    (tmp_path / "watched.py").write_text(hook)
+    for steps in (4, 6):
+        config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
+            "output": {"dir": str(tmp_path)}, "run": {"name": "w"},
+            "train": {"max_steps": steps, "eval_every_steps": 2},
+            "checkpoint": {"every_steps": 2}, "logging": {"tensorboard": True}}))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", str(tmp_path / "watched.py"), str(record), str(config)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True,
+                              text=True, timeout=limit(300))
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr  # the second run loaded step 4
+    assert list(tmp_path.glob("w/tb/train/events.out.tfevents.*"))  # TensorBoard was on
+    first: dict[str, list[list[str]]] = {}
+    for rank_record in sorted(tmp_path.glob("first-imports.json.*")):
+        for prefix, frames in json.loads(rank_record.read_text()).items():
+            first.setdefault(prefix, frames)
+    return first
 
 
-def test_a_default_run_loads_the_compiler_stack_only_where_torchs_optimizer_does(
-        first_imports):
-    frames = first_imports.get(COMPILER[0]) or first_imports.get(COMPILER[1])
-    if not frames:  # a torch whose optimizers no longer load it: nothing did
-        return
-    own = [i for i, (file, _) in enumerate(frames) if file.startswith(str(ROOT / "train"))]
-    assert own, frames  # loaded below the trainer's code, not by the interpreter's start
-    torch_call = frames[own[-1] + 1][0]  # the torch API the trainer's code called
-    assert "/torch/optim/" in torch_call or "/torch/nn/parallel/" in torch_call, frames[-12:]
+def test_a_default_ddp_run_never_loads_the_compiler_stack(first_imports):
+    loaded = {prefix: frames[-12:] for prefix, frames in first_imports.items()
+              if prefix in COMPILER}
+    assert loaded == {}
 
 
 def test_tensorboard_events_are_written_without_tensorboards_summary_api(first_imports):
     loaded = {prefix: frames[-6:] for prefix, frames in first_imports.items()
               if prefix in TENSORBOARD_API}
     assert loaded == {}
+
+
+# With the stand-in in place: an optimizer and a "do not trace" function run without the
+# compiler; then a compile loads it, a submodule import gives the one copy the package
+# holds, and the function wrapped earlier is not traced (the compiled function breaks
+# into two graphs around it, as torch's own disable makes it).
+STAND_IN = """
+import sys, torch
+from train import compiler_stack
+assert compiler_stack.keep_unloaded()
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 4)).sum().backward()
+opt.step()
+
+@torch._disable_dynamo
+def side(x):
+    return x + 1
+
+side(torch.ones(1))
+stand_in = type(sys.modules["torch._dynamo"]).__name__ == "_StandIn"
+before = sorted(m for m in sys.modules if m.startswith(("torch._dynamo.", "torch._inductor")))
+import torch._dynamo.config as config
+import torch._dynamo
+graphs = []
+def count(gm, inputs):
+    graphs.append(gm)
+    return gm
+compiled = torch.compile(lambda x: side(x * 2) * 3, backend=count)
+value = compiled(torch.ones(1)).item()
+opt.step()
+print(stand_in, before, config is torch._dynamo.config is sys.modules["torch._dynamo.config"],
+      len(graphs), value)
+"""
+
+
+def test_the_stand_in_gives_way_to_the_real_compiler_when_something_compiles():
+    script = textwrap.dedent(STAND_IN)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=worker_env(),
+                          capture_output=True, text=True, timeout=limit(180))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "[]", "True", "2", "9.0"]

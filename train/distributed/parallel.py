@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
+from train import compiler_stack
 from train.core.config import Config
 from train.core.errors import CannotRunHere, ConfigError
 from train.core.identity import WorkerIdentity
@@ -144,6 +145,8 @@ def parallelize(module: nn.Module, cfg: Config, env: WorkerIdentity,
     strategy = cfg.distributed.strategy
     if cfg.compile:
         module.compile()
+    else:
+        compiler_stack.keep_unloaded()
     if strategy == "dp":
         dtype = autocast_dtype(cfg.precision)
         if dtype is not None:
