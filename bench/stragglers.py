@@ -127,13 +127,13 @@ def timing_alone(blocks: int = 40, steps: int = 50) -> tuple[float, float, int]:
 def _step(model, optim, x, phases) -> None:
     """One training step as the trainer's loop times it (phases None: untimed)."""
     timed = phases or _Untimed()
-    with timed.data():
+    with timed.data:
         batch = x.clone()
-    with timed.compute():
+    with timed.compute:
         loss = model(batch).float().logsumexp(-1).mean()
     with timed.backward():
         loss.backward()
-    with timed.optimizer():
+    with timed.optimizer:
         optim.step()
         optim.zero_grad(set_to_none=True)
 

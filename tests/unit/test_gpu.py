@@ -79,7 +79,7 @@ def test_the_straggler_clock_times_gpu_work_with_cuda_events():
     x = torch.randn(4096, 4096, device="cuda")
     taken = []
     for repeats in (1, 20):
-        with phases.compute():
+        with phases.compute:
             for _ in range(repeats):
                 x = (x @ x) / 4096
         taken.append(phases.take()[1])

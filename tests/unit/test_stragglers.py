@@ -106,9 +106,9 @@ def test_off_and_alone_say_nothing():
 
 def test_the_phase_clock_counts_what_runs_inside_it_and_starts_again():
     phases = StepPhases(torch.device("cpu"))
-    with phases.data():
+    with phases.data:
         torch.ones(10).sum()
-    with phases.compute():
+    with phases.compute:
         x = torch.randn(256, 256)
         for _ in range(20):
             x = x @ x.T / 256

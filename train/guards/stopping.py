@@ -47,6 +47,7 @@ class StopFlag:
         self.told: tuple[int, bool] = (-1, False)  # (step, any rank's flag) from a gather
         self.last_agreed = 0                        # the step of the last agreement
         self.pending: tuple[torch.Tensor, dist.Work] | None = None  # a reduction under way
+        self.flag: torch.Tensor | None = None
         self.shutdown = shutdown
 
     def install(self) -> None:
@@ -85,8 +86,11 @@ class StopFlag:
         self.last_agreed = step
         if self._heard():  # what every rank's flag was at the previous agreement of its own
             return True
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        self.pending = flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        if self.flag is None:  # one tensor for all: the last reduction was read above
+            self.flag = torch.zeros(1, device=device)
+        self.flag.fill_(1.0 if self.requested else 0.0)
+        self.pending = self.flag, dist.all_reduce(self.flag, op=dist.ReduceOp.MAX,
+                                                  async_op=True)
         return False
 
     def _gather_within_every(self, step: int) -> bool:

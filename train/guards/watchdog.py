@@ -155,10 +155,13 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     def pet(self, step: int = 0) -> None:
-        """A step begins."""
+        """A step begins. (What :meth:`progress` does, inline: this runs every step.)"""
         self.step, self.phase, self.watched = step, STEP, self.limit
-        self.progress()
-        now = time.monotonic()
+        now = self.last = time.monotonic()
+        if now - self.armed_at >= max(1.0, self.watched * REARM_SHARE):  # rearm_s()
+            self._arm(now)
+        if self._thread is None:
+            self._start()
         if self.reporter is not None and now - self.reported_at >= PROGRESS_EVERY_S:
             self.reporter.progress(step)
             self.reported_at = now
@@ -168,16 +171,20 @@ class Watchdog:
         checkpoint agreed, a file was written). A no-op while paused."""
         if self.phase is None:
             return
-        now = time.monotonic()
-        self.last = now
-        # Arming faulthandler starts a thread: at most every REARM_SHARE of the limit (a
-        # second at least), each time that much later, so it never fires earlier than
-        # BACKSTOP_S after the limit (every 6 s for the floor's 120 s)
-        rearm = max(1.0, self.watched * REARM_SHARE)
-        if now - self.armed_at >= rearm:
-            faulthandler.dump_traceback_later(self.watched + BACKSTOP_S + rearm, exit=True)
-            self.armed_at = now
+        now = self.last = time.monotonic()
+        if now - self.armed_at >= self.rearm_s():
+            self._arm(now)
         self._start()
+
+    def rearm_s(self) -> float:
+        """Arming faulthandler starts a thread: at most every REARM_SHARE of the limit (a
+        second at least), each time that much later, so it never fires earlier than
+        BACKSTOP_S after the limit (every 6 s for the floor's 120 s)."""
+        return max(1.0, self.watched * REARM_SHARE)
+
+    def _arm(self, now: float) -> None:
+        faulthandler.dump_traceback_later(self.watched + BACKSTOP_S + self.rearm_s(), exit=True)
+        self.armed_at = now
 
     def _start(self) -> None:
         if self._thread is None:

@@ -78,10 +78,11 @@ class Console:
                 handler.addFilter(self._filter)
 
     def step(self, step: int) -> None:
-        """Every step (cheap): the bar moves; nothing in plain mode."""
+        """Every step, with the bar only: the bar moves. (Plain lines are written by
+        :meth:`row`, which feeds the ETA then.)"""
         now = time.perf_counter()
         self.rate.update(step, now)
-        if self.bar and (now - self._drawn >= REDRAW_S or step == self.max_steps):
+        if now - self._drawn >= REDRAW_S or step == self.max_steps:
             self._draw(step, now)
 
     def row(self, step: int, values: dict[str, float], step_time: float) -> None:
@@ -90,6 +91,7 @@ class Console:
         if self.bar:
             self._draw(step, time.perf_counter())
         else:
+            self.rate.update(step, time.perf_counter())  # the same ETA from fewer samples
             self._write(self._line(step) + "\n")
 
     def eval(self, step: int, values: dict[str, float]) -> None:

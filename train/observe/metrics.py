@@ -66,6 +66,7 @@ class MetricsLogger:
         style = cfg.logging.progress
         self.console = Console(self.max_steps, throughput_unit,
                                bar=style == "bar" or (style == "auto" and sys.stdout.isatty()))
+        self.per_step = self.console.bar  # step() after every step: only a bar moves
         self.run_dir, self.started = run_dir, time.monotonic()
         self.tb = Board(run_dir / rundir.BOARD, start_step, to_yaml(cfg)) \
             if cfg.logging.tensorboard else None
@@ -99,7 +100,8 @@ class MetricsLogger:
             self.tb.note(finding.step, finding.TAG, finding.line())
 
     def step(self, step: int) -> None:
-        """Every step: moves the console's bar and feeds its ETA (no device sync)."""
+        """After a step, when ``per_step`` (a bar): moves it and feeds its ETA (no device
+        sync). Plain lines take their ETA at each logging step instead."""
         self.console.step(step)
 
     def log_eval(self, step: int, values: dict[str, float]) -> None:

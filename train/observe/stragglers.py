@@ -35,8 +35,7 @@ import contextlib
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -95,17 +94,48 @@ class _Backward:
             self.span.seconds += self.done - self.start
 
 
+class _DeviceSpan:
+    """A GPU's forward pass: its kernels run later than Python returns, so it is timed
+    on the device, with CUDA events read at the next :meth:`StepPhases.take`."""
+
+    __slots__ = ("events", "start")
+
+    def __init__(self, events: list) -> None:
+        self.events, self.start = events, None
+
+    def __enter__(self) -> None:
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.start.record()
+
+    def __exit__(self, *exc: object) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.events.append((self.start, end))
+
+
 _NOTHING = contextlib.nullcontext()
 
 
 class StepPhases:
-    """This rank's seconds in each phase since the last :meth:`take`."""
+    """This rank's seconds in each phase since the last :meth:`take`. The phases are
+    context managers held as attributes (``with phases.data:``), entered several times a
+    step, so that using one costs no call beyond its own enter and exit:
+
+    - ``data``: waiting for the next batch;
+    - ``compute``: the forward pass and loss (on a GPU, its CUDA events);
+    - ``optimizer``: the optimizer's update (the CPU only: on a GPU it is asynchronous);
+
+    and :meth:`backward` for the backward pass of a loss."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self._data, self._compute = _Span(), _Span()  # the CPU's clock
         self._backward = _Backward(self._compute)
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.data: AbstractContextManager = self._data
+        self.compute: AbstractContextManager = (_DeviceSpan(self.events) if self.cuda
+                                                else self._compute)
+        self.optimizer: AbstractContextManager = _NOTHING if self.cuda else self._compute
         self.watching = False
 
     def watch(self, model: torch.nn.Module) -> None:
@@ -115,23 +145,6 @@ class StepPhases:
         events) stands for compute."""
         self.watching = not self.cuda
 
-    def data(self) -> _Span:
-        """Waiting for the next batch."""
-        return self._data
-
-    def compute(self) -> AbstractContextManager:
-        """The forward pass and loss."""
-        return self._device_compute() if self.cuda else self._compute
-
-    @contextmanager
-    def _device_compute(self) -> Iterator[None]:
-        # kernels run later than Python returns: time them on the device
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        yield
-        end.record()
-        self.events.append((start, end))
-
     def backward(self, loss: torch.Tensor) -> AbstractContextManager:
         """The backward pass of ``loss``, up to its last gradient (the CPU only; see
         :meth:`watch`)."""
@@ -140,10 +153,6 @@ class StepPhases:
         self._backward.loss = loss
         return self._backward
 
-    def optimizer(self) -> AbstractContextManager:
-        """The optimizer's update (the CPU only: on a GPU it is asynchronous)."""
-        return contextlib.nullcontext() if self.cuda else self._compute
-
     def take(self) -> tuple[float, float]:
         """(data, compute) seconds since the last take; starts counting again."""
         compute = self._compute.seconds
@@ -151,7 +160,8 @@ class StepPhases:
             end.synchronize()
             compute += start.elapsed_time(end) / 1000
         taken = (self._data.seconds, compute)
-        self._data.seconds, self._compute.seconds, self.events = 0.0, 0.0, []
+        self._data.seconds = self._compute.seconds = 0.0
+        self.events.clear()  # the device span holds this list
         return taken
 
 
