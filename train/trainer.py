@@ -69,16 +69,14 @@ def train_step(c: Components, batches, phases: StepPhases) -> torch.Tensor:
     ``phases`` times what does not wait for the other ranks (stragglers.py)."""
     total = None  # the micro-batches' losses, summed in float32
     for i in range(c.accum):
-        with phases.data:
-            x, y = next(batches)
+        x, y = phases.next_batch(batches)
         x = x.to(c.device, non_blocking=True)
         y = y.to(c.device, non_blocking=True)
         with gradient_sync(c.model, enabled=i == c.accum - 1):
-            with c.autocast(), phases.compute:
-                loss = c.objective(c.model, x, y)[0]
+            with c.autocast():
+                loss = phases.forward(c.objective, c.model, x, y)[0]
                 loss = loss / c.accum if c.accum > 1 else loss  # no op for a division by 1
-            with phases.backward(loss):
-                (c.scaler.scale(loss) if c.scaler else loss).backward()
+            phases.backward(loss, c.scaler.scale(loss) if c.scaler else None)
         total = loss.detach().float() if total is None else total + loss.detach().float()
     return total
 
@@ -205,8 +203,7 @@ def train_steps(c: Components, state: TrainState, stop: StopFlag,
         # step 1 too: the starting loss, and the first sign that training runs
         log_now = step % every_log == 0 or step in (1, cfg.train.max_steps)
         lr = c.scheduler.get_last_lr()[0]  # the rate this step's update uses
-        with intervals.phases.optimizer:
-            norm, applied = optimizer_step(c, guard, step)
+        norm, applied = intervals.phases.update(optimizer_step, c, guard, step)
         if metrics is not None and metrics.per_step:
             metrics.step(step)
         if log_now:

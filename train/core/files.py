@@ -103,8 +103,13 @@ def write_atomic(path: Path, data: str | bytes, *, durable: bool = True,
 
 
 def json_text(data: Any, indent: int | None = None) -> str:
-    """Strict JSON: NaN and infinities (which JSON does not have) are written as null."""
-    return json.dumps(_finite(data), indent=indent, allow_nan=False)
+    """Strict JSON: NaN and infinities (which JSON does not have) are written as null.
+    (Written as they are first: the walk that replaces them is done only when one is
+    there, since a metrics line of every logging step goes through here.)"""
+    try:
+        return json.dumps(data, indent=indent, allow_nan=False)
+    except ValueError:  # NaN or an infinity somewhere
+        return json.dumps(_finite(data), indent=indent, allow_nan=False)
 
 
 def _finite(value: Any) -> Any:

@@ -151,13 +151,24 @@ def gather_over_ranks(values: list[torch.Tensor | float], device: torch.device,
                       distributed: bool) -> list[list[float]]:
     """One all-gather for several scalars (loss, step time, phase times ...): every
     rank's values, in rank order, on every rank."""
-    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=device).reshape(())
-                           for v in values])
+    parts: list[torch.Tensor] = []
+    floats: list[float] = []
+    for value in values:  # a run of plain numbers becomes one tensor
+        if isinstance(value, torch.Tensor):
+            if floats:
+                parts.append(torch.tensor(floats, dtype=torch.float32, device=device))
+                floats = []
+            parts.append(value.detach().reshape(1).to(torch.float32))
+        else:
+            floats.append(float(value))
+    if floats:
+        parts.append(torch.tensor(floats, dtype=torch.float32, device=device))
+    mine = torch.cat(parts) if len(parts) > 1 else parts[0]
     if not distributed:
-        return [stacked.tolist()]
-    rows = [torch.empty_like(stacked) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, stacked)
-    return torch.stack(rows).tolist()
+        return [mine.tolist()]
+    everyone = mine.new_empty(dist.get_world_size() * mine.numel())
+    dist.all_gather_into_tensor(everyone, mine)
+    return everyone.view(-1, mine.numel()).tolist()
 
 
 def mean_of(rows: list[list[float]], columns: int) -> list[float]:

@@ -31,13 +31,12 @@ no median; all ranks slowing together keeps every ratio near 1.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import statistics
 import time
 from collections import deque
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -48,94 +47,42 @@ FLOOR_S = 1e-4   # the others' time taken as at least this for a ratio (no data 
 WINDOW_S = 10.0
 
 
-class _Span:
-    """Adds the seconds spent inside it (a plain class: these run several times a step,
-    where a generator-based context manager costs several calls each time)."""
+class _Backward:
+    """When a backward pass's gradients were all made, before DDP's final wait for the
+    all-reduce. The autograd engine runs its queued callbacks in order once the graph is
+    done; DDP queues the one that waits for the slowest rank (Reducer::finalize_backward)
+    when its last gradient bucket is ready, after the one queued here when the loss's own
+    gradient is made (the first of the pass). One hook a pass, where one per parameter
+    cost a Python call per parameter."""
 
-    __slots__ = ("seconds", "start")
+    __slots__ = ("done",)
 
     def __init__(self) -> None:
-        self.seconds, self.start = 0.0, 0.0
+        self.done = 0.0
 
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
+    def started(self, grad_outputs: tuple) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self.gradients_done)
 
-    def __exit__(self, *exc: object) -> None:
-        self.seconds += time.perf_counter() - self.start
-
-
-class _Backward:
-    """Adds the seconds of a backward pass up to the end of this rank's gradients, before
-    DDP's final wait for the all-reduce. The autograd engine runs its queued callbacks in
-    order once the graph is done; DDP queues the one that waits for the slowest rank
-    (Reducer::finalize_backward) when its last gradient bucket is ready, after the one
-    queued here when the loss's own gradient is made (the first of the pass). One hook a
-    pass, where one per parameter cost a Python call per parameter."""
-
-    __slots__ = ("done", "loss", "span", "start")
-
-    def __init__(self, span: _Span) -> None:
-        self.span, self.loss = span, None
-        self.start = self.done = 0.0
-
-    def __enter__(self) -> None:
-        self.start, self.done = time.perf_counter(), 0.0
-        self.loss.grad_fn.register_prehook(self._started)
-        self.loss = None
-
-    def _started(self, grad_outputs: tuple) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self._gradients_done)
-
-    def _gradients_done(self) -> None:
+    def gradients_done(self) -> None:
         self.done = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.done:
-            self.span.seconds += self.done - self.start
-
-
-class _DeviceSpan:
-    """A GPU's forward pass: its kernels run later than Python returns, so it is timed
-    on the device, with CUDA events read at the next :meth:`StepPhases.take`."""
-
-    __slots__ = ("events", "start")
-
-    def __init__(self, events: list) -> None:
-        self.events, self.start = events, None
-
-    def __enter__(self) -> None:
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.start.record()
-
-    def __exit__(self, *exc: object) -> None:
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self.events.append((self.start, end))
-
-
-_NOTHING = contextlib.nullcontext()
 
 
 class StepPhases:
-    """This rank's seconds in each phase since the last :meth:`take`. The phases are
-    context managers held as attributes (``with phases.data:``), entered several times a
-    step, so that using one costs no call beyond its own enter and exit:
+    """This rank's seconds in each phase since the last :meth:`take`. Each phase is a
+    call that does the phase's work and times it (several run every step: one call each,
+    where a context manager costs two):
 
-    - ``data``: waiting for the next batch;
-    - ``compute``: the forward pass and loss (on a GPU, its CUDA events);
-    - ``optimizer``: the optimizer's update (the CPU only: on a GPU it is asynchronous);
-
-    and :meth:`backward` for the backward pass of a loss."""
+    - :meth:`next_batch`: waiting for the next batch;
+    - :meth:`forward`: the forward pass and loss (on a GPU, timed by CUDA events);
+    - :meth:`backward`: the backward pass, up to this rank's last gradient;
+    - :meth:`update`: the optimizer's update (the CPU only: on a GPU it is asynchronous).
+    """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self._data, self._compute = _Span(), _Span()  # the CPU's clock
-        self._backward = _Backward(self._compute)
+        self.data_s = self.compute_s = 0.0  # the CPU's clock
+        self._backward = _Backward()
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.data: AbstractContextManager = self._data
-        self.compute: AbstractContextManager = (_DeviceSpan(self.events) if self.cuda
-                                                else self._compute)
-        self.optimizer: AbstractContextManager = _NOTHING if self.cuda else self._compute
         self.watching = False
 
     def watch(self, model: torch.nn.Module) -> None:
@@ -145,23 +92,60 @@ class StepPhases:
         events) stands for compute."""
         self.watching = not self.cuda
 
-    def backward(self, loss: torch.Tensor) -> AbstractContextManager:
-        """The backward pass of ``loss``, up to its last gradient (the CPU only; see
-        :meth:`watch`)."""
-        if not self.watching or loss.grad_fn is None:
-            return _NOTHING
-        self._backward.loss = loss
-        return self._backward
+    def next_batch(self, batches: Iterator) -> Any:
+        start = time.perf_counter()
+        batch = next(batches)
+        self.data_s += time.perf_counter() - start
+        return batch
+
+    def forward(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)``: the forward pass and loss."""
+        if self.cuda:  # kernels run later than Python returns: timed on the device
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args)
+            end.record()
+            self.events.append((start, end))
+            return out
+        start = time.perf_counter()
+        out = fn(*args)
+        self.compute_s += time.perf_counter() - start
+        return out
+
+    def update(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)``: the optimizer's update (counted on the CPU only)."""
+        if self.cuda:
+            return fn(*args)
+        start = time.perf_counter()
+        out = fn(*args)
+        self.compute_s += time.perf_counter() - start
+        return out
+
+    def backward(self, loss: torch.Tensor, scaled: torch.Tensor | None = None) -> None:
+        """Runs the backward pass of ``scaled`` (the gradient scaler's scaled ``loss``;
+        ``loss`` itself by default) and counts it, on the CPU, up to the last gradient of
+        this rank (see :meth:`watch`)."""
+        scaled = loss if scaled is None else scaled
+        node = loss.grad_fn
+        if not self.watching or node is None:
+            scaled.backward()
+            return
+        clock = self._backward
+        clock.done, start = 0.0, time.perf_counter()
+        node.register_prehook(clock.started)
+        scaled.backward()
+        if clock.done:
+            self.compute_s += clock.done - start
 
     def take(self) -> tuple[float, float]:
         """(data, compute) seconds since the last take; starts counting again."""
-        compute = self._compute.seconds
+        compute = self.compute_s
         for start, end in self.events:
             end.synchronize()
             compute += start.elapsed_time(end) / 1000
-        taken = (self._data.seconds, compute)
-        self._data.seconds = self._compute.seconds = 0.0
-        self.events.clear()  # the device span holds this list
+        taken = (self.data_s, compute)
+        self.data_s = self.compute_s = 0.0
+        self.events = []
         return taken
 
 
