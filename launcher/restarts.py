@@ -39,6 +39,20 @@ def failed_attempt(found: list[Report], exits: list[Exit], expected: int,
     return cause(e), not e.died and first is not None and first.final
 
 
+def attempt_verdict(found: list[Report], exits: list[Exit], expected: int, host: str | None,
+                    stopped: str | None) -> tuple[str, bool, bool]:
+    """(what ended a failed attempt; whether a restart cannot change it; whether the
+    launcher's own stop of the workers explains it). ``stopped``: the launcher's note
+    that it killed this node's workers (a peer node left). A worker's own final verdict
+    (bad input, a machine that cannot run the job) stands even then: the peer that left
+    has usually ended for the same reason (every node checks alike), and a restart would
+    wait for it in vain."""
+    what, final = failed_attempt(found, exits, expected, host)
+    if stopped and not final:
+        return f"{stopped}: the launcher stopped this node's workers", False, True
+    return what, final, False
+
+
 def restarting(what: str, number: int, of: int, workers: str = "workers") -> str:
     """The one line that says a failed attempt is started again."""
     return f"{what}; restarting the {workers} ({number} of {of})"

@@ -246,11 +246,10 @@ def _failed_attempt(agent, group, failures: dict) -> None:
     several_nodes = bool(workers) and workers[0].world_size > len(workers)
     host = socket.gethostname()
     reports = [r for r in protocol.read_all(folder) if r.restart == attempt] if folder else []
-    what, final = restarts.failed_attempt(reports, exits, len(workers),
-                                         host if several_nodes else None)
-    stopped = restarts.take_stop_note(folder)
-    if stopped:  # the launcher killed them on purpose: no death, nothing final
-        what, final = f"{stopped}: the launcher stopped this node's workers", False
+    what, final, stopped = restarts.attempt_verdict(reports, exits, len(workers),
+                                                    host if several_nodes else None,
+                                                    restarts.take_stop_note(folder))
+    if stopped:  # the launcher killed them on purpose: no death
         exits = [dataclasses.replace(x, first=False) for x in exits]
     if final:
         agent._remaining_restarts = 0

@@ -159,6 +159,20 @@ def test_workers_the_launcher_stopped_are_said_once_as_its_stop(tmp_path):
     assert take_stop_note(str(tmp_path)) is None and take_stop_note(None) is None
 
 
+def test_a_final_verdict_stands_when_the_launcher_also_stopped_the_workers():
+    """A peer node left (its workers found the job cannot run: exit 3) and the launcher
+    killed this node's workers, which had reached the same verdict: no restart, which
+    would wait for the peer in vain. Without a verdict of their own, the stop is said."""
+    from launcher.restarts import attempt_verdict
+    note = "node(s) b:7 left the job (silent for 8 s)"
+    cannot = rep(0, 3, "CannotRunHere: the run directory is not shared by the job's nodes")
+    what, final, stopped = attempt_verdict([cannot], [Exit(0, 0, 3, first=True)], 1, "a", note)
+    assert final and not stopped and "not shared" in what
+    killed = attempt_verdict([], [Exit(0, 0, -9, first=True)], 1, "a", note)
+    assert killed == (f"{note}: the launcher stopped this node's workers", False, True)
+    assert attempt_verdict([], [Exit(0, 0, -9, first=True)], 1, "a", None)[2] is False
+
+
 def test_only_the_attempt_the_reports_belong_to_is_read(tmp_path):
     """A failed attempt recorded before a restart that then ended otherwise says nothing
     of that ending."""
