@@ -22,6 +22,7 @@ from train.core.config import AUTO
 from train.core.errors import CannotRunHere
 from train.core.identity import WorkerIdentity
 from train.data.loader import loader_worker_init
+from train.distributed.ranks import keep_until_exit
 from train.distributed.stores import bind_store_servers
 
 __all__ = ["Context", "init", "loader_worker_init"]
@@ -67,4 +68,5 @@ def init() -> Context:
             kwargs = {"device_id": device} if gpu else {}
             bind_store_servers()
             dist.init_process_group(backend=backend, **kwargs)
+            keep_until_exit()  # never torn down: train.script ends with os._exit
     return Context(device, env.rank, env.local_rank, env.world_size, backend)

@@ -176,6 +176,21 @@ def mean_of(rows: list[list[float]], columns: int) -> list[float]:
     return [sum(row[i] for row in rows) / len(rows) for i in range(columns)]
 
 
+# Process groups referenced until the process ends (see keep_until_exit).
+_KEPT: list = []
+
+
+def keep_until_exit() -> None:
+    """Keep the default process group's object alive until the process ends (workers end
+    with os._exit, so it is never destroyed). Its C++ destructor joins gloo's worker
+    threads while the thread that dropped the last reference holds the GIL; a worker
+    thread still releasing a finished collective's tensors waits for the GIL: a deadlock.
+    Seen: a rank whose run failed right after a collective never exited, hung where the
+    exception's traceback let go of DDP, whose reducer held the group's last reference."""
+    if dist.is_available() and dist.is_initialized():
+        _KEPT.append(dist.group.WORLD)
+
+
 def shutdown_distributed(clean: bool) -> None:
     """clean: every rank got here normally. The barrier keeps a fast rank from tearing
     down gloo while a peer is still finishing (seen here: an abort, "terminate called
@@ -183,6 +198,7 @@ def shutdown_distributed(clean: bool) -> None:
     if dist.is_available() and dist.is_initialized():
         if clean:
             dist.barrier()
+        keep_until_exit()
         dist.destroy_process_group()
 
 
