@@ -58,6 +58,7 @@ class PeerHeartbeat(threading.Thread):
         self.lost: str | None = None
         self.watch = Watch(lost_after_s, silence_s)
         self.heard_node_0 = False  # a non-zero node: node 0's view reached it
+        self.beats_started = self.beats_read = 0  # a non-zero node's beats to node 0
 
     def run(self) -> None:
         try:
@@ -68,6 +69,18 @@ class PeerHeartbeat(threading.Thread):
 
     def close(self) -> None:
         self.stop.set()
+
+    def word_of_node_0(self, within_s: float) -> str | None:
+        """The lost node's line, once this node's workers failed: their failure may be the
+        echo of a loss node 0 named (it stopped its own workers, and these ranks lost their
+        connection to them), and node 0 tells the others before it stops its workers. So
+        the next beat, which starts after this call, reads that word if it was sent; waited
+        for at most ``within_s``. Node 0, or a watch that ended: what it knows."""
+        asked, deadline = self.beats_started, time.monotonic() + within_s
+        while (self.rank and self.lost is None and self.is_alive()
+               and self.beats_read <= asked and time.monotonic() < deadline):
+            time.sleep(0.02)
+        return self.lost
 
     def _lose(self, what: str) -> None:
         if self.lost is None:
@@ -201,10 +214,12 @@ class PeerHeartbeat(threading.Thread):
                     continue
                 conn, established, reached = Conn(sock), True, now
             count += 1
+            self.beats_started = count
             try:
                 sock.sendall((json.dumps({"rank": self.rank, "beat": count,
                                           "where": self.addr}) + "\n").encode())
                 lost = self._read_pushes(conn, now)
+                self.beats_read = count
             except OSError:
                 sock.close()
                 sock = None

@@ -273,8 +273,11 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
         forwarder.proc = None
         if reason:
             return rc, endings.lease_lost(reason)
-        lost = getattr(watcher, "lost", None) if isinstance(watcher, PeerHeartbeat) else None
-        if lost and rc != 0:  # a static job's node vanished: every node stops, naming it
+        lost = None
+        if isinstance(watcher, PeerHeartbeat) and rc != 0:
+            lost = watcher.lost if forwarder.received else \
+                watcher.word_of_node_0(within_s=3 * watcher.beat_s)
+        if lost:  # a static job's node vanished: every node stops, naming it
             return rc, endings.node_lost(lost, plan.convention)
         return rc, None
     finally:

@@ -62,11 +62,12 @@ class Node:
         os.kill(self.proc.pid, signum)
 
 
-def in_process(port: int, rank: int, nnodes: int, master: str = "127.0.0.1") -> PeerHeartbeat:
+def in_process(port: int, rank: int, nnodes: int, master: str = "127.0.0.1",
+               beat_s: float = BEAT) -> PeerHeartbeat:
     found: list[str] = []
     hb = PeerHeartbeat(master, port, rank, nnodes, f"host{rank}", LOST_AFTER,
                        on_lost=found.append, silence_s=SILENCE, join_timeout_s=60,
-                       beat_s=BEAT)
+                       beat_s=beat_s)
     hb.found, hb.logged = found, []
     hb.log = hb.logged.append
     hb.start()
@@ -116,6 +117,26 @@ def test_a_killed_node_is_named_by_node_0_and_by_every_other_node():
     out = other.output()
     assert f"LOST {zero.found[0]}" in out, out
     zero.close()
+
+
+def test_a_node_whose_workers_failed_first_reads_node_0s_word_on_the_lost_node():
+    """Node 0 stops its workers when it names a lost node; the ranks of another node then
+    fail on their lost connection to them, before that node's next beat has read node
+    0's word (a beat every 0.5 s here). Its launcher asks for the word, so that every
+    survivor names the lost node, not the connection; with nothing said, it has none."""
+    port = free_port()
+    zero = in_process(port, 0, 3)
+    one = in_process(port, 1, 3, beat_s=0.5)
+    victim = Node(port, 2, 3)
+    assert wait_until(lambda: len(zero.watch.peers) == 2)
+    assert one.word_of_node_0(limit(5)) is None  # a beat read, nothing lost
+    victim.signal(signal.SIGKILL)
+    assert wait_until(lambda: zero.found), "node 0 never named the killed node"
+    word = one.word_of_node_0(limit(5))
+    assert word == zero.found[0] == one.found[0], (word, zero.found, one.found)
+    for hb in (zero, one):
+        hb.close()
+        hb.join(5)
 
 
 def test_a_frozen_node_whose_host_answers_is_lost_after_the_silence_only():
