@@ -273,10 +273,7 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
         forwarder.proc = None
         if reason:
             return rc, endings.lease_lost(reason)
-        lost = None
-        if isinstance(watcher, PeerHeartbeat) and rc != 0:
-            lost = watcher.lost if forwarder.received else \
-                watcher.word_of_node_0(within_s=3 * watcher.beat_s)
+        lost = _lost_node(watcher, rc, forwarder)
         if lost:  # a static job's node vanished: every node stops, naming it
             return rc, endings.node_lost(lost, plan.convention)
         return rc, None
@@ -287,6 +284,16 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                 watcher.join(GOODBYE_S)
         if pulse is not None:
             pulse.close()
+
+
+def _lost_node(watcher, rc: int, forwarder: Forwarder) -> str | None:
+    """A static job's lost node, when this node's run failed (its ranks may have failed
+    first, on their lost connection to node 0's workers: node 0's word is read then)."""
+    if not isinstance(watcher, PeerHeartbeat) or rc == 0:
+        return None
+    if forwarder.received:  # stopped by a signal here
+        return watcher.lost
+    return watcher.word_of_node_0(within_s=3 * watcher.beat_s)
 
 
 def _store_returns(plan: Plan, forwarder: Forwarder, log: Callable[[str], None],
