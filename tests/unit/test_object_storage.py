@@ -1,8 +1,8 @@
 """Checkpoints in object storage (``checkpoint.remote``), in process, against a real S3
 server (SeaweedFS, started here on 127.0.0.1): the bucket as a second Storage, the remote
 tier's upload, seal, ``latest`` and keep_last, a fetch that verifies every byte, a store
-that stops answering, and the launcher's checks. Whole runs: tests/e2e/
-test_object_storage_runs.py. Skips without boto3 and weed (``make s3``)."""
+that stops answering or is killed and started again, and the launcher's checks. Whole
+runs: tests/e2e/test_object_storage_runs.py. Skips without boto3 and weed (``make s3``)."""
 
 from __future__ import annotations
 
@@ -240,6 +240,48 @@ def test_an_upload_held_up_is_named_as_only_local_then_seals_once_the_store_answ
     assert remote.wait(120) is None
     assert remote.latest()[0] == 2 and remote.uploaded == 2
 
+
+
+
+@needs_s3
+def test_a_store_killed_and_started_again_seals_the_checkpoints_it_missed(tmp_path,
+                                                                          monkeypatch, caplog):
+    """The server's process killed while step-2 uploads and started again (same data,
+    same port) within the tier's backoff: the same upload goes on, step-2 seals, no
+    warning. Killed for longer: one warning, step-4 stays local; the next checkpoint
+    after the restart (step-6) seals, saying so."""
+    with s3server.s3_server(tmp_path / "s3") as server:
+        server.reach_in_process(monkeypatch)
+        store = sealed_run(tmp_path / "run", [2])
+        remote = tier(tmp_path, "killed")
+        restarted: list[float] = []
+
+        def restart_during_backoff(seconds: float) -> None:
+            if not restarted:
+                restarted.append(seconds)
+                s3server.start(server)
+
+        remote.sleep = restart_during_backoff
+        s3server.stop(server)
+        with caplog.at_level(logging.WARNING, logger="train"):
+            remote.sealed(2)
+            assert remote.wait(limit(120)) is None
+            assert restarted and remote.uploaded == 2 and remote.latest()[0] == 2
+            assert not caplog.records, caplog.text
+            remote.sleep = lambda seconds: None  # the store stays away through the backoff
+            s3server.stop(server)
+            store.save(4, {"step": 4, "weights": [4]}, {"rng": 4})
+            remote.sealed(4)
+            assert remote.wait(limit(120)) is None
+            s3server.start(server)
+            store.save(6, {"step": 6, "weights": [6]}, {"rng": 6})
+            remote.sealed(6)
+            assert remote.wait(limit(120)) is None
+        warnings = [r.getMessage() for r in caplog.records]
+        assert len(warnings) == 2, warnings
+        assert "step-4 and later checkpoints stay local until the store answers" in warnings[0]
+        assert "work again: step-6 is there" in warnings[1]
+        assert remote.latest()[0] == 6 and remote.uploaded == 6
 
 
 # ------------------------------------------------------------- the remote lease
