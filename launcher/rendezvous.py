@@ -154,6 +154,7 @@ class RoundWatcher(threading.Thread):
         self.store = None
         self.lost_reported = -1            # the round whose lost members were passed on
         self.unreachable_since: float | None = None
+        self.answered_once = False         # a store not up yet is not a lost one
         self.stop = threading.Event()
         self.last: Round | None = None
         self.members: set[str] = set()     # of the last complete round
@@ -168,10 +169,10 @@ class RoundWatcher(threading.Thread):
             # every call to a store that went away.
             if not reachable(self.endpoint):
                 store = None  # gone or restarting: the supervisor reports that
-                if self.unreachable_since is None:
+                if self.unreachable_since is None and self.answered_once:
                     self.unreachable_since = time.monotonic()
                 continue
-            self.unreachable_since = None
+            self.unreachable_since, self.answered_once = None, True
             try:
                 store = self.store = store or self._connect()
                 self._publish(store)
@@ -188,7 +189,9 @@ class RoundWatcher(threading.Thread):
         self.published = True
 
     def unreachable_for(self) -> float:
-        """Seconds the store has not answered a connection (0 while it answers)."""
+        """Seconds the store has not answered a connection since it last did (0 while it
+        answers, and before it first did: on a busy machine the store's node may start
+        its torchrun well after this one, which torchrun itself waits for)."""
         since = self.unreachable_since
         return 0.0 if since is None else time.monotonic() - since
 

@@ -1,7 +1,8 @@
 """Multi-node runs never hang silently. Simulated nodes (tests/harness/multinode.py: the
 real entrypoint, each node in its own PID namespace where the kernel allows, all on
 127.0.0.1): the static convention's bounded exit and resume, colliding identities, a
-rendezvous store that does not come back, a node leaving on purpose. Node loss and
+rendezvous store that does not come back or that starts after the node, a node leaving
+on purpose. Node loss and
 rejoin, scale-up and a store lost and back, under the Indexed Job convention, are the
 story of tests/e2e/test_k8s_sim_runs.py (the same harness, driven by the k8s/ manifests).
 What a node says of each rendezvous round: tests/unit/test_multinode.py."""
@@ -12,6 +13,7 @@ import re
 import signal
 import socket
 import sys
+import time
 
 import pytest
 
@@ -92,6 +94,23 @@ def test_a_store_that_does_not_come_back_ends_the_node_with_exit_5(cluster, tmp_
     last = node.text().strip().splitlines()[-1]
     assert last.startswith("error: the rendezvous store 127.0.0.1:") and "within 3 s" in last
     assert (tmp_path / "runs" / "quickstart" / "checkpoints" / "latest").exists()
+
+
+def test_a_store_that_starts_after_the_node_is_waited_for_not_lost(cluster, tmp_path):
+    """The store's pod scheduled late, or its node's torchrun slow to start on a busy
+    machine: a store that never answered yet is not a lost store (exit 5 would end a
+    job that was only starting). The node trains once it is there."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        cluster.port = probe.getsockname()[1]
+    cluster.nnodes = "1"
+    node = cluster.node(0, [*SMALL_JOB, f"output.dir={tmp_path / 'runs'}",
+                            "train.max_steps=6"]).start()
+    node.wait_for(r"entrypoint: run ", 180)
+    time.sleep(12)  # past the 8 s after which a store that answered, then went, is lost
+    cluster.start_store(cluster.port)
+    assert node.wait(300) == 0, node.text()[-3000:]
+    assert "has not answered" not in node.text()
 
 
 def test_a_node_leaving_on_purpose_costs_the_others_no_restart(cluster):

@@ -1,6 +1,7 @@
 """What a node's launcher says and does about rendezvous rounds, in process: one log line
 per round (who left and joined, long waits), a node left out of a newer round stops its
-stale workers once, silence that includes this node is no lost node, the timings are
+stale workers once, silence that includes this node is no lost node, a store not up yet
+is not a lost one, the timings are
 config keys. Simulated nodes running for real (tests/harness/multinode.py):
 tests/e2e/test_multinode_runs.py."""
 
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
+import time
 
 from launcher.rdzv_state import Round, describe
 from launcher.rendezvous import RoundWatcher
@@ -80,6 +83,36 @@ def test_silence_that_includes_this_node_is_no_lost_node():
     other.observe(_round(0, True, {"a:1#5": 0, "c:7#42": 1}), now=0)
     other.observe(_round(0, True, {"a:1#5": 0, "c:7#42": 1}, silent={"a:1#5": 11.0}), now=1)
     assert alone == [["a:1#5"]]
+
+
+def _until(cond, within_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_a_store_not_up_yet_is_not_a_lost_store_but_one_that_answered_and_went_is():
+    """The store's node may start its torchrun long after this one (a busy machine):
+    until the store first answers, it has not been unreachable for any time. Once it
+    answered and went away, the time counts."""
+    import torch.distributed as dist
+    with socket.socket() as probe:  # a free port, refused until the store listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    w = RoundWatcher(f"127.0.0.1:{port}", "job", (2, 2), 600, lambda line: None, poll_s=0.01)
+    w.start()
+    try:
+        time.sleep(0.3)  # many polls, every one refused
+        assert w.unreachable_for() == 0.0 and not w.answered_once
+        store = dist.TCPStore("127.0.0.1", port, is_master=True,
+                              timeout=datetime.timedelta(seconds=10))
+        assert _until(lambda: w.store is not None)
+        del store  # the store's process ends
+        assert _until(lambda: w.unreachable_for() > 0.1)
+    finally:
+        w.stop.set()
+        w.join(10)
 
 
 def test_a_forming_round_says_until_when_and_shows_no_ranks():
