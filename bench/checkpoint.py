@@ -24,7 +24,10 @@ process, saved by the Checkpointer against a hand-written ``torch.save`` of the 
 dictionary followed by fsync, alternating.
 
     python -m bench.checkpoint [--widths 1448,2896] [--layers 8] [--rounds 2]
-                               [--small-rounds 10] [--dir DIR]
+                               [--small-rounds 10] [--dir DIR] [--remote]
+
+``--remote`` then measures the remote tier (``checkpoint.remote``) against plain boto3
+on a real S3 server: bench/remote_checkpoint.py, which also runs alone.
 """
 
 from __future__ import annotations
@@ -317,7 +320,15 @@ def main() -> None:
     parser.add_argument("--small-rounds", type=int, default=10)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary "
                         "folder under $TMPDIR): the disk measured")
+    parser.add_argument("--remote", action="store_true", help="then the remote tier "
+                        "(checkpoint.remote) against plain boto3 on a SeaweedFS server: "
+                        "bench.remote_checkpoint with its defaults; needs `make s3`")
     args = parser.parse_args()
+    if args.remote:  # fail before the long local part, not after it
+        from bench import remote_checkpoint
+        from tests.harness import s3server
+        if s3server.missing():
+            raise SystemExit(f"bench.checkpoint --remote: {s3server.missing()}")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         small = small_job(args.small_rounds, Path(tmp))
         print(f"small job ({small['MiB']:.1f} MiB, quick start's model + AdamW, 1 process): "
@@ -344,6 +355,8 @@ def main() -> None:
         row = last[fmt]
         print(f"{fmt} save bandwidth: {row['save_MBps']:.0f} MB/s = {row['ratio']:.2f} of "
               f"the disk's {row['disk_MBps']:.0f} MB/s")
+    if args.remote:
+        remote_checkpoint.report(256, 3)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ with and without the tier attached (a foreground save of the same state): the up
 runs in the background, so the ratio should be about 1.
 
     python -m bench.remote_checkpoint [--mib 256] [--rounds 3]
+    python -m bench.checkpoint --remote       (after the local measurements)
 """
 
 from __future__ import annotations
@@ -93,27 +94,32 @@ def blocked(server, work: Path, mib: int, rounds: int) -> tuple[float, float]:
     return statistics.median(alone), statistics.median(tiered)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+def report(mib: int, rounds: int) -> None:
+    """Start a server, measure, print (also ``python -m bench.checkpoint --remote``)."""
     if s3server.missing():
         raise SystemExit(f"bench.remote_checkpoint: {s3server.missing()}")
     with tempfile.TemporaryDirectory() as tmp, s3server.s3_server(Path(tmp) / "s3") as server:
         os.environ.update({k: v for k, v in server.env().items() if k.startswith("AWS_")})
-        times = measure(server, Path(tmp), args.mib, args.rounds)
+        times = measure(server, Path(tmp), mib, rounds)
         size = sum(p.stat().st_size for p in _files(Path(tmp) / "run")) / (1 << 20)
         plain = statistics.median(times["plain put"])
-        print(f"checkpoint of {size:.0f} MiB, median of {args.rounds} rounds "
+        print(f"remote tier: checkpoint of {size:.0f} MiB, median of {rounds} rounds "
               "(SeaweedFS on 127.0.0.1)")
         for name, seconds in times.items():
             s = statistics.median(seconds)
             print(f"  {name:18s} {s:6.2f} s  {size / s:7.1f} MiB/s  throughput x{plain / s:.2f}"
                   " of plain put")
-        alone, tiered = blocked(server, Path(tmp), args.mib, args.rounds)
+        alone, tiered = blocked(server, Path(tmp), mib, rounds)
         print(f"training blocked by a save: {alone:.2f} s local, {tiered:.2f} s with the "
               f"remote tier (x{tiered / alone:.2f})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    report(args.mib, args.rounds)
 
 
 if __name__ == "__main__":
