@@ -18,6 +18,7 @@ import time
 import pytest
 
 from tests.harness.multinode import SMALL_JOB, Cluster, Process, first, pid_namespaces
+from tests.harness.ports import free_port
 from tests.harness.runs import ENTRY, clean_env
 
 
@@ -100,9 +101,7 @@ def test_a_store_that_starts_after_the_node_is_waited_for_not_lost(cluster, tmp_
     """The store's pod scheduled late, or its node's torchrun slow to start on a busy
     machine: a store that never answered yet is not a lost store (exit 5 would end a
     job that was only starting). The node trains once it is there."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        cluster.port = probe.getsockname()[1]
+    cluster.port = free_port()
     cluster.nnodes = "1"
     node = cluster.node(0, [*SMALL_JOB, f"output.dir={tmp_path / 'runs'}",
                             "train.max_steps=6"]).start()

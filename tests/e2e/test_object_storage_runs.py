@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import s3server
-from tests.harness.kubesim import free_port
+from tests.harness.ports import free_port
 from tests.harness.runs import (
     _STDERR_LINES,
     ROOT,

@@ -41,7 +41,6 @@ import json
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -51,6 +50,7 @@ import yaml
 
 from tests.harness import netns
 from tests.harness.multinode import Process, pid_namespaces
+from tests.harness.ports import free_port
 from tests.harness.runs import ENTRY, ROOT, clean_env
 
 CPU_VARIANT = ROOT / "k8s" / "cpu"  # the manifests of the CPU variant
@@ -86,12 +86,6 @@ def load(folder: Path) -> list[dict]:
     for path in sorted(folder.glob("*.yaml")):
         docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
     return docs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from launcher.heartbeat import PeerHeartbeat
+from tests.harness.ports import free_port
 from tests.harness.runs import ROOT, clean_env, limit
 
 BEAT, LOST_AFTER, SILENCE = 0.1, 0.8, 1.5
@@ -35,12 +36,6 @@ hb.close()
 hb.join(5)
 print("DONE", hb.lost, flush=True)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Node:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 import time
 
 from launcher.rdzv_state import Round, describe
 from launcher.rendezvous import RoundWatcher
+from tests.harness.ports import free_port
 
 # --------------------------------------------------------------- one line a round
 
@@ -97,9 +97,7 @@ def test_a_store_not_up_yet_is_not_a_lost_store_but_one_that_answered_and_went_i
     until the store first answers, it has not been unreachable for any time. Once it
     answered and went away, the time counts."""
     import torch.distributed as dist
-    with socket.socket() as probe:  # a free port, refused until the store listens there
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # refused until the store listens there
     w = RoundWatcher(f"127.0.0.1:{port}", "job", (2, 2), 600, lambda line: None, poll_s=0.01)
     w.start()
     try:

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.harness import s3server
-from tests.harness.kubesim import free_port
+from tests.harness.ports import free_port
 from tests.harness.runs import entry, last_line, limit
 from train.checkpoint import Checkpointer
 from train.checkpoint.storage import LocalStorage

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 
+from tests.harness.ports import free_port
 from tests.harness.runs import ROOT, limit, worker_env
 
 # For each case, rank 1 is asked to stop at its step "request"; the loop logs every
@@ -71,12 +71,6 @@ def expected_stop(request: int, log_every: int, step_time: float) -> int:
                 return step
             in_flight = step
     raise AssertionError("never stops")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cases() -> list[list[dict]]:
