@@ -7,6 +7,7 @@ before it starts workers and that ``doctor`` reports.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -116,7 +117,35 @@ def loopback_name() -> tuple[str, str] | None:
     return (name, addr) if ipaddress.ip_address(addr).is_loopback else None
 
 
+NAMED_PORTS = range(29000, 30000)  # torchrun's defaults (29400, 29500) and their neighbours
+LOWEST_PORT = 20000
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A 127.0.0.1 port nothing listens on now, for a server that binds it later
+    (torchrun's, seconds later on a loaded host).
+
+    ``bind(0)`` would hand out one of the kernel's ephemeral ports, the range every
+    outgoing connection on the host takes its local port from: one could take it before
+    the server binds ("address already in use"). A port below that range is taken only
+    by a program that names it; torchrun's default ports are left to those who name them.
+    """
+    top = _ephemeral_start()
+    candidates = [p for p in range(LOWEST_PORT, top) if p not in NAMED_PORTS]
+    for port in random.sample(candidates, min(200, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # nothing free below
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

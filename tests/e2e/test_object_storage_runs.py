@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from launcher.system import free_port
 from tests.harness import s3server
-from tests.harness.ports import free_port
 from tests.harness.runs import (
     _STDERR_LINES,
     ROOT,

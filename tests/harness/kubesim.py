@@ -48,9 +48,9 @@ from pathlib import Path
 
 import yaml
 
+from launcher.system import free_port
 from tests.harness import netns
 from tests.harness.multinode import Process, pid_namespaces
-from tests.harness.ports import free_port
 from tests.harness.runs import ENTRY, ROOT, clean_env
 
 CPU_VARIANT = ROOT / "k8s" / "cpu"  # the manifests of the CPU variant

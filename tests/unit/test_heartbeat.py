@@ -16,7 +16,7 @@ import time
 import pytest
 
 from launcher.heartbeat import PeerHeartbeat
-from tests.harness.ports import free_port
+from launcher.system import free_port
 from tests.harness.runs import ROOT, clean_env, limit
 
 BEAT, LOST_AFTER, SILENCE = 0.1, 0.8, 1.5

@@ -76,6 +76,29 @@ def _state(participants: dict, waiting=(), closed=False) -> bytes:
     return base64.b64encode(pickle.dumps(s))
 
 
+def test_a_free_port_is_one_no_outgoing_connection_takes_and_never_one_in_use(monkeypatch):
+    import socket
+    start = system._ephemeral_start()
+    for _ in range(20):
+        port = system.free_port()
+        assert system.LOWEST_PORT <= port < start and port not in system.NAMED_PORTS
+    def bindable(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                return False
+    busy = next(p for p in (system.free_port() for _ in range(100)) if bindable(p + 1))
+    with socket.socket() as taken:  # of two candidates, the one in use is never chosen
+        taken.bind(("127.0.0.1", busy))
+        monkeypatch.setattr(system, "LOWEST_PORT", busy)
+        monkeypatch.setattr(system, "_ephemeral_start", lambda: busy + 2)
+        assert {system.free_port() for _ in range(10)} == {busy + 1}
+        monkeypatch.setattr(system, "_ephemeral_start", lambda: busy + 1)
+        assert system.free_port() != busy  # none free below: the kernel's own pick
+
+
 def test_rendezvous_state_summary():
     raw = _state({("10.0.0.2", 7): 1, ("10.0.0.1", 9): 0}, waiting=[("10.0.0.3", 4)])
     assert rendezvous.describe(raw) == ("round 1 complete: 2 node(s) [10.0.0.1:9 rank 0, "

@@ -13,7 +13,7 @@ import time
 
 from launcher.rdzv_state import Round, describe
 from launcher.rendezvous import RoundWatcher
-from tests.harness.ports import free_port
+from launcher.system import free_port
 
 # --------------------------------------------------------------- one line a round
 

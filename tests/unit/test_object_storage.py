@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from launcher.system import free_port
 from tests.harness import s3server
-from tests.harness.ports import free_port
 from tests.harness.runs import entry, last_line, limit
 from train.checkpoint import Checkpointer
 from train.checkpoint.storage import LocalStorage
