@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import sys
 import time
 
@@ -38,9 +37,7 @@ def cluster(tmp_path):
 def test_static_rendezvous_loses_a_node_exits_promptly_and_resumes_after_restart(tmp_path):
     """Kubeflow PyTorchJob v1: a lost pod ends every pod (never a silent hang); the
     restarted pods resume from the last checkpoint."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     args = [*SMALL_JOB, f"output.dir={tmp_path / 'runs'}"]
     namespaces = pid_namespaces()
 

@@ -27,6 +27,7 @@ import socket
 import sys
 from pathlib import Path
 
+from launcher.system import free_port
 from tests.harness.multinode import Process, pid_namespaces
 from tests.harness.runs import ENTRY, TINY_MLP, clean_env, limit, merge, write_config
 
@@ -74,9 +75,7 @@ def start_pair(work: Path, fault: str | None = None, *overrides: str) -> list[Pr
         "output": {"dir": str(work / "runs")},
         "model": {"kind": "custom", "factory": "faultymm:build", "args": args},
         "train": {"max_steps": STEPS, "eval_batches": 0}}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     namespaces = pid_namespaces()
     pods = []
     for rank in range(2):

@@ -5,7 +5,6 @@ The bare worker (``python -m train``) gives the same answers: it shares the chec
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from launcher.system import free_port
 from tests.harness.runs import (
     ENTRY,
     ROOT,
@@ -202,9 +202,7 @@ def test_a_bare_worker_whose_rank_0_never_comes_is_one_line(tmp_path):
     after distributed.timeout_s, one line naming what it waited for, no Python traceback
     (torch's C++ store logs its own socket error before it; nothing here can silence it
     at run time)."""
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nothing listens on
     config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
         "output": {"dir": str(tmp_path / "runs")}, "distributed": {"timeout_s": 10}}))
     env = {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",

@@ -6,11 +6,11 @@ checkpoint's writer, watched on its own, with two real processes over gloo."""
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 import textwrap
 
+from launcher.system import free_port
 from tests.harness.runs import limit, worker_env
 from train.guards.watchdog import SLOW_DISK_BYTES_S, Watchdog
 
@@ -146,9 +146,7 @@ BACKGROUND = textwrap.dedent("""\
 
 
 def _pair(work, fmt: str) -> list[subprocess.Popen]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     work.mkdir()
     return [subprocess.Popen([sys.executable, "-c", BACKGROUND, str(r), str(port), str(work),
                               fmt], env=worker_env(), text=True, stdout=subprocess.PIPE,
