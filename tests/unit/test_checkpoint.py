@@ -1,5 +1,6 @@
 """Checkpoints in one process: resumed == uninterrupted, torn or corrupt checkpoints,
-prune and abandoned trajectories, SIGTERM -> 143. Across processes and restarts:
+prune and abandoned trajectories, SIGTERM -> 143, a failed write of one rank leaves no
+partial checkpoint. Across processes and restarts:
 tests/e2e/test_checkpoint_runs.py."""
 
 from __future__ import annotations
@@ -159,3 +160,60 @@ def test_logged_lr_is_the_rate_the_update_used(checkpointed_run):
     rows = {r["step"]: r for r in read_metrics(ref_dir) if "lr" in r}
     peak = TINY_GPT["optim"]["lr"]
     assert math.isclose(rows[1]["lr"], peak / 2) and math.isclose(rows[2]["lr"], peak)
+
+
+def test_a_rank_whose_write_failed_leaves_no_partial_even_if_another_wrote_after(
+        tmp_path, monkeypatch):
+    """Two ranks, one run directory: rank 1's write fails (a full disk) and removes the
+    partial checkpoint; rank 0 writes its file only then, creating the folder again.
+    Both raise the write error, and no partial checkpoint is left to fill the disk."""
+    import errno
+    import threading
+
+    import torch
+
+    from train.checkpoint import CheckpointWriteError
+    from train.checkpoint import store as store_module
+    from train.core import rundir
+    exchange, values = threading.Barrier(2, timeout=60), [None, None]
+
+    def gather_for(rank):
+        def gather(value):
+            values[rank] = value
+            exchange.wait()
+            out = list(values)
+            exchange.wait()
+            return out
+        return gather
+
+    removed = threading.Event()  # rank 1 removed the partial checkpoint
+    real_save = store_module.save_object
+
+    def save_object(storage, name, obj):
+        if name.endswith(rundir.rank_file(1)):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        assert removed.wait(60)
+        return real_save(storage, name, obj)
+
+    monkeypatch.setattr(store_module, "save_object", save_object)
+    ranks = [Checkpointer(tmp_path, rank=r, keep_last=2, world_size=2,
+                          gather=gather_for(r)) for r in range(2)]
+    real_delete = ranks[1].storage.delete
+    ranks[1].storage.delete = lambda name: (real_delete(name), removed.set())
+    errors: list[BaseException] = []
+
+    def save(ck):
+        try:
+            ck.save(2, {"w": torch.zeros(4)}, {"rng": 1})
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=save, args=(ck,)) for ck in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(errors) == 2 and all(isinstance(e, CheckpointWriteError) for e in errors), errors
+    assert all(f"{rundir.rank_file(1)}: no space left on " in str(e) for e in errors), errors
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [], \
+        "a partial checkpoint was left on the full disk"

@@ -126,7 +126,7 @@ class Checkpointer:
         if self.rank == 0:
             files[STATE_FILE] = shared_state
         save = _Save(step, files, shards)
-        save.token = self._together(lambda: self._prepare(save))[0]
+        save.token = self._together(lambda: self._prepare(save), save.partial)[0]
         folder = self.storage.path(f"{save.partial}/{SHARDS}")
         if background:
             pending = shards(folder) if shards is not None else None  # DCP stages now
@@ -136,8 +136,10 @@ class Checkpointer:
             self._writer.start()
         else:
             shard_files = (lambda: shards(folder)) if shards is not None else None
-            hashes = self._together(lambda: self._write(save, shard_files, self.progress))
-            self._together(lambda: self._seal(save, hashes) if self.seals else None)
+            hashes = self._together(lambda: self._write(save, shard_files, self.progress),
+                                    save.partial)
+            self._together(lambda: self._seal(save, hashes) if self.seals else None,
+                           save.partial)
         return self.storage.path(save.final)
 
     def watch(self, watchdog) -> None:
@@ -156,9 +158,11 @@ class Checkpointer:
                 raise error
             raise RuntimeError(f"background checkpoint failed: {error}") from error
 
-    def _together(self, action: Callable[[], Any]) -> list:
+    def _together(self, action: Callable[[], Any], partial: str) -> list:
         """This rank's part, then every rank's results: the first failure to write
-        anywhere is raised everywhere. Collective."""
+        anywhere is raised everywhere, and the sealer removes ``partial`` then. The rank
+        that failed removed it already, but another rank may have been writing into it
+        (recreating it) at that moment; after the exchange no rank writes. Collective."""
         error, result = None, None
         try:
             result = action()
@@ -169,6 +173,8 @@ class Checkpointer:
         self.progress()
         failed = [e for e, _ in exchanged if e]
         if failed:
+            if self.seals:
+                self.storage.delete(partial)
             raise CheckpointWriteError(failed[0])
         return [r for _, r in exchanged]
 
