@@ -2,9 +2,9 @@
 real entrypoint, each node in its own PID namespace where the kernel allows, all on
 127.0.0.1): the static convention's bounded exit and resume, colliding identities, a
 rendezvous store that does not come back or that starts after the node, a node leaving
-on purpose. Node loss and
-rejoin, scale-up and a store lost and back, under the Indexed Job convention, are the
-story of tests/e2e/test_k8s_sim_runs.py (the same harness, driven by the k8s/ manifests).
+on purpose. Node loss and rejoin, scale-up and a store lost and back, under the Indexed
+Job convention, are the story of tests/e2e/test_k8s_sim_runs.py (the same harness,
+driven by the k8s/ manifests).
 What a node says of each rendezvous round: tests/unit/test_multinode.py."""
 
 from __future__ import annotations
