@@ -1,6 +1,7 @@
 """Your own code across processes (examples/): your model on two processes follows one,
-FSDP and activation checkpointing over your model's blocks, a data factory that fails
-in both workers said once, and a signal reaching your own script, which stops with 143.
+FSDP and activation checkpointing over your model's blocks, a model that marks a
+function "do not compile" mid-run, a data factory that fails in both workers said once,
+and a signal reaching your own script, which stops with 143.
 One process: tests/unit/test_your_code.py."""
 
 from __future__ import annotations
@@ -12,7 +13,75 @@ import sys
 import time
 
 from tests.harness.examples import FAST, SCRIPT
-from tests.harness.runs import ENTRY, clean_env, entry, failure_lines, last_line, limit, losses
+from tests.harness.runs import (
+    ENTRY,
+    TINY_MLP,
+    clean_env,
+    entry,
+    failure_lines,
+    last_line,
+    limit,
+    losses,
+    merge,
+    write_config,
+)
+
+# From its 4th forward on, the model calls a function it decorates then with torch's
+# public torch.compiler.disable(reason=...): with compile off, torch._dynamo is the
+# trainer's stand-in until then (train/distributed/compiler_stack.py), and the decorator
+# form loads the real one mid-run. Each rank records which module it met, before and after.
+LATE_DISABLE = """
+import os, sys
+import torch
+from torch import nn
+
+
+class LateDisable(nn.Module):
+    def __init__(self, inputs, outputs, record):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(inputs, 32), nn.ReLU(), nn.Linear(32, outputs))
+        self.calls, self.record = 0, record
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls < 4:
+            return self.net(x)
+        before = type(sys.modules["torch._dynamo"]).__name__
+
+        @torch.compiler.disable(reason="outside any graph")
+        def scaled(y):
+            return y * 1.0
+
+        if self.calls == 4:
+            after = type(sys.modules["torch._dynamo"]).__name__
+            path = os.path.join(self.record, "rank-" + os.environ["RANK"])
+            with open(path, "w") as f:
+                f.write(before + " " + after)
+        return scaled(self.net(x))
+
+
+def build(inputs, outputs, record):
+    return LateDisable(inputs, outputs, record)
+"""
+
+
+def test_your_model_may_mark_a_function_do_not_compile_mid_run(tmp_path):
+    """DDP on two processes, compile off: torch.compiler.disable's decorator form from
+    the 4th forward on loads torch's compiler mid-run, and training, its checkpoints and
+    evaluations go on to the end."""
+    (tmp_path / "late.py").write_text(LATE_DISABLE)
+    write_config(tmp_path / "c.yaml", merge(TINY_MLP, {
+        "output": {"dir": str(tmp_path / "runs")},
+        "model": {"kind": "custom", "factory": "late:build",
+                  "args": {"inputs": 16, "outputs": 4, "record": str(tmp_path)}},
+        "train": {"max_steps": 8, "eval_every_steps": 4},
+        "checkpoint": {"every_steps": 4}, "distributed": {"nproc_per_node": 2}}))
+    out = entry("train", "c.yaml", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"rank-{rank}").read_text() == "_StandIn module"
+    assert sorted(losses(next((tmp_path / "runs").iterdir()))) == list(range(1, 9))
+
 
 # A data factory that fails where it runs: in the workers (the launcher reads its source).
 BROKEN = """

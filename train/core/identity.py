@@ -25,6 +25,10 @@ RELAUNCH_VAR = "TRAIN_RELAUNCH"
 CONFIG_SNAPSHOT_VAR = "TRAIN_CONFIG_SNAPSHOT"
 # Set by the installed command (trainpod): how the run's closing lines name the command.
 COMMAND_VAR = "TRAIN_COMMAND"
+# Set by the user: 0 (false, no, off) lets torch load its compiler stack as it would
+# (train/distributed/compiler_stack.py keeps it unloaded in a run that compiles nothing).
+KEEP_COMPILER_UNLOADED_VAR = "TRAIN_KEEP_COMPILER_UNLOADED"
+_OFF = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class WorkerIdentity:
     master_addr: str | None = None       # MASTER_ADDR, MASTER_PORT: where the processes meet
     master_port: str | None = None       # (rank 0's store; torchrun sets both)
     omp_threads: int | None = None       # OMP_NUM_THREADS: the launcher's or the user's
+    keep_compiler_unloaded: bool = True  # TRAIN_KEEP_COMPILER_UNLOADED (0: off)
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> WorkerIdentity:
@@ -78,7 +83,9 @@ class WorkerIdentity:
                    device=text("TRAIN_DEVICE"), backend=text("TRAIN_BACKEND"),
                    config_snapshot=text(CONFIG_SNAPSHOT_VAR),
                    master_addr=text("MASTER_ADDR"), master_port=text("MASTER_PORT"),
-                   omp_threads=num("OMP_NUM_THREADS", None) or None)
+                   omp_threads=num("OMP_NUM_THREADS", None) or None,
+                   keep_compiler_unloaded=(text(KEEP_COMPILER_UNLOADED_VAR) or "1").lower()
+                   not in _OFF)
 
     @property
     def distributed(self) -> bool:

@@ -16,11 +16,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from train import compiler_stack
 from train.core.config import Config
 from train.core.errors import CannotRunHere, ConfigError
 from train.core.identity import WorkerIdentity
 from train.core.placement import check_gpu_only, one_process_problem, runs_one_process
+from train.distributed import compiler_stack
 from train.distributed.precision import autocast_dtype
 
 log = logging.getLogger("train")
@@ -141,12 +141,14 @@ def check_placement(cfg: Config, env: WorkerIdentity, device: torch.device, sour
 def parallelize(module: nn.Module, cfg: Config, env: WorkerIdentity,
                 device: torch.device) -> nn.Module:
     """Compile and wrap; activation checkpointing is applied before (it changes memory use,
-    which the micro-batch probe must see)."""
+    which the micro-batch probe must see). Without compile, torch's compiler stays
+    unloaded (compiler_stack), except under FSDP: its hooks call torch._dynamo.disable at
+    every call, a use no test of the stand-in covers, so FSDP keeps torch's own."""
     strategy = cfg.distributed.strategy
     if cfg.compile:
         module.compile()
-    else:
-        compiler_stack.keep_unloaded()
+    elif strategy != "fsdp":
+        compiler_stack.keep_unloaded(env)
     if strategy == "dp":
         dtype = autocast_dtype(cfg.precision)
         if dtype is not None:

@@ -26,13 +26,25 @@ a run with ``compile`` off, :func:`keep_unloaded` puts a stand-in at
 anything else (any other attribute, or the import of one of its submodules such as
 ``torch._dynamo.config``), which then stays. A function wrapped by ``disable`` before
 then goes through torch's own ``disable`` from then on, so a model that compiles a part
-of itself gets torch's behaviour. tests/unit/test_startup.py runs two DDP processes
-through checkpoints, evaluation and a resume and checks that neither loads the stack;
-bench/startup.py shows what it saves.
+of itself gets torch's behaviour.
+
+It fails open, because a wrong answer breaks a user's model where torch's own would have
+worked: each answer takes whatever torch's function takes (torch's parameters, then
+``*args, **kwargs``) and answers only the call shapes torch itself makes (``disable`` of
+a plain function, with ``recursive``, ``reason`` and ``wrapping``; the others with no
+argument); any other call (``disable(recursive=False)`` as a decorator factory, of a
+module or a class, an argument a later torch adds) goes to the real module, loading it.
+It is put in place only for the torch versions in :data:`STAND_IN_TORCH`, whose
+signatures tests/unit/test_startup.py compares with torch's own (a new torch's new
+questions would otherwise be answered by guesswork), never under FSDP (the caller's
+choice), and not when ``TRAIN_KEEP_COMPILER_UNLOADED=0``. tests/unit/test_startup.py runs
+two DDP processes through checkpoints, evaluation and a resume and checks that neither
+loads the stack; bench/startup.py shows what it saves.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -44,8 +56,13 @@ from collections.abc import Callable
 
 import torch
 
+from train.core.identity import WorkerIdentity
+
 DYNAMO = "torch._dynamo"
 DDP_MODE = "ddp_optimizer"  # get_optimize_ddp_mode() for the default optimize_ddp=True
+# The torch versions (major.minor) whose questions the stand-in is tested to answer; the
+# Makefile's TORCH_VERSION must be one of them (tests/unit/test_startup.py checks it).
+STAND_IN_TORCH = ("2.13",)
 _loading = threading.Lock()
 
 
@@ -65,9 +82,19 @@ def _replaced() -> bool:
     return not isinstance(sys.modules.get(DYNAMO), _StandIn)
 
 
-def _until_loaded(fn: Callable, recursive: bool) -> Callable:
+def _plain_function(fn) -> bool:
+    """Whether the stand-in's ``disable`` can wrap ``fn`` as torch's would: a callable
+    that is neither a class nor a module (torch patches a class's methods in place and
+    turns a module into an OptimizedModule) nor a wrapper dynamo made (it unwraps those)."""
+    return callable(fn) and not isinstance(fn, (type, torch.nn.Module)) and \
+        not hasattr(fn, "_torchdynamo_orig_callable")
+
+
+def _until_loaded(fn: Callable, recursive: bool, reason: str | None,
+                  wrapping: bool) -> Callable:
     """``fn`` itself while the stand-in is in place; ``torch._dynamo.disable(fn)`` (built
-    once) after the real module is loaded."""
+    once, with the same ``recursive`` and ``reason``) after the real module is loaded.
+    ``wrapping`` as torch's: copy ``fn``'s name and docstring onto the wrapper."""
     disabled = None
 
     def call(*args, **kwargs):
@@ -75,15 +102,17 @@ def _until_loaded(fn: Callable, recursive: bool) -> Callable:
         if disabled is None:
             if not _replaced():
                 return fn(*args, **kwargs)
-            disabled = _real().disable(fn, recursive, wrapping=False)
+            disabled = _real().disable(fn, recursive, reason=reason, wrapping=False)
         return disabled(*args, **kwargs)
 
-    return call
+    return functools.wraps(fn)(call) if wrapping else call
 
 
 class _Utils:
-    def get_optimize_ddp_mode(self) -> str:
-        return _real().utils.get_optimize_ddp_mode() if _replaced() else DDP_MODE
+    def get_optimize_ddp_mode(self, *args, **kwargs) -> str:
+        if _replaced() or args or kwargs:
+            return _real().utils.get_optimize_ddp_mode(*args, **kwargs)
+        return DDP_MODE
 
     def __getattr__(self, name: str):
         return getattr(_real().utils, name)
@@ -105,7 +134,8 @@ class _EvalFrame:
 
 class _StandIn(types.ModuleType):
     """``torch._dynamo`` while nothing compiles: the five answers (the real module's
-    once it is loaded); any other attribute is the real module's."""
+    once it is loaded, and for any call shape they do not answer themselves); any other
+    attribute is the real module's."""
 
     def __init__(self, spec: importlib.machinery.ModuleSpec) -> None:
         super().__init__(DYNAMO)
@@ -115,17 +145,23 @@ class _StandIn(types.ModuleType):
         self.__path__ = list(spec.submodule_search_locations)
         self.utils, self.eval_frame = _Utils(), _EvalFrame()
 
-    def disable(self, fn: Callable, recursive: bool = True, wrapping: bool = True):
-        if _replaced():
-            return _real().disable(fn, recursive, wrapping=wrapping)
-        return _until_loaded(fn, recursive)
+    # torch's parameters, names, kinds and defaults (tests/unit/test_startup.py compares
+    # them), then *args and **kwargs: a call the stand-in does not answer goes to torch.
+    def disable(self, fn=None, recursive=True, *args, reason=None, wrapping=True, **kwargs):
+        if _replaced() or args or kwargs or not _plain_function(fn):
+            return _real().disable(fn, recursive, *args, reason=reason, wrapping=wrapping,
+                                   **kwargs)
+        return _until_loaded(fn, recursive, reason, wrapping)
 
-    def graph_break(self, msg: str = "") -> None:
-        if _replaced():
-            _real().graph_break(msg)
+    def graph_break(self, msg: str = "", *args, **kwargs) -> None:
+        if _replaced() or args or kwargs:
+            return _real().graph_break(msg, *args, **kwargs)
+        return None
 
-    def is_compiling(self) -> bool:
-        return _replaced() and _real().is_compiling()
+    def is_compiling(self, *args, **kwargs) -> bool:
+        if _replaced() or args or kwargs:
+            return _real().is_compiling(*args, **kwargs)
+        return False
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
@@ -171,9 +207,18 @@ class _Submodules(importlib.abc.MetaPathFinder):
 _finder = _Submodules()
 
 
-def keep_unloaded() -> bool:
-    """Put the stand-in in place unless ``torch._dynamo`` is already loaded; whether it
-    was put."""
+def covered(version: str) -> bool:
+    """Whether a torch version (``2.13.0+cpu``) is one the stand-in is tested against."""
+    return ".".join(version.split("+")[0].split(".")[:2]) in STAND_IN_TORCH
+
+
+def keep_unloaded(env: WorkerIdentity | None = None) -> bool:
+    """Put the stand-in in place unless ``torch._dynamo`` is already loaded, this torch is
+    not one :data:`STAND_IN_TORCH` names, or the environment turns it off
+    (``TRAIN_KEEP_COMPILER_UNLOADED=0``); whether it was put."""
+    env = WorkerIdentity.from_environ() if env is None else env
+    if not env.keep_compiler_unloaded or not covered(torch.__version__):
+        return False
     with _loading:
         if DYNAMO in sys.modules:
             return False
