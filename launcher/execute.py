@@ -29,7 +29,7 @@ def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -
     from train.core import runlock, tokenscan
     plan, cfg = p.plan, p.cfg
     if _finished_already(p, log):
-        return 0
+        return _upload_left_behind(p, log)
     _announce(p, log, verbose=verbose)
     # One job per run directory; a script's launch writes only its logs there.
     lock = runlock.acquire(cfg.run_dir, plan.job, runlock.LeaseTimes.of(cfg), log=log,
@@ -82,6 +82,28 @@ def _finished_already(p: Prepared, log: Callable[[str], None]) -> bool:
     log(f"nothing to do: run {cfg.run.name} finished at step {done} "
         f"({cfg.run_dir / rundir.RESULT}); raise train.max_steps to train on")
     return True
+
+
+def _upload_left_behind(p: Prepared, log: Callable[[str], None]) -> int:
+    """checkpoint.remote: a finished run whose final checkpoint never reached the store
+    (its end gave up waiting, exit 7) uploads it now, under the run's lease."""
+    if not p.cfg.checkpoint.remote:
+        return 0
+    import subprocess
+    import sys
+
+    from launcher.conventions.slurm import earlier_incarnation
+    from train.core import runlock
+    cfg = p.cfg
+    lock = runlock.acquire(cfg.run_dir, p.plan.job, runlock.LeaseTimes.of(cfg), log=log,
+                           ended=earlier_incarnation(p.plan.job))
+    try:  # its lines on stderr, as the launcher's own
+        return subprocess.run([sys.executable, "-m", "train.checkpoint.left_behind",
+                               cfg.checkpoint.remote, str(cfg.run_dir), str(cfg.run.name),
+                               str(cfg.checkpoint.keep_last), str(cfg.distributed.timeout_s)],
+                              env=dict(p.env.raw)).returncode
+    finally:
+        lock.release()
 
 
 def _announce(p: Prepared, log: Callable[[str], None], *, verbose: bool) -> None:

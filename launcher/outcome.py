@@ -1,5 +1,6 @@
-"""How a launch ended: the user's exit code and one line. Every ending the launcher can
-report is worded here, nowhere else.
+"""How a launch ended: the user's exit code and one line. Every ending read from the
+workers' reports is worded here, nowhere else (those the supervisor decides itself:
+:mod:`launcher.verdicts`).
 
 :func:`classify` reads the child's exit status, the signals that arrived and the
 workers' reports (:mod:`train.core.protocol`) as an :class:`Ending`, and takes the first
@@ -17,8 +18,7 @@ code or in its DataLoader (:mod:`train.guards.watchdog`), or the one whose repor
 "training, step N" because it never got to write another (frozen, SIGSTOPped, killed).
 
 The endings the supervisor decides itself (a lost lease, a static job's vanished node,
-a rendezvous store that did not come back) are worded here too (:func:`lease_lost`,
-:func:`node_lost`, :func:`store_gone`).
+a rendezvous store that did not come back) are worded in :mod:`launcher.verdicts`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from launcher.torchrun import STORE_LOST
 from train.core.errors import (
     EXIT_OK,
+    EXIT_ONLY_LOCAL,
     EXIT_PEER_STOPPED,
-    EXIT_RUN_DIR_BUSY,
     EXIT_STOPPED_BY_SIGNAL,
     EXIT_STORE_LOST,
     EXIT_TRAINING_FAILED,
@@ -69,6 +69,11 @@ class Ending:
         return cls(rc, [r for r in found if r.exit_code is not None],
                    [r for r in found if r.exit_code is None], list(signals), expected, mode,
                    program, list(exits), host)
+
+    @property
+    def only_local(self) -> str | None:
+        """The line of a worker whose final checkpoint did not reach the store in time."""
+        return next((r.only_local for r in self.ended if r.only_local), None)
 
     @property
     def failed(self) -> list[Report]:
@@ -294,6 +299,9 @@ RULES: tuple[Rule, ...] = (
     # No worker failed.
     Rule("store lost", lambda e: e.mode == "torchrun" and e.rc == STORE_LOST and not e.signals,
          _store_lost),
+    # Finished, but the final checkpoint is only on this disk: a retry uploads it.
+    Rule("only local", lambda e: e.rc == 0 and e.only_local is not None,
+         lambda e: Outcome(EXIT_ONLY_LOCAL, e.only_local)),
     Rule("signal after the last step", lambda e: bool(e.signals) and e.rc == 0 and
          not e.stopped and len(e.ended) >= e.expected, lambda e: Outcome(EXIT_OK)),
     Rule("stopped", lambda e: bool(e.signals or e.stopped), _stopped),
@@ -312,37 +320,3 @@ def classify(rc: int, found: list[Report], signals: list[int], expected: int,
     in a job of several nodes."""
     ending = Ending.of(rc, found, signals, expected, mode, program, exits, host)
     return next(rule.then(ending) for rule in RULES if rule.when(ending))
-
-
-# ----------------------------------------------------- endings the supervisor decides
-
-def _static(convention: str) -> str:
-    return (f"A static rendezvous ({convention}) cannot replace a node: every node stops; "
-            "restart the job (its pods, or resubmit it) and it resumes from the last "
-            "checkpoint")
-
-
-def static_failed(outcome: Outcome, convention: str) -> Outcome:
-    """A static job's worker failed: a lost node cannot rejoin, so the job ends."""
-    return Outcome(outcome.code, f"{outcome.message}. {_static(convention)}")
-
-
-def node_lost(lost: str, convention: str) -> Outcome:
-    """A static job's node vanished (its heartbeat stopped): every node stops, naming it."""
-    return Outcome(EXIT_TRAINING_FAILED, f"error: training failed: {lost}. {_static(convention)}")
-
-
-def lease_lost(reason: str) -> Outcome:
-    return Outcome(EXIT_RUN_DIR_BUSY, f"error: {reason}")
-
-
-def store_gone(store: str, wait_s: float, lost_times: int | None) -> Outcome:
-    """The rendezvous store did not come back within ``wait_s``, or was lost
-    ``lost_times`` times (the most the launcher rejoins)."""
-    why = (f"did not come back within {wait_s} s (distributed.rdzv_store_wait_s)"
-           if lost_times is None else f"was lost {lost_times} times (the most this launcher "
-                                      "rejoins)")
-    return Outcome(EXIT_STORE_LOST, f"error: the rendezvous store {store} {why}; the workers "
-                                    "wrote their checkpoint. Check the rendezvous Deployment "
-                                    "and Service, then restart this pod: it resumes from the "
-                                    "last checkpoint")

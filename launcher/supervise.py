@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from launcher import outcome as endings
+from launcher import verdicts as endings
 from launcher.heartbeat import PeerHeartbeat
 from launcher.heartbeat_wire import resolve
 from launcher.outcome import Outcome, classify

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from train.checkpoint.left_behind import Run, upload_left_behind
 from train.checkpoint.policy import Cadence
 from train.checkpoint.session import finish_uploads, node_local, resume, save_checkpoint
 from train.checkpoint.state import TrainState
@@ -302,7 +303,7 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
             log.info("nothing to do: run %s finished at step %d (%s); raise train.max_steps "
                      "to train on", cfg.run.name, done, cfg.run_dir / rundir.RESULT)
             clean = True
-            return EXIT_OK
+            return upload_left_behind(Run.of(cfg))  # the final one, if the store lacks it
         c = build(cfg, env, source, placed)
         prepare_run_dir(c)
         refuse_a_diverged_restart(c)
@@ -324,7 +325,7 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
         if metrics is not None:  # stopped by a signal, or by another node: resumable
             metrics.close(status="KILLED")
         c.checkpointer.wait()
-        finish_uploads(c, signalled=code == EXIT_STOPPED_BY_SIGNAL)
+        code = finish_uploads(c, code, shutdown.seconds_left(), reporter)
         clean = True
         return code
     except Diverged as exc:

@@ -1,13 +1,14 @@
 """Whole runs with ``checkpoint.remote`` against a real S3 server (SeaweedFS on 127.0.0.1,
-tests/harness/s3server.py): a pod's replacement with an empty run directory resumes
-from the store bitwise as the uninterrupted run went on (FSDP shards of two processes),
+tests/harness/s3server.py): a pod's replacement with an empty run directory resumes from
+the store bitwise as the uninterrupted run went on (FSDP shards of two processes),
 passing over a remote checkpoint with a flipped byte (named); a store that goes away
-mid-run is one warning and exit 0; a store the launcher cannot reach is exit 3 before
-any worker starts; the credentials appear in nothing a run writes or prints; and the
-Kubernetes manifests with k8s/kustomize/objectstore (no shared volume) resume a two-pod
-job whose pod was replaced on a new node from the store. The
-tier in process: tests/unit/test_object_storage.py. Skips without boto3 and weed
-(``make s3``)."""
+mid-run is one warning and exit 0; a store that hangs at the end of a run ends it within
+train.shutdown_timeout_s with exit 7, never restarted, and the next start uploads the
+final checkpoint; a store the launcher cannot reach is exit 3 before any worker starts;
+the credentials appear in nothing a run writes or prints; and the Kubernetes manifests
+with k8s/kustomize/objectstore (no shared volume) resume a two-pod job whose pod was
+replaced on a new node from the store. The tier in process:
+tests/unit/test_object_storage.py. Skips without boto3 and weed (``make s3``)."""
 
 from __future__ import annotations
 
@@ -241,3 +242,57 @@ def wait_until(sealed, seconds: float, pod) -> None:
         assert pod.running, pod.text()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint reached the store"
         time.sleep(0.5)
+
+
+# A sitecustomize: the uploader freezes the S3 server (SIGSTOP of its process group: a
+# store that accepts connections and never answers) as it starts to upload step FREEZE_AT.
+FREEZE = patched_on_import("train.checkpoint.remote", """
+mirror = module.RemoteTier.mirror
+def frozen_at(self, step, *args, **kwargs):
+    if step == int(os.environ["FREEZE_AT"]):
+        import signal
+        os.killpg(int(os.environ["S3_PGID"]), signal.SIGSTOP)
+    return mirror(self, step, *args, **kwargs)
+module.RemoteTier.mirror = frozen_at
+""")
+
+
+def test_a_store_hung_at_the_end_is_exit_7_and_the_next_start_uploads_the_final_checkpoint(
+        tmp_path):
+    """Two processes: the final checkpoint's upload hangs; the end waits
+    train.shutdown_timeout_s, says so in one line and exits 7, and torchrun does not
+    restart the finished run. With the store answering again, the same command uploads
+    step 4, names it latest in the store, and exits 0."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FREEZE)
+    config = remote_config(tmp_path, "hung")
+    with s3server.s3_server(tmp_path / "s3") as server:
+        pgid = os.getpgid(server.proc.pid)
+        try:
+            first = train(config, server.env(PYTHONPATH=str(site), FREEZE_AT=str(STEPS),
+                                             S3_PGID=str(pgid)),
+                          "distributed.nproc_per_node=2", "train.shutdown_timeout_s=3")
+        finally:
+            os.killpg(pgid, signal.SIGCONT)
+        s3 = server.client()
+        before = s3.get_object(Bucket=s3server.BUCKET, Key="hung/r/checkpoints/latest")
+        again = train(config, server.env())
+        after = s3.get_object(Bucket=s3server.BUCKET, Key="hung/r/checkpoints/latest")
+        stored = {o["Key"] for o in s3.list_objects_v2(Bucket=s3server.BUCKET,
+                                                       Prefix="hung/r/checkpoints/step-4/")
+                  .get("Contents", [])}
+    line = first.stderr.strip().splitlines()[-1]
+    assert first.returncode == 7, first.stderr[-3000:]
+    assert line.startswith("error: the run finished, but its final checkpoint step-4 is "
+                           "only on this disk") and "train.shutdown_timeout_s=3" in line
+    assert "restarting" not in first.stderr and "Traceback" not in first.stderr
+    assert before["Body"].read() == b"step-2\n"
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "checkpoint step-4 is in s3://ckpt/hung/r and named latest there" in again.stderr
+    assert after["Body"].read() == b"step-4\n"
+    local = json.loads((tmp_path / "runs" / "r" / "checkpoints" / "step-4" /
+                        "checksums.json").read_text())
+    assert stored == {f"hung/r/checkpoints/step-4/{name}" for name in [*local,
+                                                                      "checksums.json"]}
+

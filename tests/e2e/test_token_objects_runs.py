@@ -2,19 +2,25 @@
 launcher read their shards from a real S3 server (SeaweedFS on 127.0.0.1) and train with
 the losses of one process reading the same files from the local disk (whose launcher
 kept its scan of the files' ids in the run directory); a text run from objects has the
-losses of the same run from local files. In process, and one process from the store
-resumed: tests/unit/test_token_objects.py, tests/unit/test_text_objects.py. Skips
-without boto3 and weed (``make s3``)."""
+losses of the same run from local files; an object replaced mid-run stops it with one
+line and exit 2, and the next start refuses to resume on the changed data. In process,
+and one process from the store resumed: tests/unit/test_token_objects.py,
+tests/unit/test_text_objects.py. Skips without boto3 and weed (``make s3``)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from tests.harness import s3server
-from tests.harness.runs import ROOT, TINY_GPT, entry, losses, merge, write_config
+from tests.harness.runs import ENTRY, ROOT, TINY_GPT, entry, limit, losses, merge, write_config
 from tests.unit.test_text_objects import text_files
 from tests.unit.test_token_shards import token_files
 
@@ -71,3 +77,56 @@ def test_a_text_run_from_objects_has_the_losses_of_the_run_from_local_files(s3_s
     manifests = [json.loads((tmp_path / "runs" / n / "manifest.json").read_text())
                  for n in runs]
     assert manifests[0]["data_sha256"] == manifests[1]["data_sha256"]
+
+
+def test_an_object_replaced_mid_run_is_exit_2_and_never_trained_on(s3_server, tmp_path):
+    """Two processes, a DataLoader worker each: held after step 3 (checkpoint step-2
+    sealed), part-01.bin is replaced in the store and the node's copy removed, so the next
+    read fetches it again: one line naming it, exit 2, no restart. The next start lists
+    the new object and refuses to resume on it."""
+    from tests.e2e.test_object_storage_runs import HOLD
+    paths = token_files(tmp_path / "data", sizes=(3000, 2500, 4000), vocab=256)
+    for p in paths:
+        s3_server.client().upload_file(str(p), s3server.BUCKET, f"changing/{p.name}")
+    config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path / "runs")}, "train": {"max_steps": 400},
+        "checkpoint": {"every_steps": 2},
+        "data": {"kind": "tokens", "vocab_size": 256, "cache_dir": str(tmp_path / "cache"),
+                 "num_workers": 1, "path": f"s3://{s3server.BUCKET}/changing/*.bin"}}))
+    hold, site = tmp_path / "hold", tmp_path / "site"
+    hold.mkdir()
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HOLD)
+    env = s3_server.env(PYTHONPATH=str(site), HOLD_DIR=str(hold), HOLD_AT="3")
+    console = tmp_path / "console.txt"
+    with console.open("w") as out:
+        proc = subprocess.Popen([sys.executable, ENTRY, "train", str(config),
+                                 "distributed.nproc_per_node=2"], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + limit(240)
+        while len(list(hold.glob("held-*"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, console.read_text()
+            time.sleep(0.1)
+        s3_server.client().put_object(Bucket=s3server.BUCKET, Key="changing/part-01.bin",
+                                      Body=bytes(reversed(paths[1].read_bytes())))
+        for copy in (tmp_path / "cache").glob("*-part-01.bin"):
+            copy.unlink()
+        (hold / "go").touch()
+        proc.wait(timeout=limit(240))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stderr = console.read_text()
+    line = stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, stderr[-3000:]
+    assert line.startswith("error: ") and "s3://ckpt/changing/part-01.bin: changed in the " \
+        "store since the run listed it" in line, line
+    assert "restarting" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert "all_gather_into_tensor" not in stderr  # torch 2.13 deprecates that name
+    again = entry("train", str(config), "distributed.nproc_per_node=2", cwd=ROOT,
+                  env=s3_server.env(), timeout=240)
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert "data.path: differs from the data the run being resumed trained on" in \
+        again.stderr.strip().splitlines()[-1]
+

@@ -13,7 +13,8 @@ from launcher.supervise import classify
 from tests.harness.runs import limit
 from tests.harness.supervision import start, wait_ready
 from train.core import protocol
-from train.core.protocol import Exit, Report
+from train.core.errors import EXIT_ONLY_LOCAL
+from train.core.protocol import Exit, Report, restart_can_help
 
 
 def rep(rank: int, code: int, error: str | None = None, restart: int = 0,
@@ -26,6 +27,17 @@ def rep(rank: int, code: int, error: str | None = None, restart: int = 0,
 
 def test_all_done_is_0():
     assert classify(0, [rep(0, 0), rep(1, 0)], [], 2, "torchrun").code == 0
+
+
+def test_done_with_the_final_checkpoint_only_local_is_7_with_rank_0s_line():
+    """The workers exit 0 (torchrun must not restart a finished run); the launcher's code
+    tells a Job or a requeue to run it again on the same disk, which uploads it."""
+    line = "error: the run finished, but its final checkpoint step-4 is only on this disk"
+    left = dataclasses.replace(rep(0, 0), only_local=line)
+    out = classify(0, [left, rep(1, 0)], [], 2, "torchrun")
+    assert (out.code, out.message) == (EXIT_ONLY_LOCAL, line)
+    assert restart_can_help(EXIT_ONLY_LOCAL)
+    assert classify(0, [left], [], 1, "direct").code == EXIT_ONLY_LOCAL
 
 
 def test_failure_names_the_first_failing_rank_and_its_log():

@@ -115,6 +115,8 @@ ENDINGS = {  # rule name -> (rc, reports, signals, expected, mode[, torchrun's e
              2, "torchrun"),
     "failed": (1, [_ended(0, 1, "ValueError")], [], 1, "torchrun"),
     "store lost": (75, [_ended(0, 143)], [], 1, "torchrun"),
+    "only local": (0, [_ended(0, 0, only_local="error: ... step-4 is only on this disk"),
+                       _ended(1, 0)], [], 2, "torchrun"),
     "signal after the last step": (0, [_ended(0, 0)], [signal.SIGTERM], 1, "direct"),
     "stopped": (1, [_ended(0, 143)], [signal.SIGTERM], 1, "torchrun"),
     "done": (0, [_ended(0, 0)], [], 1, "torchrun"),

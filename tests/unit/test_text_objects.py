@@ -17,11 +17,11 @@ from tests.harness import s3server
 from tests.harness.runs import TINY_GPT, merge, write_config
 from tests.unit.test_token_shards import rank_batches
 from train.core.config import load_config
-from train.core.errors import CannotRunHere, ConfigError
+from train.core.errors import CannotRunHere, ConfigError, DataChanged
 from train.core.tokenfiles import resolve
 from train.data import remote
 from train.data.builders import build_data, read_text_files
-from train.data.shardcache import DataFileError, ShardCache
+from train.data.shardcache import ShardCache
 
 LENGTH = TINY_GPT["model"]["context_length"]
 
@@ -101,7 +101,7 @@ def test_objects_that_cannot_be_text_data_are_one_line(aws, tmp_path):
     files = resolve(url, "c.yaml", "text")  # the listing a worker starts from
     # the same size, other bytes, after it was listed: its ETag no longer fits
     aws.client().put_object(Bucket=s3server.BUCKET, Key="bad/part-0.txt", Body=b"x" * 20)
-    with pytest.raises(DataFileError, match=r"^s3://ckpt/bad/part-0.txt: its bytes' MD5"):
+    with pytest.raises(DataChanged, match=r"^s3://ckpt/bad/part-0.txt: changed in the store"):
         read_text_files(files, 0, ShardCache(tmp_path / "cache", 1 << 30))
 
 
@@ -131,7 +131,8 @@ def test_the_helper_fetches_once_verifies_and_opens_the_local_copy(aws, tmp_path
     # replaced after this process first asked for it, and evicted: the refetch says so
     aws.client().put_object(Bucket=s3server.BUCKET, Key="helper/part-0.txt", Body=b"y" * 5000)
     first.unlink()
-    with pytest.raises(DataFileError, match=r"^s3://ckpt/helper/part-0.txt: its bytes' MD5"):
+    with pytest.raises(DataChanged, match=r"^s3://ckpt/helper/part-0.txt: changed in the "
+                                          r"store since the run listed it"):
         remote.fetch(url)
 
 

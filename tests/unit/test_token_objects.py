@@ -7,8 +7,11 @@ Skips without boto3 and weed (``make s3``)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +21,10 @@ from tests.harness import s3server
 from tests.harness.checkpoints import rewind
 from tests.harness.runs import ROOT, TINY_GPT, limit, losses, merge, run_train, write_config
 from tests.unit.test_token_shards import config, token_files, windows
-from train.core.errors import CannotRunHere, ConfigError
+from train.core.errors import EXIT_BAD_INPUT, CannotRunHere, ConfigError, DataChanged
 from train.core.tokenfiles import resolve
 from train.data.builders import build_data
-from train.data.shardcache import DataFileError, ShardCache
+from train.data.shardcache import DataFileError, ShardCache, object_lock
 
 
 def upload(server, paths: list[Path], prefix: str) -> str:
@@ -85,6 +88,8 @@ def test_processes_sharing_a_cache_fetch_each_object_once(aws, tmp_path):
 
 
 def test_a_changed_or_vanished_object_is_one_line_naming_it(aws, tmp_path):
+    """Bad input (exit 2), not a failure a restart could fix: a restart would list the
+    new data and train on it."""
     paths = token_files(tmp_path / "data", sizes=(1000, 1000))
     files = resolve(upload(aws, paths, "corrupt"), "c.yaml")
     s3 = aws.client()
@@ -92,11 +97,13 @@ def test_a_changed_or_vanished_object_is_one_line_naming_it(aws, tmp_path):
     s3.put_object(Bucket=s3server.BUCKET, Key="corrupt/part-00.bin", Body=b"\1" * 2000)
     s3.delete_object(Bucket=s3server.BUCKET, Key="corrupt/part-01.bin")
     cache = ShardCache(tmp_path / "cache", 1 << 30)
-    for f, said in ((files[0], "MD5"), (files[1], "not in the store")):
-        with pytest.raises(DataFileError) as caught:
+    for f, said in ((files[0], "changed in the store"), (files[1], "no longer in the store")):
+        with pytest.raises(DataChanged) as caught:
             cache.local(f)
-        line = str(caught.value)
-        assert line.startswith(f.name + ": ") and said in line and "\n" not in line
+        line = caught.value.one_line()
+        assert line.startswith(f"error: {f.name}: ") and said in line and "\n" not in line
+        assert caught.value.exit_code == EXIT_BAD_INPUT
+        assert not cache.path(f).exists()
     assert not [p for p in cache.folder.iterdir() if p.name.endswith(".part")]
 
 
@@ -147,3 +154,36 @@ def test_a_store_that_cannot_be_reached_is_one_line_after_a_few_attempts(aws, tm
                                             r"\(3 attempts\): .*127\.0\.0\.1:9"):
         cache.local(f)
     assert not cache.path(f).exists()
+
+
+def _take_and_mark(lock: str, marker: str) -> None:
+    with object_lock(Path(lock)):
+        Path(marker).touch()
+
+
+def test_a_process_forked_while_a_thread_holds_an_objects_lock_does_not_inherit_it(
+        tmp_path):
+    """A DataLoader worker forked while the rank's read-ahead thread fetched an object:
+    the worker waits for that fetch, then takes the lock itself (it used to wait for a
+    lock it held itself, forever, and the rank's step with it)."""
+    lock, marker = tmp_path / ".obj.lock", tmp_path / "child-had-it"
+    held, release = threading.Event(), threading.Event()
+
+    def fetching() -> None:
+        with object_lock(lock):
+            held.set()
+            release.wait(limit(60))
+
+    thread = threading.Thread(target=fetching)
+    thread.start()
+    assert held.wait(limit(60))
+    child = multiprocessing.get_context("fork").Process(target=_take_and_mark,
+                                                        args=(str(lock), str(marker)))
+    child.start()
+    time.sleep(0.3)
+    assert not marker.exists()  # the thread's fetch still holds it
+    release.set()
+    thread.join(limit(60))
+    child.join(limit(60))
+    assert child.exitcode == 0 and marker.exists()
+

@@ -1,7 +1,8 @@
 """``data.kind: tokens`` over several files: one sequence of windows that never cross a
 file, read in the one global order (world size and resume do not change it), the
 launcher's checks of the files (one line each, exit 2), and the token-id scan kept in
-the run directory so that a restart skips it. Files in object storage against a real
+the run directory so that a restart skips it; a resume onto files that changed is bad
+input unless data.allow_changed says otherwise. Files in object storage against a real
 S3 server: tests/unit/test_token_objects.py."""
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.harness.runs import TINY_GPT, merge, write_config
+from tests.harness.checkpoints import rewind
+from tests.harness.runs import TINY_GPT, last_line, losses, merge, run_train, write_config
 from train.core import rundir, tokenscan
 from train.core.config import load_config
-from train.core.errors import ConfigError
+from train.core.errors import EXIT_BAD_INPUT, BadData, ConfigError
+from train.core.tokenfiles import resolve
 from train.data.builders import build_data
 from train.data.order import GlobalOrder, RankBatchSampler
+from train.data.tokenshards import ShardedWindows, Shards
 
 LENGTH = TINY_GPT["model"]["context_length"]
 
@@ -161,3 +165,45 @@ def test_the_scan_finds_the_largest_id_anywhere(tmp_path):
         ids[at] = 65_535 - at // 1000
         ids.tofile(tmp_path / "t.bin")
         assert tokenscan.scan(tmp_path / "t.bin") == 65_535 - at // 1000
+
+
+def test_an_id_outside_the_vocabulary_found_by_a_loader_worker_is_one_line(tmp_path):
+    """An object is checked batch by batch (no scan before it is fetched): the error
+    raised in a DataLoader worker process reaches the rank as the one line it was."""
+    paths = token_files(tmp_path / "data", sizes=(400, 400))
+    files = resolve([str(p) for p in paths], "c.yaml")
+    data = ShardedWindows(Shards(files, None), LENGTH, 0, 40, vocab_size=900)
+    loader = torch.utils.data.DataLoader(data, batch_size=40, num_workers=1,
+                                         collate_fn=lambda batch: batch)
+    with pytest.raises(BadData) as caught:
+        next(iter(loader))
+    line = caught.value.one_line()
+    assert "\n" not in line and caught.value.exit_code == EXIT_BAD_INPUT
+    assert line.startswith("error: ") and "part-0" in line and ">= data.vocab_size=900" in line
+    assert "Traceback" not in line and "DataLoader" not in line
+
+
+def test_a_resume_onto_changed_files_is_bad_input_unless_allowed(tmp_path):
+    """A restart never trains on other data than its checkpoint did without being told."""
+    paths = token_files(tmp_path / "data", sizes=(3000, 2500), vocab=256)
+    config_file = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
+        "output": {"dir": str(tmp_path / "runs")},
+        "data": {"kind": "tokens", "vocab_size": 256, "path": str(tmp_path / "data" / "*.bin")},
+        "train": {"max_steps": 4}, "checkpoint": {"every_steps": 2}}))
+    proc = run_train(config_file)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "c"
+    trained = losses(run_dir)
+    rewind(run_dir, 2)
+    ((np.arange(2500) * 3) % 256).astype(np.uint16).tofile(paths[1])  # same size, other ids
+    proc = run_train(config_file)
+    assert proc.returncode == EXIT_BAD_INPUT, proc.stderr[-3000:]
+    line = last_line(proc.stderr)
+    assert line.startswith("error: ") and "data.path: differs from the data" in line
+    assert "data.allow_changed=true" in line and "Traceback" not in proc.stderr
+    assert losses(run_dir) == trained  # nothing trained on the other data
+    proc = run_train(config_file, "data.allow_changed=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming on other data than the checkpoint trained on" in proc.stderr
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4] and losses(run_dir) != trained
+

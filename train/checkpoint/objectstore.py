@@ -81,7 +81,12 @@ class S3Storage:
                                   **conditions)
 
     def open(self, name: str) -> BinaryIO:
-        return self.s3.get_object(Bucket=self.bucket, Key=self.key(name))["Body"]
+        return self.get(name)["Body"]
+
+    def get(self, name: str) -> dict:
+        """The store's answer to a GET: the body to stream, and the object's ContentLength
+        and ETag as they are now."""
+        return self.s3.get_object(Bucket=self.bucket, Key=self.key(name))
 
     def read(self, name: str) -> tuple[bytes, str | None]:
         """(the bytes, the object's ETag) of a small object."""

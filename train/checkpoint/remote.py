@@ -136,9 +136,9 @@ class RemoteTier(StoreReads):
                                                 name="checkpoint-upload")
                 self._thread.start()
 
-    def wait(self, timeout_s: float) -> int | None:
+    def wait(self, timeout_s: float, warn: bool = True) -> int | None:
         """Wait up to ``timeout_s`` for the uploads to finish; the step left only local
-        (named in a warning) or None."""
+        (named in a warning unless ``warn`` is off: the caller says it) or None."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while self._pending is not None or self._busy is not None:
@@ -147,7 +147,7 @@ class RemoteTier(StoreReads):
                     break
                 self._lock.wait(left)
             behind = self._pending if self._pending is not None else self._busy
-        if behind is not None:
+        if behind is not None and warn:
             log.warning("checkpoint step-%d is only local: its upload to %s did not finish "
                         "within %.0f s", behind, self.where, timeout_s)
         return behind
@@ -211,6 +211,7 @@ class RemoteTier(StoreReads):
             self._retry(lambda: self._name_latest(step))
             self._retry(self._prune)
         self.uploaded = step
+        log.info("checkpoint step-%d is in %s", step, self.where)
         if self.unreachable:
             log.warning("checkpoint uploads to %s work again: step-%d is there", self.where,
                         step)

@@ -9,15 +9,20 @@ holds :mod:`.state`'s, which one to resume :mod:`.policy`'s.
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
 from train import hf
 from train.checkpoint import formats, reader, remote, sharded
+from train.checkpoint.left_behind import only_local_line
 from train.checkpoint.policy import choose_checkpoint
 from train.checkpoint.state import Restored, TrainState, payload, rank_payload, set_rng_state
 from train.components import Components
 from train.core.config import check_checkpoint_config, to_dict
+from train.core.config.resume import check_same_data
+from train.core.errors import EXIT_OK, EXIT_ONLY_LOCAL
+from train.core.protocol import Reporter
 from train.core.remote_config import said
 from train.guards.divergence import Guard
 
@@ -39,7 +44,7 @@ def save_checkpoint(c: Components, state: TrainState, guard: Guard, *,
                      config=to_dict(c.cfg),
                      model_io={"input_shape": list(c.data.input_shape),
                                "num_classes": c.data.num_classes, **hf.model_io(c.model)},
-                     format=c.checkpoint_format.name)
+                     format=c.checkpoint_format.name, data_sha256=c.data.data_hash)
     path = c.checkpointer.save(state.step, shared, rank_payload(c.env.rank),
                                background=background, shards=shards)
     if c.env.is_main:
@@ -56,6 +61,7 @@ def resume(c: Components) -> TrainState:
     shared, mine = loaded if loaded is not None else reader.load(path, c.env.rank)
     saved = Restored(shared)
     check_checkpoint_config(c.cfg, saved.config, path, c.source)
+    check_same_data(c.cfg, saved.data_sha256, c.data.data_hash, path, c.source)
     # in the format it was saved in: sharded reads what this rank's shards need, at any
     # world size
     formats.of_checkpoint(saved).load(c.model, c.optimizer, saved, path)
@@ -88,20 +94,46 @@ def node_local(c: Components, nodes: list[int] | None) -> None:
     c.checkpointer.remote, c.checkpointer.sealed = tier, tier.sealed
 
 
-def finish_uploads(c: Components, signalled: bool) -> None:
+def finish_uploads(c: Components, code: int, seconds_left: float, reporter: Reporter) -> int:
     """Rank 0 (node-local mode: each node's first rank) with ``checkpoint.remote``: wait
-    for the upload in flight (the last checkpoint's), within half the grace period after
-    a signal (the rest is the platform's margin), else within ``distributed.timeout_s``;
-    what stays only local is named in a warning. Then (rank 0) the run's record once more,
-    with what was logged after the last checkpoint (the final evaluation, result.json)."""
+    for the upload in flight (the last checkpoint's); the worker's exit code.
+
+    After a signal (``code`` 143), within half the grace period (the rest is the
+    platform's margin); what stays only local is named in a warning. At the end of a
+    run, within ``seconds_left`` (what is left of ``train.shutdown_timeout_s``, and at
+    most half of ``distributed.timeout_s``, which the other ranks wait in their last
+    barrier): a final checkpoint still only local then ends the run with
+    EXIT_ONLY_LOCAL and one line (:mod:`.left_behind`), said by the launcher from the
+    report (the worker itself exits 0, or torchrun would restart a finished run). Then
+    (rank 0) the run's record once more, with what was logged after the last checkpoint
+    (the final evaluation, result.json)."""
     tier = c.checkpointer.remote
     if tier is None:
-        return
-    behind = tier.wait(c.cfg.distributed.grace_period_s / 2 if signalled
-                       else c.cfg.distributed.timeout_s)
+        return code
+    if code != EXIT_OK:
+        behind = tier.wait(c.cfg.distributed.grace_period_s / 2)
+    else:
+        behind = tier.wait(min(seconds_left, c.cfg.distributed.timeout_s / 2), warn=False)
+        if behind is not None:
+            return _left_behind(c, behind, reporter)
     if behind is None and not tier.unreachable and tier.publishes:
         try:
             tier.mirror_record()
         except Exception as exc:  # the checkpoints are there; the record is a convenience
             log.warning("the run's metrics did not reach %s at the end (%s)", tier.where,
                         said(exc))
+    return code
+
+
+def _left_behind(c: Components, step: int, reporter: Reporter) -> int:
+    """The final checkpoint ``step`` is only local: the launcher is told (and ends with
+    EXIT_ONLY_LOCAL); a worker started without it says so and exits with it."""
+    limit = c.cfg.train.shutdown_timeout_s
+    line = only_local_line(step, c.checkpointer.remote.where, "its upload did not finish "
+                           f"within train.shutdown_timeout_s={limit:g} after the last step "
+                           "(raise it when uploads of this size need longer)")
+    reporter.only_local = line
+    if c.env.supervised:
+        return EXIT_OK
+    print(line, file=sys.stderr, flush=True)
+    return EXIT_ONLY_LOCAL

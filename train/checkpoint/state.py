@@ -58,11 +58,15 @@ class TrainState:
 
 def payload(state: TrainState, *, world_size: int, model: dict | None,
             optimizer: dict | None, scheduler: dict, scaler: dict | None, config: dict,
-            model_io: dict[str, Any], format: str) -> dict[str, Any]:
-    """The contents of state.pt (model and optimizer None: sharded, beside it)."""
+            model_io: dict[str, Any], format: str, data_sha256: str | None = None
+            ) -> dict[str, Any]:
+    """The contents of state.pt (model and optimizer None: sharded, beside it);
+    ``data_sha256``: the hash of the data it trained on (a resume onto other data is
+    refused, :func:`train.core.config.resume.check_same_data`)."""
     return {**state.state_dict(), "world_size": world_size, "model": model,
             "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
-            "config": config, "model_io": model_io, "format": format}
+            "config": config, "model_io": model_io, "format": format,
+            "data_sha256": data_sha256}
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,11 @@ class Restored:
     @property
     def format(self) -> str:
         return self.raw.get("format", "full")
+
+    @property
+    def data_sha256(self) -> str | None:
+        """The hash of the data it trained on (None: written by an older version)."""
+        return self.raw.get("data_sha256")
 
     @property
     def sharded(self) -> bool:

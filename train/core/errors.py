@@ -15,6 +15,7 @@ EXIT_CANNOT_RUN_HERE = 3
 EXIT_DIVERGED = 4
 EXIT_STORE_LOST = 5
 EXIT_RUN_DIR_BUSY = 6
+EXIT_ONLY_LOCAL = 7
 EXIT_STOPPED_BY_SIGNAL = 143
 # Between a worker and its launcher only: this rank stopped (with the checkpoint) because
 # the workers of another node were told to stop. torchrun restarts it without counting
@@ -30,6 +31,8 @@ EXIT_MEANINGS = {
     EXIT_DIVERGED: "training diverged (a non-finite loss, gradient or weight)",
     EXIT_STORE_LOST: "the multi-node rendezvous store was lost",
     EXIT_RUN_DIR_BUSY: "the run directory is in use by another job",
+    EXIT_ONLY_LOCAL: "finished, but the final checkpoint did not reach checkpoint.remote in "
+                     "time (rerun on the same run directory to upload it)",
     EXIT_STOPPED_BY_SIGNAL: "stopped by a signal after checkpointing (rerun the same "
                             "command to resume)",
 }
@@ -129,3 +132,31 @@ class Diverged(UserError):
     was saved; the message names the last good checkpoint and what to change."""
 
     exit_code = EXIT_DIVERGED
+
+
+class BadData(UserError):
+    """Data found unusable while training (a token id outside the vocabulary in an
+    object read only then): exit 2, one line naming the file.
+
+    Raised in a DataLoader worker process, it reaches the rank re-raised by torch with the
+    worker's whole traceback as its message; only the original line is kept."""
+
+    def __init__(self, message: str):
+        super().__init__(_original_line(message, type(self).__name__))
+
+
+class DataChanged(BadData):
+    """Data that changed under the run (an object replaced or deleted since the run listed
+    it, or a resume onto data whose hash differs from the checkpoint's): exit 2, never a
+    restart that trains on other data."""
+
+
+def _original_line(message: str, name: str) -> str:
+    """``message`` itself, or the last ``<name>: ...`` line of a traceback re-raised by
+    a DataLoader ("Caught X in DataLoader worker process 0. Original Traceback ...")."""
+    if "Original Traceback" not in message:
+        return message
+    lines = [line.split(f"{name}: ", 1)[1] for line in message.splitlines()
+             if f"{name}: " in line]
+    return lines[-1] if lines else message
+

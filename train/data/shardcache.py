@@ -7,9 +7,14 @@ it: the ranks, their DataLoader workers, and the next start of the run. A per-ob
 ``flock`` makes one process fetch while the others wait for it (the kernel drops the
 lock of a process that dies mid-fetch; its partial file is never renamed into place).
 
-What was fetched is checked against the listing the run started from: its size, and
-its MD5 where the ETag is one (a single-part upload); a mismatch is one line naming the
-object (it changed, or is corrupt), never silently different data. When the folder
+What was fetched is checked against the listing the run started from. The store's
+answer to the fetch names the object's size and ETag as they are now: when they differ
+from the listing, or the object is gone, the data changed under the run, which is
+:class:`~train.core.errors.DataChanged` (one line naming the object, exit 2, not
+restarted: a restart would list the new data and train on it). The bytes are then
+checked against the size, and the MD5 where the ETag is one (a single-part upload): a
+mismatch there is damage in transit, fetched again, and after :data:`ATTEMPTS` one line
+naming the object, never silently different data. When the folder
 would grow past ``data.cache_bytes`` the least recently used files go first; a process
 reading an evicted file fetches it again. Why whole files and not byte ranges, and what
 a cache smaller than the dataset costs: docs/object-storage.md ("Training data").
@@ -30,9 +35,10 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from train.core.errors import DataChanged
 from train.core.tokenfiles import TokenFile
 
 log = logging.getLogger("train")
@@ -43,7 +49,17 @@ PLAIN_MD5 = re.compile(r"^[0-9a-f]{32}$")  # a multipart upload's ETag is not th
 
 
 class DataFileError(RuntimeError):
-    """A data file that cannot be used: one line naming it."""
+    """A data file that cannot be fetched: one line naming it."""
+
+
+class DamagedInTransit(OSError):
+    """The bytes received are not the object's (the store said it was unchanged): fetched
+    again."""
+
+
+# What the user can do about data that changed under a run.
+CHANGED = ("; a run trains on the data it started with: put the object back as it was, or "
+           "start a new run (another run.name) on the new data")
 
 
 def default_folder() -> Path:
@@ -55,6 +71,43 @@ def cache_name(f: TokenFile) -> str:
     file), then its own name for a reader of the folder."""
     tag = hashlib.sha256(f"{f.name}\0{f.etag}".encode()).hexdigest()[:16]
     return f"{tag}-{f.name.rpartition('/')[2]}"
+
+
+# The lock files this process holds open. A flock belongs to the open file, which a
+# fork shares: a DataLoader worker forked while the read-ahead thread held an object's
+# lock would keep that lock after the thread let go, and wait for it itself forever.
+# The child closes its copies at once; the fork waits while a lock is being opened.
+_lock_files: set[int] = set()
+_lock_files_guard = threading.Lock()
+
+
+def _forget_inherited_locks() -> None:
+    for fd in _lock_files:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _lock_files.clear()
+    _lock_files_guard.release()  # taken by the forking thread, this process's only one
+
+
+os.register_at_fork(before=_lock_files_guard.acquire,
+                    after_in_parent=_lock_files_guard.release,
+                    after_in_child=_forget_inherited_locks)
+
+
+@contextlib.contextmanager
+def object_lock(path: Path) -> Iterator[None]:
+    """Held while one process (or thread) of the node fetches an object; the others wait
+    (the kernel drops the lock of a process that dies)."""
+    with _lock_files_guard:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        _lock_files.add(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        with _lock_files_guard:
+            _lock_files.discard(fd)
+            os.close(fd)
 
 
 class ShardCache:
@@ -78,8 +131,7 @@ class ShardCache:
                 os.utime(path)  # recently used: evicted last
             return path
         self.folder.mkdir(parents=True, exist_ok=True)
-        with open(self.folder / f".{path.name}.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be fetching it
+        with object_lock(self.folder / f".{path.name}.lock"):  # another may be fetching it
             if not path.exists():
                 self._make_room(f.size)
                 self._fetch(f, path)
@@ -99,12 +151,12 @@ class ShardCache:
             try:
                 size = self._fetch_once(f, path)
                 break
-            except DataFileError:
+            except DataChanged:
                 raise
             except Exception as exc:  # the store's or the network's answer, in one line
                 if missing(exc):
-                    raise DataFileError(f"{f.name}: not in the store (it was listed when "
-                                        "the run started)") from None
+                    raise DataChanged(f"{f.name}: no longer in the store (it was listed when "
+                                      f"the run started){CHANGED}") from None
                 if attempt == ATTEMPTS:
                     raise DataFileError(f"{f.name}: cannot fetch ({ATTEMPTS} attempts): "
                                         f"{said(exc)}") from None
@@ -117,8 +169,9 @@ class ShardCache:
         part = path.with_name(f".{path.name}.{os.getpid()}.part")
         md5, size = hashlib.md5(usedforsecurity=False), 0
         try:
-            body = self._storage(bucket).open(key)
-            with body, open(part, "wb") as out:
+            got = self._storage(bucket).get(key)
+            _same_as_listed(f, got.get("ContentLength"), got.get("ETag", "").strip('"'))
+            with got["Body"] as body, open(part, "wb") as out:
                 for chunk in iter(lambda: body.read(CHUNK), b""):
                     md5.update(chunk)
                     size += len(chunk)
@@ -156,17 +209,24 @@ class ShardCache:
                     return
                 try:
                     self.local(f)
-                except DataFileError:
+                except (DataFileError, DataChanged):
                     return  # the reader that needs it says so, in its own step
         thread = threading.Thread(target=run, name="data-read-ahead", daemon=True)
         thread.start()
         return thread
 
 
+def _same_as_listed(f: TokenFile, size: int | None, etag: str) -> None:
+    """The store's object is the one the run listed (its size and ETag), else DataChanged."""
+    if (size is not None and size != f.size) or (etag and f.etag and etag != f.etag):
+        raise DataChanged(f"{f.name}: changed in the store since the run listed it (size "
+                          f"{f.size} -> {size}, ETag {f.etag} -> {etag}){CHANGED}")
+
+
 def _check(f: TokenFile, size: int, md5: str) -> None:
+    """The bytes received are the object's (the store said it is the listed one)."""
     if size != f.size:
-        raise DataFileError(f"{f.name}: fetched {size} bytes, the store listed {f.size} when "
-                            "the run started: the object changed or is corrupt")
+        raise DamagedInTransit(f"{f.name}: fetched {size} bytes of {f.size}")
     if PLAIN_MD5.match(f.etag) and md5 != f.etag:
-        raise DataFileError(f"{f.name}: its bytes' MD5 {md5} is not the store's ETag "
-                            f"{f.etag}: corrupt in transit or changed since the listing")
+        raise DamagedInTransit(f"{f.name}: the bytes' MD5 {md5} is not the store's ETag "
+                               f"{f.etag}")

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from train.core.errors import BadData
 from train.core.tokenfiles import TokenFile
 from train.data.shardcache import ShardCache
 
@@ -87,8 +88,10 @@ class Windows(Dataset):
         # uint16 files hold ids up to 65535: only a smaller vocabulary can be exceeded
         if self.vocab_size < 1 << 16 and int(w.max()) >= self.vocab_size:
             row = int(w.max(dim=1).values.argmax())
-            raise ValueError(f"{self._source_of(indices[row])}: token id {int(w.max())} >= "
-                             f"data.vocab_size={self.vocab_size}")
+            raise BadData(f"{self._source_of(indices[row])}: token id {int(w.max())} >= "
+                          f"data.vocab_size={self.vocab_size}; raise data.vocab_size to "
+                          f"{int(w.max()) + 1} or more, or tokenize with a tokenizer of "
+                          "that many ids")
         return w[:, :-1], w[:, 1:]
 
 

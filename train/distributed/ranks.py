@@ -167,8 +167,16 @@ def gather_over_ranks(values: list[torch.Tensor | float], device: torch.device,
     if not distributed:
         return [mine.tolist()]
     everyone = mine.new_empty(dist.get_world_size() * mine.numel())
-    dist.all_gather_into_tensor(everyone, mine)
+    _gather_into(everyone, mine)
     return everyone.view(-1, mine.numel()).tolist()
+
+
+def _gather_into(everyone: torch.Tensor, mine: torch.Tensor) -> None:
+    """torch's all-gather into one tensor under its current name (2.13 deprecates
+    ``all_gather_into_tensor`` with a FutureWarning at every call; older torch has only
+    that name)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(everyone, mine)
 
 
 def mean_of(rows: list[list[float]], columns: int) -> list[float]:

@@ -7,6 +7,7 @@ again against the checkpoint's own copy of the config.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import yaml
@@ -15,7 +16,9 @@ from train.core import rundir
 from train.core.config.origins import MISSING, dig, origin_note, show
 from train.core.config.schema import AUTO, Config, to_dict
 from train.core.credentials import redacted
-from train.core.errors import ConfigError
+from train.core.errors import ConfigError, DataChanged
+
+log = logging.getLogger("train")
 
 # Keys whose change makes a run's checkpoints unloadable (parameter or optimizer-state
 # shapes, or what the inputs mean).
@@ -38,6 +41,25 @@ def check_checkpoint_config(cfg: Config, saved: dict, where: Path | str, source:
                           f"differs from the run being resumed ({where}: "
                           f"{'; '.join(changed[:3])}); use a new run.name, or "
                           f"checkpoint.resume_from=none to start this run over")
+
+
+def check_same_data(cfg: Config, saved: str | None, now: str, where: Path | str,
+                    source: str) -> None:
+    """DataChanged (exit 2) when the checkpoint being resumed trained on other data than
+    ``now`` (its ``data_sha256``; None: written before checkpoints recorded it), unless
+    ``data.allow_changed`` says to go on, which is then said in a warning."""
+    if saved is None or saved == now:
+        return
+    differs = f"data_sha256 {saved[:16]}... in {where}, {now[:16]}... now"
+    if cfg.data.allow_changed:
+        log.warning("resuming on other data than the checkpoint trained on (%s): "
+                    "data.allow_changed is on", differs)
+        return
+    key = "data.factory" if cfg.data.kind == "custom" else "data.path"
+    raise DataChanged(f"{source}: {key}: differs from the data the run being resumed "
+                      f"trained on ({differs}); put the data back as it was, start a new "
+                      "run (another run.name), or set data.allow_changed=true to go on "
+                      "with this data")
 
 
 # Keys a rerun may change without a word: what the launcher decides for the worker

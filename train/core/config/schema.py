@@ -1,6 +1,7 @@
-"""The configuration schema: one keyword-only dataclass per component, nothing else.
+"""The configuration schema: one keyword-only dataclass per component, nothing else
+(the metrics, console and tracker keys are :mod:`.logging_keys`').
 
-Each field carries its one-line doc and numeric bounds (:func:`opt`); the loader
+Each field carries its one-line doc and numeric bounds (:func:`~.fields.opt`); the loader
 validates against them, and the config reference (docs/config.md) and ``configs/schema.json`` are
 generated from them (``python -m train.core.config.reference``). The key names are a contract
 with users (docs/architecture.md, "Contracts"): rename one only on purpose.
@@ -9,22 +10,13 @@ with users (docs/architecture.md, "Contracts"): rename one only on purpose.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from train.core.config.fields import AUTO, opt
 from train.core.config.kinds import DATA_KIND_NAMES, MODEL_KIND_NAMES
-
-AUTO = "auto"
-
-
-def opt(default: Any, doc: str, *, ge: float | None = None, gt: float | None = None,
-        le: float | None = None, factory: bool = False) -> Any:
-    """A config field with its one-line doc and optional numeric bounds."""
-    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le}
-    if factory:
-        return field(default_factory=default, metadata=meta)
-    return field(default=default, metadata=meta)
+from train.core.config.logging_keys import LoggingConfig
 
 
 @dataclass(kw_only=True)
@@ -118,6 +110,10 @@ class DataConfig:
     cache_bytes: int = opt(64 << 30, "objects from s3://: the most bytes of fetched files kept "
                                      "in data.cache_dir; at least the largest file (the whole "
                                      "dataset to fetch each file once).", ge=1 << 20)
+    allow_changed: bool = opt(False, "Resume a run whose data differs from what its checkpoint "
+                                     "trained on (its data_sha256: files, objects, or the "
+                                     "custom factory and args). Off: such a resume is exit 2 "
+                                     "naming both hashes.")
 
 
 @dataclass(kw_only=True)
@@ -270,46 +266,6 @@ class CheckpointConfig:
                                    "resume takes the newest sealed locally or there (pip "
                                    "install 'trainpod[s3]'; credentials from the AWS_* "
                                    "variables and files, never here: docs/object-storage.md).")
-
-
-@dataclass(kw_only=True)
-class MlflowConfig:
-    enabled: bool = opt(False, "Log params, metrics, config.yaml and exports to an MLflow "
-                               "server (pip install mlflow-skinny).")
-    tracking_uri: str | None = opt(None, "Tracking server, e.g. http://mlflow:5000; default: "
-                                         "MLFLOW_TRACKING_URI. A user, password or token in it "
-                                         "is refused: MLflow's environment variables carry "
-                                         "them (MLFLOW_TRACKING_USERNAME, ...).")
-    experiment: str | None = opt(None, "Experiment name, created when missing; default: "
-                                       "MLFLOW_EXPERIMENT_NAME, else MLflow's Default.")
-
-
-@dataclass(kw_only=True)
-class WandbConfig:
-    mode: Literal["disabled", "offline", "online"] = opt(  # W&B's own mode names
-        "disabled", "Weights & Biases (pip install wandb): offline writes "
-               "RUN_DIR/wandb/ for `wandb sync`; online uploads (needs WANDB_API_KEY).")
-    project: str | None = opt(None, "W&B project; default: WANDB_PROJECT, else W&B's own.")
-
-
-@dataclass(kw_only=True)
-class LoggingConfig:
-    every_steps: int = opt(10, "Console line, metrics.jsonl row and TensorBoard scalars every "
-                               "N steps.", ge=1)
-    progress: Literal["auto", "bar", "plain"] = opt(AUTO, "Console style; auto: a live bar on "
-                                                          "a terminal, plain lines otherwise.")
-    tensorboard: bool = opt(True, "Write TensorBoard events to the run's tb/ directory.")
-    straggler_ratio: float = opt(1.3, "Name a rank whose data wait or compute per step is "
-                                      "this many times the other ranks' median; on several "
-                                      "nodes, time the links when the communication wait "
-                                      "grows this many times more than the rest of the step "
-                                      "since earlier in the run (0 = both off).", ge=0.0)
-    straggler_steps: int = opt(30, "Stragglers and the communication wait are judged over "
-                                   "the last N steps (and 10 s at least), by the median "
-                                   "logging interval: one slow step now and then is no alarm.",
-                               ge=1)
-    mlflow: MlflowConfig = opt(MlflowConfig, "MLflow tracking (optional).", factory=True)
-    wandb: WandbConfig = opt(WandbConfig, "Weights & Biases tracking (optional).", factory=True)
 
 
 @dataclass(kw_only=True)

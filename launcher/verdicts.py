@@ -1,0 +1,42 @@
+"""The endings the supervisor decides itself, in the words the user reads: a static
+job's failed worker or vanished node (a static rendezvous cannot replace a node), a lost
+run-directory lease, a rendezvous store that did not come back. The endings read from
+the workers' reports are :mod:`launcher.outcome`'s.
+"""
+
+from __future__ import annotations
+
+from launcher.outcome import Outcome
+from train.core.errors import EXIT_RUN_DIR_BUSY, EXIT_STORE_LOST, EXIT_TRAINING_FAILED
+
+
+def _static(convention: str) -> str:
+    return (f"A static rendezvous ({convention}) cannot replace a node: every node stops; "
+            "restart the job (its pods, or resubmit it) and it resumes from the last "
+            "checkpoint")
+
+
+def static_failed(outcome: Outcome, convention: str) -> Outcome:
+    """A static job's worker failed: a lost node cannot rejoin, so the job ends."""
+    return Outcome(outcome.code, f"{outcome.message}. {_static(convention)}")
+
+
+def node_lost(lost: str, convention: str) -> Outcome:
+    """A static job's node vanished (its heartbeat stopped): every node stops, naming it."""
+    return Outcome(EXIT_TRAINING_FAILED, f"error: training failed: {lost}. {_static(convention)}")
+
+
+def lease_lost(reason: str) -> Outcome:
+    return Outcome(EXIT_RUN_DIR_BUSY, f"error: {reason}")
+
+
+def store_gone(store: str, wait_s: float, lost_times: int | None) -> Outcome:
+    """The rendezvous store did not come back within ``wait_s``, or was lost
+    ``lost_times`` times (the most the launcher rejoins)."""
+    why = (f"did not come back within {wait_s} s (distributed.rdzv_store_wait_s)"
+           if lost_times is None else f"was lost {lost_times} times (the most this launcher "
+                                      "rejoins)")
+    return Outcome(EXIT_STORE_LOST, f"error: the rendezvous store {store} {why}; the workers "
+                                    "wrote their checkpoint. Check the rendezvous Deployment "
+                                    "and Service, then restart this pod: it resumes from the "
+                                    "last checkpoint")
