@@ -23,7 +23,12 @@ What makes a node lost, and what does not:
 
 No name is looked up while beating: the rank-0 node's address is resolved once (the
 listener binds it, not every interface, when it is this node's), and a reconnect uses
-the address already found. Nothing is unpickled: beats are lines of JSON.
+the address already found. Nothing is unpickled: beats are lines of JSON, and only the
+job's own well-formed messages count (:mod:`launcher.heartbeat_wire`): a stray line, a
+stranger naming a rank the job does not have, a line without end, are ignored and
+counted (said once), never a reason to stop. The rank-0 node's launcher binds its port
+before any worker starts (:func:`~launcher.heartbeat_wire.listen`): a port another
+program holds is exit 3 then, not a false loss of node 0 on every other node later.
 
 ``on_lost`` gets one line naming the lost node (``lost``, too), and the launcher stops
 this node's workers and exits 1 naming it. A static job cannot replace a node: the pods'
@@ -39,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from launcher.heartbeat_wire import Conn, Watch, resolve, tune
+from launcher.heartbeat_wire import Conn, Watch, beat_of, listen, ours, resolve, token_of, tune
 
 
 class PeerHeartbeat(threading.Thread):
@@ -48,7 +53,8 @@ class PeerHeartbeat(threading.Thread):
     def __init__(self, master: str, port: int, rank: int, nnodes: int, addr: str,
                  lost_after_s: float, on_lost: Callable[[str], None], *,
                  silence_s: float = 20.0, join_timeout_s: float = 600.0,
-                 log: Callable[[str], None] = lambda line: None, beat_s: float = 1.0) -> None:
+                 log: Callable[[str], None] = lambda line: None, beat_s: float = 1.0,
+                 job: str | None = None, listener: socket.socket | None = None) -> None:
         super().__init__(name="peer-heartbeat", daemon=True)
         self.master, self.port, self.rank, self.nnodes = master, port, rank, nnodes
         self.addr, self.on_lost, self.log, self.beat_s = addr, on_lost, log, beat_s
@@ -59,6 +65,8 @@ class PeerHeartbeat(threading.Thread):
         self.watch = Watch(lost_after_s, silence_s)
         self.heard_node_0 = False  # a non-zero node: node 0's view reached it
         self.beats_started = self.beats_read = 0  # a non-zero node's beats to node 0
+        self.token, self.listener = token_of(job), listener  # rank 0: bound by the launcher
+        self.ignored = 0  # messages that were not the job's own well-formed ones
 
     def run(self) -> None:
         try:
@@ -90,28 +98,19 @@ class PeerHeartbeat(threading.Thread):
 
     # ---------------------------------------------------------------- rank 0
     def _listen(self) -> socket.socket | None:
-        """The listener, on this node's own address when the rank-0 name resolves to it;
-        None (said once) when the port is taken."""
-        ip = resolve(self.master, self.port)
-        for host in ([ip] if ip else []) + [""]:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((host, self.port))
-            except OSError as exc:
-                sock.close()
-                if host and exc.errno == 99:  # EADDRNOTAVAIL: the name is not this node's
-                    continue
-                self.log(f"heartbeat not started: cannot listen on port {self.port} ({exc}); "
-                         "a lost node is left to distributed.timeout_s")
-                return None
-            if not host:
-                self.log(f"heartbeat listening on every interface, port {self.port}: "
-                         f"{self.master} does not resolve to this node")
-            sock.listen(64)
-            sock.setblocking(False)
-            return sock
-        return None
+        """The listener the launcher bound, or bound here; None (said once) when the port
+        is taken."""
+        if self.listener is not None:
+            return self.listener
+        try:
+            sock, note = listen(self.master, self.port)
+        except OSError as exc:
+            self.log(f"heartbeat not started: {exc.strerror}; a lost node is left to "
+                     "distributed.timeout_s")
+            return None
+        if note:
+            self.log(note)
+        return sock
 
     def _serve(self) -> None:
         listener = self._listen()
@@ -166,15 +165,34 @@ class PeerHeartbeat(threading.Thread):
         if not data:
             self._drop(conn, sel, conns, why, now)
             return
-        for message in conn.lines(data):
-            if message.get("bye"):
+        messages, junk = conn.lines(data), conn.junk
+        conn.junk = 0
+        for message in messages:
+            beat = beat_of(message, self.nnodes, self.token)
+            if beat is None and ours(message, self.token) and message.get("bye"):
                 conn.bye = True
-            elif isinstance(message.get("rank"), int):
-                conn.rank = message["rank"]
-                if message["rank"] not in self.watch.peers:
-                    self.log(f"heartbeat: node {conn.rank} ({message.get('where')}) beats")
-                self.watch.beat(conn.rank, int(message.get("beat", 0)),
-                                str(message.get("where", "?")), now)
+            elif beat is None:
+                junk += 1
+            else:
+                conn.rank, count, where = beat
+                if conn.rank not in self.watch.peers:
+                    self.log(f"heartbeat: node {conn.rank} ({where}) beats")
+                self.watch.beat(conn.rank, count, where, now)
+        self._ignore(junk, conn)
+        if conn.overlong:  # a line without end: whoever sends it is no node of the job
+            self._drop(conn, sel, conns, "a line too long", now)
+
+    def _ignore(self, count: int, conn: Conn) -> None:
+        """Messages that are not this job's beats: counted, said the first time."""
+        if count and not self.ignored:
+            try:
+                host, port = conn.sock.getpeername()[:2]
+                peer = f"{host}:{port}"
+            except OSError:
+                peer = "?"
+            self.log(f"heartbeat: ignoring messages that are not this job's beats (from "
+                     f"{peer}: malformed, another job's, or a rank the job does not have)")
+        self.ignored += count
 
     def _drop(self, conn: Conn, sel, conns: dict, why: str, now: float) -> None:
         sel.unregister(conn.sock)
@@ -184,7 +202,7 @@ class PeerHeartbeat(threading.Thread):
             self.watch.ended(conn.rank, None if conn.bye else why, now)
 
     def _push(self, sel, conns: dict, lost: str | None, bye: bool = False) -> None:
-        line = (json.dumps({"lost": lost, "bye": bye}) + "\n").encode()
+        line = (json.dumps({"lost": lost, "bye": bye, "job": self.token}) + "\n").encode()
         for conn in list(conns.values()):
             try:
                 conn.sock.send(line)
@@ -216,8 +234,8 @@ class PeerHeartbeat(threading.Thread):
             count += 1
             self.beats_started = count
             try:
-                sock.sendall((json.dumps({"rank": self.rank, "beat": count,
-                                          "where": self.addr}) + "\n").encode())
+                sock.sendall((json.dumps({"rank": self.rank, "beat": count, "where": self.addr,
+                                          "job": self.token}) + "\n").encode())
                 lost = self._read_pushes(conn, now)
                 self.beats_read = count
             except OSError:
@@ -234,7 +252,7 @@ class PeerHeartbeat(threading.Thread):
                 return self._lose(f"lost node 0 ({self.master}): no heartbeat for "
                                   f"{now - reached:.0f} s though its host answers (frozen "
                                   "or stopped)")
-        self._goodbye(sock)
+        self._goodbye(sock, self.token)
 
     def _connect(self, ip: str) -> socket.socket | None:
         try:
@@ -258,18 +276,21 @@ class PeerHeartbeat(threading.Thread):
                     return lost
                 raise ConnectionError("closed")
             for message in conn.lines(data):
+                if not ours(message, self.token):
+                    continue  # not node 0's word: another program on its port
                 conn.heard = now
-                conn.bye = conn.bye or bool(message.get("bye"))
-                lost = lost or message.get("lost")
+                conn.bye = conn.bye or message.get("bye") is True
+                said = message.get("lost")
+                lost = lost or (said if isinstance(said, str) else None)
 
     @staticmethod
-    def _goodbye(sock: socket.socket | None) -> None:
+    def _goodbye(sock: socket.socket | None, token: str) -> None:
         if sock is None:
             return
         try:
             sock.setblocking(True)
             sock.settimeout(1.0)
-            sock.sendall(b'{"bye": true}\n')
+            sock.sendall((json.dumps({"bye": True, "job": token}) + "\n").encode())
         except OSError:
             pass
         sock.close()

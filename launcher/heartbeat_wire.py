@@ -1,18 +1,75 @@
 """The heartbeat's wire and the rank-0 node's table (:mod:`launcher.heartbeat` says what
 the heartbeat is for): connections tuned so that the kernel ends them when the peer's
-host is gone, a name resolved once with a bound, lines of JSON read from a stream, and
-:class:`Watch`, which decides from the beats and the connections which node is lost.
+host is gone, a name resolved once with a bound, the listener bound before any worker
+starts, lines of JSON read from a stream, and :class:`Watch`, which decides from the
+beats and the connections which node is lost.
+
+Only the job's own messages count. Every message carries the job's token (derived from
+the job's id, which every node of a static job shares: it keeps another job's or a
+stray program's lines out, not an attacker: docs/security.md); a beat must name a rank
+of the job other than 0, a count and a short address. Anything else (a malformed line, a
+foreign token, a rank out of range, a line longer than :data:`MOST_LINE` bytes, whose
+connection is then closed) is ignored and counted, and never stops the watch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 RESOLVE_S = 5.0   # one attempt to resolve the rank-0 node's name (a nameserver may hang)
+MOST_LINE = 4096  # bytes of one message: a beat is under 200
+EADDRNOTAVAIL = 99
+
+
+def token_of(job: str | None) -> str:
+    """The token every message of the job carries (the same on every node)."""
+    return hashlib.sha256(f"trainpod-heartbeat\0{job or ''}".encode()).hexdigest()[:16]
+
+
+def listen(master: str, port: int) -> tuple[socket.socket, str | None]:
+    """The rank-0 node's listener (on its own address when ``master`` resolves to it, else
+    on every interface, said in the note returned); OSError naming the port when another
+    program holds it: before any worker starts, so that the job fails at once."""
+    ip = resolve(master, port)
+    for host in ([ip] if ip else []) + [""]:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            if host and exc.errno == EADDRNOTAVAIL:  # the name is not this node's
+                continue
+            raise OSError(exc.errno, f"the heartbeat port {port} (MASTER_PORT + 1) cannot "
+                                     f"be listened on: {exc.strerror}") from None
+        sock.listen(64)
+        sock.setblocking(False)
+        note = None if host else (f"heartbeat listening on every interface, port {port}: "
+                                  f"{master} does not resolve to this node")
+        return sock, note
+    raise OSError(EADDRNOTAVAIL, f"the heartbeat port {port} cannot be listened on")
+
+
+def beat_of(message: Any, nnodes: int, token: str) -> tuple[int, int, str] | None:
+    """(rank, count, address) of a well-formed beat of this job, else None."""
+    if not isinstance(message, dict) or message.get("job") != token:
+        return None
+    rank, count, where = message.get("rank"), message.get("beat"), message.get("where")
+    if type(rank) is not int or not 0 < rank < nnodes or type(count) is not int or \
+            count < 0 or not isinstance(where, str) or len(where) > 255:
+        return None
+    return rank, count, where
+
+
+def ours(message: Any, token: str) -> bool:
+    """A message of this job (a goodbye, node 0's view)."""
+    return isinstance(message, dict) and message.get("job") == token
 
 
 def tune(sock: socket.socket, lost_after_s: float) -> None:
@@ -101,16 +158,23 @@ class Conn:
         self.rank: int | None = None
         self.bye = False
         self.heard: float | None = None
+        self.junk = 0            # lines that were not JSON, or too long
+        self.overlong = False    # a line longer than MOST_LINE: the connection is closed
 
-    def lines(self, data: bytes) -> list[dict]:
+    def lines(self, data: bytes) -> list[Any]:
+        """The messages completed by ``data``; what cannot be one is counted in ``junk``."""
         self.buffer += data
         *complete, self.buffer = self.buffer.split(b"\n")
+        if len(self.buffer) > MOST_LINE:
+            self.buffer, self.overlong = b"", True
+            self.junk += 1
         out = []
         for line in complete:
             try:
-                message = json.loads(line)
+                out.append(json.loads(line) if len(line) <= MOST_LINE else None)
             except ValueError:
-                continue
-            if isinstance(message, dict):
-                out.append(message)
+                out.append(None)
+            if out[-1] is None:
+                self.junk += 1
+                out.pop()
         return out

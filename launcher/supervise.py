@@ -35,7 +35,7 @@ from pathlib import Path
 
 from launcher import verdicts as endings
 from launcher.heartbeat import PeerHeartbeat
-from launcher.heartbeat_wire import resolve
+from launcher.heartbeat_wire import listen, resolve
 from launcher.outcome import Outcome, classify
 from launcher.plan import Plan
 from launcher.processes import kill_tree, stop_workers, workers_alive
@@ -46,7 +46,7 @@ from launcher.signals import Forwarder
 from launcher.torchrun import LOCAL_ID_VAR, STORE_LOST
 from train.core import failure_log, protocol
 from train.core.credentials import redacted
-from train.core.errors import EXIT_STOPPED_BY_SIGNAL, EXIT_TRAINING_FAILED
+from train.core.errors import EXIT_CANNOT_RUN_HERE, EXIT_STOPPED_BY_SIGNAL, EXIT_TRAINING_FAILED
 from train.core.files import write_atomic
 from train.core.host import die_with_parent
 from train.core.identity import CONFIG_SNAPSHOT_VAR, RELAUNCH_VAR, STATUS_DIR_VAR
@@ -210,6 +210,26 @@ def _pulse(plan: Plan, log: Callable[[str], None]) -> Pulse | None:
     return pulse
 
 
+def _heartbeat_listener(plan: Plan, log: Callable[[str], None]
+                        ) -> tuple[socket.socket | None, Outcome | None]:
+    """A static job's rank-0 node binds its heartbeat port before any worker starts: a
+    port another program holds ends the launch with exit 3 naming it (the other nodes
+    would otherwise talk to that program and stop the job later with a false loss)."""
+    if not plan.heartbeat or plan.heartbeat[2] != 0:
+        return None, None
+    master, port, _ = plan.heartbeat
+    try:
+        listener, note = listen(master, port)
+    except OSError as exc:
+        return None, Outcome(EXIT_CANNOT_RUN_HERE, f"error: {exc.strerror} on "
+                                                   f"{socket.gethostname()} (held by another "
+                                                   "program: free it, or give the job another "
+                                                   "MASTER_PORT)")
+    if note:
+        log(note)
+    return listener, None
+
+
 def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                     forwarder: Forwarder, log: Callable[[str], None],
                     abort: Callable[[], str | None] | None) -> tuple[int, Outcome | None]:
@@ -217,6 +237,9 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
     lost, or a static job's node vanished)."""
     watcher = pulse = None
     local_id = secrets.randbits(31)  # this start's rendezvous identity (launcher.torchrun)
+    listener, refused = _heartbeat_listener(plan, log)
+    if refused is not None:
+        return 0, refused
     if plan.store and plan.job:
         env = {**env, LOCAL_ID_VAR: str(local_id)}
     try:
@@ -246,7 +269,8 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                                         proc.pid, what, "(a static job cannot replace a "
                                         "node: it ends)", log, env.get(STATUS_DIR_VAR)),
                                     silence_s=plan.silence_s,
-                                    join_timeout_s=plan.join_timeout_s, log=log)
+                                    join_timeout_s=plan.join_timeout_s, log=log,
+                                    job=plan.job, listener=listener)
             watcher.start()
         reason = None
         while True:

@@ -1,10 +1,12 @@
 """The static job's heartbeat (launcher/heartbeat.py), with real sockets and real
 processes on 127.0.0.1 and timings shrunk to fractions of a second: no false loss
 whatever the start order, a node killed or frozen named by every other node, node 0
-itself watched, the listener on the address it was given, the end of a run no loss."""
+itself watched, the listener on the address it was given, the end of a run no loss;
+stray lines and strangers ignored and counted, never a stop; a taken port exit 3."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -199,3 +201,92 @@ def test_nothing_it_receives_is_more_than_a_line_of_json():
     zero.close()
     zero.join(5)
     assert "LOST" not in out and zero.found == [], (out, zero.found)
+
+
+def test_stray_lines_are_ignored_and_counted_and_never_stop_the_watch():
+    """Node 0 beside a node that beats: a connection sends what no node of the job sends
+    (a beat count that is no number, a rank the job does not have, another job's beat,
+    no JSON, then a line without end). Node 0 names nobody, keeps watching node 1, says
+    once that it ignores them, and closes the endless line's connection."""
+    port = free_port()
+    zero = in_process(port, 0, 2)
+    one = in_process(port, 1, 2)
+    assert wait_until(lambda: one.heard_node_0 and 1 in zero.watch.peers)
+    stray = socket.create_connection(("127.0.0.1", port), timeout=limit(10))
+    job = zero.token
+    for line in ({"rank": 1, "beat": "abc", "where": "x", "job": job},
+                 {"rank": 7, "beat": 1, "where": "x", "job": job},
+                 {"rank": 1, "beat": 1, "where": "x", "job": "another job"},
+                 {"rank": 1, "beat": 1, "where": "x"}):
+        stray.sendall((json.dumps(line) + "\n").encode())
+    stray.sendall(b"not json\n" + b"x" * (1 << 20))  # and no newline: an endless line
+    assert wait_until(lambda: zero.ignored >= 6), zero.ignored
+    assert wait_until(lambda: _closed(stray)), "the endless line's connection stayed open"
+    time.sleep(2 * SILENCE)  # longer than a loss would take
+    assert zero.is_alive() and zero.found == [] and one.found == []
+    assert list(zero.watch.peers) == [1] and zero.watch.peers[1].where == "host1"
+    said = [line for line in zero.logged if "ignoring" in line]
+    assert len(said) == 1 and "not this job's beats (from 127.0.0.1:" in said[0], zero.logged
+    for hb in (zero, one):
+        hb.close()
+        hb.join(5)
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        sock.settimeout(0.05)
+        return sock.recv(1 << 16) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+def test_a_node_that_beats_to_another_program_never_takes_its_lines_for_node_0s():
+    """What another program on node 0's port says is not node 0's word: node 1 never
+    counts it as heard, so it cannot take that program's lines for a lost node."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    one = in_process(port, 1, 2)
+    conn, _ = server.accept()
+    conn.sendall(b'{"lost": "lost node 1 (host1): made up", "bye": false}\n' * 3)
+    time.sleep(5 * BEAT)
+    assert not one.heard_node_0 and one.found == []
+    one.close()
+    conn.close()
+    server.close()
+
+
+def test_a_taken_heartbeat_port_is_refused_before_any_worker_starts():
+    from launcher.heartbeat_wire import listen
+    holder = socket.create_server(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    with pytest.raises(OSError) as caught:
+        listen("127.0.0.1", port)
+    assert f"the heartbeat port {port} (MASTER_PORT + 1) cannot be listened on" in \
+        caught.value.strerror
+    holder.close()
+    listener, note = listen("127.0.0.1", port)  # free again
+    assert note is None and listener.getsockname() == ("127.0.0.1", port)
+    listener.close()
+
+
+def test_the_rank_0_launcher_ends_with_exit_3_naming_a_taken_heartbeat_port():
+    """Before it starts torchrun: the other nodes would beat to the program that holds it."""
+    from launcher.plan import Plan
+    from launcher.supervise import _heartbeat_listener
+    holder = socket.create_server(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    plan = Plan("torchrun", ("torchrun",), {}, "cpu", "gloo", 1, (2, 2), (2,), 0, "pet",
+                heartbeat=("127.0.0.1", port, 0), static_nodes=True)
+    listener, refused = _heartbeat_listener(plan, print)
+    assert listener is None and refused.code == 3
+    assert refused.message.startswith(f"error: the heartbeat port {port} (MASTER_PORT + 1) "
+                                      "cannot be listened on") and "another program" in \
+        refused.message
+    holder.close()
+    listener, refused = _heartbeat_listener(plan, print)
+    assert refused is None and listener.getsockname()[1] == port
+    listener.close()
+    other = dataclasses.replace(plan, heartbeat=("127.0.0.1", port, 1))
+    assert _heartbeat_listener(other, print) == (None, None)  # only node 0 listens
