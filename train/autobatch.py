@@ -28,13 +28,14 @@ def divisors_descending(n: int) -> list[int]:
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """torch's OutOfMemoryError, or a library's allocation failure (cuBLAS, cuDNN), which
-    arrives as a plain RuntimeError."""
-    if isinstance(exc, torch.OutOfMemoryError):
+    """torch's OutOfMemoryError, or a library's allocation failure (cuBLAS, cuDNN), or the
+    CPU allocator's (host memory), which arrive as a plain RuntimeError; Python's own."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("out of memory" in text.lower()
-                                              or "ALLOC_FAILED" in text)
+                                              or "ALLOC_FAILED" in text
+                                              or "can't allocate memory" in text)
 
 
 def largest_fitting(per_rank: int, fits: Callable[[int], bool]) -> int:

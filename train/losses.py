@@ -27,8 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from train.autobatch import is_out_of_memory
 from train.core import usercode
-from train.core.errors import ConfigError
+from train.core.errors import CannotRunHere, ConfigError
 
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]
 MODEL_LOSS = "model"  # train.loss: the model's own loss
@@ -103,7 +104,8 @@ class Objective:
               autocast, model_key: str) -> None:
         """Run the model and the loss on one sample (a batch of one): a forward that fails,
         an output without what the loss needs, a loss that cannot compare it with the
-        target, or that is no differentiable scalar is a ConfigError. Eval mode (no dropout,
+        target, or that is no differentiable scalar is a ConfigError (exit 2); running out of
+        memory is CannotRunHere (exit 3: the machine, not the config). Eval mode (no dropout,
         no random numbers drawn), no backward; nothing is kept."""
         x, y = sample
         was_training = module.training
@@ -129,6 +131,13 @@ class Objective:
         try:
             return module(x, labels=y) if self.own else module(x)
         except Exception as exc:
+            if is_out_of_memory(exc):  # this machine's limit, not the config's mistake
+                raise CannotRunHere(
+                    f"{self.source}: {model_key}: the model runs out of memory on one "
+                    f"training sample (inputs {describe(x)}): {_first_line(exc)}; use a "
+                    "machine with more memory, a smaller model, precision=bf16, "
+                    "memory.activation_checkpointing=full or distributed.strategy=fsdp"
+                ) from None
             if _machine_error(exc):
                 raise
             if self.own:

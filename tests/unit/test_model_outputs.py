@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tests.harness.runs import TINY_GPT, entry, installed, merge, read_metrics, write_config
-from train.core.errors import ConfigError
+from train.core.errors import CannotRunHere, ConfigError
 from train.losses import Objective, logits_of
 
 # fixed ids (up to 7: an embedding of 4 fails on them, one of 8 does not)
@@ -114,14 +114,32 @@ class Fails(nn.Module):
         raise self.error
 
 
-@pytest.mark.parametrize("error", [torch.OutOfMemoryError("out of memory"),
-                                   RuntimeError("CUDA error: an illegal memory access"),
+@pytest.mark.parametrize("error", [RuntimeError("CUDA error: an illegal memory access"),
                                    RuntimeError("NCCL error in: ...")])
 def test_the_machines_errors_are_no_config_errors(error):
-    """Out of memory or an accelerator's failure on the sample: not the config's fault, so
-    not exit 2 (the worker's usual ending applies)."""
+    """An accelerator's failure on the sample: not the config's fault, so not exit 2 (the
+    worker's usual ending applies)."""
     with pytest.raises(type(error)):
         check(Fails(error))
+
+
+class Allocates(nn.Module):
+    """A forward that asks the allocator for more than any machine has (2^50 bytes)."""
+
+    def forward(self, x):
+        return torch.empty(1 << 50, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("model", [Allocates(), Fails(torch.OutOfMemoryError("CUDA out of "
+                                                                            "memory")),
+                                   Fails(MemoryError())])
+def test_out_of_memory_on_the_sample_is_exit_3_naming_what_to_change(model):
+    """The documented code of a batch this machine cannot hold: 3, not 2 (bad input)."""
+    with pytest.raises(CannotRunHere) as err:
+        check(model)
+    line = err.value.one_line()
+    assert err.value.exit_code == 3 and "\n" not in line
+    assert "runs out of memory on one training sample" in line and "precision=bf16" in line
 
 
 def test_a_loss_without_a_gradient_or_not_a_scalar_is_refused(monkeypatch):

@@ -147,6 +147,10 @@ def parallelize(module: nn.Module, cfg: Config, env: WorkerIdentity,
     strategy = cfg.distributed.strategy
     if cfg.compile:
         module.compile()
+        if env.is_main:  # the compile happens in the first forward: say why step 1 waits
+            log.info("compile: the model is compiled in its first steps (torch.compile: "
+                     "tens of seconds on CPU, minutes for large models), then steps run "
+                     "compiled")
     elif strategy != "fsdp":
         compiler_stack.keep_unloaded(env)
     if strategy == "dp":
