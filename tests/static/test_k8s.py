@@ -2,12 +2,15 @@
 overlay k8s/kustomize/example rendered by kubectl's kustomize on each base its one line
 offers): valid for every promised Kubernetes version, in sync, and held to the image's
 contract (user, writable paths, ports, the entrypoint's commands and variables), so that
-a renamed variable or flag breaks the build rather than the cluster."""
+a renamed variable or flag breaks the build rather than the cluster; and two jobs made
+from copies of the example outside the checkout, each with its own namePrefix, share no
+name, address, label or selector in one namespace."""
 
 from __future__ import annotations
 
 import functools
 import itertools
+import os
 import re
 import shutil
 import subprocess
@@ -445,3 +448,186 @@ def test_the_volume_permissions_job_fixes_what_fsgroup_does_not_on_nfs():
     _, worker_spec, _ = worker(K8S)
     assert worker_spec["securityContext"]["runAsGroup"] == 0
     assert "k8s/tools/volume-permissions.yaml" in OUTPUT_DIR_FIX and "fsGroup" in OUTPUT_DIR_FIX
+
+
+# Two jobs in one namespace, each from a copy of the example outside the repository
+DOCS = ROOT / "docs" / "kubernetes.md"
+# The example's commented namePrefix line, uncommented and set by a second job
+PREFIX_LINE = re.compile(r"^# namePrefix: exp1-( .*)$", re.M)
+INSTANCE = "app.kubernetes.io/instance"
+
+
+def copy_lines() -> str:
+    """The lines docs/kubernetes.md gives to copy the example out of the checkout."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", DOCS.read_text(), re.M | re.S)
+    (block,) = [b for b in blocks if "cp -r k8s/kustomize/example" in b]
+    return block
+
+
+def example_copy(home: Path, base: str = "../base", rename: str = "",
+                 objectstore: bool = False) -> Path:
+    """The example copied by the lines the docs give, run as they are with ``home`` as ~,
+    then edited as its comments say: the base its one line offers (``../amd``: there
+    ``.../k8s/kustomize/amd``), ``rename`` (``namePrefix: exp2-``) for the commented
+    namePrefix line, the object storage lines uncommented."""
+    block = copy_lines()
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    out = subprocess.run(["bash", "-euc", block], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "HOME": str(home), "PATH": path},
+                         timeout=limit(60))
+    assert out.returncode == 0, out.stderr
+    (folder,) = {home / p for p in re.findall(r"~/(\S+)/kustomization\.yaml", block)}
+    assert not folder.resolve().is_relative_to(ROOT.resolve())
+    kustomization = folder / "kustomization.yaml"
+    text = kustomization.read_text()
+    assert not re.search(r"- \.\./\w", text), "every ../ line leads to the checkout"
+    text, n = re.subn(r"^(  - \S+/k8s/kustomize/)base ", rf"\g<1>{base[3:]} ", text,
+                      flags=re.M)
+    assert n == 1
+    if rename:
+        text, n = PREFIX_LINE.subn(rf"{rename}\1", text)
+        assert n == 1
+    if objectstore:
+        assert text.count("# components:\n#   - ") == 1
+        text = text.replace("# components:\n#   - ", "components:\n  - ")
+    kustomization.write_text(text)
+    return folder
+
+
+@pytest.mark.parametrize(("base", "objectstore"), [(b, False) for b in EXAMPLE_GPU] +
+                         [("../base", True), ("../cpu", True)])
+def test_the_example_copied_out_of_the_checkout_renders_as_in_it(tmp_path, base, objectstore):
+    """kustomize takes no absolute path, and ../base from a copy elsewhere is no folder
+    (evalsymlink failure): the docs' lines lead the copy's ../ lines back to the checkout."""
+    copy = example_copy(tmp_path, base, objectstore=objectstore)
+    assert docs(copy) == docs((EXAMPLE, base, objectstore))
+
+
+def pod_templates(objects: list[dict]) -> list[tuple[str, dict]]:
+    return [(f"{d['kind']}/{d['metadata']['name']}", d["spec"]["template"]["metadata"]["labels"])
+            for d in objects if d["kind"] in ("Deployment", "Job")]
+
+
+def selectors(objects: list[dict]) -> list[tuple[str, dict]]:
+    """(where, matchLabels) of every label selector of a job: Services, Deployments,
+    NetworkPolicies (the pods they guard, and those they admit), (anti-)affinity."""
+    out = []
+    for d in objects:
+        where, spec = f"{d['kind']}/{d['metadata']['name']}", d.get("spec", {})
+        if d["kind"] == "Service":
+            out.append((where, spec["selector"]))
+        elif d["kind"] == "Deployment":
+            out.append((where, spec["selector"]["matchLabels"]))
+        elif d["kind"] == "NetworkPolicy":
+            out.append((where, spec["podSelector"]["matchLabels"]))
+            out += [(f"{where} ingress", f["podSelector"]["matchLabels"])
+                    for rule in spec.get("ingress", []) for f in rule.get("from", [])]
+        if d["kind"] in ("Deployment", "Job"):
+            affinity = spec["template"]["spec"].get("affinity", {})
+            out += [(f"{where} affinity", term["labelSelector"]["matchLabels"])
+                    for rules in affinity.values() for terms in rules.values()
+                    for term in terms]
+    return out
+
+
+def instances(objects: list[dict]) -> set[str]:
+    """Every value of the instance label in a job: on objects, pod templates, selectors."""
+    labels = [d["metadata"].get("labels", {}) for d in objects]
+    labels += [t for _, t in pod_templates(objects)] + [s for _, s in selectors(objects)]
+    return {m[INSTANCE] for m in labels if INSTANCE in m}
+
+
+def addresses(objects: list[dict]) -> tuple[str, str]:
+    """The worker's rendezvous endpoint and subdomain, each checked against the job's own
+    Services: the store's (selecting the pods that run ``rendezvous``, on the port) and
+    the workers' headless one (selecting the worker pods)."""
+    (job,) = [d for d in objects if d["kind"] == "Job"]
+    spec = job["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+    host, port = env["TRAIN_RDZV_ENDPOINT"].split(":")
+    services = {d["metadata"]["name"]: d for d in objects if d["kind"] == "Service"}
+    stores = [d["spec"]["template"]["metadata"]["labels"] for d in objects
+              if d["kind"] == "Deployment"
+              and d["spec"]["template"]["spec"]["containers"][0]["args"][0] == "rendezvous"]
+    assert host in services, f"the rendezvous endpoint {host} is no Service of the job"
+    assert spec["subdomain"] in services, f"the subdomain {spec['subdomain']} is no Service"
+    store = services[host]["spec"]
+    assert [p["port"] for p in store["ports"]] == [int(port)]
+    assert [selects({"matchLabels": store["selector"]}, s) for s in stores] == [True]
+    workers = services[spec["subdomain"]]["spec"]
+    assert workers["clusterIP"] == "None"
+    assert selects({"matchLabels": workers["selector"]}, job["spec"]["template"]["metadata"][
+        "labels"])
+    return env["TRAIN_RDZV_ENDPOINT"], spec["subdomain"]
+
+
+def references_stay_within(objects: list[dict]) -> None:
+    """The ConfigMaps, claims and service accounts the pods name are the job's own."""
+    names = {(d["kind"], d["metadata"]["name"]) for d in objects}
+    for obj, spec in ((d, d["spec"]["template"]["spec"]) for d in objects
+                      if d["kind"] in ("Deployment", "Job")):
+        wanted = {("ServiceAccount", spec["serviceAccountName"])}
+        for v in spec.get("volumes", []):
+            if "configMap" in v:
+                wanted.add(("ConfigMap", v["configMap"]["name"]))
+            if "persistentVolumeClaim" in v:
+                wanted.add(("PersistentVolumeClaim", v["persistentVolumeClaim"]["claimName"]))
+        assert wanted <= names, (obj["metadata"]["name"], wanted - names)
+
+
+def share_nothing(a: list[dict], b: list[dict]) -> None:
+    """Two jobs applied to one namespace: no object of one replaces the other's, no
+    address or label is common, and no selector of one reaches a pod of the other."""
+    assert not {(d["kind"], d["metadata"]["name"]) for d in a} & \
+        {(d["kind"], d["metadata"]["name"]) for d in b}
+    mine, theirs = addresses(a), addresses(b)
+    assert mine[0] != theirs[0] and mine[1] != theirs[1]
+    assert len(instances(a)) == len(instances(b)) == 1 and instances(a) != instances(b)
+    for job, other in ((a, b), (b, a)):
+        references_stay_within(job)
+        for where, selector in selectors(job):
+            assert any(selects({"matchLabels": selector}, p) for _, p in pod_templates(job)), \
+                f"{where} selects none of its job's pods"
+            assert not [n for n, p in pod_templates(other) if
+                        selects({"matchLabels": selector}, p)], f"{where} selects the other's"
+
+
+# (first job, second job): "k8s/" is `kubectl apply -f k8s/`; otherwise (base, the line
+# for the example's commented namePrefix line, object storage)
+PAIRS = {"k8s/ and a prefixed example": ("k8s/", ("../base", "namePrefix: exp2-", False)),
+         "two prefixes on ../base": (("../base", "namePrefix: exp1-", False),
+                                     ("../base", "namePrefix: exp2-", False)),
+         "no prefix and a prefix on ../amd": (("../amd", "", False),
+                                              ("../amd", "namePrefix: exp2-", False)),
+         "a prefix and a suffix on ../cpu": (("../cpu", "namePrefix: exp1-", False),
+                                             ("../cpu", "nameSuffix: -b", False)),
+         "object storage on ../base": (("../base", "namePrefix: exp1-", True),
+                                       ("../base", "namePrefix: exp2-", True)),
+         "object storage on ../cpu": (("../cpu", "", True),
+                                      ("../cpu", "namePrefix: exp2-", True))}
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_two_jobs_in_one_namespace_share_no_name_address_or_label(tmp_path, pair):
+    """The docs' second job: a copy of the example with its own namePrefix (or nameSuffix)
+    renames its objects, and names.yaml carries the new names into what kustomize does not
+    rename: the rendezvous endpoint, the subdomain, the instance label and its selectors."""
+    jobs = []
+    for n, job in enumerate(PAIRS[pair]):
+        jobs.append(docs(K8S) if job == "k8s/" else docs(example_copy(tmp_path / str(n), *job)))
+    share_nothing(*jobs)
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for version in VERSIONS:
+        for doc in jobs[1]:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_without_a_prefix_the_example_keeps_the_bases_names_and_labels():
+    """names.yaml changes nothing until a prefix is set: the base's instance, endpoint and
+    subdomain; and the docs name the key that a second job sets."""
+    for base in EXAMPLE_GPU:
+        assert instances(docs((EXAMPLE, base))) == instances(docs(K8S)) == {"train-demo"}
+        assert addresses(docs((EXAMPLE, base))) == addresses(docs(K8S)) == \
+            ("train-rendezvous:29400", "train-workers")
+    assert len(PREFIX_LINE.findall((EXAMPLE / "kustomization.yaml").read_text())) == 1
+    assert "`namePrefix:`" in DOCS.read_text()
