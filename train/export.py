@@ -11,7 +11,8 @@ source checkpoint and step, SHA-256 of each weights file, the files it wrote). T
 - a transformers model (``model.kind: hf``, or a factory returning a PreTrainedModel):
   what ``save_pretrained`` writes (config.json, generation_config.json, model.safetensors,
   or shards and model.safetensors.index.json above ``--max-shard-size``), so
-  ``AutoModelForCausalLM.from_pretrained(DIR)`` loads it.
+  ``AutoModelForCausalLM.from_pretrained(DIR)`` loads it; with the tokenizer the run's
+  token files were made with (:mod:`train.export_tokenizer`), for ``AutoTokenizer``.
 
 Default output: ``RUN_DIR/export/``. Each file is written to a temporary name and
 renamed, model.json last; an existing ``--out`` is replaced only when it is an earlier
@@ -26,6 +27,7 @@ import json
 import sys
 from pathlib import Path
 
+from train import export_tokenizer
 from train.core import rundir
 from train.core.errors import CannotRunHere, ConfigError, UserError
 from train.export_layout import (
@@ -150,11 +152,17 @@ def export(run_dir: Path, out: Path, step: int | None = None, *, safetensors: bo
         else []
     # Each file is written beside its final name and renamed over it, model.json last:
     # its hashes of the weights tell a torn set apart. Nothing else in `out` is touched.
+    tokenizer = None
     if hf_class:
-        written = write_pretrained(out, saved, weights, max_shard_size, str(run_dir))
+        tokenizer, why_not = export_tokenizer.locate(saved.config, run_dir)
+        if why_not:
+            print(f"warning: the export carries no tokenizer: {why_not}", file=sys.stderr)
+        written = write_pretrained(out, saved, weights, max_shard_size, str(run_dir), tokenizer)
     else:
         written = [write_weights(out, weights, safetensors)]
     meta = describe(saved, path, out, written, hf_class)
+    if tokenizer:
+        meta["tokenizer"] = tokenizer.describe()
     text = (json.dumps(meta, indent=2) + "\n").encode()
     write_replacing(out / rundir.EXPORT_META, lambda f: f.write(text))
     for name in set(previous) - set(meta["files"]):  # an earlier export's, replaced

@@ -12,17 +12,21 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 from train.core import rundir
+from train.core.errors import ConfigError
 from train.core.files import create_new, sha256_file
+from train.export_tokenizer import TOKENIZER_FILES
 
 # What an export writes; model.json lists them, and a later export replaces only these.
 EXPORT_FILES = (rundir.EXPORT_WEIGHTS, rundir.EXPORT_META)
 SAFETENSORS = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
-HF_FILES = ("config.json", "generation_config.json", SAFETENSORS, SHARD_INDEX)
+HF_FILES = ("config.json", "generation_config.json", SAFETENSORS, SHARD_INDEX,
+            *TOKENIZER_FILES)
 SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 SHARD_SIZE = re.compile(r"[1-9][0-9]*([KMGT]i?B)?", re.IGNORECASE)  # save_pretrained's sizes
 HF_TEMPORARY = ".hf-export-"  # save_pretrained's folder inside the output, then renamed
@@ -52,16 +56,21 @@ def write_weights(out: Path, weights: dict, safetensors: bool) -> str:
 
 
 def write_pretrained(out: Path, saved, weights: dict, max_shard_size: str | None,
-                     source: str) -> list[str]:
-    """A transformers model's save_pretrained files, written into a temporary folder in
-    ``out``, each fsync'ed and renamed into place; their names."""
+                     source: str, tokenizer=None) -> list[str]:
+    """A transformers model's save_pretrained files, and the run's tokenizer's when it
+    has one (:mod:`train.export_tokenizer`, whose special tokens' ids the configuration
+    takes), written into a temporary folder in ``out``, each fsync'ed and renamed into
+    place; their names."""
     from train import hf
     for left in out.glob(HF_TEMPORARY + "*"):  # an interrupted export's
         shutil.rmtree(left, ignore_errors=True)
-    model = hf.rebuild(saved.config["model"], saved.model_io, source)
+    model = trained_model(saved, weights, source)
     with tempfile.TemporaryDirectory(dir=out, prefix=HF_TEMPORARY) as tmp:
-        names = hf.save_pretrained(model, weights, Path(tmp), max_shard_size or
-                                   hf.DEFAULT_SHARD_SIZE, saved.config["model"])
+        names = hf.save_pretrained(model, None, Path(tmp), max_shard_size or
+                                   hf.DEFAULT_SHARD_SIZE, saved.config["model"],
+                                   tokenizer.special_ids() if tokenizer else None)
+        if tokenizer:
+            names = sorted({*names, *tokenizer.write(Path(tmp))})
         umask = os.umask(0)
         os.umask(umask)
         for name in names:
@@ -73,6 +82,36 @@ def write_pretrained(out: Path, saved, weights: dict, max_shard_size: str | None
             os.replace(Path(tmp) / name, out / name)
     return names
 
+
+
+def trained_model(saved, weights: dict, source: str):
+    """The checkpoint's transformers model, its weights loaded. A model.kind hf run
+    checkpointed before the overrides went to the configuration's constructor kept the
+    fields it derives from the defaults (Llama's head_dim): rebuilt so when the weights
+    say it was, with a warning."""
+    from train import hf
+    section = saved.config["model"]
+    model = hf.rebuild(section, saved.model_io, source)
+    try:
+        model.load_state_dict(weights)
+        return model
+    except RuntimeError as exc:
+        if section.get("kind") != "hf" or "size mismatch" not in str(exc):
+            raise
+        problem = " ".join(str(exc).split())[:300]
+    model = hf.rebuild(section, saved.model_io, source, legacy=True)
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError:
+        raise ConfigError("command line", "RUN_DIR", (
+            f"the checkpoint's weights do not fit the model its config builds: "
+            f"{problem}")) from None
+    name, head_dim = type(model.config).__name__, getattr(model.config, "head_dim", None)
+    print(f"warning: this run's {name} was built before model.args.overrides went to its "
+          "constructor: exported as it was trained, the fields it derives left at the "
+          f"defaults'{f' (head_dim {head_dim})' if head_dim is not None else ''}; a new run "
+          f"of this config builds {name}(**overrides)", file=sys.stderr)
+    return model
 
 
 def describe(saved, path: Path, out: Path, written: list[str], hf_class: str | None) -> dict:
@@ -100,7 +139,9 @@ def describe(saved, path: Path, out: Path, written: list[str], hf_class: str | N
 def how_to_load(model: dict, written: list[str], hf_class: str | None) -> str:
     if hf_class:
         return (f"transformers.AutoModelForCausalLM.from_pretrained(<this folder>) -> "
-                f"{hf_class}; or train.export.load_model(<this folder>)")
+                f"{hf_class}; or train.export.load_model(<this folder>)"
+                + ("; transformers.AutoTokenizer.from_pretrained(<this folder>)"
+                   if TOKENIZER_FILES[0] in written else ""))
     read = ("torch.load('model.pt', weights_only=True)" if rundir.EXPORT_WEIGHTS in written
             else "safetensors.torch.load_file('model.safetensors')")
     return (f"{read} -> state dict of "

@@ -89,29 +89,44 @@ def model_io(model: nn.Module) -> dict[str, str]:
     return {TRANSFORMERS: own.__name__}
 
 
-def save_pretrained(model: nn.Module, weights: dict, folder: Path, max_shard_size: str,
-                    model_section: dict) -> list[str]:
-    """``weights`` loaded into ``model`` and saved with ``save_pretrained``; the names of
-    the files written. For model.kind hf, the training-only settings this project chose
-    (no key/value cache) go back to the class's default unless the user's overrides set
-    them; a factory's model is saved as the factory configured it."""
-    model.load_state_dict(weights)
+def save_pretrained(model: nn.Module, weights: dict | None, folder: Path, max_shard_size: str,
+                    model_section: dict, special_ids: dict | None = None) -> list[str]:
+    """``weights`` loaded into ``model`` (None: loaded already) and saved with
+    ``save_pretrained``; the names of the files written. For model.kind hf, the
+    training-only settings this project chose (no key/value cache) go back to the class's
+    default unless the user's overrides set them; a factory's model is saved as the
+    factory configured it. The generation config never turns the cache off (``generate``
+    would recompute every position).
+    ``special_ids`` (bos/eos/pad_token_id of the run's tokenizer) replace the
+    configuration's, except those model.args.overrides sets."""
+    if weights is not None:
+        model.load_state_dict(weights)
+    overrides = {}
     if model_section.get("kind") == "hf":
         overrides = (model_section.get("args") or {}).get("overrides") or {}
         defaults = type(model.config)()
         for name in TRAINING_DEFAULTS:
             if name not in overrides and hasattr(defaults, name):
                 setattr(model.config, name, getattr(defaults, name))
+    for name, value in (special_ids or {}).items():
+        if name not in overrides:
+            setattr(model.config, name, value)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        for name in special_ids or {}:
+            setattr(generation, name, getattr(model.config, name))
+        generation.use_cache = True
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # export prints what it wrote, in one line
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     return sorted(p.name for p in folder.iterdir())
 
 
-def rebuild(model: dict, io: dict, source: str) -> nn.Module:
+def rebuild(model: dict, io: dict, source: str, *, legacy: bool = False) -> nn.Module:
     """The trained model's architecture, to load its weights into: model.kind hf from its
     configuration alone (a pretrained directory's config.json, not its weights); a
-    factory's model through the factory."""
+    factory's model through the factory. ``legacy``: model.kind hf as runs checkpointed
+    before the overrides went to the configuration's constructor built it."""
     from train.models import build_model
     cfg = ModelConfig(**model)
     if cfg.kind != "hf":
@@ -119,7 +134,7 @@ def rebuild(model: dict, io: dict, source: str) -> nn.Module:
                            num_classes=io.get("num_classes") or 0, source=source)
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_config(model_config(_Rebuild(cfg, io["num_classes"]),
-                                                         source))
+                                                         source, legacy=legacy))
 
 
 def from_export(folder: Path, class_name: str):

@@ -171,3 +171,62 @@ def test_safetensors_files_agree_with_the_reference_implementation(tmp_path):
         assert read.keys() == tensors.keys()
         assert all(read[k].dtype == v.dtype and torch.equal(read[k], v)
                    for k, v in tensors.items())
+
+
+@pytest.fixture
+def token_file(tmp_path):
+    """corpus.bin as `entrypoint.py tokenize --eos` writes it (in process), and the
+    tokenizer's folder: its tokenizer.json alone."""
+    if not installed("tokenizers"):
+        pytest.skip("needs tokenizers: make hf")
+    from tests.harness.corpus import EOS, train_tokenizer, write_corpus
+    from train.tokenize_corpus import main
+    corpus = write_corpus(tmp_path / "corpus", long_line=2_000)
+    bpe = train_tokenizer(corpus, tmp_path / "bpe", vocab_size=320)
+    out = tmp_path / "corpus.bin"
+    assert main([str(corpus), "--tokenizer", str(bpe), "--out", str(out), "--eos", EOS]) == 0
+    return out, bpe
+
+
+def test_the_tokenizer_that_made_the_token_files_is_found_and_written(token_file, tmp_path):
+    from train.export_tokenizer import locate
+    out, bpe = token_file
+    found, why_not = locate({"data": {"kind": "tokens", "path": str(out)}}, tmp_path)
+    assert why_not is None and found.file == (bpe / "tokenizer.json").resolve()
+    assert found.special_ids() == {"bos_token_id": None, "eos_token_id": 0,
+                                   "pad_token_id": None}
+    folder = tmp_path / "export"
+    folder.mkdir()
+    assert found.write(folder) == ["tokenizer.json", "tokenizer_config.json"]
+    assert (folder / "tokenizer.json").read_bytes() == (bpe / "tokenizer.json").read_bytes()
+    assert json.loads((folder / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}
+    if installed("transformers"):
+        from transformers import AutoTokenizer
+        theirs = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        assert theirs.eos_token_id == 0
+        assert theirs.decode(theirs("def f(x):\n")["input_ids"]) == "def f(x):\n"
+
+
+def test_no_tokenizer_is_exported_but_the_one_the_run_trained_with(token_file, tmp_path):
+    """Byte-level text needs none; token files without FILE.json, a manifest naming
+    another tokenizer and a tokenizer.json changed since are each one line."""
+    from train.export_tokenizer import locate
+    out, bpe = token_file
+    tokens = {"data": {"kind": "tokens", "path": str(out)}}
+    assert locate({"data": {"kind": "text"}}, tmp_path) == (None, None)
+    found, why_not = locate({"data": {"kind": "tokens", "path": str(tmp_path / "no.bin")}},
+                            tmp_path)
+    assert found is None and why_not.startswith("data.path: ")
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"data": f"tokens corpus.bin (9 tokens, tokenizer.json sha256 {'0' * 64})"}))
+    found, why_not = locate(tokens, tmp_path)
+    assert found is None and why_not.startswith("the token file was made again")
+    (tmp_path / "manifest.json").unlink()
+    with open(bpe / "tokenizer.json", "a") as f:
+        f.write("\n")
+    found, why_not = locate(tokens, tmp_path)
+    assert found is None and "tokenizer.json changed since the token files were made" in why_not
+    (tmp_path / "corpus.bin.json").unlink()
+    found, why_not = locate(tokens, tmp_path)
+    assert found is None and why_not.startswith("data.path's token files name no tokenizer")

@@ -82,6 +82,7 @@ def test_from_pretrained_reads_the_export_and_computes_the_trained_models_logits
     theirs = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).eval()
     assert isinstance(theirs, GPT2LMHeadModel) and theirs.config.vocab_size == 256
     assert theirs.config.use_cache  # the training-only setting is not exported
+    assert json.loads((exported / "generation_config.json").read_text()).get("use_cache", True)
     # the trained model: the checkpoint's own weights in a model of the run's architecture
     trained = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256))
     state = torch.load(run / "checkpoints" / "step-3" / "state.pt", weights_only=True)
@@ -209,3 +210,95 @@ def test_a_configuration_directory_gets_the_datas_vocabulary_and_the_overrides(t
                     "(model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
                     "pytorch_model.bin.index.json); for a configuration alone, use "
                     "model.args.config")
+
+
+# A tiny Llama: LlamaConfig derives head_dim (hidden_size // heads: 16) in its constructor
+LLAMA = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+         "intermediate_size": 128, "vocab_size": 256}
+
+
+def parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_overrides_build_the_model_their_configuration_class_builds(tmp_path):
+    """The overrides go to the class's constructor, as LlamaConfig(**overrides): the
+    fields it derives follow them (not the default's head_dim of 128), also for a
+    config.json that does not fix them."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from train.core.config import ModelConfig
+    from train.hf import build
+    theirs = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA))
+    ours = build(ModelConfig(kind="hf", args={"config": "LlamaConfig", "overrides": LLAMA}),
+                 input_shape=(16,), num_classes=256, source="c.yaml")
+    assert ours.config.head_dim == theirs.config.head_dim == 16
+    assert parameters(ours) == parameters(theirs) == 115_008
+    folder = tmp_path / "arch"  # hand-written: no head_dim, 256 wide
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 256,
+                                                    "num_attention_heads": 4}))
+    ours = build(ModelConfig(kind="hf", args={"config": str(folder), "overrides": LLAMA}),
+                 input_shape=(16,), num_classes=256, source="c.yaml")
+    assert ours.config.head_dim == 16 and parameters(ours) == parameters(theirs)
+    assert not ours.config.use_cache  # training's setting, given to the constructor too
+
+
+def test_overrides_the_configuration_class_refuses_are_one_line_naming_the_key(tmp_path):
+    from train.core import usercode
+    tree = merge(TINY_HF, {})
+    tree["model"]["args"] = {"config": "LlamaConfig", "overrides": {**LLAMA, "hidden_size": 30}}
+    config = write_config(tmp_path / "c.yaml", tree)
+    with pytest.raises(ConfigError) as err:
+        usercode.check(load_config(config), str(config), module=True)
+    line = err.value.one_line().replace(str(tmp_path), "TMP")
+    assert line.startswith("error: TMP/c.yaml: model.args.overrides: LlamaConfig refuses "
+                           "them: "), line
+    assert "The hidden size (30) is not a multiple of the number of attention heads (4)" in line
+
+
+def test_the_export_keeps_the_cache_on_and_takes_the_tokenizers_special_ids(tmp_path):
+    """Training turns the key/value cache off; neither config.json nor
+    generation_config.json keeps that. The tokenizer's ids replace Llama's 1 and 2, but
+    for those the overrides set."""
+    from train.core.config import ModelConfig
+    from train.hf import build, save_pretrained
+    section = {"kind": "hf", "args": {"config": "LlamaConfig",
+                                      "overrides": {**LLAMA, "pad_token_id": 7}}}
+    model = build(ModelConfig(**section), input_shape=(16,), num_classes=256, source="c.yaml")
+    assert not model.config.use_cache and not model.generation_config.use_cache
+    save_pretrained(model, model.state_dict(), tmp_path, "5GB", section,
+                    {"bos_token_id": None, "eos_token_id": 0, "pad_token_id": 5})
+    config = json.loads((tmp_path / "config.json").read_text())
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    assert config["use_cache"] and generation.get("use_cache", True)
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
+        None, 0, 7)
+    assert generation.get("bos_token_id") is None and generation["eos_token_id"] == 0
+    assert generation.get("pad_token_id") == 7
+
+
+def test_a_run_checkpointed_before_overrides_went_to_the_constructor_exports_as_trained(
+        tmp_path, capsys):
+    """Its LlamaConfig kept the default's head_dim (128): the export rebuilds that model,
+    says so, and from_pretrained reads it with the checkpoint's weights."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from train.export_layout import write_pretrained
+    from train.hf import rebuild
+    section = {"kind": "hf", "args": {"config": "LlamaConfig", "overrides": LLAMA},
+               "context_length": 16}
+    io = {"transformers": "LlamaForCausalLM", "num_classes": 256}
+    old = rebuild(section, io, "c.yaml", legacy=True)
+    assert old.config.head_dim == 128
+    saved = SimpleNamespace(config={"model": section, "data": {"kind": "text"}}, model_io=io)
+    assert "config.json" in write_pretrained(tmp_path, saved, old.state_dict(), None, "c.yaml")
+    assert "exported as it was trained, the fields it derives left at the defaults' " \
+           "(head_dim 128); a new run of this config builds LlamaConfig(**overrides)" in \
+           capsys.readouterr().err
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    assert theirs.config.head_dim == 128
+    assert all(torch.equal(a, b) for a, b in zip(theirs.state_dict().values(),
+                                                  old.state_dict().values(), strict=True))

@@ -9,7 +9,9 @@
   training starts from those weights. Offline only: a name that is no directory here is
   an error, never a hub download.
 - ``overrides``: fields of that configuration to change (``{n_layer: 2, n_embd: 128}``);
-  each must be a field the configuration class has.
+  each must be a field the configuration class has. They go to its constructor
+  (``GPT2Config(**overrides)``; a directory's config.json fields with them on top), so
+  the fields it derives (Llama's ``head_dim``) follow them.
 
 Exactly one of ``config`` and ``pretrained``. The vocabulary comes from the data: a
 configuration built here gets the data's vocabulary (256 bytes for ``data.kind: text``,
@@ -125,7 +127,8 @@ def config_class(name: str, cfg: Config, source: str):
 
 
 def _base_config(cfg: Config, source: str):
-    """The configuration before overrides, and which key it came from."""
+    """The configuration before overrides; a function building it with overrides (as
+    keyword arguments); and which key it came from."""
     args = cfg.model.args
     key = "pretrained" if args.get("pretrained") else "config"
     name = args[key]
@@ -140,15 +143,22 @@ def _base_config(cfg: Config, source: str):
                 f"{Path(name) / 'config.json'}: unreadable or without model_type "
                 f"({type(exc).__name__})")) from None
         cls = config_class(model_type, cfg, source)
-        return cls.from_pretrained(name, local_files_only=True), key
-    return config_class(name, cfg, source)(), key
+        saved, _ = cls.get_config_dict(name, local_files_only=True)
+        # from_pretrained(name, **overrides) would set them on the built configuration:
+        # given to the constructor, the fields it derives follow them (where config.json
+        # does not fix them)
+        return cls.from_dict(dict(saved)), lambda **kw: cls.from_dict({**saved, **kw}), key
+    cls = config_class(name, cfg, source)
+    return cls(), cls, key
 
 
-def model_config(cfg: Config, source: str):
+def model_config(cfg: Config, source: str, *, legacy: bool = False):
     """The transformers configuration model.args describes, overrides applied, its
-    vocabulary and positions checked against the data (ConfigError naming the key)."""
+    vocabulary and positions checked against the data (ConfigError naming the key).
+    ``legacy``: the overrides set on the built configuration instead, as runs
+    checkpointed before they went to the constructor were built (export reads those)."""
     args = cfg.model.args
-    config, key = _base_config(cfg, source)
+    config, make, key = _base_config(cfg, source)
     overrides = dict(args.get("overrides") or {})
     known = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
     for name in overrides:
@@ -164,11 +174,20 @@ def model_config(cfg: Config, source: str):
             value = getattr(config, special, None)  # ids beyond the data's vocabulary
             if isinstance(value, int) and value >= vocab:
                 overrides[special] = None
-    for name, value in TRAINING_DEFAULTS.items():
-        if hasattr(config, name) and name not in overrides:
+    training = {name: value for name, value in TRAINING_DEFAULTS.items()
+                if hasattr(config, name) and name not in overrides}
+    if legacy:
+        for name, value in {**training, **overrides}.items():
             setattr(config, name, value)
-    for name, value in overrides.items():
-        setattr(config, name, value)
+        return config
+    # through the constructor, as ConfigClass(**overrides): the fields it derives (Llama's
+    # head_dim from hidden_size and the heads) follow the overrides, not the defaults
+    try:
+        config = make(**training, **overrides)
+    except Exception as exc:  # transformers validates the fields: its own error types
+        raise _error(cfg, source, "model.args.overrides", (
+            f"{type(config).__name__} refuses them: {type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:300]}")) from None
     _check_fits_data(cfg, config, key, source)
     return config
 
