@@ -58,14 +58,26 @@ def build(cfg: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int,
 
 
 def _from_pretrained(pretrained: str, config, source: str) -> nn.Module:
+    """The pretrained weights; a folder whose weights cannot be read (a truncated or
+    damaged safetensors file: its header is checked, its bytes are not, the format
+    carries no checksum) is one line naming it, exit 2."""
     from transformers import AutoModelForCausalLM
     try:
         return AutoModelForCausalLM.from_pretrained(pretrained, config=config,
                                                     local_files_only=True, dtype=torch.float32)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, *_weights_errors()) as exc:
         raise ConfigError(source, "model.args.pretrained", (
             f"{pretrained}: from_pretrained failed: {type(exc).__name__}: "
             f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}")) from None
+
+
+def _weights_errors() -> tuple[type[Exception], ...]:
+    """What reading a damaged weights file raises besides OSError and ValueError."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return ()
+    return (SafetensorError,)
 
 
 def is_pretrained_model(model: nn.Module) -> bool:

@@ -127,6 +127,25 @@ def test_a_pretrained_directory_is_where_training_starts(tmp_path):
     assert not model.config.use_cache and next(model.parameters()).dtype == torch.float32
 
 
+def test_a_truncated_pretrained_weights_file_is_one_line_naming_it(tmp_path):
+    """Bad input (exit 2) naming the folder and the key, not a SafetensorError traceback."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from train.core.config import ModelConfig
+    from train.hf import build
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300)).save_pretrained(
+        tmp_path / "pre")
+    weights = tmp_path / "pre" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # cut short, as by a failed copy
+    with pytest.raises(ConfigError) as err:
+        build(ModelConfig(kind="hf", args={"pretrained": str(tmp_path / "pre")}),
+              input_shape=(16,), num_classes=256, source="c.yaml")
+    line = err.value.one_line()
+    assert line.startswith(f"error: c.yaml: model.args.pretrained: {tmp_path / 'pre'}: "
+                           "from_pretrained failed: SafetensorError") and "\n" not in line
+    assert err.value.exit_code == 2
+
+
 def problem(tmp_path, *overrides: str) -> str:
     """The one line a config of kind hf with these overrides is refused with."""
     from train.core import usercode
