@@ -255,7 +255,10 @@ def _died(e: Ending) -> Outcome:
            else f"exited with code {e.rc}")
     who = "the worker" if e.mode == "direct" else "torchrun"
     if e.training:
-        why = f" while training (after step {max(r.step or 0 for r in e.training)})"
+        # a rank's report is at most about a second old (train.guards.watchdog
+        # PROGRESS_EVERY_S): short steps go on past the step it names
+        why = (f" while training (at step {max(r.step or 0 for r in e.training)} or later: "
+               "ranks report their step about once a second)")
     else:
         why = "" if e.ended else " before any worker reported (startup or rendezvous failure)"
     hint = ("something outside killed it: out of memory (the kernel's OOM killer: dmesg, "

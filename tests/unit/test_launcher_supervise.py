@@ -273,7 +273,8 @@ def test_a_rank_that_wrote_nothing_more_is_named_when_the_others_timed_out():
 def test_torchrun_killed_during_training_is_not_called_a_startup_failure():
     out = classify(-9, [_training(0, 110), _training(1, 110)], [], 2, "torchrun")
     assert "before any worker reported" not in out.message
-    assert "while training (after step 110)" in out.message and "kill -9" in out.message
+    assert "while training (at step 110 or later: ranks report their step about once a " \
+        "second)" in out.message and "kill -9" in out.message  # a report may lag short steps
 
 
 def test_the_watchdog_says_what_a_stuck_thread_waits_for():
