@@ -24,13 +24,20 @@ from tests.harness.runs import (
 STEPS = 6
 
 
-@pytest.mark.skipif(not installed("tokenizers"), reason="needs tokenizers: make hf")
-def test_training_on_tokenized_text_has_the_same_losses_on_one_and_two_processes(tmp_path):
+def tokenized(tmp_path):
+    """A BPE tokenizer trained on a small corpus, and the corpus tokenized with it
+    (``--eos``): (the tokenizer's folder, the token file)."""
     corpus = write_corpus(tmp_path / "corpus", long_line=2_000)
     bpe = train_tokenizer(corpus, tmp_path / "bpe", vocab_size=320)
     out = tmp_path / "corpus.bin"
     made = tokenize(corpus, "--tokenizer", bpe, "--out", out, "--eos", EOS, cwd=tmp_path)
     assert made.returncode == 0, made.stderr
+    return bpe, out
+
+
+@pytest.mark.skipif(not installed("tokenizers"), reason="needs tokenizers: make hf")
+def test_training_on_tokenized_text_has_the_same_losses_on_one_and_two_processes(tmp_path):
+    bpe, out = tokenized(tmp_path)
     config = write_config(tmp_path / "tok.yaml", merge(TINY_GPT, {
         "data": {"kind": "tokens", "path": str(out), "vocab_size": 320},
         "train": {"max_steps": STEPS}, "checkpoint": {"every_steps": STEPS}}))
@@ -59,11 +66,7 @@ def test_an_hf_model_trained_on_tokenized_text_exports_with_its_tokenizer(tmp_pa
     (AutoTokenizer reads it), its special ids are the tokenizer's (eos: the --eos token,
     id 0; not Llama's 1 and 2), and generation keeps the key/value cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-    corpus = write_corpus(tmp_path / "corpus", long_line=2_000)
-    bpe = train_tokenizer(corpus, tmp_path / "bpe", vocab_size=320)
-    out = tmp_path / "corpus.bin"
-    made = tokenize(corpus, "--tokenizer", bpe, "--out", out, "--eos", EOS, cwd=tmp_path)
-    assert made.returncode == 0, made.stderr
+    bpe, out = tokenized(tmp_path)
     config = write_config(tmp_path / "llama.yaml", merge(TINY_GPT, {
         "model": {"kind": "hf", "args": {"config": "LlamaConfig", "overrides": LLAMA}},
         "data": {"kind": "tokens", "path": str(out), "vocab_size": 320},

@@ -204,16 +204,18 @@ def test_nothing_it_receives_is_more_than_a_line_of_json():
 
 
 def test_stray_lines_are_ignored_and_counted_and_never_stop_the_watch():
-    """Node 0 beside a node that beats: a connection sends what no node of the job sends
-    (a beat count that is no number, a rank the job does not have, another job's beat,
-    no JSON, then a line without end). Node 0 names nobody, keeps watching node 1, says
-    once that it ignores them, and closes the endless line's connection."""
+    """A connection to node 0 sends what no node of the job sends (a beat count that is no
+    number, a rank the job does not have, another job's beat, a beat without the job's
+    token, no JSON, then a line without end). Node 0 keeps watching, takes none of them
+    for a node (the old watch died on the first, and would have lost "node 7" once its
+    connection ended), says once that it ignores them, and closes the endless line's
+    connection. (No real node beside it: on a loaded machine its silence could be named,
+    which is not what this test is about.)"""
     port = free_port()
     zero = in_process(port, 0, 2)
-    one = in_process(port, 1, 2)
-    assert wait_until(lambda: one.heard_node_0 and 1 in zero.watch.peers)
-    stray = socket.create_connection(("127.0.0.1", port), timeout=limit(10))
     job = zero.token
+    assert wait_until(lambda: _accepts("127.0.0.1", port))
+    stray = socket.create_connection(("127.0.0.1", port), timeout=limit(10))
     for line in ({"rank": 1, "beat": "abc", "where": "x", "job": job},
                  {"rank": 7, "beat": 1, "where": "x", "job": job},
                  {"rank": 1, "beat": 1, "where": "x", "job": "another job"},
@@ -222,14 +224,12 @@ def test_stray_lines_are_ignored_and_counted_and_never_stop_the_watch():
     stray.sendall(b"not json\n" + b"x" * (1 << 20))  # and no newline: an endless line
     assert wait_until(lambda: zero.ignored >= 6), zero.ignored
     assert wait_until(lambda: _closed(stray)), "the endless line's connection stayed open"
-    time.sleep(2 * SILENCE)  # longer than a loss would take
-    assert zero.is_alive() and zero.found == [] and one.found == []
-    assert list(zero.watch.peers) == [1] and zero.watch.peers[1].where == "host1"
+    time.sleep(2 * SILENCE)  # longer than a loss of any node it had taken in would take
+    assert zero.is_alive() and zero.found == [] and zero.watch.peers == {}
     said = [line for line in zero.logged if "ignoring" in line]
     assert len(said) == 1 and "not this job's beats (from 127.0.0.1:" in said[0], zero.logged
-    for hb in (zero, one):
-        hb.close()
-        hb.join(5)
+    zero.close()
+    zero.join(5)
 
 
 def _closed(sock: socket.socket) -> bool:
