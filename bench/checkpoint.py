@@ -19,12 +19,12 @@ to the sealed checkpoint (the full format's gather onto rank 0 is printed apart,
 save (the busiest rank's process, every thread) are printed beside the plain write's and
 those of SHA-256 over the same bytes alone: they hold at any load, where the times do not.
 
-The small job: the quick start's model (a byte GPT, 3 x 160) with its AdamW state, one
-process, saved by the Checkpointer against a hand-written ``torch.save`` of the same
-dictionary followed by fsync, alternating.
+First the small job (bench/small_checkpoint.py, which also runs alone): the quick
+start's model with its AdamW state, one process, its first and later saves and its
+resume against plain ``torch.save`` + fsync and ``torch.load`` + SHA-256.
 
     python -m bench.checkpoint [--widths 1448,2896] [--layers 8] [--rounds 2]
-                               [--small-rounds 10] [--dir DIR] [--remote]
+                               [--small-rounds 5] [--dir DIR] [--remote]
 
 ``--remote`` then measures the remote tier (``checkpoint.remote``) against plain boto3
 on a real S3 server: bench/remote_checkpoint.py, which also runs alone.
@@ -274,66 +274,26 @@ def report_fsdp(width: int, layers: int, rows: dict[str, dict]) -> None:
         print(f"  {key:22s} " + "  ".join(cells))
 
 
-# ------------------------------------------------------------------- the small job
-
-def small_job(rounds: int, workdir: Path) -> dict:
-    """The quick start's model and AdamW state: the Checkpointer's save against a
-    hand-written torch.save + fsync of the same dictionary (seconds, medians)."""
-    import torch
-
-    from train.checkpoint import Checkpointer
-    from train.checkpoint.state import rank_payload
-    from train.core.config.schema import ModelConfig
-    from train.models import GPT
-    torch.manual_seed(0)
-    model = GPT(ModelConfig(kind="gpt", depth=3, width=160, heads=5, context_length=128,
-                            dropout=0.0), 256)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randint(0, 256, (2, 128))).float().sum().backward()
-    optimizer.step()
-    shared = {"step": 0, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    run_dir = Path(tempfile.mkdtemp(dir=workdir))
-    ckpt = Checkpointer(run_dir, rank=0, keep_last=2)
-    ours, plain = [], []
-    for step in range(1, rounds + 1):
-        start = time.perf_counter()
-        ckpt.save(step, {**shared, "step": step}, rank_payload(0))
-        ours.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        with (run_dir / f"plain-{step}.pt").open("wb") as f:
-            torch.save({**shared, "step": step}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        plain.append(time.perf_counter() - start)
-    size = (run_dir / "checkpoints" / f"step-{rounds}" / "state.pt").stat().st_size
-    subprocess.run(["rm", "-rf", str(run_dir)], check=False)
-    return {"MiB": size / MiB, "ours_s": statistics.median(ours),
-            "plain_s": statistics.median(plain),
-            "ratio": statistics.median(o / p for o, p in zip(ours, plain, strict=True))}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--widths", default="1448,2896")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--small-rounds", type=int, default=10)
+    parser.add_argument("--small-rounds", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary "
                         "folder under $TMPDIR): the disk measured")
     parser.add_argument("--remote", action="store_true", help="then the remote tier "
                         "(checkpoint.remote) against plain boto3 on a SeaweedFS server: "
                         "bench.remote_checkpoint with its defaults; needs `make s3`")
     args = parser.parse_args()
+    from bench import small_checkpoint
     if args.remote:  # fail before the long local part, not after it
         from bench import remote_checkpoint
         from tests.harness import s3server
         if s3server.missing():
             raise SystemExit(f"bench.checkpoint --remote: {s3server.missing()}")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        small = small_job(args.small_rounds, Path(tmp))
-        print(f"small job ({small['MiB']:.1f} MiB, quick start's model + AdamW, 1 process): "
-              f"save {small['ours_s']:.3f} s, hand-written torch.save + fsync "
-              f"{small['plain_s']:.3f} s, ratio {small['ratio']:.2f}")
+        small_checkpoint.report(args.small_rounds, 10, Path(tmp))
         last: dict[str, dict] = {}
         for width in (int(w) for w in args.widths.split(",")):
             result: dict[str, list] = {fmt: [] for fmt in FORMATS}

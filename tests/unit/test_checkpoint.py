@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from tests.harness.checkpoints import STEPS, rewind
@@ -25,7 +26,8 @@ from tests.harness.runs import (
     worker_env,
     write_config,
 )
-from train.checkpoint import Checkpointer
+from train.checkpoint import Checkpointer, retention
+from train.core import rundir
 
 
 def test_resumed_equals_uninterrupted_bitwise(checkpointed_run, tmp_path):
@@ -129,7 +131,9 @@ def test_prune_keeps_latest_and_moves_an_abandoned_trajectory_aside(tmp_path):
     for step in (5, 10, 15, 20):
         ck.save(step, {"step": step}, {})
     (tmp_path / "checkpoints" / "latest").write_text("step-10\n")  # resumed from step 10
-    _saver(tmp_path, keep_last=1).save(13, {"step": 13}, {})
+    resumed = _saver(tmp_path, keep_last=1)
+    resumed.save(13, {"step": 13}, {})
+    resumed.wait()  # the pruned ones are deleted by a thread
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["latest", "step-13"], "15 and 20 belong to the abandoned trajectory"
     aside = list(tmp_path.glob("checkpoints.abandoned-*"))
@@ -138,10 +142,27 @@ def test_prune_keeps_latest_and_moves_an_abandoned_trajectory_aside(tmp_path):
     assert _saver(tmp_path, 1).newest_loadable(0)[1]["step"] == 13
 
 
+def test_pruned_checkpoints_are_deleted_and_one_a_killed_process_left_goes_at_the_next_start(
+        tmp_path):
+    ck = _saver(tmp_path, keep_last=1)
+    for step in (1, 2, 3):
+        ck.save(step, {"step": step}, {})
+    ck.wait()
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-3"]
+    # killed while deleting step-2: renamed first, so never a checkpoint to resume
+    shutil.copytree(folder / "step-3", folder / "step-2.pruned")
+    (folder / "latest").unlink()
+    assert [p.name for p in rundir.candidates(folder)] == ["step-3"]
+    retention.remove_leftovers(ck.storage)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3"]
+
+
 def test_saving_a_step_again_replaces_it_whole(tmp_path):
     ck = _saver(tmp_path, keep_last=1)
     ck.save(5, {"step": 5, "v": 1}, {})
     ck.save(5, {"step": 5, "v": 2}, {})
+    ck.wait()
     assert ck.newest_loadable(0)[1]["v"] == 2
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step-5"]
 
@@ -217,3 +238,26 @@ def test_a_rank_whose_write_failed_leaves_no_partial_even_if_another_wrote_after
     assert all(f"{rundir.rank_file(1)}: no space left on " in str(e) for e in errors), errors
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [], \
         "a partial checkpoint was left on the full disk"
+
+
+def test_numpys_stream_is_kept_once_code_uses_it_and_never_imported_for_a_save():
+    """A seeded numpy stream resumes where it was; one nobody imported (so nobody
+    seeded) is not imported by a save, which it would cost some 50 ms."""
+    code = textwrap.dedent("""
+        import sys
+        from train.checkpoint.state import rng_state, set_rng_state
+        state = rng_state()
+        assert "numpy.random" not in sys.modules and "numpy" not in state
+        set_rng_state(state)
+        import numpy as np
+        np.random.seed(3)
+        np.random.rand(5)
+        saved = rng_state()
+        expected = np.random.rand(4)
+        np.random.rand(7)
+        set_rng_state(saved)
+        assert (np.random.rand(4) == expected).all()
+        """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=limit(120))
+    assert out.returncode == 0, out.stderr[-2000:]

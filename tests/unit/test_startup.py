@@ -79,6 +79,12 @@ TENSORBOARD_API = ("torch.utils.tensorboard", "tensorboard.summary",
                    "tensorboard.compat.tensorflow_stub")
 
 
+# torch's distributed state-dict API (0.7-0.9 s to import): the full format's checkpoints
+# of a model that is not sharded are written and loaded without it
+# (train/distributed/full_state.py)
+STATE_DICT_API = ("torch.distributed.checkpoint",)
+
+
 @pytest.fixture(scope="module")
 def first_imports(tmp_path_factory) -> dict[str, list[list[str]]]:
     """Watched package -> the stack that first imported it in any rank of real two-process
@@ -86,7 +92,7 @@ def first_imports(tmp_path_factory) -> dict[str, list[list[str]]]:
     step 6), innermost last; absent when nothing did."""
     tmp_path = tmp_path_factory.mktemp("watched")
     record = tmp_path / "first-imports.json"
-    hook = WATCHED_RUN.format(watched=COMPILER + TENSORBOARD_API)
+    hook = WATCHED_RUN.format(watched=COMPILER + TENSORBOARD_API + STATE_DICT_API)
     (tmp_path / "watched.py").write_text(hook)
     for steps in (4, 6):
         config = write_config(tmp_path / "c.yaml", merge(TINY_GPT, {
@@ -110,6 +116,12 @@ def first_imports(tmp_path_factory) -> dict[str, list[list[str]]]:
 def test_a_default_ddp_run_never_loads_the_compiler_stack(first_imports):
     loaded = {prefix: frames[-12:] for prefix, frames in first_imports.items()
               if prefix in COMPILER}
+    assert loaded == {}
+
+
+def test_a_default_ddp_run_saves_and_resumes_without_torchs_state_dict_api(first_imports):
+    loaded = {prefix: frames[-8:] for prefix, frames in first_imports.items()
+              if prefix in STATE_DICT_API}
     assert loaded == {}
 
 

@@ -4,11 +4,19 @@ continue from are moved aside whole (``checkpoints.replaced-<time>/`` when a run
 over, ``checkpoints.abandoned-<time>/`` for steps newer than the one it resumed from),
 so no later resume picks them up by accident. Partial checkpoints of a write that died
 are removed (never loadable, and they hold disk space).
+
+Deleting a checkpoint's files takes the file system a few milliseconds per file (freeing
+its blocks), time a save would otherwise block training for: a pruned checkpoint is
+renamed ``step-N.pruned`` (one rename: no resume can pick it up from then on) and
+deleted by a thread, which the next prune and :func:`settle` wait for. One a process
+did not finish (killed) is removed with the partial ones at the next start.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +25,9 @@ from train.core import rundir
 from train.core.rundir import ABANDONED, CHECKPOINTS, REPLACED, STEP_DIR
 
 log = logging.getLogger("train")
+
+PRUNED = ".pruned"  # step-N.pruned: a checkpoint being deleted
+_deleting: dict[Path, threading.Thread] = {}  # checkpoints folder -> its deleting thread
 
 
 def _steps(storage: LocalStorage) -> list[tuple[int, str]]:
@@ -32,16 +43,39 @@ def prune(storage: LocalStorage, keep_last: int) -> None:
     latest = rundir.latest_name(storage.path(CHECKPOINTS))
     if latest:
         set_aside_newer_than(storage, rundir.step_of(Path(latest)))
-    for _, name in _steps(storage)[keep_last:]:
-        storage.delete(f"{CHECKPOINTS}/{name}")
     remove_leftovers(storage)
+    doomed = []
+    for _, name in _steps(storage)[keep_last:]:
+        doomed.append(f"{CHECKPOINTS}/{name}{PRUNED}")
+        # not durable on purpose: if the rename is lost, the next prune takes it again
+        os.replace(storage.path(f"{CHECKPOINTS}/{name}"), storage.path(doomed[-1]))
+    if doomed:
+        thread = threading.Thread(target=_delete, args=(storage, doomed), daemon=True,
+                                  name="checkpoint-prune")
+        _deleting[storage.path(CHECKPOINTS)] = thread
+        thread.start()
+
+
+def settle(storage: LocalStorage) -> None:
+    """Wait until the checkpoints this process pruned are deleted (before it ends, and
+    before anything else removes or lists what the folder holds)."""
+    thread = _deleting.pop(storage.path(CHECKPOINTS), None)
+    if thread is not None:
+        thread.join()
+
+
+def _delete(storage: LocalStorage, names: list[str]) -> None:
+    for name in names:
+        storage.delete(name)
 
 
 def remove_leftovers(storage: LocalStorage) -> None:
-    """Partial checkpoints of a write that died (kill -9, a full disk) and copies replaced
-    by a re-save. Only while no save is in flight (after one, or before the first)."""
+    """Partial checkpoints of a write that died (kill -9, a full disk), copies replaced
+    by a re-save and pruned ones a killed process did not delete. Only while no save is
+    in flight (after one, or before the first)."""
+    settle(storage)
     for name in storage.names(CHECKPOINTS):
-        if name.startswith("step-") and name.endswith(".partial"):
+        if name.startswith("step-") and name.endswith((".partial", PRUNED)):
             storage.delete(f"{CHECKPOINTS}/{name}")
         elif name.startswith("step-") and name.endswith(".replaced"):
             final = f"{CHECKPOINTS}/{name.removesuffix('.replaced')}"

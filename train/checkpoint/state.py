@@ -22,6 +22,7 @@ reads the model from them. Each rank also writes ``rank-<r>.pt`` with its RNG st
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,11 +134,15 @@ def rank_payload(rank: int) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)),
-                       "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
-                       "cached": float(np_state[4])}}
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    # numpy's global stream exists once numpy.random is imported, seeded from the OS's
+    # entropy unless code seeds it: before that there is nothing reproducible to keep,
+    # and importing it here would cost the first save of every process some 50 ms
+    if "numpy.random" in sys.modules:
+        np_state = np.random.get_state()
+        state["numpy"] = {"key": torch.from_numpy(np_state[1].astype(np.int64)),
+                          "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
+                          "cached": float(np_state[4])}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -146,9 +151,10 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(_as_tuple(state["python"]))
     torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["cached"]))
+    if "numpy" in state:
+        n = state["numpy"]
+        np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"],
+                             n["has_gauss"], n["cached"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 

@@ -148,10 +148,12 @@ class Checkpointer:
         self.progress, self.watch_writer = watchdog.progress, watchdog.watching_writer
 
     def wait(self) -> None:
-        """Join a background save; its failure is raised here, in the training thread."""
+        """Join a background save, and the deletion of pruned checkpoints; a save's
+        failure is raised here, in the training thread."""
         if self._writer is not None:
             self._writer.join()
             self._writer = None
+        retention.settle(self.storage)
         if self._writer_error is not None:
             error, self._writer_error = self._writer_error, None
             if isinstance(error, CheckpointWriteError):

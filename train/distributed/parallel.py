@@ -21,6 +21,7 @@ from train.core.errors import CannotRunHere, ConfigError
 from train.core.identity import WorkerIdentity
 from train.core.placement import check_gpu_only, one_process_problem, runs_one_process
 from train.distributed import compiler_stack
+from train.distributed.full_state import is_fsdp, load_model_and_optimizer, model_and_optimizer
 from train.distributed.precision import autocast_dtype
 
 log = logging.getLogger("train")
@@ -167,35 +168,35 @@ def parallelize(module: nn.Module, cfg: Config, env: WorkerIdentity,
 
 def _state_options(model: nn.Module, *, loading: bool):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
-    sharded = _is_fsdp(model)
+    sharded = is_fsdp(model)
     # Full (unsharded) tensors on rank 0: one checkpoint format for every strategy,
     # loadable at any world size and by `export` without this trainer.
     return StateDictOptions(full_state_dict=True, cpu_offload=sharded and not loading,
                             broadcast_from_rank0=sharded and loading)
 
 
-def _is_fsdp(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-    return isinstance(model, FSDPModule)
-
-
 def state_target(model: nn.Module) -> nn.Module:
     """FSDP shards in place; DDP and DataParallel hold the plain module as .module, whose
     names carry no wrapper prefix."""
-    return model if _is_fsdp(model) else getattr(model, "module", model)
+    return model if is_fsdp(model) else getattr(model, "module", model)
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Collective under FSDP: every rank calls it; rank 0 gets the full tensors."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
     target = state_target(model)
+    short = model_and_optimizer(target, optimizer)
+    if short is not None:
+        return short
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     return get_state_dict(target, optimizer, options=_state_options(target, loading=False))
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
                     optim_state: dict) -> None:
     """Collective under FSDP; parameter names are those of the plain module."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
     target = state_target(model)
+    if load_model_and_optimizer(target, optimizer, model_state, optim_state):
+        return
+    from torch.distributed.checkpoint.state_dict import set_state_dict
     set_state_dict(target, optimizer, model_state_dict=model_state,
                    optim_state_dict=optim_state, options=_state_options(target, loading=True))
