@@ -130,8 +130,8 @@ def record_for_torchrun(exc: BaseException) -> None:
                 text = f.read()
             if redacted(text) != text:
                 write_atomic(Path(path), redacted(text))
-    except Exception:  # no torchrun, or an older torch: the stderr line is enough
-        pass
+    except Exception:  # on the way out with an error, nothing here may hide it (no
+        pass           # torchrun, an older torch): the stderr line is enough
 
 
 if __name__ == "__main__":

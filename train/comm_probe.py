@@ -60,7 +60,7 @@ def child(argv: list[str]) -> int:
         reporter.stage("error" if r.error else "done", error=r.error, probe=probe)
         dist.destroy_process_group()
         return 0 if r.allreduce_ok and not r.error and not r.nonfinite else 1
-    except Exception as exc:
+    except Exception as exc:  # whatever failed is the probe's answer to the launcher
         reporter.stage("error", error=f"{type(exc).__name__}: {exc}")
         return 1
 

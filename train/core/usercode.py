@@ -152,7 +152,7 @@ def check_builds_a_module(fn: Callable[..., Any], path: str, args: dict[str, Any
     try:
         with torch.device("meta"):
             made = fn(**args)
-    except Exception:
+    except Exception:  # user code, any error: only the worker's real build can tell
         return
     if not isinstance(made, torch.nn.Module):
         raise ConfigError(source, "model.factory", f"{path} returned {type(made).__name__}, "

@@ -61,15 +61,22 @@ def software_versions() -> dict[str, Any]:
 
 
 def _driver_version() -> str | None:
+    """NVIDIA's driver version; None on AMD or without NVML (the ROCm version then
+    describes the driver)."""
     try:
         import pynvml
-        pynvml.nvmlInit()
-        try:
-            return pynvml.nvmlSystemGetDriverVersion()
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # AMD, or no NVML: the driver is then described by the ROCm version
+    except ImportError:
         return None
+    try:
+        pynvml.nvmlInit()
+    except (pynvml.NVMLError, OSError):  # no libnvidia-ml, no driver loaded
+        return None
+    try:
+        return pynvml.nvmlSystemGetDriverVersion()
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def update_manifest(run_dir: Path, cfg: Config, *, data_hash: str, data_description: str,

@@ -304,6 +304,6 @@ def upload_export(run_dir: Path, out: Path) -> str | None:
                    else "mlflow is not installed here"))
     try:
         mlflow_client(uri).log_artifacts(previous["run_id"], str(out), rundir.EXPORT)
-    except Exception as exc:
+    except Exception as exc:  # MLflow's, requests' or the OS's: the export stands
         return f"warning: MLflow upload failed ({said(exc, 200)})"
     return f"uploaded to MLflow run {previous['run_id']} (artifacts: export/)"
