@@ -232,7 +232,7 @@ def _loaded_after(code: str) -> set[str]:
 def test_importing_the_core_and_launcher_loads_neither_torch_nor_numpy():
     names = [module_name(p) for p in modules("train/core") + modules("launcher")
              if p.name != "__main__.py"]
-    assert "train.core.config" in names and "launcher.plan" in names
+    assert "train.core.config" in names and "launcher.planning.plan" in names
     code = "import importlib\n" + "".join(f"importlib.import_module({n!r})\n" for n in names)
     assert _loaded_after(code) == set()
 
@@ -251,8 +251,8 @@ def test_planning_a_run_without_gpus_does_not_import_torch(tmp_path):
     config = ROOT / "configs" / "quickstart.yaml"
     code = (f"import sys; sys.argv = ['entrypoint.py', 'train', {str(config)!r}, "
             f"'output.dir={tmp_path}', '--dry-run']\n"
-            "import contextlib, io\nfrom launcher import runner\n"
-            "from launcher.hardware import Hardware\n"
+            "import contextlib, io\nfrom launcher.running import runner\n"
+            "from launcher.detection.hardware import Hardware\n"
             "runner.detect = lambda env: Hardware(cpus=2)  # a machine without GPUs\n"
             "from launcher.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()): assert main() == 0")
@@ -260,7 +260,7 @@ def test_planning_a_run_without_gpus_does_not_import_torch(tmp_path):
 
 
 def test_the_build_read_from_torchs_files_is_what_torch_says():
-    from launcher.detect import torch_build, torch_build_on_disk
+    from launcher.detection.detect import torch_build, torch_build_on_disk
     light, full = torch_build_on_disk(), torch_build()
     assert light is not None
     for field in ("version", "cuda", "hip", "gloo", "nccl", "importable"):

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from launcher import amd, compat, detect, environ, nvidia
-from launcher.hardware import Gpu, Hardware, TorchBuild
+from launcher.detection import amd, compat, detect, nvidia
+from launcher.detection.hardware import Gpu, Hardware, TorchBuild
+from launcher.planning import environ
 from tests.fakes.fake_nvml import FakeNvml, h100s
 from tests.harness.plans import kfd_tree
 from tests.harness.runs import FAKES

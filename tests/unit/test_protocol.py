@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from launcher.outcome import RULES, Ending, classify
+from launcher.endings.outcome import RULES, Ending, classify
 from tests.harness.runs import ROOT, clean_env, limit
 from train.core import protocol
 from train.core.errors import EXIT_CODES, FINAL_EXIT_CODES

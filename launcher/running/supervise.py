@@ -9,7 +9,7 @@ by SIGTERM, so its own code cannot be passed through. The launcher instead:
 - forwards SIGTERM/SIGINT to it at once (torchrun forwards to the workers, which
   checkpoint and exit 143);
 - reads each local worker's report (``train.worker``) and lets
-  :mod:`launcher.outcome` decide: 0 done, 143 stopped by a signal, 1 failed (naming
+  :mod:`launcher.endings.outcome` decide: 0 done, 143 stopped by a signal, 1 failed (naming
   the first failing rank), ...
 
 For one process, ``distributed.max_restarts`` restarts the worker here, as torchrun
@@ -33,16 +33,16 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from launcher import verdicts as endings
-from launcher.heartbeat import PeerHeartbeat
-from launcher.heartbeat_wire import listen, resolve
-from launcher.outcome import Outcome, classify
-from launcher.plan import Plan
-from launcher.processes import kill_tree, stop_workers, workers_alive
-from launcher.pulse import Pulse
-from launcher.rendezvous import RoundWatcher, reachable
-from launcher.restarts import STOPPED_BY_LAUNCHER, failed_attempt, restarting
-from launcher.signals import Forwarder
+from launcher.commands.rendezvous import RoundWatcher, reachable
+from launcher.endings import verdicts as endings
+from launcher.endings.outcome import Outcome, classify
+from launcher.endings.restarts import STOPPED_BY_LAUNCHER, failed_attempt, restarting
+from launcher.liveness.heartbeat import PeerHeartbeat
+from launcher.liveness.heartbeat_wire import listen, resolve
+from launcher.liveness.pulse import Pulse
+from launcher.planning.plan import Plan
+from launcher.running.processes import kill_tree, stop_workers, workers_alive
+from launcher.running.signals import Forwarder
 from launcher.torchrun import LOCAL_ID_VAR, STORE_LOST
 from train.core import failure_log, protocol
 from train.core.credentials import redacted
@@ -198,7 +198,7 @@ def _rejoin(torchrun_pid: int, number: int, log: Callable[[str], None],
 
 
 def _pulse(plan: Plan, log: Callable[[str], None]) -> Pulse | None:
-    """This node's pulse (launcher.pulse), at the address its peers know it by."""
+    """This node's pulse (launcher.liveness.pulse), at the address its peers know it by."""
     argv = list(plan.argv)
     name = argv[argv.index("--local-addr") + 1] if "--local-addr" in argv else socket.getfqdn()
     try:

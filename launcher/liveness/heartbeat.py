@@ -24,10 +24,10 @@ What makes a node lost, and what does not:
 No name is looked up while beating: the rank-0 node's address is resolved once (the
 listener binds it, not every interface, when it is this node's), and a reconnect uses
 the address already found. Nothing is unpickled: beats are lines of JSON, and only the
-job's own well-formed messages count (:mod:`launcher.heartbeat_wire`): a stray line, a
+job's own well-formed messages count (:mod:`launcher.liveness.heartbeat_wire`): a stray line, a
 stranger naming a rank the job does not have, a line without end, are ignored and
 counted (said once), never a reason to stop. The rank-0 node's launcher binds its port
-before any worker starts (:func:`~launcher.heartbeat_wire.listen`): a port another
+before any worker starts (:func:`~launcher.liveness.heartbeat_wire.listen`): a port another
 program holds is exit 3 then, not a false loss of node 0 on every other node later.
 
 ``on_lost`` gets one line naming the lost node (``lost``, too), and the launcher stops
@@ -44,7 +44,16 @@ import threading
 import time
 from collections.abc import Callable
 
-from launcher.heartbeat_wire import Conn, Watch, beat_of, listen, ours, resolve, token_of, tune
+from launcher.liveness.heartbeat_wire import (
+    Conn,
+    Watch,
+    beat_of,
+    listen,
+    ours,
+    resolve,
+    token_of,
+    tune,
+)
 
 
 class PeerHeartbeat(threading.Thread):

@@ -4,7 +4,7 @@
 tools and libraries are normal and end up as notes. ``torch_build()`` imports torch
 (lazily, never at module import) but reads only compile-time facts:
 ``torch.version.cuda/hip``, the compiled arch list and which process-group backends
-exist. Whether that build can drive what was found is :mod:`launcher.compat`'s call.
+exist. Whether that build can drive what was found is :mod:`launcher.detection.compat`'s call.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from launcher import amd, nvidia
-from launcher.environ import Environ
-from launcher.hardware import Hardware, TorchBuild
+from launcher.detection import amd, nvidia
+from launcher.detection.hardware import Hardware, TorchBuild
+from launcher.planning.environ import Environ
 from train.core.host import available_cpus, available_memory
 
 

@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from launcher import conventions
-from launcher.compat import check_build
 from launcher.conventions import Nodes
-from launcher.environ import Environ
-from launcher.hardware import Hardware, TorchBuild
-from launcher.worker_variables import WorkerVariables, direct_worker_identity
+from launcher.detection.compat import check_build
+from launcher.detection.hardware import Hardware, TorchBuild
+from launcher.planning.environ import Environ
+from launcher.planning.worker_variables import WorkerVariables, direct_worker_identity
 from train.core import rundir, tracker_config
 from train.core.comm_defaults import worker_defaults
 from train.core.config import AUTO, Config, batch_split
@@ -252,7 +252,7 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     d = cfg.distributed
     # torch's agents drop a silent member after keep-alive x attempts: stretched to
     # heartbeat_silence_s, since each node's round watcher evicts a member whose host is
-    # gone sooner, and a starved one keeps its place meanwhile (launcher.pulse)
+    # gone sooner, and a starved one keeps its place meanwhile (launcher.liveness.pulse)
     expiry_attempts = max(d.rdzv_keep_alive_attempts,
                           math.ceil(d.heartbeat_silence_s / d.rdzv_keep_alive_s))
     nodes = conventions.resolve(environ, conventions.Timings(

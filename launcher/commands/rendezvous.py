@@ -5,7 +5,7 @@ and every node restarts (kubeflow/trainer#1638). This process holds a
 ``torch.distributed.TCPStore`` server on its own (the Kubernetes rendezvous
 Deployment + Service); worker nodes join it with ``is_host=false`` and a run id
 unique to the job. It logs each run's rounds, members and waiting nodes as they
-change (:mod:`launcher.rdzv_state` reads them safely), and stops cleanly on
+change (:mod:`launcher.liveness.rdzv_state` reads them safely), and stops cleanly on
 SIGTERM/SIGINT.
 
 :class:`RoundWatcher` is the same view from a worker node: its launcher logs one line
@@ -22,8 +22,15 @@ import threading
 import time
 from collections.abc import Callable
 
-from launcher.pulse import REPROBE_S, Pulse, answers, member_parts, pulse_key
-from launcher.rdzv_state import PREFIX, Round, describe, expire_members, printable, read_round
+from launcher.liveness.pulse import REPROBE_S, Pulse, answers, member_parts, pulse_key
+from launcher.liveness.rdzv_state import (
+    PREFIX,
+    Round,
+    describe,
+    expire_members,
+    printable,
+    read_round,
+)
 
 
 def _keys(store) -> list[str] | None:
