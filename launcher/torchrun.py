@@ -6,9 +6,9 @@ arguments and differs in what it says and in one identity detail.
   dies with a 25-line ``SignalException`` traceback. Here: ``128 + signal`` and one line.
 - Losing the rendezvous store (its pod restarted, its node drained), torchrun stops the
   workers (they checkpoint) and dies with pages of C++ frames and Python tracebacks.
-  Here: one line and exit :data:`STORE_LOST`, which tells the launcher to wait for the
-  store and start torchrun again (see :mod:`launcher.running.supervise`). The same when the
-  store cannot be reached at start.
+  Here: one line and exit :data:`~launcher.running.agent_contract.STORE_LOST`, which
+  tells the launcher to wait for the store and start torchrun again (see
+  :mod:`launcher.running.supervise`). The same when the store cannot be reached at start.
 - A worker failing ends torchrun with a 20-line "Root Cause" table; here nothing: the
   launcher's last line names the rank that failed first, its error and its log.
 - On a stop torchrun also logs "Received 15 death signal, shutting down workers" and a
@@ -61,16 +61,11 @@ import sys
 from types import SimpleNamespace
 
 from launcher.liveness.rdzv_state import load_state
+from launcher.running.agent_contract import LOCAL_ID_VAR, STORE_LOST
 from train.core import binding, failure_log, protocol
 from train.core.errors import EXIT_PEER_STOPPED
 from train.core.host import exit_now
 from train.core.identity import STATUS_DIR_VAR
-
-# Exit status meaning "the rendezvous store is unreachable" (EX_TEMPFAIL).
-STORE_LOST = 75
-# The rendezvous local id this torchrun presents, chosen by the launcher (which then
-# knows which member of a round is its own node); random when unset.
-LOCAL_ID_VAR = "TRAIN_RDZV_LOCAL_ID"
 
 
 def _quiet_cpp_warnings():

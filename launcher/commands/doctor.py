@@ -22,7 +22,7 @@ from launcher import conventions
 from launcher.commands import packages
 from launcher.detection import rdma, system
 from launcher.detection.hardware import Finding, TorchBuild
-from launcher.planning.environ import Environ
+from launcher.planning.variables import Environ
 from train.core.config import DistributedConfig
 from train.core.credentials import redacted
 from train.core.host import read_build_manifest

@@ -34,7 +34,7 @@ from dataclasses import replace
 from launcher.conventions import single
 from launcher.conventions.common import Nodes, Timings, env_error, parse_port, static_rendezvous
 from launcher.conventions.slurm_hostlist import expand
-from launcher.planning.environ import Environ
+from launcher.planning.variables import Environ
 
 NAME = "slurm"
 # Its variables fall back to one another (the step's to the job's: SLURM_STEP_NODELIST,

@@ -21,7 +21,7 @@ from typing import Any
 
 from launcher.detection import visibility
 from launcher.detection.hardware import Gpu, Hardware
-from launcher.planning.environ import Visibility
+from launcher.planning.variables import Visibility
 
 TOOL_TIMEOUT_S = 15
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from launcher.detection import amd, nvidia
 from launcher.detection.hardware import Hardware, TorchBuild
-from launcher.planning.environ import Environ
+from launcher.planning.variables import Environ
 from train.core.host import available_cpus, available_memory
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from launcher.detection import visibility
 from launcher.detection.hardware import Gpu, Hardware
-from launcher.planning.environ import Visibility
+from launcher.planning.variables import Visibility
 
 
 @dataclass

@@ -27,7 +27,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from launcher.torchrun import STORE_LOST
+from launcher.running.agent_contract import STORE_LOST
 from train.core.errors import (
     EXIT_OK,
     EXIT_ONLY_LOCAL,

@@ -24,7 +24,7 @@ from launcher import conventions
 from launcher.conventions import Nodes
 from launcher.detection.compat import check_build
 from launcher.detection.hardware import Hardware, TorchBuild
-from launcher.planning.environ import Environ
+from launcher.planning.variables import Environ
 from launcher.planning.worker_variables import WorkerVariables, direct_worker_identity
 from train.core import rundir, tracker_config
 from train.core.comm_defaults import worker_defaults

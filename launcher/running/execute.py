@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from launcher.detection import system
+from launcher.running.prepared import Prepared
 from launcher.running.requeue import requeue, requeue_without
-from launcher.running.runner import Prepared
 from train.core import rundir
 from train.core.errors import EXIT_STOPPED_BY_SIGNAL
 

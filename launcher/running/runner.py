@@ -22,64 +22,22 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from launcher.detection import system
 from launcher.detection.compat import check_build, install_fix
 from launcher.detection.detect import detect, torch_build, torch_build_on_disk
 from launcher.detection.hardware import Finding, Hardware, TorchBuild
 from launcher.planning import environ as environ_mod
-from launcher.planning.environ import Environ
-from launcher.planning.plan import Plan
 from launcher.planning.plan import plan as make_plan
+from launcher.planning.variables import Environ
+from launcher.running.prepared import Prepared, Request
 from train.core import rundir
 from train.core.errors import CannotRunHere, ConfigError, UserError
 
-if TYPE_CHECKING:
-    pass
-
 APP_ROOT = str(Path(__file__).resolve().parents[2])
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a command asks for, as parsed from its command line."""
-    command: str                     # train | launch | doctor
-    config: str | None = None        # the config file (train; doctor: optional)
-    overrides: tuple[str, ...] = ()  # dotted.key=value
-    script: tuple[str, ...] = ()     # launch: SCRIPT [args] or -m MODULE [args]
-    dry_run: bool = False
-
-    @property
-    def collects(self) -> bool:
-        """doctor reports every finding; the others stop at the first failure."""
-        return self.command == "doctor"
-
-    @property
-    def writes(self) -> bool:
-        """Allowed to create the output folder (nothing is written by doctor or a dry run)."""
-        return self.command != "doctor" and not self.dry_run
-
-
-@dataclass
-class Prepared:
-    """Everything :func:`prepare` decided, with what it found on the way."""
-    request: Request
-    env: Environ
-    cfg: Any = None                  # train.core.config.Config, once it loaded
-    hardware: Hardware = field(default_factory=Hardware)
-    torch: TorchBuild = field(default_factory=TorchBuild)
-    plan: Plan | None = None
-    findings: list[Finding] = field(default_factory=list)
-
-    @property
-    def exit_code(self) -> int:
-        return max((f.exit_code for f in self.findings if f.level == "fail"), default=0)
-
-    def finding(self, topic: str) -> Finding | None:
-        return next((f for f in self.findings if f.topic == topic), None)
 
 
 def prepare(request: Request, env: Environ | None = None, *, hardware: Hardware | None = None,

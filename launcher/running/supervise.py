@@ -14,8 +14,8 @@ by SIGTERM, so its own code cannot be passed through. The launcher instead:
 
 For one process, ``distributed.max_restarts`` restarts the worker here, as torchrun
 would. When torchrun loses the standalone rendezvous store (exit
-:data:`~launcher.torchrun.STORE_LOST`), the launcher waits, bounded, for the store to
-come back and starts torchrun again: the nodes re-rendezvous and resume from the last
+:data:`~launcher.running.agent_contract.STORE_LOST`), the launcher waits, bounded, for the
+store to come back and starts torchrun again: the nodes re-rendezvous and resume from the last
 checkpoint, without a pod restart (exit 5 if it does not come back).
 """
 
@@ -41,9 +41,9 @@ from launcher.liveness.heartbeat import PeerHeartbeat
 from launcher.liveness.heartbeat_wire import listen, resolve
 from launcher.liveness.pulse import Pulse
 from launcher.planning.plan import Plan
+from launcher.running.agent_contract import LOCAL_ID_VAR, STORE_LOST
 from launcher.running.processes import kill_tree, stop_workers, workers_alive
 from launcher.running.signals import Forwarder
-from launcher.torchrun import LOCAL_ID_VAR, STORE_LOST
 from train.core import failure_log, protocol
 from train.core.credentials import redacted
 from train.core.errors import EXIT_CANNOT_RUN_HERE, EXIT_STOPPED_BY_SIGNAL, EXIT_TRAINING_FAILED

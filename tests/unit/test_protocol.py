@@ -137,7 +137,7 @@ def test_every_outcome_rule_is_the_first_to_hold_for_some_ending(name):
 
 
 def test_the_store_lost_code_is_torchruns():
-    from launcher.torchrun import STORE_LOST
+    from launcher.running.agent_contract import STORE_LOST
     assert ENDINGS["store lost"][0] == STORE_LOST
 
 
