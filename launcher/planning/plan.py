@@ -74,6 +74,15 @@ class Plan:
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
 
+    @property
+    def liveness(self) -> tuple[str, ...]:
+        """The watchers this run's launcher gets (:mod:`launcher.liveness.watchers`): an
+        elastic job with a store watches the rendezvous rounds, a static job's nodes beat
+        at the rank-0 node, one node alone watches nothing."""
+        if self.store and self.job:
+            return ("rounds",)
+        return ("heartbeat",) if self.heartbeat else ()
+
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 

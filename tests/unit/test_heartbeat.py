@@ -274,20 +274,26 @@ def test_a_taken_heartbeat_port_is_refused_before_any_worker_starts():
 
 def test_the_rank_0_launcher_ends_with_exit_3_naming_a_taken_heartbeat_port():
     """Before it starts torchrun: the other nodes would beat to the program that holds it."""
+    from launcher.liveness import watchers
     from launcher.planning.plan import Plan
-    from launcher.running.supervise import _heartbeat_listener
+    from launcher.running.supervise import _bind
     holder = socket.create_server(("127.0.0.1", 0))
     port = holder.getsockname()[1]
     plan = Plan("torchrun", ("torchrun",), {}, "cpu", "gloo", 1, (2, 2), (2,), 0, "pet",
                 heartbeat=("127.0.0.1", port, 0), static_nodes=True)
-    listener, refused = _heartbeat_listener(plan, print)
-    assert listener is None and refused.code == 3
+    assert plan.liveness == ("heartbeat",)
+    refused = _bind(watchers.for_plan(plan, print))
+    assert refused.code == 3
     assert refused.message.startswith(f"error: the heartbeat port {port} (MASTER_PORT + 1) "
                                       "cannot be listened on") and "another program" in \
         refused.message
     holder.close()
-    listener, refused = _heartbeat_listener(plan, print)
-    assert refused is None and listener.getsockname()[1] == port
-    listener.close()
+    liveness = watchers.for_plan(plan, print)
+    assert _bind(liveness) is None
+    listener = liveness.watchers[0].listener
+    assert listener.getsockname()[1] == port
+    liveness.stop()  # never started: the port is let go
+    assert listener.fileno() == -1
     other = dataclasses.replace(plan, heartbeat=("127.0.0.1", port, 1))
-    assert _heartbeat_listener(other, print) == (None, None)  # only node 0 listens
+    liveness = watchers.for_plan(other, print)
+    assert _bind(liveness) is None and liveness.watchers[0].listener is None  # only node 0 listens

@@ -11,9 +11,9 @@ import datetime
 import json
 import time
 
-from launcher.commands.rendezvous import RoundWatcher
 from launcher.detection.system import free_port
 from launcher.liveness.rdzv_state import Round, describe
+from launcher.liveness.rounds import RoundWatcher
 
 # --------------------------------------------------------------- one line a round
 

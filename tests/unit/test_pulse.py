@@ -24,9 +24,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from launcher.commands.rendezvous import RoundWatcher
 from launcher.liveness.pulse import REPROBE_S, Pulse, answers, pulse_key
 from launcher.liveness.rdzv_state import read_round
+from launcher.liveness.rounds import RoundWatcher
 from tests.harness.runs import limit
 
 ME, PEER = _NodeDesc("127.0.0.1", 7, 42), _NodeDesc("127.0.0.1", 9, 5)
