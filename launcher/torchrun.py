@@ -193,7 +193,10 @@ def _account_for_failed_attempts() -> None:
         else:
             try:
                 _failed_attempt(self, worker_group, failures)
-            except Exception as exc:  # saying it must never stop torchrun's own handling
+            except Exception as exc:
+                # Saying it must never stop torchrun's own handling of the failure: this
+                # runs inside torch's agent, reading the workers' reports and writing the
+                # attempt's record, and any error of ours there would end the agent.
                 _say(f"could not record the failed attempt ({_first_line(exc)})")
         return result
 

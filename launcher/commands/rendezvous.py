@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from launcher.liveness.rdzv_state import (
     PREFIX,
+    STORE_ERRORS,
     describe,
     printable,
 )
@@ -32,7 +33,7 @@ def _keys(store) -> list[str] | None:
         return None
     try:
         return list(lister())
-    except Exception:
+    except STORE_ERRORS:
         return None
 
 
@@ -48,7 +49,7 @@ def watch(store, seen: dict[str, str | None], log: Callable[[str], None]) -> Non
     for key in sorted(k for k in keys if k.startswith(PREFIX) and "." not in k[len(PREFIX):]):
         try:
             summary = describe(store.get(key))
-        except Exception:
+        except STORE_ERRORS:
             continue
         if summary is not None and seen.get(key) != summary:
             log(f"run {printable(key[len(PREFIX):])!r}: {summary}")

@@ -66,8 +66,8 @@ def variable_errors(env: Environ, timings: Timings = DEFAULT_TIMINGS) -> list[Co
         except ConfigError as exc:
             named = {e.key for e in errors}
             errors += [e for e in getattr(exc, "errors", [exc]) if e.key not in named]
-        except Exception:  # without a variable it relies on, a convention may fail anyhow
-            break
+        except (AttributeError, LookupError, TypeError, ValueError):
+            break  # without a variable it relies on, a convention meets None or nothing
         dropped = {e.key for e in errors} & set(env.raw)
         if not dropped:  # a variable that is missing: nothing more to learn without it
             break

@@ -71,14 +71,17 @@ def torch_build() -> TorchBuild:
     try:
         import torch
         import torch.distributed as dist
-    except Exception as exc:  # a broken install is reported, not raised
+    except Exception as exc:
+        # A broken install is reported, not raised, and its import fails with whatever it
+        # meets (ImportError, OSError from a shared library, RuntimeError or
+        # AttributeError of a mismatched build): no narrower class covers them.
         return TorchBuild(importable=False, error=f"{type(exc).__name__}: {exc}")
     arch = ""
     getter = getattr(torch._C, "_cuda_getArchFlags", None)  # compile-time string, no init
     if getter is not None:
         try:
             arch = getter() or ""
-        except Exception:
+        except RuntimeError:  # torch's C++ errors
             arch = ""
     available = dist.is_available()
     return TorchBuild(

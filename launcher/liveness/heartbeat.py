@@ -73,7 +73,9 @@ class PeerHeartbeat(threading.Thread):
     def run(self) -> None:
         try:
             Hub(self).serve() if self.rank == 0 else Beater(self).beat()
-        except Exception as exc:  # the watch must never take the launcher down
+        except Exception as exc:
+            # The watch is a thread of the launcher and must never take it down, whatever
+            # a peer sends or a socket raises: said once, the loss is left to the timeout.
             self.log(f"heartbeat stopped ({type(exc).__name__}: {exc}); a lost node is left "
                      "to distributed.timeout_s")
 

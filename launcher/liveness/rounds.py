@@ -18,7 +18,14 @@ import time
 from collections.abc import Callable
 
 from launcher.liveness.pulse import REPROBE_S, Pulse, answers, member_parts, pulse_key
-from launcher.liveness.rdzv_state import PREFIX, Round, describe, expire_members, read_round
+from launcher.liveness.rdzv_state import (
+    PREFIX,
+    STORE_ERRORS,
+    Round,
+    describe,
+    expire_members,
+    read_round,
+)
 
 
 def reachable(endpoint: str, timeout_s: float = 1.0) -> bool:
@@ -92,6 +99,9 @@ class RoundWatcher(threading.Thread):
                 if store.check([self.key]):
                     self.observe(read_round(store.get(self.key)))
             except Exception:
+                # The watcher's loop is a thread of the launcher: one look that fails (the
+                # store going away mid-call, a callback stopping the workers) must not end
+                # the watching for the rest of the run; the next look starts afresh.
                 store = None
 
     def _publish(self, store) -> None:
@@ -188,10 +198,11 @@ class RoundWatcher(threading.Thread):
 
     def _probe(self, member: str) -> bool:
         addr, tail = member_parts(member)
+        key = pulse_key(self.run_id, tail)
         try:
-            key = pulse_key(self.run_id, tail)
-            where = self.store.get(key).decode() if self.store.check([key]) else None
-        except Exception:
+            where = self.store.get(key).decode() if self.store and self.store.check([key]) \
+                else None
+        except (*STORE_ERRORS, UnicodeDecodeError):
             where = None
         return where is not None and answers(where, addr)
 
@@ -205,9 +216,11 @@ class RoundWatcher(threading.Thread):
 
     def _expire(self, members: list[str]) -> None:
         """Let the agents drop vanished members now rather than at their expiry."""
+        if self.store is None:
+            return
         try:
             expire_members(self.store, self.key, members)
-        except Exception:
+        except STORE_ERRORS:
             pass  # torch's own expiry still drops them, later
 
     def _change(self, r: Round) -> str:
