@@ -96,7 +96,7 @@ def _split_flags(args: list[str], flags: set[str]) -> tuple[set[str], list[str]]
 
 
 def cmd_train(args: list[str]) -> int:
-    from launcher import runner
+    from launcher.running import runner
     parser = _Parser(prog="entrypoint.py train", add_help=True)
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
@@ -131,14 +131,15 @@ def split_launch_args(args: list[str]) -> tuple[bool, list[str], list[str]]:
 
 
 def cmd_launch(args: list[str]) -> int:
-    from launcher import runner
+    from launcher.running import runner
     dry, overrides, script = split_launch_args(args)
     return runner.run(runner.Request("launch", overrides=tuple(overrides), script=tuple(script),
                                      dry_run=dry), log)
 
 
 def cmd_doctor(args: list[str]) -> int:
-    from launcher import doctor, environ
+    from launcher.commands import doctor
+    from launcher.planning import environ
     flags, rest = _split_flags(args, {"--json", "--comm"})
     parser = _Parser(prog="entrypoint.py doctor")
     parser.add_argument("config", nargs="?")
@@ -152,7 +153,7 @@ def cmd_doctor(args: list[str]) -> int:
 
 
 def cmd_rendezvous(args: list[str]) -> int:
-    from launcher import rendezvous
+    from launcher.commands import rendezvous
     from launcher.conventions import DEFAULT_RDZV_PORT
     parser = _Parser(prog="entrypoint.py rendezvous")
     parser.add_argument("--port", type=int, default=DEFAULT_RDZV_PORT)
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in DEPENDENCIES:
             raise  # one of ours: a bug, keep the traceback
-        from launcher.compat import install_fix
+        from launcher.detection.compat import install_fix
         print(f"error: {exc.name} is not installed for {sys.executable}; "
               f"{install_fix(APP_ROOT)}", file=sys.stderr, flush=True)
         return 3

@@ -6,9 +6,9 @@ arguments and differs in what it says and in one identity detail.
   dies with a 25-line ``SignalException`` traceback. Here: ``128 + signal`` and one line.
 - Losing the rendezvous store (its pod restarted, its node drained), torchrun stops the
   workers (they checkpoint) and dies with pages of C++ frames and Python tracebacks.
-  Here: one line and exit :data:`STORE_LOST`, which tells the launcher to wait for the
-  store and start torchrun again (see :mod:`launcher.supervise`). The same when the
-  store cannot be reached at start.
+  Here: one line and exit :data:`~launcher.running.agent_contract.STORE_LOST`, which
+  tells the launcher to wait for the store and start torchrun again (see
+  :mod:`launcher.running.supervise`). The same when the store cannot be reached at start.
 - A worker failing ends torchrun with a 20-line "Root Cause" table; here nothing: the
   launcher's last line names the rank that failed first, its error and its log.
 - On a stop torchrun also logs "Received 15 death signal, shutting down workers" and a
@@ -20,7 +20,7 @@ arguments and differs in what it says and in one identity detail.
   their restart to go on without it costs no ``--max-restarts`` here.
 - Any other failed attempt is recorded for the launcher (how each local worker ended,
   and which ended before torchrun stopped the rest), and a restart is one line naming
-  what failed (:mod:`launcher.restarts`), in place of torch's "failed (exitcode: -9)"
+  what failed (:mod:`launcher.endings.restarts`), in place of torch's "failed (exitcode: -9)"
   log line; an ending a restart cannot change is not restarted.
 - An agent that ends with an error makes torch close the job's rendezvous for every
   node, for good; here only a finished job's agents close it (a node that gave up, or
@@ -35,7 +35,7 @@ arguments and differs in what it says and in one identity detail.
   endpoint, a static job's store on node 0) listens on the address its name resolves
   to here, not on every interface (:mod:`train.core.binding`); and the rendezvous state
   the agent reads from the store is unpickled with an allow-list
-  (:func:`launcher.rdzv_state.load_state`): a client of the store that writes another
+  (:func:`launcher.liveness.rdzv_state.load_state`): a client of the store that writes another
   pickle there cannot run code in the agent.
 
 C++ warnings of torch's store client (each with its stack frames) are silenced in
@@ -60,17 +60,12 @@ import socket
 import sys
 from types import SimpleNamespace
 
-from launcher.rdzv_state import load_state
+from launcher.liveness.rdzv_state import load_state
+from launcher.running.agent_contract import LOCAL_ID_VAR, STORE_LOST
 from train.core import binding, failure_log, protocol
 from train.core.errors import EXIT_PEER_STOPPED
 from train.core.host import exit_now
 from train.core.identity import STATUS_DIR_VAR
-
-# Exit status meaning "the rendezvous store is unreachable" (EX_TEMPFAIL).
-STORE_LOST = 75
-# The rendezvous local id this torchrun presents, chosen by the launcher (which then
-# knows which member of a round is its own node); random when unset.
-LOCAL_ID_VAR = "TRAIN_RDZV_LOCAL_ID"
 
 
 def _quiet_cpp_warnings():
@@ -198,7 +193,10 @@ def _account_for_failed_attempts() -> None:
         else:
             try:
                 _failed_attempt(self, worker_group, failures)
-            except Exception as exc:  # saying it must never stop torchrun's own handling
+            except Exception as exc:
+                # Saying it must never stop torchrun's own handling of the failure: this
+                # runs inside torch's agent, reading the workers' reports and writing the
+                # attempt's record, and any error of ours there would end the agent.
                 _say(f"could not record the failed attempt ({_first_line(exc)})")
         return result
 
@@ -232,7 +230,7 @@ def _note_the_first_to_end() -> None:
 def _failed_attempt(agent, group, failures: dict) -> None:
     """Record the attempt's exits; say the restart, or end the restarts a restart cannot
     help (the launcher's one line then names the rank and why)."""
-    from launcher import restarts
+    from launcher.endings import restarts
     spec, folder = group.spec, os.environ.get(STATUS_DIR_VAR)
     attempt = spec.max_restarts - agent._remaining_restarts
     pcontext = getattr(agent, "_pcontext", None)

@@ -345,7 +345,7 @@ t = time.time()
 f = torch.compile(lambda x: torch.nn.functional.gelu(x @ x.T).sum())
 print(f"torch.compile ok: {float(f(torch.randn(8, 8))):.3f} in {time.time() - t:.1f} s")"""
 VENDOR_RDMA = """set -e; test "$(id -u)" != 0
-python3 -c 'import sys; sys.path.insert(0, "/app"); from launcher import rdma; \
+python3 -c 'import sys; sys.path.insert(0, "/app"); from launcher.detection import rdma; \
 assert rdma.verbs_loadable(), "no libibverbs.so.1"; print("libibverbs.so.1 loads")'
 """
 

@@ -11,7 +11,7 @@ Each convention is one module here with
 
 The first module in :data:`ORDER` whose ``detect`` is true wins; :mod:`.single` (one
 node, nothing special) is the fallback. Each module reads its own variables, from the
-frozen :class:`~launcher.environ.Environ` mapping. Adding a convention (MPI, a
+frozen :class:`~launcher.planning.variables.Environ` mapping. Adding a convention (MPI, a
 JobSet) means one module, one entry in ORDER and one golden plan test
 (tests/unit/test_launcher_plan.py).
 """
@@ -23,7 +23,7 @@ from types import ModuleType
 
 from launcher.conventions import indexed_job, kubeflow_v1, single, slurm, torchrun_env
 from launcher.conventions.common import DEFAULT_RDZV_PORT, Nodes, Timings
-from launcher.environ import Environ
+from launcher.planning.variables import Environ
 from train.core.errors import ConfigError, raise_all
 
 DEFAULT_TIMINGS = Timings()  # torchrun's rendezvous timeouts as this project sets them
@@ -66,8 +66,8 @@ def variable_errors(env: Environ, timings: Timings = DEFAULT_TIMINGS) -> list[Co
         except ConfigError as exc:
             named = {e.key for e in errors}
             errors += [e for e in getattr(exc, "errors", [exc]) if e.key not in named]
-        except Exception:  # without a variable it relies on, a convention may fail anyhow
-            break
+        except (AttributeError, LookupError, TypeError, ValueError):
+            break  # without a variable it relies on, a convention meets None or nothing
         dropped = {e.key for e in errors} & set(env.raw)
         if not dropped:  # a variable that is missing: nothing more to learn without it
             break

@@ -68,7 +68,7 @@ class Nodes:
     static: bool = False             # static rendezvous: fixed nodes, none can be replaced
     alone: bool = False              # this node alone (torchrun --standalone, or no torchrun)
     # static, several nodes: where the nodes' launchers meet to watch each other
-    # (launcher/heartbeat.py): the rank-0 node's address, a port, this node's rank
+    # (launcher/liveness/heartbeat.py): the rank-0 node's address, a port, this node's rank
     heartbeat: tuple[str, int, int] | None = None
     # one worker per task, started directly: its RANK, WORLD_SIZE, MASTER_ADDR & co.
     identity: dict[str, str] | None = None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from launcher.conventions import common
 from launcher.conventions.common import Nodes, Timings
-from launcher.environ import Environ, integer
+from launcher.planning.variables import Environ, integer
 from train.core.errors import ConfigError, raise_all
 
 NAME = "indexed-job"

@@ -17,7 +17,7 @@ from launcher.conventions.common import (
     parse_port,
     static_rendezvous,
 )
-from launcher.environ import Environ
+from launcher.planning.variables import Environ
 
 NAME = "kubeflow-v1"
 DEFAULT_MASTER_PORT = "29500"

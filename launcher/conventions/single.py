@@ -16,7 +16,7 @@ process group meets at ``--local-addr 127.0.0.1`` (both bound there by
 from __future__ import annotations
 
 from launcher.conventions.common import RE_RENDEZVOUS_ENV, Nodes, Timings
-from launcher.environ import Environ
+from launcher.planning.variables import Environ
 
 NAME = "single"
 LOOPBACK = "127.0.0.1"

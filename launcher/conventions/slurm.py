@@ -12,7 +12,7 @@ Two layouts, as users write them:
 Either way the rendezvous is static on the first host of the step's node list (an
 allocation is fixed: nothing joins or leaves), at ``MASTER_PORT`` when the job sets it,
 else at a port derived from the job id (so jobs sharing a node do not meet by mistake),
-and the tasks' launchers watch each other (launcher/heartbeat.py at that port + 1): a
+and the tasks' launchers watch each other (launcher/liveness/heartbeat.py at that port + 1): a
 lost node stops every task in seconds, naming it. The run directory's lease is the job
 step's, per incarnation (``SLURM_RESTART_COUNT``): a requeued job never takes its
 earlier incarnation's lease for its own.
@@ -34,7 +34,7 @@ from dataclasses import replace
 from launcher.conventions import single
 from launcher.conventions.common import Nodes, Timings, env_error, parse_port, static_rendezvous
 from launcher.conventions.slurm_hostlist import expand
-from launcher.environ import Environ
+from launcher.planning.variables import Environ
 
 NAME = "slurm"
 # Its variables fall back to one another (the step's to the job's: SLURM_STEP_NODELIST,

@@ -21,7 +21,7 @@ from launcher.conventions.common import (
     parse_rdzv_conf,
     static_rendezvous,
 )
-from launcher.environ import Environ
+from launcher.planning.variables import Environ
 
 NAME = "torchrun-env"
 # torchrun's --nproc-per-node also takes these words; the plan decides them itself.

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from launcher.system import free_port
+from launcher.detection.system import free_port
 from tests.harness.multinode import SMALL_JOB, Cluster, Process, first, pid_namespaces
 from tests.harness.runs import ENTRY, clean_env
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.system import free_port
+from launcher.detection.system import free_port
 from tests.harness import s3server
 from tests.harness.multinode import Process, pid_namespaces
 from tests.harness.runs import ENTRY, TINY_GPT, clean_env, losses, merge, write_config

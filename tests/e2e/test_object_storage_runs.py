@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.system import free_port
+from launcher.detection.system import free_port
 from tests.harness import s3server
 from tests.harness.runs import (
     _STDERR_LINES,

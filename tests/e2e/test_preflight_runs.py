@@ -27,7 +27,7 @@ import socket
 import sys
 from pathlib import Path
 
-from launcher.system import free_port
+from launcher.detection.system import free_port
 from tests.harness.multinode import Process, pid_namespaces
 from tests.harness.runs import ENTRY, TINY_MLP, clean_env, limit, merge, write_config
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.system import free_port
+from launcher.detection.system import free_port
 from tests.harness.mlflowserver import MlflowServer
 from tests.harness.procs import alive, descendants
 from tests.harness.runs import (

@@ -1,11 +1,11 @@
-"""Run a launch plan given as JSON through launcher.supervise, as `train` would."""
+"""Run a launch plan given as JSON through launcher.running.supervise, as `train` would."""
 
 import json
 import os
 import sys
 
-from launcher.plan import Plan
-from launcher.supervise import run
+from launcher.planning.plan import Plan
+from launcher.running.supervise import run
 
 data = json.loads(sys.argv[1])
 data["argv"] = tuple(data["argv"])

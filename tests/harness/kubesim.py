@@ -48,7 +48,7 @@ from pathlib import Path
 
 import yaml
 
-from launcher.system import free_port
+from launcher.detection.system import free_port
 from tests.harness import netns
 from tests.harness.multinode import Process, pid_namespaces
 from tests.harness.runs import ENTRY, ROOT, clean_env

@@ -15,7 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from launcher.system import free_port
+from launcher.detection.system import free_port
 from tests.harness.runs import clean_env, limit
 
 

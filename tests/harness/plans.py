@@ -9,9 +9,9 @@ from pathlib import Path
 
 import yaml
 
-from launcher import environ
-from launcher.hardware import Gpu, Hardware, TorchBuild
-from launcher.plan import plan
+from launcher.detection.hardware import Gpu, Hardware, TorchBuild
+from launcher.planning import environ
+from launcher.planning.plan import plan
 from train.core.config import load_config
 
 PY = "/opt/venv/bin/python"

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.system import free_port
+from launcher.detection.system import free_port
 from tests.harness.runs import clean_env, installed, limit
 
 ACCESS_KEY = "trainpodtestaccess"

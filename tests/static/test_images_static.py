@@ -468,8 +468,8 @@ def test_build_manifest_script_records_packages_and_args(tmp_path, monkeypatch):
 @pytest.mark.parametrize("flavor", sorted(DOCKERFILES))
 def test_gpu_images_carry_rdma_userspace_for_nccl_and_rccl(flavor):
     """Without libibverbs multi-node NCCL/RCCL fall back to TCP sockets without a word;
-    doctor names these packages (launcher.rdma) when they are missing."""
-    from launcher import rdma
+    doctor names these packages (launcher.detection.rdma) when they are missing."""
+    from launcher.detection import rdma
     path = ROOT / DOCKERFILES[flavor]
     expected = "" if flavor == "cpu" else rdma.RDMA_PACKAGES
     assert arg_default(path, "RDMA_PACKAGES") == expected

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher import environ
-from launcher.hardware import Gpu, Hardware, TorchBuild
-from launcher.plan import plan
+from launcher.detection.hardware import Gpu, Hardware, TorchBuild
+from launcher.planning import environ
+from launcher.planning.plan import plan
 from tests.harness.runs import ROOT, limit
 from train.core.config import DataConfig, load_config
 from train.core.errors import EXIT_CODES

@@ -5,6 +5,9 @@
 - ``train.core`` imports nothing else of ``train`` and neither torch nor numpy at
   module level; importing any core module, and ``entrypoint.py --help``, load neither;
 - ``train/`` never imports ``launcher/``;
+- ``launcher/`` has rooms (detection, planning, conventions, running, endings, liveness,
+  commands) and at its top level only the modules of a short list; no module of it
+  imports itself back through others;
 - ``train/`` has rooms (``checkpoint/``, ``data/``, ``distributed/``, ``guards/``,
   ``observe/``, and ``core/``); nothing in a room imports a top-level entry (the
   ``python -m`` modules), and no module of ``train/`` imports itself back through
@@ -199,6 +202,64 @@ def test_train_has_no_import_circle():
     assert not found, "\n".join(" -> ".join(c) for c in found)
 
 
+def test_launcher_has_no_import_circle():
+    graph = {m: {n for n in deps if not (m.startswith(n + ".") and n != "launcher")}
+             for m, deps in import_graph("launcher").items()}
+    found = circles(graph)
+    assert not found, "\n".join(" -> ".join(c) for c in found)
+
+
+# launcher/'s top level: the command line (entrypoint.py imports launcher.cli) and
+# torchrun's agent (run as python -m launcher.torchrun, a name plans, docs and process
+# lists show). Everything else lives in a room by concern.
+LAUNCHER_TOP = ("__init__", "cli", "torchrun")
+LAUNCHER_ROOMS = ("commands", "conventions", "detection", "endings", "liveness", "planning",
+                  "running")
+
+
+def launcher_top_level(root: Path) -> tuple[list[str], list[str]]:
+    """(modules, packages) directly in ``root``/launcher."""
+    folder = root / "launcher"
+    return (sorted(p.stem for p in folder.glob("*.py")),
+            sorted(p.name for p in folder.iterdir() if (p / "__init__.py").is_file()))
+
+
+def launcher_layout_problems(root: Path) -> list[str]:
+    mods, rooms = launcher_top_level(root)
+    problems = [f"launcher/{m}.py: a new module at launcher/'s top level; pick a room "
+                f"({', '.join(LAUNCHER_ROOMS)}) by what it does" for m in mods
+                if m not in LAUNCHER_TOP]
+    problems += [f"launcher/{r}/: a new room; add it to LAUNCHER_ROOMS if it is one concern"
+                 for r in rooms if r not in LAUNCHER_ROOMS]
+    return problems
+
+
+def test_launcher_top_level_holds_only_its_list_and_rooms():
+    assert not launcher_layout_problems(ROOT), "\n".join(launcher_layout_problems(ROOT))
+    assert set(launcher_top_level(ROOT)[1]) == set(LAUNCHER_ROOMS)
+
+
+def launcher_room_rule(name: str) -> str | None:
+    return "a room imports no process entry (python -m launcher.torchrun)" \
+        if name == "launcher.torchrun" else None
+
+
+def test_no_launcher_room_imports_a_process_entry():
+    found = [v for room in LAUNCHER_ROOMS
+             for v in violations(f"launcher/{room}", launcher_room_rule)]
+    assert not found, "\n".join(found)
+
+
+def test_a_new_launcher_module_is_told_to_pick_a_room(tmp_path):
+    (tmp_path / "launcher" / "detection").mkdir(parents=True)
+    (tmp_path / "launcher" / "detection" / "__init__.py").write_text("")
+    for name in (*LAUNCHER_TOP, "gossip"):
+        (tmp_path / "launcher" / f"{name}.py").write_text("")
+    assert launcher_layout_problems(tmp_path) == [
+        "launcher/gossip.py: a new module at launcher/'s top level; pick a room "
+        f"({', '.join(LAUNCHER_ROOMS)}) by what it does"]
+
+
 def test_a_circle_and_a_room_importing_an_entry_are_found():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert room_rule("train.worker") and room_rule("train.__main__")
@@ -232,7 +293,7 @@ def _loaded_after(code: str) -> set[str]:
 def test_importing_the_core_and_launcher_loads_neither_torch_nor_numpy():
     names = [module_name(p) for p in modules("train/core") + modules("launcher")
              if p.name != "__main__.py"]
-    assert "train.core.config" in names and "launcher.plan" in names
+    assert "train.core.config" in names and "launcher.planning.plan" in names
     code = "import importlib\n" + "".join(f"importlib.import_module({n!r})\n" for n in names)
     assert _loaded_after(code) == set()
 
@@ -251,8 +312,8 @@ def test_planning_a_run_without_gpus_does_not_import_torch(tmp_path):
     config = ROOT / "configs" / "quickstart.yaml"
     code = (f"import sys; sys.argv = ['entrypoint.py', 'train', {str(config)!r}, "
             f"'output.dir={tmp_path}', '--dry-run']\n"
-            "import contextlib, io\nfrom launcher import runner\n"
-            "from launcher.hardware import Hardware\n"
+            "import contextlib, io\nfrom launcher.running import runner\n"
+            "from launcher.detection.hardware import Hardware\n"
             "runner.detect = lambda env: Hardware(cpus=2)  # a machine without GPUs\n"
             "from launcher.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()): assert main() == 0")
@@ -260,7 +321,7 @@ def test_planning_a_run_without_gpus_does_not_import_torch(tmp_path):
 
 
 def test_the_build_read_from_torchs_files_is_what_torch_says():
-    from launcher.detect import torch_build, torch_build_on_disk
+    from launcher.detection.detect import torch_build, torch_build_on_disk
     light, full = torch_build_on_disk(), torch_build()
     assert light is not None
     for field in ("version", "cuda", "hip", "gloo", "nccl", "importable"):

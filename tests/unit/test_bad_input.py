@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from launcher.system import free_port
+from launcher.detection.system import free_port
 from tests.harness.runs import (
     ENTRY,
     ROOT,

@@ -201,7 +201,7 @@ def _state():
 
 @pytest.mark.parametrize("protocol", range(3, pickle.HIGHEST_PROTOCOL + 1))
 def test_the_agent_reads_torch_s_own_state_as_torch_does(protocol):
-    from launcher.rdzv_state import load_state
+    from launcher.liveness.rdzv_state import load_state
     state, classes = _state()
     read = load_state(pickle.dumps(state, protocol=protocol), classes)
     assert type(read) is type(state) and vars(read) == vars(state)
@@ -218,7 +218,7 @@ class _Touch:
 
 
 def test_the_agent_refuses_any_other_pickle(tmp_path):
-    from launcher.rdzv_state import load_state
+    from launcher.liveness.rdzv_state import load_state
     _, classes = _state()
     marker = tmp_path / "ran"
     with pytest.raises(pickle.UnpicklingError, match="refusing"):

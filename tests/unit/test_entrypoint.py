@@ -254,7 +254,7 @@ def test_doctor_sees_listed_but_unusable_amd_gpus(tmp_path):
 
 
 def test_comm_summary_names_the_rank_that_did_not_answer(tmp_path):
-    from launcher import comm
+    from launcher.commands import comm
     from train.core import protocol
     protocol.write(tmp_path, protocol.Report(rank=0, kind="comm", stage="allreduce"))
     protocol.write(tmp_path, protocol.Report(rank=1, kind="comm", stage="init"))
@@ -306,7 +306,7 @@ def test_gpu_check_reports_no_gpu_cleanly_here(tmp_path):
 # ------------------------------------------------------------- the wrong Python
 
 def test_install_fix_points_a_checkout_at_its_venv(tmp_path, monkeypatch):
-    from launcher.compat import install_fix
+    from launcher.detection.compat import install_fix
     image = tmp_path / "app"
     image.mkdir()
     assert "rebuild the image" in install_fix(str(image))

@@ -1,4 +1,4 @@
-"""The static job's heartbeat (launcher/heartbeat.py), with real sockets and real
+"""The static job's heartbeat (launcher/liveness/heartbeat.py), with real sockets and real
 processes on 127.0.0.1 and timings shrunk to fractions of a second: no false loss
 whatever the start order, a node killed or frozen named by every other node, node 0
 itself watched, the listener on the address it was given, the end of a run no loss;
@@ -17,15 +17,15 @@ import time
 
 import pytest
 
-from launcher.heartbeat import PeerHeartbeat
-from launcher.system import free_port
+from launcher.detection.system import free_port
+from launcher.liveness.heartbeat import PeerHeartbeat
 from tests.harness.runs import ROOT, clean_env, limit
 
 BEAT, LOST_AFTER, SILENCE = 0.1, 0.8, 1.5
 
 NODE = f"""
 import sys, time
-from launcher.heartbeat import PeerHeartbeat
+from launcher.liveness.heartbeat import PeerHeartbeat
 master, port, rank, nnodes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 hb = PeerHeartbeat(master, port, rank, nnodes, f"host{{rank}}", {LOST_AFTER},
                    on_lost=lambda line: print("LOST", line, flush=True), silence_s={SILENCE},
@@ -259,7 +259,7 @@ def test_a_node_that_beats_to_another_program_never_takes_its_lines_for_node_0s(
 
 
 def test_a_taken_heartbeat_port_is_refused_before_any_worker_starts():
-    from launcher.heartbeat_wire import listen
+    from launcher.liveness.heartbeat_wire import listen
     holder = socket.create_server(("127.0.0.1", 0))
     port = holder.getsockname()[1]
     with pytest.raises(OSError) as caught:
@@ -274,20 +274,26 @@ def test_a_taken_heartbeat_port_is_refused_before_any_worker_starts():
 
 def test_the_rank_0_launcher_ends_with_exit_3_naming_a_taken_heartbeat_port():
     """Before it starts torchrun: the other nodes would beat to the program that holds it."""
-    from launcher.plan import Plan
-    from launcher.supervise import _heartbeat_listener
+    from launcher.liveness import watchers
+    from launcher.planning.plan import Plan
+    from launcher.running.supervise import _bind
     holder = socket.create_server(("127.0.0.1", 0))
     port = holder.getsockname()[1]
     plan = Plan("torchrun", ("torchrun",), {}, "cpu", "gloo", 1, (2, 2), (2,), 0, "pet",
                 heartbeat=("127.0.0.1", port, 0), static_nodes=True)
-    listener, refused = _heartbeat_listener(plan, print)
-    assert listener is None and refused.code == 3
+    assert plan.liveness == ("heartbeat",)
+    refused = _bind(watchers.for_plan(plan, print))
+    assert refused.code == 3
     assert refused.message.startswith(f"error: the heartbeat port {port} (MASTER_PORT + 1) "
                                       "cannot be listened on") and "another program" in \
         refused.message
     holder.close()
-    listener, refused = _heartbeat_listener(plan, print)
-    assert refused is None and listener.getsockname()[1] == port
-    listener.close()
+    liveness = watchers.for_plan(plan, print)
+    assert _bind(liveness) is None
+    listener = liveness.watchers[0].listener
+    assert listener.getsockname()[1] == port
+    liveness.stop()  # never started: the port is let go
+    assert listener.fileno() == -1
     other = dataclasses.replace(plan, heartbeat=("127.0.0.1", port, 1))
-    assert _heartbeat_listener(other, print) == (None, None)  # only node 0 listens
+    liveness = watchers.for_plan(other, print)
+    assert _bind(liveness) is None and liveness.watchers[0].listener is None  # only node 0 listens

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pynvml
 import pytest
 
-from launcher import amd, compat, detect, environ, nvidia
-from launcher.hardware import Gpu, Hardware, TorchBuild
+from launcher.detection import amd, compat, detect, nvidia
+from launcher.detection.hardware import Gpu, Hardware, TorchBuild
+from launcher.planning import environ, variables
 from tests.fakes.fake_nvml import FakeNvml, h100s
 from tests.harness.plans import kfd_tree
 from tests.harness.runs import FAKES
@@ -15,12 +16,12 @@ from tests.harness.runs import FAKES
 OUTPUTS = FAKES / "outputs"
 
 
-def env_of(**values: str) -> environ.Environ:
+def env_of(**values: str) -> variables.Environ:
     return environ.read({"PATH": "/nonexistent", **values})
 
 
 def nv(gpus=None, **vis) -> Hardware:
-    return nvidia.detect(environ.Visibility(**vis), nvml=FakeNvml(h100s() if gpus is None
+    return nvidia.detect(variables.Visibility(**vis), nvml=FakeNvml(h100s() if gpus is None
                                                                   else gpus), root="/nonexistent")
 
 
@@ -50,7 +51,7 @@ def nvml_library_loads() -> bool:
 
 @pytest.mark.skipif(nvml_library_loads(), reason="this host has libnvidia-ml.so.1")
 def test_real_pynvml_without_library_is_a_note_not_an_error(tmp_path):
-    hw = nvidia.detect(environ.Visibility(), nvml=None, root=str(tmp_path))
+    hw = nvidia.detect(variables.Visibility(), nvml=None, root=str(tmp_path))
     assert hw.vendor is None and not hw.warnings
     assert "libnvidia-ml.so.1" in hw.notes[0]
 
@@ -58,14 +59,14 @@ def test_real_pynvml_without_library_is_a_note_not_an_error(tmp_path):
 def test_device_nodes_without_nvml_warn_about_the_toolkit(tmp_path):
     (tmp_path / "dev").mkdir()
     (tmp_path / "dev" / "nvidia0").touch()
-    hw = nvidia.detect(environ.Visibility(),
+    hw = nvidia.detect(variables.Visibility(),
                        nvml=FakeNvml([], init_error=pynvml.NVML_ERROR_LIBRARY_NOT_FOUND),
                        root=str(tmp_path))
     assert "--gpus all" in hw.warnings[0] and "nvidia0" in hw.warnings[0]
 
 
 def test_driver_not_loaded_is_a_note():
-    hw = nvidia.detect(environ.Visibility(),
+    hw = nvidia.detect(variables.Visibility(),
                        nvml=FakeNvml([], init_error=pynvml.NVML_ERROR_DRIVER_NOT_LOADED),
                        root="/nonexistent")
     assert hw.vendor is None and "driver not loaded" in hw.notes[0]
@@ -94,7 +95,7 @@ def test_cuda_visible_devices_filters_nvml_like_cuda(cvd, physical):
 @pytest.mark.parametrize("value", ["none", "void", "NONE"])
 def test_nvidia_visible_devices_none_means_no_gpus(value):
     fake = FakeNvml(h100s())
-    hw = nvidia.detect(environ.Visibility(nvidia_visible_devices=value), nvml=fake)
+    hw = nvidia.detect(variables.Visibility(nvidia_visible_devices=value), nvml=fake)
     assert hw.vendor is None and "NVIDIA_VISIBLE_DEVICES" in hw.notes[0]
     assert fake.calls == []  # NVML not even asked
 
@@ -153,7 +154,7 @@ def test_rocm_smi_fixture_parses():
 
 def test_rocm_smi_lists_host_gpus_the_container_cannot_open(monkeypatch, tmp_path):
     path = amd_env(monkeypatch, rocm="rocm-smi-showproductname-mi250x.json")
-    hw = amd.detect(environ.Visibility(), path, root=str(tmp_path))  # no /dev/kfd, no sysfs
+    hw = amd.detect(variables.Visibility(), path, root=str(tmp_path))  # no /dev/kfd, no sysfs
     assert hw.vendor == "amd" and hw.source == "rocm-smi" and hw.listed == 1
     assert hw.gpus == ()
     assert "--device /dev/kfd" in hw.warnings[0] and "missing" in hw.warnings[0]
@@ -162,7 +163,7 @@ def test_rocm_smi_lists_host_gpus_the_container_cannot_open(monkeypatch, tmp_pat
 def test_rocm_smi_names_the_usable_kfd_node(monkeypatch, tmp_path):
     path = amd_env(monkeypatch, rocm="rocm-smi-showproductname-mi250x.json")
     kfd_tree(tmp_path, {7: (31896, 128, 90010)}, present=[128])
-    hw = amd.detect(environ.Visibility(), path, root=str(tmp_path))
+    hw = amd.detect(variables.Visibility(), path, root=str(tmp_path))
     assert len(hw.gpus) == 1
     g = hw.gpus[0]
     assert g.name.startswith("AMD INSTINCT MI200") and g.arch == "gfx90a" and g.physical_index == 7
@@ -171,7 +172,7 @@ def test_rocm_smi_names_the_usable_kfd_node(monkeypatch, tmp_path):
 def test_only_render_nodes_present_in_the_container_count(monkeypatch, tmp_path):
     path = amd_env(monkeypatch, rocm="rocm-smi-7900xt-2cards.json")
     kfd_tree(tmp_path, {1: (111, 128, 110000), 2: (222, 129, 110000)}, present=[129])
-    hw = amd.detect(environ.Visibility(), path, root=str(tmp_path))
+    hw = amd.detect(variables.Visibility(), path, root=str(tmp_path))
     assert hw.listed == 2 and len(hw.gpus) == 1
     assert hw.gpus[0].physical_index == 2 and hw.gpus[0].memory_bytes == 21458059264
     assert hw.gpus[0].name == "Radeon RX 7900 XT"
@@ -181,7 +182,7 @@ def test_amd_smi_list_maps_kfd_ids(monkeypatch, tmp_path):
     path = amd_env(monkeypatch, amd_list="amd-smi-list-2gpus.json",
                    rocm="rocm-smi-7900xt-2cards.json")
     kfd_tree(tmp_path, {8: (31896, 128, 90402), 9: (45667, 136, 90402)}, present=[128, 136])
-    hw = amd.detect(environ.Visibility(), path, root=str(tmp_path))
+    hw = amd.detect(variables.Visibility(), path, root=str(tmp_path))
     assert hw.source == "amd-smi"
     assert [g.bus_id for g in hw.gpus] == ["0000:03:00.0", "0000:26:00.0"]
     assert [g.arch for g in hw.gpus] == ["gfx942", "gfx942"]
@@ -203,7 +204,7 @@ def test_rocm_visibility_variables(monkeypatch, tmp_path, vis, nodes, warn):
     path = amd_env(monkeypatch, rocm="rocm-smi-7900xt-2cards.json")
     kfd_tree(tmp_path, {n: (100 + n, 127 + n, 90010) for n in (1, 2, 3, 4)},
              present=[128, 129, 130, 131])
-    hw = amd.detect(environ.Visibility(**vis), path, root=str(tmp_path))
+    hw = amd.detect(variables.Visibility(**vis), path, root=str(tmp_path))
     assert [g.physical_index for g in hw.gpus] == nodes
     assert [g.index for g in hw.gpus] == list(range(len(nodes)))
     if warn:
@@ -225,7 +226,7 @@ def test_broken_tool_output_is_ignored(monkeypatch, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("WARNING: something\nnot json at all")
     monkeypatch.setenv("FAKE_ROCM_SMI_OUTPUT", str(bad))
-    hw = amd.detect(environ.Visibility(), str(FAKES), root=str(tmp_path))
+    hw = amd.detect(variables.Visibility(), str(FAKES), root=str(tmp_path))
     assert hw.vendor is None and hw.gpus == () and not hw.warnings
 
 
@@ -294,14 +295,14 @@ def test_torch_build_reads_the_installed_torch_without_starting_cuda():
 def test_nvidia_smi_stands_in_when_pynvml_is_missing(monkeypatch):
     monkeypatch.setenv("FAKE_NVIDIA_SMI_CSV", str(OUTPUTS / "nvidia-smi-query-2gpus.csv"))
     monkeypatch.setenv("FAKE_NVIDIA_SMI_L", str(OUTPUTS / "nvidia-smi-L-2gpus.txt"))
-    hw = nvidia.detect(environ.Visibility(cuda_visible_devices="MIG-b1b2,1"), nvml=None,
+    hw = nvidia.detect(variables.Visibility(cuda_visible_devices="MIG-b1b2,1"), nvml=None,
                        load=False, root="/nonexistent", path=str(FAKES))
     assert hw.source == "nvidia-smi" and hw.listed == 2
     assert [g.uuid for g in hw.gpus] == ["MIG-b1b2c3d4-0000-5111-8222-333344445555"]
     assert hw.gpus[0].mig and any("only the first" in w for w in hw.warnings)
     assert hw.driver_version == "580.65.06" and hw.cuda_driver_version == "13.0"
     assert "nvidia-smi instead" in hw.notes[0]
-    plain = nvidia.detect(environ.Visibility(cuda_visible_devices="1"), nvml=None, load=False,
+    plain = nvidia.detect(variables.Visibility(cuda_visible_devices="1"), nvml=None, load=False,
                           path=str(FAKES))
     g = plain.gpus[0]
     assert (g.name, g.arch, g.memory_bytes, g.bus_id) == (
@@ -310,7 +311,7 @@ def test_nvidia_smi_stands_in_when_pynvml_is_missing(monkeypatch):
 
 def test_nvidia_smi_failing_means_no_nvidia(monkeypatch, tmp_path):
     monkeypatch.delenv("FAKE_NVIDIA_SMI_CSV", raising=False)
-    hw = nvidia.detect(environ.Visibility(), nvml=None, load=False, root=str(tmp_path),
+    hw = nvidia.detect(variables.Visibility(), nvml=None, load=False, root=str(tmp_path),
                        path=str(FAKES))
     assert hw.vendor is None and "pynvml" in hw.notes[0]
 

@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from launcher import environ
-from launcher.hardware import Gpu, Hardware, TorchBuild
+from launcher.detection.hardware import Gpu, Hardware, TorchBuild
+from launcher.planning import environ
 from tests.harness.plans import (
     BASE_ENV,
     CPU_HW,

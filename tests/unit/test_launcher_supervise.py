@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from launcher.supervise import classify
+from launcher.running.supervise import classify
 from tests.harness.runs import limit
 from tests.harness.supervision import start, wait_ready
 from train.core import protocol
@@ -102,7 +102,7 @@ def test_a_worker_error_kept_off_the_console_is_said_once_naming_rank_and_file()
 
 
 def test_older_restart_rounds_are_ignored(tmp_path):
-    from launcher.supervise import read_reports
+    from launcher.running.supervise import read_reports
     from train.core import protocol
     for r in (rep(0, 1, "old", restart=0), rep(1, 0, restart=1)):
         protocol.write(tmp_path, r)
@@ -151,7 +151,7 @@ def test_a_rank_that_only_lost_its_peer_elsewhere_is_not_blamed():
 
 
 def test_a_failed_attempt_is_said_in_the_words_of_the_failure_line():
-    from launcher.restarts import failed_attempt, restarting
+    from launcher.endings.restarts import failed_attempt, restarting
     killed = failed_attempt([rep(0, 1, GLOO_RESET)], [Exit(1, 1, -9, first=True)], 2)
     assert restarting(killed[0], 1, 2) == ("rank 1 killed by SIGKILL (often out of memory: "
                                            "dmesg, kubectl describe pod; or a kill -9); "
@@ -165,7 +165,7 @@ def test_a_failed_attempt_is_said_in_the_words_of_the_failure_line():
 def test_workers_the_launcher_stopped_are_said_once_as_its_stop(tmp_path):
     """A node left the job and the launcher killed this node's workers: torchrun's agent
     says why once, not "killed by SIGKILL (often out of memory)"."""
-    from launcher.restarts import note_stop, take_stop_note
+    from launcher.endings.restarts import note_stop, take_stop_note
     note_stop(str(tmp_path), "node(s) b:7 left the job (silent for 8 s)")
     assert take_stop_note(str(tmp_path)) == "node(s) b:7 left the job (silent for 8 s)"
     assert take_stop_note(str(tmp_path)) is None and take_stop_note(None) is None
@@ -175,7 +175,7 @@ def test_a_final_verdict_stands_when_the_launcher_also_stopped_the_workers():
     """A peer node left (its workers found the job cannot run: exit 3) and the launcher
     killed this node's workers, which had reached the same verdict: no restart, which
     would wait for the peer in vain. Without a verdict of their own, the stop is said."""
-    from launcher.restarts import attempt_verdict
+    from launcher.endings.restarts import attempt_verdict
     note = "node(s) b:7 left the job (silent for 8 s)"
     cannot = rep(0, 3, "CannotRunHere: the run directory is not shared by the job's nodes")
     what, final, stopped = attempt_verdict([cannot], [Exit(0, 0, 3, first=True)], 1, "a", note)

@@ -9,7 +9,8 @@ import pickle
 
 import pytest
 
-from launcher import rendezvous, system
+from launcher.commands import rendezvous
+from launcher.detection import system
 from train.core.errors import CannotRunHere
 
 

@@ -11,9 +11,9 @@ import datetime
 import json
 import time
 
-from launcher.rdzv_state import Round, describe
-from launcher.rendezvous import RoundWatcher
-from launcher.system import free_port
+from launcher.detection.system import free_port
+from launcher.liveness.rdzv_state import Round, describe
+from launcher.liveness.rounds import RoundWatcher
 
 # --------------------------------------------------------------- one line a round
 
@@ -124,9 +124,9 @@ def test_a_forming_round_says_until_when_and_shows_no_ranks():
 def test_rendezvous_timings_are_config_keys(tmp_path):
     import yaml
 
-    from launcher import environ
-    from launcher.hardware import Hardware, TorchBuild
-    from launcher.plan import plan
+    from launcher.detection.hardware import Hardware, TorchBuild
+    from launcher.planning import environ
+    from launcher.planning.plan import plan
     from train.core.config import load_config
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"model": {"kind": "mlp"}, "data": {"kind": "synthetic"},

@@ -1,4 +1,4 @@
-"""doctor's package check (launcher/packages.py), on real files in temporary folders and
+"""doctor's package check (launcher/commands/packages.py), on real files in temporary folders and
 this environment's real installed packages: a version moved from its pin and a module
 of the project named like a locked package are each reported; a folder without
 ``__init__.py`` (which hides nothing) and the project's other modules are not."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from importlib import metadata
 
-from launcher import packages
+from launcher.commands import packages
 from tests.harness.runs import entry
 
 YAML_VERSION = metadata.version("pyyaml")

@@ -163,7 +163,7 @@ def probe_report(folder, r: int, gflops: float, nonfinite: str | None = None) ->
 
 
 def test_doctor_comm_judges_its_probes_as_training_does(tmp_path):
-    from launcher import comm
+    from launcher.commands import comm
     for r, g in enumerate((300e3, 80e3, 310e3)):
         probe_report(tmp_path, r, g)
     result = comm.summarise(str(tmp_path), 3, [], ["", "", ""], "gpu", "nccl", 30)
@@ -206,7 +206,8 @@ def test_one_rank_measures_for_real():
 def test_doctor_comm_warns_of_a_slow_rank_or_fails_as_training_would(monkeypatch, mode, level,
                                                                      code):
     """What the probes measured stood in for (a slow GPU this machine does not have)."""
-    from launcher import comm, doctor, environ
+    from launcher.commands import comm, doctor
+    from launcher.planning import environ
     line = "preflight: rank 1 (node 0, gpu-7) matmul 0.27x the median (80 vs 300 TFLOP/s)"
     monkeypatch.setattr(comm, "run", lambda *a, **kw: {
         "ok": True, "device": "gpu", "backend": "nccl", "processes": 2, "seconds": 0.002,
@@ -226,7 +227,7 @@ def test_doctor_comm_warns_of_a_slow_rank_or_fails_as_training_would(monkeypatch
     (90.0, "90.0 GB/s"), (0.858, "858 MB/s"), (0.0012, "1.2 MB/s"), (1e-9, "under 0.01 MB/s")])
 def test_doctor_comm_shows_a_small_bandwidth_in_mb_s_not_as_zero(bus_gb_s, shown):
     """CPU processes over gloo on a busy machine reach MB/s: never "0.0 GB/s"."""
-    from launcher import doctor
+    from launcher.commands import doctor
     head, = doctor._comm_lines({"ok": True, "device": "cpu", "backend": "gloo", "processes": 2,
                                 "seconds": 0.0012, "bus_gb_s": bus_gb_s, "problems": []})
     assert head.endswith(f"all-reduce 1.2 ms, bus bandwidth {shown}"), head

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from launcher.outcome import RULES, Ending, classify
+from launcher.endings.outcome import RULES, Ending, classify
 from tests.harness.runs import ROOT, clean_env, limit
 from train.core import protocol
 from train.core.errors import EXIT_CODES, FINAL_EXIT_CODES
@@ -137,7 +137,7 @@ def test_every_outcome_rule_is_the_first_to_hold_for_some_ending(name):
 
 
 def test_the_store_lost_code_is_torchruns():
-    from launcher.torchrun import STORE_LOST
+    from launcher.running.agent_contract import STORE_LOST
     assert ENDINGS["store lost"][0] == STORE_LOST
 
 

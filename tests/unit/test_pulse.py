@@ -1,4 +1,4 @@
-"""Slow is not dead (launcher/pulse.py): a member of an elastic round whose keep-alives
+"""Slow is not dead (launcher/liveness/pulse.py): a member of an elastic round whose keep-alives
 stopped but whose pulse socket still completes a handshake keeps its place until
 heartbeat_silence_s; one whose pulse is gone is lost at once and marked expired in the
 rendezvous state, which torch's own agents then drop. In process, with a real TCPStore,
@@ -24,9 +24,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from launcher.pulse import REPROBE_S, Pulse, answers, pulse_key
-from launcher.rdzv_state import read_round
-from launcher.rendezvous import RoundWatcher
+from launcher.liveness.pulse import REPROBE_S, Pulse, answers, pulse_key
+from launcher.liveness.rdzv_state import read_round
+from launcher.liveness.rounds import RoundWatcher
 from tests.harness.runs import limit
 
 ME, PEER = _NodeDesc("127.0.0.1", 7, 42), _NodeDesc("127.0.0.1", 9, 5)

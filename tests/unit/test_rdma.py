@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import rdma
+from launcher.detection import rdma
 from tests.harness.runs import ROOT, clean_env, limit
 
 

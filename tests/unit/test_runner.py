@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher import environ, runner
-from launcher.hardware import Gpu, Hardware, TorchBuild
+from launcher.detection.hardware import Gpu, Hardware, TorchBuild
+from launcher.planning import environ
+from launcher.running import runner
 from train.core.errors import UserError
 
 CPU_TORCH = TorchBuild(version="2.13.0+cpu", gloo=True)
@@ -143,7 +144,7 @@ def test_a_host_name_on_loopback_is_said_before_a_multi_node_launch(config, monk
     """gloo tells its peers the address this host's name resolves to: 127.0.1.1 there
     means connection failures across hosts, so a multi-node plan warns, naming the fix;
     a named interface, or a single node, needs no warning."""
-    from launcher import system
+    from launcher.detection import system
     monkeypatch.setattr(system, "loopback_name", lambda: ("box", "127.0.1.1"))
     multi = prepared(runner.Request("train", config), "indexed-job")
     (warn,) = [f for f in multi.findings if f.topic == "network"]

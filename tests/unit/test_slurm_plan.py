@@ -150,7 +150,7 @@ def test_an_allocation_the_plan_cannot_use_is_one_line(cfg_file, env, hw, key,
 
 
 def test_a_refused_requeue_is_one_warning_not_a_failure(tmp_path):
-    from launcher.requeue import requeue
+    from launcher.running.requeue import requeue
     said: list[str] = []
     refuse = ("sh", "-c", "echo 'scontrol: error: Requested operation is presently "
                           "disabled for job 7' >&2; exit 1")

@@ -13,7 +13,7 @@ import math
 import subprocess
 import sys
 
-from launcher.system import free_port
+from launcher.detection.system import free_port
 from tests.harness.runs import ROOT, limit, worker_env
 
 # For each case, rank 1 is asked to stop at its step "request"; the loop logs every

@@ -111,7 +111,7 @@ def test_run_directories_are_checked_as_the_host_sees_them(tmp_path, tiny_gpt):
 def test_shm_warning_is_recognised_in_doctors_words(tmp_path):
     """doctor's own words for a small /dev/shm (a 64 MB tmpfs stands in: a folder's file
     system is what check_shm measures), then for a large one."""
-    from launcher.system import check_shm
+    from launcher.detection.system import check_shm
     finding = check_shm(str(tmp_path / "absent"))
     assert image_checks.shm_warned(f"WARN       {finding.message}")
     assert not image_checks.shm_warned("ok         /dev/shm is 8.00 GiB")

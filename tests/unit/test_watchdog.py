@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from launcher.system import free_port
+from launcher.detection.system import free_port
 from tests.harness.runs import limit, worker_env
 from train.guards.watchdog import SLOW_DISK_BYTES_S, Watchdog
 

@@ -1,7 +1,7 @@
 """Can this torch build drive these GPUs? The compatibility policy, as pure functions.
 
 Used by the launch plan (a failure is exit 3) and by ``doctor``. Inputs are the plain
-records of :mod:`launcher.hardware`; nothing here runs a tool or imports torch.
+records of :mod:`launcher.detection.hardware`; nothing here runs a tool or imports torch.
 
 - NVIDIA: the driver must support the CUDA major the wheel was built with (CUDA's
   minor-version compatibility covers a newer minor, with a warning: PTX JIT may fail),
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from launcher.hardware import Finding, Hardware, TorchBuild
+from launcher.detection.hardware import Finding, Hardware, TorchBuild
 
 # Oldest driver branch for each CUDA major (CUDA's minor-version compatibility).
 DRIVER_FOR_CUDA = {11: "R450", 12: "R525", 13: "R580"}
@@ -181,7 +181,7 @@ def install_fix(app_root: str | None = None, python: str | None = None) -> str:
     import os
     import sys
     python = python or sys.executable
-    root = os.path.abspath(app_root or os.path.dirname(os.path.dirname(__file__)))
+    root = os.path.abspath(app_root or os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     venv_python = os.path.join(root, ".venv", "bin", "python")
     in_checkout = os.path.exists(os.path.join(root, "Makefile"))
     if os.path.basename(root) in ("site-packages", "dist-packages"):

@@ -8,15 +8,17 @@ by SIGTERM, so its own code cannot be passed through. The launcher instead:
   parent-death signal, so it never outlives us (kill -9 of the launcher included);
 - forwards SIGTERM/SIGINT to it at once (torchrun forwards to the workers, which
   checkpoint and exit 143);
+- starts, asks and stops the watchers the plan chose for the other nodes and the store
+  (:mod:`launcher.liveness.watchers`), without knowing which they are;
 - reads each local worker's report (``train.worker``) and lets
-  :mod:`launcher.outcome` decide: 0 done, 143 stopped by a signal, 1 failed (naming
-  the first failing rank), ...
+  :mod:`launcher.endings.outcome` decide: 0 done, 143 stopped by a signal, 1 failed
+  (naming the first failing rank), ...
 
 For one process, ``distributed.max_restarts`` restarts the worker here, as torchrun
 would. When torchrun loses the standalone rendezvous store (exit
-:data:`~launcher.torchrun.STORE_LOST`), the launcher waits, bounded, for the store to
-come back and starts torchrun again: the nodes re-rendezvous and resume from the last
-checkpoint, without a pod restart (exit 5 if it does not come back).
+:data:`~launcher.running.agent_contract.STORE_LOST`), the launcher waits, bounded, for the
+store to come back and starts torchrun again: the nodes re-rendezvous and resume from the
+last checkpoint, without a pod restart (exit 5 if it does not come back).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,17 +34,16 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from launcher import verdicts as endings
-from launcher.heartbeat import PeerHeartbeat
-from launcher.heartbeat_wire import listen, resolve
-from launcher.outcome import Outcome, classify
-from launcher.plan import Plan
-from launcher.processes import kill_tree, stop_workers, workers_alive
-from launcher.pulse import Pulse
-from launcher.rendezvous import RoundWatcher, reachable
-from launcher.restarts import STOPPED_BY_LAUNCHER, failed_attempt, restarting
-from launcher.signals import Forwarder
-from launcher.torchrun import LOCAL_ID_VAR, STORE_LOST
+from launcher.endings import verdicts as endings
+from launcher.endings.outcome import Outcome, classify
+from launcher.endings.restarts import STOPPED_BY_LAUNCHER, failed_attempt, restarting
+from launcher.liveness import watchers
+from launcher.liveness.rounds import reachable
+from launcher.liveness.watchers import Child, Liveness
+from launcher.planning.plan import Plan
+from launcher.running.agent_contract import LOCAL_ID_VAR, STORE_LOST
+from launcher.running.processes import kill_tree, stop_workers, workers_alive
+from launcher.running.signals import Forwarder
 from train.core import failure_log, protocol
 from train.core.credentials import redacted
 from train.core.errors import EXIT_CANNOT_RUN_HERE, EXIT_STOPPED_BY_SIGNAL, EXIT_TRAINING_FAILED
@@ -74,10 +74,6 @@ def _child_setup(launcher_pid: int, ignored: int | None = None) -> Callable[[], 
 
 # A flapping store could otherwise relaunch forever; each relaunch resumes from a checkpoint.
 MAX_STORE_RELAUNCHES = 10
-# How long a stopped watcher may take to say goodbye to the other nodes (a node that
-# vanishes without one is called lost by the others, whose workers may still be
-# writing their stop checkpoint); the launcher's exit waits no longer for it.
-GOODBYE_S = 2.0
 
 
 def run(plan: Plan, base_env: Mapping[str, str], log: Callable[[str], None],
@@ -187,137 +183,66 @@ def _restart(plan: Plan, outcome: Outcome, found: list[Report], restarts: int) -
         protocol.restart_can_help(outcome.code, repeated) and restarts < plan.max_restarts
 
 
-def _rejoin(torchrun_pid: int, number: int, log: Callable[[str], None],
-            status_dir: str | None) -> None:
-    """This node was cut off and the others met without it: its workers are in a world
-    that no longer exists."""
-    if workers_alive(torchrun_pid):
-        stop_workers(torchrun_pid, f"rendezvous round {number} went on without this node "
-                     "(it was cut off from the others)", "so that it joins the job again",
-                     log, status_dir)
-
-
-def _pulse(plan: Plan, log: Callable[[str], None]) -> Pulse | None:
-    """This node's pulse (launcher.pulse), at the address its peers know it by."""
-    argv = list(plan.argv)
-    name = argv[argv.index("--local-addr") + 1] if "--local-addr" in argv else socket.getfqdn()
-    try:
-        pulse = Pulse(resolve(name, 0) or name)
-    except OSError as exc:
-        log(f"no pulse socket ({exc}): a peer silent for a few seconds counts as gone")
-        return None
-    pulse.start()
-    return pulse
-
-
-def _heartbeat_listener(plan: Plan, log: Callable[[str], None]
-                        ) -> tuple[socket.socket | None, Outcome | None]:
-    """A static job's rank-0 node binds its heartbeat port before any worker starts: a
-    port another program holds ends the launch with exit 3 naming it (the other nodes
-    would otherwise talk to that program and stop the job later with a false loss)."""
-    if not plan.heartbeat or plan.heartbeat[2] != 0:
-        return None, None
-    master, port, _ = plan.heartbeat
-    try:
-        listener, note = listen(master, port)
-    except OSError as exc:
-        return None, Outcome(EXIT_CANNOT_RUN_HERE, f"error: {exc.strerror} on "
-                                                   f"{socket.gethostname()} (held by another "
-                                                   "program: free it, or give the job another "
-                                                   "MASTER_PORT)")
-    if note:
-        log(note)
-    return listener, None
+def _bind(liveness: Liveness) -> Outcome | None:
+    """The watchers' early part, before any worker starts (a static job's rank-0 node
+    binds its heartbeat port): exit 3 naming what this machine cannot do."""
+    why = liveness.bind()
+    return None if why is None else Outcome(EXIT_CANNOT_RUN_HERE, why)
 
 
 def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
                     forwarder: Forwarder, log: Callable[[str], None],
                     abort: Callable[[], str | None] | None) -> tuple[int, Outcome | None]:
     """(the child's exit status, the outcome when the launcher ended it: its lease was
-    lost, or a static job's node vanished)."""
-    watcher = pulse = None
+    lost, or a static job's node vanished). The plan's watchers
+    (:mod:`launcher.liveness.watchers`) look after the nodes while it runs."""
     local_id = secrets.randbits(31)  # this start's rendezvous identity (launcher.torchrun)
-    listener, refused = _heartbeat_listener(plan, log)
-    if refused is not None:
-        return 0, refused
-    if plan.store and plan.job:
-        env = {**env, LOCAL_ID_VAR: str(local_id)}
+    liveness = watchers.for_plan(plan, log)
     try:
+        refused = _bind(liveness)
+        if refused is not None:
+            return 0, refused
+        if plan.store and plan.job:
+            env = {**env, LOCAL_ID_VAR: str(local_id)}
         proc = subprocess.Popen(list(plan.argv), env=env, start_new_session=True,
                                 pass_fds=keep_fds,
                                 preexec_fn=_child_setup(os.getpid(), plan.requeue_signal))
         forwarder.attach(proc)
-        if plan.store and plan.job:  # a node's one-line view of each rendezvous round
-            pulse = _pulse(plan, log)
-            watcher = RoundWatcher(plan.store, plan.job, plan.nnodes, plan.join_timeout_s,
-                                   log, lost_after_s=plan.lost_after_s,
-                                   on_lost=lambda nodes, why: stop_workers(
-                                       proc.pid, f"node(s) {', '.join(nodes)} left the job "
-                                       f"({why})",
-                                       "so that the job meets again without it", log,
-                                       env.get(STATUS_DIR_VAR)),
-                                   me=f":{proc.pid}#{local_id}",
-                                   on_left_out=lambda number: _rejoin(
-                                       proc.pid, number, log, env.get(STATUS_DIR_VAR)),
-                                   silence_s=plan.silence_s, pulse=pulse)
-            watcher.start()
-        elif plan.heartbeat:  # static: the nodes' launchers watch each other
-            master, port, rank = plan.heartbeat
-            watcher = PeerHeartbeat(master, port, rank, plan.nnodes[1], socket.gethostname(),
-                                    plan.lost_after_s,
-                                    on_lost=lambda what: stop_workers(
-                                        proc.pid, what, "(a static job cannot replace a "
-                                        "node: it ends)", log, env.get(STATUS_DIR_VAR)),
-                                    silence_s=plan.silence_s,
-                                    join_timeout_s=plan.join_timeout_s, log=log,
-                                    job=plan.job, listener=listener)
-            watcher.start()
-        reason = None
-        while True:
-            try:
-                rc = proc.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                reason = abort() if abort is not None else None
-                if reason:  # no checkpoint, no more writes: every process at once
-                    kill_tree(proc.pid)
-                    rc = proc.wait()
-                    break
-                if isinstance(watcher, RoundWatcher) and \
-                        watcher.unreachable_for() > plan.lost_after_s and \
-                        not workers_alive(proc.pid):
-                    # torchrun meets again at a store that vanished: its calls would each
-                    # wait a minute and more. The store is lost: wait for it as such.
-                    log(f"the rendezvous store {plan.store} has not answered for "
-                        f"{watcher.unreachable_for():.0f} s and torchrun needs it to meet again")
-                    kill_tree(proc.pid)
-                    proc.wait()
-                    rc = STORE_LOST
-                    break
+        liveness.start(Child(proc.pid, local_id,
+                             lambda what, then: stop_workers(proc.pid, what, then, log,
+                                                             env.get(STATUS_DIR_VAR)),
+                             lambda: workers_alive(proc.pid)))
+        rc, reason = _wait(proc, liveness, log, abort)
         forwarder.proc = None
         if reason:
             return rc, endings.lease_lost(reason)
-        lost = _lost_node(watcher, rc, forwarder)
+        lost = liveness.lost(rc, bool(forwarder.received))
         if lost:  # a static job's node vanished: every node stops, naming it
-            return rc, endings.node_lost(lost, plan.convention)
+            return rc, endings.node_lost(lost.what, plan.convention)
         return rc, None
     finally:
-        if watcher is not None:
-            watcher.stop.set()
-            if watcher.is_alive():  # its goodbye, before this process ends (exit_now)
-                watcher.join(GOODBYE_S)
-        if pulse is not None:
-            pulse.close()
+        liveness.stop()
 
 
-def _lost_node(watcher, rc: int, forwarder: Forwarder) -> str | None:
-    """A static job's lost node, when this node's run failed (its ranks may have failed
-    first, on their lost connection to node 0's workers: node 0's word is read then)."""
-    if not isinstance(watcher, PeerHeartbeat) or rc == 0:
-        return None
-    if forwarder.received:  # stopped by a signal here
-        return watcher.lost
-    return watcher.word_of_node_0(within_s=3 * watcher.beat_s)
+def _wait(proc: subprocess.Popen, liveness: Liveness, log: Callable[[str], None],
+          abort: Callable[[], str | None] | None) -> tuple[int, str | None]:
+    """(the child's exit status, the reason to abort when there was one). A store the
+    watchers found lost while no worker runs ends the child as STORE_LOST: torchrun would
+    meet again at a store that vanished, each of its calls waiting a minute and more."""
+    while True:
+        try:
+            return proc.wait(timeout=0.5), None
+        except subprocess.TimeoutExpired:
+            reason = abort() if abort is not None else None
+            if reason:  # no checkpoint, no more writes: every process at once
+                kill_tree(proc.pid)
+                return proc.wait(), reason
+            lost = liveness.lost()
+            if lost is not None and lost.kind == "store":
+                log(lost.what)
+                kill_tree(proc.pid)
+                proc.wait()
+                return STORE_LOST, None
 
 
 def _store_returns(plan: Plan, forwarder: Forwarder, log: Callable[[str], None],

@@ -4,15 +4,15 @@
 read the environment -> load and check the config -> detect GPUs -> the torch build
 -> the launch plan -> the output folder -> the object store (``checkpoint.remote``)
 -> /dev/shm. Each stage adds
-:class:`~launcher.hardware.Finding` records. ``doctor`` collects every finding and
+:class:`~launcher.detection.hardware.Finding` records. ``doctor`` collects every finding and
 reports them; the other commands stop at the first failure, raised as the one-line
 error of its exit code (2 bad input, 3 cannot run here). So the commands cannot drift
 apart: the same environment and config give the same findings and the same plan
 whichever command asks (``tests/unit/test_runner.py``).
 
-:mod:`launcher.execute` runs a prepared plan: the notes and warnings, the
+:mod:`launcher.running.execute` runs a prepared plan: the notes and warnings, the
 run-directory lock (``train``), the wait for the rendezvous host, then
-:mod:`launcher.supervise`.
+:mod:`launcher.running.supervise`.
 A new launch convention touches :mod:`launcher.conventions` only; a new check is one
 stage here, and every command gets it.
 """
@@ -22,64 +22,22 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from launcher import environ as environ_mod
-from launcher import system
-from launcher.compat import check_build, install_fix
-from launcher.detect import detect, torch_build, torch_build_on_disk
-from launcher.environ import Environ
-from launcher.hardware import Finding, Hardware, TorchBuild
-from launcher.plan import Plan
-from launcher.plan import plan as make_plan
+from launcher.detection import system
+from launcher.detection.compat import check_build, install_fix
+from launcher.detection.detect import detect, torch_build, torch_build_on_disk
+from launcher.detection.hardware import Finding, Hardware, TorchBuild
+from launcher.planning import environ as environ_mod
+from launcher.planning.plan import plan as make_plan
+from launcher.planning.variables import Environ
+from launcher.running.prepared import Prepared, Request
 from train.core import rundir
 from train.core.errors import CannotRunHere, ConfigError, UserError
 
-if TYPE_CHECKING:
-    pass
-
-APP_ROOT = str(Path(__file__).resolve().parent.parent)
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a command asks for, as parsed from its command line."""
-    command: str                     # train | launch | doctor
-    config: str | None = None        # the config file (train; doctor: optional)
-    overrides: tuple[str, ...] = ()  # dotted.key=value
-    script: tuple[str, ...] = ()     # launch: SCRIPT [args] or -m MODULE [args]
-    dry_run: bool = False
-
-    @property
-    def collects(self) -> bool:
-        """doctor reports every finding; the others stop at the first failure."""
-        return self.command == "doctor"
-
-    @property
-    def writes(self) -> bool:
-        """Allowed to create the output folder (nothing is written by doctor or a dry run)."""
-        return self.command != "doctor" and not self.dry_run
-
-
-@dataclass
-class Prepared:
-    """Everything :func:`prepare` decided, with what it found on the way."""
-    request: Request
-    env: Environ
-    cfg: Any = None                  # train.core.config.Config, once it loaded
-    hardware: Hardware = field(default_factory=Hardware)
-    torch: TorchBuild = field(default_factory=TorchBuild)
-    plan: Plan | None = None
-    findings: list[Finding] = field(default_factory=list)
-
-    @property
-    def exit_code(self) -> int:
-        return max((f.exit_code for f in self.findings if f.level == "fail"), default=0)
-
-    def finding(self, topic: str) -> Finding | None:
-        return next((f for f in self.findings if f.topic == topic), None)
+APP_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def prepare(request: Request, env: Environ | None = None, *, hardware: Hardware | None = None,
@@ -292,5 +250,5 @@ def run(request: Request, log: Callable[[str], None], *, verbose: bool = False) 
     if request.dry_run:
         print(prepared.plan.render())
         return 0
-    from launcher.execute import execute
+    from launcher.running.execute import execute
     return execute(prepared, log, verbose=verbose)

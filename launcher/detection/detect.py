@@ -4,7 +4,7 @@
 tools and libraries are normal and end up as notes. ``torch_build()`` imports torch
 (lazily, never at module import) but reads only compile-time facts:
 ``torch.version.cuda/hip``, the compiled arch list and which process-group backends
-exist. Whether that build can drive what was found is :mod:`launcher.compat`'s call.
+exist. Whether that build can drive what was found is :mod:`launcher.detection.compat`'s call.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from launcher import amd, nvidia
-from launcher.environ import Environ
-from launcher.hardware import Hardware, TorchBuild
+from launcher.detection import amd, nvidia
+from launcher.detection.hardware import Hardware, TorchBuild
+from launcher.planning.variables import Environ
 from train.core.host import available_cpus, available_memory
 
 
@@ -71,14 +71,17 @@ def torch_build() -> TorchBuild:
     try:
         import torch
         import torch.distributed as dist
-    except Exception as exc:  # a broken install is reported, not raised
+    except Exception as exc:
+        # A broken install is reported, not raised, and its import fails with whatever it
+        # meets (ImportError, OSError from a shared library, RuntimeError or
+        # AttributeError of a mismatched build): no narrower class covers them.
         return TorchBuild(importable=False, error=f"{type(exc).__name__}: {exc}")
     arch = ""
     getter = getattr(torch._C, "_cuda_getArchFlags", None)  # compile-time string, no init
     if getter is not None:
         try:
             arch = getter() or ""
-        except Exception:
+        except RuntimeError:  # torch's C++ errors
             arch = ""
     available = dist.is_available()
     return TorchBuild(

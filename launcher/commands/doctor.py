@@ -4,11 +4,11 @@ Reports what was detected (GPUs with vendor, name, memory, UUID, visibility; dri
 vs the image's torch build), the plan a ``train`` would make (device, backend,
 processes, nodes), /dev/shm, the output folder, network interfaces, the rendezvous
 host's resolution, the image's build manifest and the Python packages (a version
-moved from its lock, a project module hiding a package: :mod:`launcher.packages`).
+moved from its lock, a project module hiding a package: :mod:`launcher.commands.packages`).
 Exits 0 when training would start, 2 for an invalid config or environment, 3 when this
 machine/image cannot run it. ``--comm`` adds the preflight check across the local
 processes/GPUs: a timed matmul on each, a timed all-reduce among them
-(:mod:`launcher.comm`).
+(:mod:`launcher.commands.comm`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from launcher import conventions, packages, rdma, system
-from launcher.environ import Environ
-from launcher.hardware import Finding, TorchBuild
+from launcher import conventions
+from launcher.commands import packages
+from launcher.detection import rdma, system
+from launcher.detection.hardware import Finding, TorchBuild
+from launcher.planning.variables import Environ
 from train.core.config import DistributedConfig
 from train.core.credentials import redacted
 from train.core.host import read_build_manifest
@@ -30,9 +32,9 @@ GIB = 1024 ** 3
 
 def gather(env: Environ, config_path: str | None, overrides: list[str]) -> dict:
     """Everything doctor reports, as plain data, plus findings and the exit code: the
-    launch pipeline's own findings (:func:`launcher.runner.prepare`, as train would
+    launch pipeline's own findings (:func:`launcher.running.runner.prepare`, as train would
     meet them), then what only doctor looks at (DNS, network, RDMA, the image)."""
-    from launcher import runner
+    from launcher.running import runner
     p = runner.prepare(runner.Request("doctor", config_path, tuple(overrides)), env)
     findings = list(p.findings)
     report: dict[str, Any] = {"torch": p.torch.to_dict(), "hardware": p.hardware.to_dict(),
@@ -231,7 +233,7 @@ def add_comm(report: dict, env: Environ, timeout_s: float) -> None:
     """Run the preflight check (matmul, all-reduce) with the planned device/backend; fold
     it into the report. A rank far slower than the others is a warning, or a failure
     (exit 3) when the config says distributed.preflight: fail, as training would."""
-    from launcher import comm
+    from launcher.commands import comm
     p = report.get("plan")
     if not p:
         report["comm"] = {"skipped": "no launch plan (see the failures above)", "ok": False}

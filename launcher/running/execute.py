@@ -1,6 +1,6 @@
-"""Running a prepared launch (:func:`launcher.runner.prepare`'s result): the notes and
+"""Running a prepared launch (:func:`launcher.running.runner.prepare`'s result): the notes and
 warnings, the run-directory lock (``train``), the wait for the rendezvous host, then
-the supervised child (:mod:`launcher.supervise`), and SLURM's requeue after a stop for
+the supervised child (:mod:`launcher.running.supervise`), and SLURM's requeue after a stop for
 its signal.
 """
 
@@ -11,21 +11,21 @@ import shlex
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from launcher import system
-from launcher.requeue import requeue, requeue_without
-from launcher.runner import Prepared
+from launcher.detection import system
+from launcher.running.prepared import Prepared
+from launcher.running.requeue import requeue, requeue_without
 from train.core import rundir
 from train.core.errors import EXIT_STOPPED_BY_SIGNAL
 
 if TYPE_CHECKING:
-    from launcher.outcome import Outcome
-    from launcher.signals import Forwarder
+    from launcher.endings.outcome import Outcome
+    from launcher.running.signals import Forwarder
     from train.core.runlock import RunLock
 
 
 def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -> int:
     from launcher.conventions.slurm import earlier_incarnation
-    from launcher.signals import Forwarder
+    from launcher.running.signals import Forwarder
     from train.core import runlock, tokenscan
     plan, cfg = p.plan, p.cfg
     if _finished_already(p, log):
@@ -124,9 +124,9 @@ def _announce(p: Prepared, log: Callable[[str], None], *, verbose: bool) -> None
 
 def _supervise(p: Prepared, log: Callable[[str], None], lock: RunLock | None,
                signals: Forwarder, *, verbose: bool) -> Outcome:
-    """Wait for the rendezvous host, then run the plan under :mod:`launcher.supervise`;
+    """Wait for the rendezvous host, then run the plan under :mod:`launcher.running.supervise`;
     with the run-directory lock (``train``), stop when the lock is lost."""
-    from launcher import supervise
+    from launcher.running import supervise
     from train.core.config import to_yaml
     plan, cfg = p.plan, p.cfg
     log("run " + shlex.join(plan.argv))

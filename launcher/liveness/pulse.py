@@ -27,7 +27,7 @@ import errno
 import socket
 import threading
 
-from launcher.heartbeat_wire import resolve
+from launcher.liveness.heartbeat_wire import resolve
 
 PULSE_PREFIX = "train.pulse."
 PROBE_S = 1.0      # a host that completes no handshake in this long counts as gone
@@ -41,7 +41,8 @@ def pulse_key(run_id: str, member_tail: str) -> str:
 
 
 def member_parts(member: str) -> tuple[str, str]:
-    """(address, ``pid#local-id``) of a member name as :mod:`launcher.rdzv_state` writes it."""
+    """(address, ``pid#local-id``) of a member name as
+    :mod:`launcher.liveness.rdzv_state` writes it."""
     addr, _, tail = member.rpartition(":")
     return addr.strip("[]"), tail
 

@@ -1,6 +1,6 @@
 """How a launch ended: the user's exit code and one line. Every ending read from the
 workers' reports is worded here, nowhere else (those the supervisor decides itself:
-:mod:`launcher.verdicts`).
+:mod:`launcher.endings.verdicts`).
 
 :func:`classify` reads the child's exit status, the signals that arrived and the
 workers' reports (:mod:`train.core.protocol`) as an :class:`Ending`, and takes the first
@@ -18,7 +18,7 @@ code or in its DataLoader (:mod:`train.guards.watchdog`), or the one whose repor
 "training, step N" because it never got to write another (frozen, SIGSTOPped, killed).
 
 The endings the supervisor decides itself (a lost lease, a static job's vanished node,
-a rendezvous store that did not come back) are worded in :mod:`launcher.verdicts`.
+a rendezvous store that did not come back) are worded in :mod:`launcher.endings.verdicts`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from launcher.torchrun import STORE_LOST
+from launcher.running.agent_contract import STORE_LOST
 from train.core.errors import (
     EXIT_OK,
     EXIT_ONLY_LOCAL,

@@ -1,111 +1,31 @@
-"""``rendezvous [--port N]``: the standalone c10d store for multi-node elastic runs.
+"""A worker node's view of its job's rendezvous rounds, and what it tells about liveness.
 
-With the store in the agent of one worker node, losing that node loses the store
-and every node restarts (kubeflow/trainer#1638). This process holds a
-``torch.distributed.TCPStore`` server on its own (the Kubernetes rendezvous
-Deployment + Service); worker nodes join it with ``is_host=false`` and a run id
-unique to the job. It logs each run's rounds, members and waiting nodes as they
-change (:mod:`launcher.rdzv_state` reads them safely), and stops cleanly on
-SIGTERM/SIGINT.
-
-:class:`RoundWatcher` is the same view from a worker node: its launcher logs one line
-per round (members, who joined or left, what it waits for and until when) and a
-periodic "still waiting" line while a round is blocked.
+:class:`RoundWatcher` polls the rendezvous store as a client while torchrun runs: its
+launcher logs one line per round (members, who joined or left, what it waits for and
+until when) and a periodic "still waiting" line while a round is blocked. It tells a
+vanished member (stopped keep-alives, a pulse that completes no handshake:
+:mod:`launcher.liveness.pulse`) from a starved one, and notices when this node was left
+out of a newer round. The standalone store's own log of the same rounds is
+:func:`launcher.commands.rendezvous.watch`.
 """
 
 from __future__ import annotations
 
 import datetime
-import signal
 import socket
 import threading
 import time
 from collections.abc import Callable
 
-from launcher.pulse import REPROBE_S, Pulse, answers, member_parts, pulse_key
-from launcher.rdzv_state import PREFIX, Round, describe, expire_members, printable, read_round
-
-
-def _keys(store) -> list[str] | None:
-    lister = getattr(store, "list_keys", None)  # newer torch; older: counts only
-    if lister is None:
-        return None
-    try:
-        return list(lister())
-    except Exception:
-        return None
-
-
-def watch(store, seen: dict[str, str | None], log: Callable[[str], None]) -> None:
-    """Log each rendezvous run's rounds, members and waiting nodes when they change."""
-    keys = _keys(store)
-    if keys is None:
-        count = store.num_keys()
-        if seen.get("#count") != str(count):
-            seen["#count"] = str(count)
-            log(f"store holds {count} key(s)")
-        return
-    for key in sorted(k for k in keys if k.startswith(PREFIX) and "." not in k[len(PREFIX):]):
-        try:
-            summary = describe(store.get(key))
-        except Exception:
-            continue
-        if summary is not None and seen.get(key) != summary:
-            log(f"run {printable(key[len(PREFIX):])!r}: {summary}")
-        seen[key] = summary
-
-
-def listen_problem(host: str) -> str | None:
-    """Why this machine cannot listen on ``host``, or None (checked before torch's store,
-    which would retry a bad address for a minute)."""
-    try:
-        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        return "not an address or a name that resolves; use an address of this machine " \
-               "(the pod IP) or 0.0.0.0"
-    for family, kind, proto, _, address in infos:
-        try:
-            with socket.socket(family, kind, proto) as s:
-                s.bind(address)
-            return None
-        except OSError:
-            continue
-    return "not an address of this machine; use one of its own (the pod IP) or 0.0.0.0"
-
-
-def serve(port: int, log: Callable[[str], None], host: str = "0.0.0.0",
-          poll_s: float = 2.0, stop: threading.Event | None = None,
-          install_signals: bool = True) -> int:
-    """Serve the store on ``host`` (its address: nothing else listens) until stopped."""
-    import torch.distributed as dist
-
-    from train.core.binding import listener
-    from train.core.errors import CannotRunHere
-    stop = stop or threading.Event()
-    if install_signals:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: stop.set())
-    try:
-        # torch's store would listen on every interface whatever host it is given: it
-        # gets a socket bound here instead (train.core.binding)
-        sock, _ = listener(host, port, exact=True)
-        bound = sock.getsockname()
-        store = dist.TCPStore(host, bound[1], is_master=True, wait_for_workers=False,
-                              master_listen_fd=sock.detach(),
-                              timeout=datetime.timedelta(seconds=30))
-    except Exception as exc:  # port in use, bad address
-        raise CannotRunHere(f"cannot listen on {host}:{port}: {exc}; choose another --port") \
-            from None
-    where = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-    log(f"rendezvous store listening on {where}:{store.port}; give worker nodes "
-        f"--rdzv-backend c10d --rdzv-endpoint <this-service>:{store.port} "
-        "--rdzv-conf is_host=false and a run id unique to the job")
-    seen: dict[str, str | None] = {}
-    while not stop.wait(poll_s):
-        watch(store, seen, log)
-    log("stopping: rendezvous store shut down")
-    del store
-    return 0
+from launcher.liveness.pulse import REPROBE_S, Pulse, answers, member_parts, pulse_key
+from launcher.liveness.rdzv_state import (
+    PREFIX,
+    STORE_ERRORS,
+    Round,
+    describe,
+    expire_members,
+    read_round,
+)
 
 
 def reachable(endpoint: str, timeout_s: float = 1.0) -> bool:
@@ -179,6 +99,9 @@ class RoundWatcher(threading.Thread):
                 if store.check([self.key]):
                     self.observe(read_round(store.get(self.key)))
             except Exception:
+                # The watcher's loop is a thread of the launcher: one look that fails (the
+                # store going away mid-call, a callback stopping the workers) must not end
+                # the watching for the rest of the run; the next look starts afresh.
                 store = None
 
     def _publish(self, store) -> None:
@@ -275,10 +198,11 @@ class RoundWatcher(threading.Thread):
 
     def _probe(self, member: str) -> bool:
         addr, tail = member_parts(member)
+        key = pulse_key(self.run_id, tail)
         try:
-            key = pulse_key(self.run_id, tail)
-            where = self.store.get(key).decode() if self.store.check([key]) else None
-        except Exception:
+            where = self.store.get(key).decode() if self.store and self.store.check([key]) \
+                else None
+        except (*STORE_ERRORS, UnicodeDecodeError):
             where = None
         return where is not None and answers(where, addr)
 
@@ -292,9 +216,11 @@ class RoundWatcher(threading.Thread):
 
     def _expire(self, members: list[str]) -> None:
         """Let the agents drop vanished members now rather than at their expiry."""
+        if self.store is None:
+            return
         try:
             expire_members(self.store, self.key, members)
-        except Exception:
+        except STORE_ERRORS:
             pass  # torch's own expiry still drops them, later
 
     def _change(self, r: Round) -> str:

@@ -1,4 +1,5 @@
-"""The launcher's environment, read once into a frozen :class:`Environ`.
+"""The launcher's environment, read once into a frozen
+:class:`~launcher.planning.variables.Environ`.
 
 Here: the settings every launch reads (device visibility, where tools and the build
 manifest are, node-level overrides such as ``TRAIN_SOCKET_IFNAME``). The variables of
@@ -13,67 +14,16 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
+from launcher.planning.variables import (
+    DEFAULT_DNS_WAIT_S,
+    Environ,
+    Visibility,
+    integer,
+    text,
+    variable_error,
+)
 from train.core.host import DEFAULT_BUILD_MANIFEST
-
-DEFAULT_DNS_WAIT_S = 300.0
-
-
-def _error(name: str, problem: str) -> Exception:
-    from train.core.errors import ConfigError  # torch-free, but keep --help import-light
-    return ConfigError("environment", name, problem)
-
-
-@dataclass(frozen=True)
-class Visibility:
-    """Device visibility variables as found (None = unset, "" = set but empty)."""
-    cuda_visible_devices: str | None = None
-    nvidia_visible_devices: str | None = None
-    rocr_visible_devices: str | None = None
-    hip_visible_devices: str | None = None
-    hsa_override_gfx_version: str | None = None
-    cuda_device_order: str | None = None
-
-    def as_dict(self) -> dict[str, str | None]:
-        return {"CUDA_VISIBLE_DEVICES": self.cuda_visible_devices,
-                "NVIDIA_VISIBLE_DEVICES": self.nvidia_visible_devices,
-                "ROCR_VISIBLE_DEVICES": self.rocr_visible_devices,
-                "HIP_VISIBLE_DEVICES": self.hip_visible_devices,
-                "HSA_OVERRIDE_GFX_VERSION": self.hsa_override_gfx_version,
-                "CUDA_DEVICE_ORDER": self.cuda_device_order}
-
-
-@dataclass(frozen=True)
-class Environ:
-    """What the environment says, already split into meaningful pieces."""
-    raw: Mapping[str, str] = field(default_factory=dict, repr=False)
-    visibility: Visibility = field(default_factory=Visibility)
-    socket_ifname: str | None = None     # TRAIN_SOCKET_IFNAME: this node's interface
-    debug: bool = False                  # TRAIN_DEBUG
-    path: str = ""
-    build_manifest: str = DEFAULT_BUILD_MANIFEST
-    hw_root: str = "/"
-    dns_wait_s: float = DEFAULT_DNS_WAIT_S
-
-    def get(self, name: str) -> str | None:
-        """A variable's value with surrounding blanks removed; None when unset or blank."""
-        return text(self.raw, name)
-
-
-def text(env: Mapping[str, str], name: str) -> str | None:
-    value = env.get(name)
-    return value.strip() if value is not None and value.strip() else None
-
-
-def integer(env: Mapping[str, str], name: str) -> int | None:
-    """A non-negative integer variable; None when unset; ConfigError when malformed."""
-    value = text(env, name)
-    if value is None:
-        return None
-    if not value.isdigit():
-        raise _error(name, f"got {value!r}; expected a non-negative integer")
-    return int(value)
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
@@ -83,9 +33,9 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     try:
         number = float(value)
     except ValueError:
-        raise _error(name, f"got {value!r}; expected a number of seconds") from None
+        raise variable_error(name, f"got {value!r}; expected a number of seconds") from None
     if not number >= 0:  # also rejects nan
-        raise _error(name, f"got {value!r}; expected a number of seconds >= 0")
+        raise variable_error(name, f"got {value!r}; expected a number of seconds >= 0")
     return number
 
 
@@ -95,7 +45,7 @@ def _flag(env: Mapping[str, str], name: str) -> bool:
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise _error(name, f"got {value!r}; expected 1 or 0")
+    raise variable_error(name, f"got {value!r}; expected 1 or 0")
 
 
 # One entry of a visibility list: an index (-1 hides all), or a device UUID (prefix).
@@ -110,22 +60,22 @@ def _visibility_list(env: Mapping[str, str], name: str) -> str | None:
         return value
     for entry in (e.strip() for e in value.split(",")):
         if not _VISIBLE_ENTRY.fullmatch(entry):
-            raise _error(name, f"entry {entry[:40]!r} of {value[:80]!r} is not a device index "
-                               "or GPU-/MIG- UUID; use e.g. 0,1 or GPU-<uuid> (doctor lists "
-                               "the GPUs)")
+            raise variable_error(
+                name, f"entry {entry[:40]!r} of {value[:80]!r} is not a device index or "
+                      "GPU-/MIG- UUID; use e.g. 0,1 or GPU-<uuid> (doctor lists the GPUs)")
     return value
 
 
 def _positive(env: Mapping[str, str], name: str) -> None:
     value = text(env, name)
     if value is not None and (not value.isdigit() or int(value) < 1):
-        raise _error(name, f"got {value!r}; expected a positive integer")
+        raise variable_error(name, f"got {value!r}; expected a positive integer")
 
 
 def _port(env: Mapping[str, str], name: str) -> None:
     value = text(env, name)
     if value is not None and (not value.isdigit() or not 0 < int(value) < 65536):
-        raise _error(name, f"got {value!r}; expected a port 1..65535")
+        raise variable_error(name, f"got {value!r}; expected a port 1..65535")
 
 
 def read(env: Mapping[str, str] | None = None) -> Environ:

@@ -8,7 +8,7 @@ worker) are always set.
 
 from __future__ import annotations
 
-from launcher.environ import Environ
+from launcher.planning.variables import Environ
 
 
 class WorkerVariables:

@@ -1,4 +1,4 @@
-"""The heartbeat's wire and the rank-0 node's table (:mod:`launcher.heartbeat` says what
+"""The heartbeat's wire and the rank-0 node's table (:mod:`launcher.liveness.heartbeat` says what
 the heartbeat is for): connections tuned so that the kernel ends them when the peer's
 host is gone, a name resolved once with a bound, the listener bound before any worker
 starts, lines of JSON read from a stream, and :class:`Watch`, which decides from the

@@ -12,7 +12,7 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
-from launcher.plan import SCRIPT_MODULE, WORKER_MODULE
+from launcher.planning.plan import SCRIPT_MODULE, WORKER_MODULE
 
 
 def stop_workers(torchrun_pid: int, what: str, then: str,
@@ -22,7 +22,7 @@ def stop_workers(torchrun_pid: int, what: str, then: str,
     torchrun then meets the nodes that are left (a restart, as when a worker dies), a
     static job's ends. ``what``: which node, and how it was noticed; ``status_dir``: the
     workers' status folder, where torchrun's agent learns why they were killed."""
-    from launcher.restarts import note_stop
+    from launcher.endings.restarts import note_stop
     log(f"{what}; stopping this node's workers {then}")
     note_stop(status_dir, what)
     for victim in descendants(torchrun_pid):

@@ -20,7 +20,7 @@ import ctypes
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from launcher.hardware import Finding
+from launcher.detection.hardware import Finding
 
 VERBS_LIBRARY = "libibverbs.so.1"
 RDMA_PACKAGES = "libibverbs1 ibverbs-providers librdmacm1"

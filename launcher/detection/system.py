@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from launcher.hardware import Finding
+from launcher.detection.hardware import Finding
 from train.core.host import OUTPUT_DIR_FIX, output_dir_problem
 
 GIB = 1024 ** 3

@@ -1,7 +1,7 @@
 """A failed attempt of the workers, said in one line when it is started again: by
 torchrun's agent (:mod:`launcher.torchrun`) for its workers, by the supervisor
-(:mod:`launcher.supervise`) for the one worker it runs itself. Worded with the same
-rules as the final failure line (:mod:`launcher.outcome`): a worker that died without a
+(:mod:`launcher.running.supervise`) for the one worker it runs itself. Worded with the same
+rules as the final failure line (:mod:`launcher.endings.outcome`): a worker that died without a
 word is named, not the ranks that lost their connection to it. Workers the launcher
 itself killed (a node left the job) are said as such (:func:`note_stop`), not as deaths.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from launcher.outcome import Ending, ended_without_a_word
+from launcher.endings.outcome import Ending, ended_without_a_word
 from train.core.peers import lost_peer
 from train.core.protocol import Exit, Report
 

@@ -1,12 +1,12 @@
 """The endings the supervisor decides itself, in the words the user reads: a static
 job's failed worker or vanished node (a static rendezvous cannot replace a node), a lost
 run-directory lease, a rendezvous store that did not come back. The endings read from
-the workers' reports are :mod:`launcher.outcome`'s.
+the workers' reports are :mod:`launcher.endings.outcome`'s.
 """
 
 from __future__ import annotations
 
-from launcher.outcome import Outcome
+from launcher.endings.outcome import Outcome
 from train.core.errors import EXIT_RUN_DIR_BUSY, EXIT_STORE_LOST, EXIT_TRAINING_FAILED
 
 

@@ -21,6 +21,10 @@ import pickle
 from dataclasses import dataclass, field
 
 PREFIX = "torch.rendezvous."
+# What a call of a c10d store client raises: torch's DistError family (its network, store
+# and timeout errors, all RuntimeError) and OSError. Torch-free, so the callers can name
+# them without importing torch.
+STORE_ERRORS = (RuntimeError, OSError)
 # A member whose last heartbeat is older than this is shown as silent (torch's
 # default keep-alive is 5 s; the launcher sets 2 s).
 SILENT_AFTER_S = 5.0
@@ -97,13 +101,32 @@ class Round:
                 self.waiting, tuple(sorted(self.silent)))
 
 
+def _unpickled(raw: bytes, unpickler: type[pickle.Unpickler]) -> object | None:
+    """The state in a raw store value, built by ``unpickler``'s allow-list; None when it
+    is not one."""
+    try:
+        return unpickler(io.BytesIO(base64.b64decode(raw))).load()
+    except Exception:
+        # Any client of the store may write the key, and unpickling malformed bytes
+        # raises more than UnpicklingError (pickle's docs: AttributeError, EOFError,
+        # ImportError, IndexError, and what a stand-in's __setstate__ or a date given
+        # odd arguments raise): none of them may stop a watcher; all mean "no state".
+        return None
+
+
 def read_round(raw: bytes, now: datetime.datetime | None = None) -> Round | None:
     """The round in a raw store value; None when unreadable."""
-    try:
-        state = _AllowList(io.BytesIO(base64.b64decode(raw))).load()
-    except Exception:
+    state = _unpickled(raw, _AllowList)
+    if state is None:
         return None
-    now = now or datetime.datetime.now(datetime.UTC)
+    try:
+        return _round_of(state, now or datetime.datetime.now(datetime.UTC))
+    except (AttributeError, TypeError, ValueError):  # a state of another shape than torch's
+        return None
+
+
+def _round_of(state: object, now: datetime.datetime) -> Round:
+    """The round an unpickled rendezvous state describes, as of ``now``."""
     members = {node_name(n): r for n, r in getattr(state, "participants", {}).items()}
     silent = {}
     for node, beat in getattr(state, "last_heartbeats", {}).items():
@@ -183,7 +206,9 @@ def expire_members(store, key: str, members: list[str], attempts: int = 5) -> bo
     wanted = set(members)
     for _ in range(attempts):
         raw = store.get(key)
-        state = _Real(io.BytesIO(base64.b64decode(raw))).load()
+        state = _unpickled(raw, _Real)
+        if state is None:
+            return False
         beats = getattr(state, "last_heartbeats", {})
         hit = [node for node in beats if node_name(node) in wanted]
         if not hit:

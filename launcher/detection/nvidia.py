@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher import visibility
-from launcher.environ import Visibility
-from launcher.hardware import Gpu, Hardware
+from launcher.detection import visibility
+from launcher.detection.hardware import Gpu, Hardware
+from launcher.planning.variables import Visibility
 
 
 @dataclass

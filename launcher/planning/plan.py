@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from launcher import conventions
-from launcher.compat import check_build
 from launcher.conventions import Nodes
-from launcher.environ import Environ
-from launcher.hardware import Hardware, TorchBuild
-from launcher.worker_variables import WorkerVariables, direct_worker_identity
+from launcher.detection.compat import check_build
+from launcher.detection.hardware import Hardware, TorchBuild
+from launcher.planning.variables import Environ
+from launcher.planning.worker_variables import WorkerVariables, direct_worker_identity
 from train.core import rundir, tracker_config
 from train.core.comm_defaults import worker_defaults
 from train.core.config import AUTO, Config, batch_split
@@ -73,6 +73,15 @@ class Plan:
     log_dir: str | None = None
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+
+    @property
+    def liveness(self) -> tuple[str, ...]:
+        """The watchers this run's launcher gets (:mod:`launcher.liveness.watchers`): an
+        elastic job with a store watches the rendezvous rounds, a static job's nodes beat
+        at the rank-0 node, one node alone watches nothing."""
+        if self.store and self.job:
+            return ("rounds",)
+        return ("heartbeat",) if self.heartbeat else ()
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -252,7 +261,7 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     d = cfg.distributed
     # torch's agents drop a silent member after keep-alive x attempts: stretched to
     # heartbeat_silence_s, since each node's round watcher evicts a member whose host is
-    # gone sooner, and a starved one keeps its place meanwhile (launcher.pulse)
+    # gone sooner, and a starved one keeps its place meanwhile (launcher.liveness.pulse)
     expiry_attempts = max(d.rdzv_keep_alive_attempts,
                           math.ceil(d.heartbeat_silence_s / d.rdzv_keep_alive_s))
     nodes = conventions.resolve(environ, conventions.Timings(

@@ -20,7 +20,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from launcher.hardware import Finding
+from launcher.detection.hardware import Finding
 
 # What every training process imports, pinned or not in a lock file (torch has its own).
 ALWAYS = ("torch",)
