@@ -76,7 +76,7 @@ def run(argv: list[str], reporter: Reporter | None = None) -> tuple[int, str | N
         usercode.check(cfg, args.config, module=not env.supervised)
         check_resume_compatible(cfg, args.config)
         tokenscan.record(cfg.run_dir)  # a bare worker's scan of the token files, if any
-        from train.trainer import train  # torch is imported only when training
+        from train.loop.trainer import train  # torch is imported only when training
         return train(cfg, args.config, reporter=reporter), None
     except UserError as exc:
         # with the traceback of what your own code raised, when that is the cause

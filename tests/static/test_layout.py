@@ -5,10 +5,11 @@
 - ``train.core`` imports nothing else of ``train`` and neither torch nor numpy at
   module level; importing any core module, and ``entrypoint.py --help``, load neither;
 - ``train/`` never imports ``launcher/``;
-- ``train/`` has rooms (``checkpoint/``, ``data/``, ``distributed/``, ``guards/``,
-  ``observe/``, and ``core/``); nothing in a room imports a top-level entry (the
-  ``python -m`` modules), and no module of ``train/`` imports itself back through
-  others (no import circle).
+- ``train/`` has rooms (:data:`ROOMS`) and a short top level (:data:`TOP_LEVEL`: the
+  process entries and the user's API), both held by a list: a new module picks a room;
+  nothing in a room imports a top-level module, and no module of ``train/`` imports
+  itself back through others (no import circle);
+- no module file name is used in two rooms (an import line or a traceback names one file).
 
 The static checks read every import statement, including those inside functions (a
 lazy import is still a dependency); the dynamic ones import for real in a fresh
@@ -136,21 +137,56 @@ def test_train_never_imports_the_launcher():
     assert not found, "\n".join(found)
 
 
-# The process entries, run as python -m train.<name> (the launcher, docs and manifests
-# name them): they may import the rooms, never the other way round.
-ENTRIES = ("train", "train.__main__", "train.worker", "train.script", "train.export",
-           "train.generate", "train.comm_probe", "train.tokenize_corpus")
+# What may live at train/'s top level, and why there: the process entries, run as
+# python -m train.<name> (the launcher, docs and manifests name them), and the API the
+# user's own script imports. Everything else lives in a room.
+TOP_LEVEL = {
+    "__init__": "the package: its version",
+    "__main__": "python -m train: one training process (the loop is loop/'s)",
+    "worker": "python -m train.worker: the supervised worker around __main__",
+    "script": "python -m train.script: the user's script under `launch`",
+    "generate": "python -m train.generate: text from an export",
+    "comm_probe": "python -m train.comm_probe: doctor --comm's measurement",
+    "tokenize_corpus": "python -m train.tokenize_corpus: `tokenize`'s token files",
+    "runtime": "from train import runtime: the API of the user's own script (docs/your-code.md)",
+}
+MOST_TOP_LEVEL = 12
+
+# The rooms of train/, each one concern (docs/architecture.md, "Layers").
+ROOMS = ("checkpoint", "core", "data", "distributed", "export", "guards", "loop", "models",
+         "observe")
+
+# The process entries: they may import the rooms, never the other way round.
+ENTRIES = ("train", *(f"train.{m}" for m in TOP_LEVEL if m != "__init__"),
+           "train.export.__main__")
 
 
 def room_rule(name: str) -> str | None:
-    return "a room imports no process entry (python -m train.<entry>)" \
-        if name in ENTRIES else None
+    if name in ENTRIES or any(name.startswith(e + ".") for e in ENTRIES if e != "train"):
+        return "a room imports no top-level module of train (a process entry or the user's API)"
+    return None
 
 
-def test_no_room_imports_a_process_entry():
+def top_level_problems(folder: Path) -> list[str]:
+    found = [f"train/{p.name}: pick a room: {', '.join(ROOMS)} (or, for a new process entry, "
+             f"add it to TOP_LEVEL in tests/static/test_layout.py with the reason)"
+             for p in sorted(folder.glob("*.py")) if p.stem not in TOP_LEVEL]
+    found += [f"train/{p.name}/: a new room; add it to ROOMS with its concern"
+              for p in sorted(folder.iterdir())
+              if (p / "__init__.py").is_file() and p.name not in ROOMS]
+    return found
+
+
+def test_train_top_level_holds_only_the_listed_modules_and_rooms():
+    assert len(TOP_LEVEL) <= MOST_TOP_LEVEL
+    found = top_level_problems(ROOT / "train")
+    assert not found, "\n".join(found)
+    assert all((ROOT / "train" / f"{m}.py").is_file() for m in TOP_LEVEL), "listed but gone"
+
+
+def test_no_room_imports_a_top_level_module():
     rooms = [p for p in (ROOT / "train").iterdir() if (p / "__init__.py").is_file()]
-    assert {p.name for p in rooms} >= {"checkpoint", "core", "data", "distributed", "guards",
-                                       "observe"}
+    assert {p.name for p in rooms} == set(ROOMS)
     found = [v for room in rooms for v in violations(f"train/{room.name}", room_rule)]
     assert not found, "\n".join(found)
 
@@ -202,7 +238,19 @@ def test_train_has_no_import_circle():
 def test_a_circle_and_a_room_importing_an_entry_are_found():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert room_rule("train.worker") and room_rule("train.__main__")
-    assert room_rule("train.checkpoint.state") is None
+    assert room_rule("train.runtime.init") and room_rule("train.export.__main__")
+    assert room_rule("train.checkpoint.state") is None and room_rule("train.export") is None
+    assert room_rule("train.__version__") is None
+
+
+def test_a_new_top_level_module_and_a_twin_are_found(tmp_path):
+    (tmp_path / "train" / "rooma").mkdir(parents=True)
+    (tmp_path / "train" / "roomb" / "sub").mkdir(parents=True)
+    for name in ("train/worker.py", "train/helpers.py", "train/rooma/__init__.py",
+                 "train/rooma/io.py", "train/roomb/sub/io.py", "train/roomb/__init__.py"):
+        (tmp_path / name).write_text("")
+    found = top_level_problems(tmp_path / "train")
+    assert found[0].startswith("train/helpers.py: pick a room: ") and len(found) == 3
 
 
 def test_the_rules_catch_a_violation(tmp_path, monkeypatch):

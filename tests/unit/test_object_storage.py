@@ -375,7 +375,7 @@ def test_the_trainer_imports_without_boto3():
     code = ("import sys\n"
             "for name in ('boto3', 'botocore', 's3transfer'):\n"
             "    sys.modules[name] = None  # as if not installed: importing them fails\n"
-            "import train.trainer, train.components, train.checkpoint.remote\n"
+            "import train.loop.trainer, train.loop.components, train.checkpoint.remote\n"
             "print('imported')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=limit(120))

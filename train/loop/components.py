@@ -16,8 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from train import losses
-from train.autobatch import largest_fitting, probe_on_gpu
 from train.checkpoint import Checkpointer, formats, remote
 from train.checkpoint.state import TrainState
 from train.core import remote_config, rundir, tracker_config
@@ -33,8 +31,9 @@ from train.data.order import GlobalOrder, RankBatchSampler
 from train.distributed import ranks
 from train.distributed.parallel import apply_activation_checkpointing, check_placement, parallelize
 from train.distributed.precision import autocast, grad_scaler
-from train.models import build_model
-from train.optim import build_optimizer, build_scheduler
+from train.models import build_model, losses
+from train.models.autobatch import largest_fitting, probe_on_gpu
+from train.models.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("train")
 
