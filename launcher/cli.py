@@ -82,7 +82,7 @@ class _Parser(argparse.ArgumentParser):
 def _reject_dashed_overrides(args: list[str]) -> None:
     """``--optim.lr=1e-3``: one line (exit 2) saying overrides have no dashes."""
     if any(a.startswith("--") for a in args):
-        from train.core.config.loader import dashed_override
+        from train.core.config.reading import dashed_override
         for arg in args:
             problem = dashed_override(arg) if arg.startswith("--") else None
             if problem is not None:

@@ -120,8 +120,8 @@ def _add(p: Prepared, findings: list[Finding]) -> None:
 def _config(p: Prepared) -> None:
     from train.core import usercode
     from train.core.config import check_resume_compatible, load_config
-    from train.core.config.loader import load_overrides
     from train.core.config.origins import config_warnings
+    from train.core.config.reading import load_overrides
     r = p.request
     try:
         if r.command == "launch":

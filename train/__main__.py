@@ -15,8 +15,8 @@ from pathlib import Path
 
 from train.core import failure_log, peers, rundir, threads, tokenscan, usercode
 from train.core.config import check_resume_compatible, load_config, to_yaml
-from train.core.config.loader import dashed_override
 from train.core.config.origins import config_warnings
+from train.core.config.reading import dashed_override
 from train.core.credentials import redacted
 from train.core.errors import EXIT_TRAINING_FAILED, UnfitNodes, UserError, printable
 from train.core.files import write_atomic

@@ -7,7 +7,7 @@ started by :mod:`launcher.comm` with torchrun's variables set by hand. Each stag
 reaches (start, init, matmul, allreduce, done, or error) is written as a report
 (:mod:`train.core.protocol`), with the measurements at the end, so the parent can name
 the rank that hung and where, and judge the ranks as training would
-(:func:`train.core.preflight.judge`).
+(:func:`train.core.nodes.verdict.judge`).
 """
 
 from __future__ import annotations

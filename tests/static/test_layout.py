@@ -191,6 +191,27 @@ def test_no_room_imports_a_top_level_module():
     assert not found, "\n".join(found)
 
 
+# storage move pending: checkpoint/remote.py and data/remote.py (the S3 client and the
+# remote token files) become one storage capability.
+TWINS_ALLOWED = {"remote"}
+
+
+def twins(folder: Path) -> dict[str, list[str]]:
+    """Module file names used in more than one folder of ``folder`` (its rooms, their
+    sub-rooms and its top level), with the folders."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        if path.stem not in ("__init__", "__main__"):
+            where.setdefault(path.stem, []).append(str(path.parent.relative_to(folder.parent)))
+    return {name: dirs for name, dirs in where.items() if len(dirs) > 1}
+
+
+def test_no_module_file_name_in_two_rooms():
+    found = {n: d for n, d in twins(ROOT / "train").items() if n not in TWINS_ALLOWED}
+    assert not found, "rename by what each does:\n" + "\n".join(
+        f"{name}.py in {', '.join(dirs)}" for name, dirs in found.items())
+
+
 def import_graph(folder: str = "train") -> dict[str, set[str]]:
     """module -> the modules of ``folder`` it imports (lazy imports included)."""
     names = {module_name(p) for p in modules(folder)}
@@ -251,6 +272,7 @@ def test_a_new_top_level_module_and_a_twin_are_found(tmp_path):
         (tmp_path / name).write_text("")
     found = top_level_problems(tmp_path / "train")
     assert found[0].startswith("train/helpers.py: pick a room: ") and len(found) == 3
+    assert twins(tmp_path / "train") == {"io": ["train/rooma", "train/roomb/sub"]}
 
 
 def test_the_rules_catch_a_violation(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The preflight check's rule (train/core/preflight.py): every rank's measurements in,
+"""The preflight check's rule (train/core/nodes/verdict.py): every rank's measurements in,
 the lines rank 0 prints out; when a run checks at all; its config keys; what it
 records; ``doctor --comm`` judging its probes alike; and one rank's measurement for real
 (a process group of one, in a subprocess). Real multi-node runs:
@@ -19,7 +19,7 @@ from train.core import protocol, rundir
 from train.core.config import load_config
 from train.core.errors import ConfigError
 from train.core.identity import WorkerIdentity
-from train.core.preflight import RankResult, judge
+from train.core.nodes.verdict import RankResult, judge
 
 MIB = 1 << 20
 

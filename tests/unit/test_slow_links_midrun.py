@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from train.core.identity import WorkerIdentity
-from train.core.preflight import RankResult
+from train.core.nodes.verdict import RankResult
 from train.observe import slowlinks
 from train.observe.slowlinks import CommWait, LinkFinding, SlowLinks
 

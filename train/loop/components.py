@@ -24,7 +24,7 @@ from train.core.config.checks import check_batch_memory
 from train.core.errors import CannotRunHere
 from train.core.host import OUTPUT_DIR_FIX, available_memory, output_dir_problem
 from train.core.identity import WorkerIdentity
-from train.core.preflight import Verdict
+from train.core.nodes.verdict import Verdict
 from train.data.builders import DataBundle, build_data
 from train.data.loader import make_loader
 from train.data.order import GlobalOrder, RankBatchSampler

@@ -18,7 +18,7 @@ import torch
 
 from train.core.config import Config
 from train.core.identity import WorkerIdentity
-from train.core.preflight import RankResult
+from train.core.nodes.verdict import RankResult
 from train.distributed import ranks
 from train.observe.slowlinks import LinkFinding, SlowLinks
 from train.observe.stragglers import Finding, StepPhases, Stragglers

@@ -16,7 +16,7 @@ than the run): :func:`~.origins.config_warnings`.
 """
 
 from train.core.config.checks import batch_split
-from train.core.config.loader import load_config, parse_override, to_yaml
+from train.core.config.reading import load_config, parse_override, to_yaml
 from train.core.config.resume import check_checkpoint_config, check_resume_compatible
 from train.core.config.schema import (
                                  AUTO,
