@@ -217,7 +217,7 @@ def _command_name() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if _command_name() == "trainpod":  # what the run's closing lines tell the user to type
-        from train.core.identity import COMMAND_VAR
+        from train.core.run.identity import COMMAND_VAR
         os.environ[COMMAND_VAR] = "trainpod"
     if not argv or argv[0] in ("-h", "--help", "help") or \
             (argv[0] in COMMANDS and argv[0] != "launch" and
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> NoReturn:
     """The command's process (entrypoint.py, ``trainpod``): main's exit code, without the
-    interpreter's teardown (:func:`train.core.host.exit_now`), which after a stop would
+    interpreter's teardown (:func:`train.core.machine.host.exit_now`), which after a stop would
     spend the platform's grace period (SLURM's KillWait) on a node starved of CPU."""
-    from train.core.host import exit_now
+    from train.core.machine.host import exit_now
     exit_now(main())

@@ -22,10 +22,10 @@ import tempfile
 import time
 from collections.abc import Mapping
 
-from train.core import protocol
 from train.core.config import DistributedConfig
-from train.core.identity import STATUS_DIR_VAR
 from train.core.nodes import verdict as preflight
+from train.core.run import protocol
+from train.core.run.identity import STATUS_DIR_VAR
 
 SLOW_RATIO = DistributedConfig().preflight_slow_ratio  # distributed.preflight_slow_ratio
 

@@ -20,7 +20,7 @@ from typing import Any
 from launcher import amd, nvidia
 from launcher.environ import Environ
 from launcher.hardware import Hardware, TorchBuild
-from train.core.host import available_cpus, available_memory
+from train.core.machine.host import available_cpus, available_memory
 
 
 def detect(env: Environ, nvml: Any | None = None, load_nvml: bool = True) -> Hardware:

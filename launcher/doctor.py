@@ -23,7 +23,7 @@ from launcher.environ import Environ
 from launcher.hardware import Finding, TorchBuild
 from train.core.config import DistributedConfig
 from train.core.credentials import redacted
-from train.core.host import read_build_manifest
+from train.core.machine.host import read_build_manifest
 
 GIB = 1024 ** 3
 

@@ -34,8 +34,8 @@ from launcher.environ import Environ
 from launcher.hardware import Finding, Hardware, TorchBuild
 from launcher.plan import Plan
 from launcher.plan import plan as make_plan
-from train.core import rundir
 from train.core.errors import CannotRunHere, ConfigError, UserError
+from train.core.run import rundir
 
 if TYPE_CHECKING:
     pass
@@ -118,10 +118,10 @@ def _add(p: Prepared, findings: list[Finding]) -> None:
 
 
 def _config(p: Prepared) -> None:
-    from train.core import usercode
     from train.core.config import check_resume_compatible, load_config
     from train.core.config.origins import config_warnings
     from train.core.config.reading import load_overrides
+    from train.core.user import usercode
     r = p.request
     try:
         if r.command == "launch":

@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from train.core import rundir
 from train.core.errors import ConfigError, UserError
+from train.core.run import rundir
 
 BYTES = 256
 

@@ -156,6 +156,12 @@ MOST_TOP_LEVEL = 12
 ROOMS = ("checkpoint", "core", "data", "distributed", "export", "guards", "loop", "models",
          "observe")
 
+# train/core/ (torch-free) in sub-rooms by concern; at its top, what every sub-room uses
+# and the object-storage modules.
+CORE_TOP_LEVEL = ("__init__", "errors", "files", "bulk", "credentials", "remote_config",
+                  "remote_lease")
+CORE_ROOMS = ("config", "datasets", "machine", "nodes", "run", "user")
+
 # The process entries: they may import the rooms, never the other way round.
 ENTRIES = ("train", *(f"train.{m}" for m in TOP_LEVEL if m != "__init__"),
            "train.export.__main__")
@@ -167,13 +173,16 @@ def room_rule(name: str) -> str | None:
     return None
 
 
-def top_level_problems(folder: Path) -> list[str]:
-    found = [f"train/{p.name}: pick a room: {', '.join(ROOMS)} (or, for a new process entry, "
-             f"add it to TOP_LEVEL in tests/static/test_layout.py with the reason)"
-             for p in sorted(folder.glob("*.py")) if p.stem not in TOP_LEVEL]
-    found += [f"train/{p.name}/: a new room; add it to ROOMS with its concern"
+def top_level_problems(folder: Path, top=TOP_LEVEL, rooms=ROOMS) -> list[str]:
+    last_train = len(folder.parts) - 1 - folder.parts[::-1].index("train")
+    where = "/".join(folder.parts[last_train:])  # train or train/core
+    found = [f"{where}/{p.name}: pick a room: {', '.join(rooms)} (or add it to the list of "
+             f"{where}'s top level in tests/static/test_layout.py, with the reason)"
+             for p in sorted(folder.glob("*.py")) if p.stem not in top]
+    found += [f"{where}/{p.name}/: a new room; add it to the list of {where}'s rooms in "
+              "tests/static/test_layout.py, with its concern"
               for p in sorted(folder.iterdir())
-              if (p / "__init__.py").is_file() and p.name not in ROOMS]
+              if (p / "__init__.py").is_file() and p.name not in rooms]
     return found
 
 
@@ -182,6 +191,12 @@ def test_train_top_level_holds_only_the_listed_modules_and_rooms():
     found = top_level_problems(ROOT / "train")
     assert not found, "\n".join(found)
     assert all((ROOT / "train" / f"{m}.py").is_file() for m in TOP_LEVEL), "listed but gone"
+
+
+def test_train_core_top_level_holds_only_the_listed_modules_and_sub_rooms():
+    found = top_level_problems(ROOT / "train" / "core", CORE_TOP_LEVEL, CORE_ROOMS)
+    assert not found, "\n".join(found)
+    assert all((ROOT / "train" / "core" / f"{m}.py").is_file() for m in CORE_TOP_LEVEL)
 
 
 def test_no_room_imports_a_top_level_module():
@@ -219,7 +234,7 @@ def import_graph(folder: str = "train") -> dict[str, set[str]]:
     for path in modules(folder):
         found = set()
         for _, name in imports(path, run_time_only=True):
-            while name and name not in names:  # train.core.rundir.LATEST -> train.core.rundir
+            while name and name not in names:  # train.core.run.rundir.LATEST -> ...rundir
                 name = name.rpartition(".")[0]
             if name and name != module_name(path):
                 found.add(name)

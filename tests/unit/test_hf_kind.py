@@ -148,7 +148,7 @@ def test_a_truncated_pretrained_weights_file_is_one_line_naming_it(tmp_path):
 
 def problem(tmp_path, *overrides: str) -> str:
     """The one line a config of kind hf with these overrides is refused with."""
-    from train.core import usercode
+    from train.core.user import usercode
     config = write_config(tmp_path / "c.yaml", merge(TINY_HF, {"output": {"dir": str(tmp_path)}}))
     with pytest.raises(ConfigError) as err:
         cfg = load_config(config, list(overrides))
@@ -197,7 +197,7 @@ def test_the_launcher_refuses_a_bad_value_before_any_worker_starts(tmp_path):
 
 
 def test_without_transformers_kind_hf_is_exit_3_naming_the_extra(tmp_path, monkeypatch):
-    from train.core import usercode
+    from train.core.user import usercode
     config = write_config(tmp_path / "c.yaml", TINY_HF)
     cfg = load_config(config)
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
@@ -264,7 +264,7 @@ def test_overrides_build_the_model_their_configuration_class_builds(tmp_path):
 
 
 def test_overrides_the_configuration_class_refuses_are_one_line_naming_the_key(tmp_path):
-    from train.core import usercode
+    from train.core.user import usercode
     tree = merge(TINY_HF, {})
     tree["model"]["args"] = {"config": "LlamaConfig", "overrides": {**LLAMA, "hidden_size": 30}}
     config = write_config(tmp_path / "c.yaml", tree)

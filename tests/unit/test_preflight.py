@@ -15,11 +15,11 @@ import pytest
 import yaml
 
 from tests.harness.runs import QUICKSTART, TINY_MLP, limit, worker_env
-from train.core import protocol, rundir
 from train.core.config import load_config
 from train.core.errors import ConfigError
-from train.core.identity import WorkerIdentity
 from train.core.nodes.verdict import RankResult, judge
+from train.core.run import protocol, rundir
+from train.core.run.identity import WorkerIdentity
 
 MIB = 1 << 20
 
@@ -182,7 +182,7 @@ def test_one_rank_measures_for_real():
     code = textwrap.dedent("""\
         import datetime, json, dataclasses
         import torch, torch.distributed as dist
-        from train.core.identity import WorkerIdentity
+        from train.core.run.identity import WorkerIdentity
         from train.guards import preflight
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=60))

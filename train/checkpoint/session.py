@@ -20,8 +20,8 @@ from train.checkpoint.state import Restored, TrainState, payload, rank_payload, 
 from train.core.config import check_checkpoint_config, to_dict
 from train.core.config.resume import check_same_data
 from train.core.errors import EXIT_OK, EXIT_ONLY_LOCAL
-from train.core.protocol import Reporter
 from train.core.remote_config import said
+from train.core.run.protocol import Reporter
 from train.guards.divergence import Guard
 from train.loop.components import Components
 from train.models import hf

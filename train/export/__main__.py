@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from train.core import rundir
 from train.core.errors import UserError
+from train.core.run import rundir
 from train.export.writing import export
 from train.observe.trackers import upload_export
 

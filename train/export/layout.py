@@ -16,9 +16,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from train.core import rundir
 from train.core.errors import ConfigError
 from train.core.files import create_new, sha256_file
+from train.core.run import rundir
 from train.export.tokenizer import TOKENIZER_FILES
 
 # What an export writes; model.json lists them, and a later export replaces only these.

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from train.core import rundir
 from train.core.errors import CannotRunHere, ConfigError
+from train.core.run import rundir
 from train.export.layout import EXPORT_FILES, SAFETENSORS, SHARD_INDEX
 
 
@@ -116,7 +116,7 @@ def check_weights_fit(export_dir: Path, shapes, weights: dict, file: str) -> Non
     """model.pt must hold exactly the tensors model.json's model has, shape for shape,
     and the model must fit in the memory left here; checked on ``shapes``, the model
     built on the meta device."""
-    from train.core import host
+    from train.core.machine import host
     expected = shapes.state_dict()
     where = f"{export_dir / file} does not fit {export_dir / rundir.EXPORT_META}"
     missing = sorted(set(expected) - set(weights) - tied_copies(shapes, weights))

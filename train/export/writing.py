@@ -24,8 +24,8 @@ import json
 import sys
 from pathlib import Path
 
-from train.core import rundir
 from train.core.errors import CannotRunHere, ConfigError
+from train.core.run import rundir
 from train.export import tokenizer as export_tokenizer
 from train.export.layout import (
     EXPORT_FILES,

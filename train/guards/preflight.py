@@ -47,12 +47,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from train.core import rundir
 from train.core.config import Config
 from train.core.errors import UnfitNodes
 from train.core.files import write_json_atomic
-from train.core.identity import WorkerIdentity
 from train.core.nodes.verdict import FAIL, OFF, RankResult, Verdict, judge
+from train.core.run import rundir
+from train.core.run.identity import WorkerIdentity
 from train.distributed import ranks
 from train.guards import links
 from train.guards.watchdog import PREFLIGHT, Watchdog

@@ -18,13 +18,14 @@ from torch import nn
 
 from train.checkpoint import Checkpointer, formats, remote
 from train.checkpoint.state import TrainState
-from train.core import remote_config, rundir, tracker_config
-from train.core.config import AUTO, Config, batch_split
+from train.core import remote_config
+from train.core.config import AUTO, Config, batch_split, tracking
 from train.core.config.checks import check_batch_memory
 from train.core.errors import CannotRunHere
-from train.core.host import OUTPUT_DIR_FIX, available_memory, output_dir_problem
-from train.core.identity import WorkerIdentity
+from train.core.machine.host import OUTPUT_DIR_FIX, available_memory, output_dir_problem
 from train.core.nodes.verdict import Verdict
+from train.core.run import rundir
+from train.core.run.identity import WorkerIdentity
 from train.data.builders import DataBundle, build_data
 from train.data.loader import make_loader
 from train.data.order import GlobalOrder, RankBatchSampler
@@ -88,7 +89,7 @@ def preflight(cfg: Config, env: WorkerIdentity, source: str) -> Placement:
         raise CannotRunHere(f"{problem}; {OUTPUT_DIR_FIX}")
     rundir.check_no_links(cfg.run_dir)
     if env.is_main:
-        tracker_config.check(cfg, source)
+        tracking.check(cfg, source)
         remote_config.check(cfg.checkpoint.remote, cfg.run.name, source,
                             probe=not env.supervised)  # the launcher probed already
     micro, accum = batch_split(cfg, env.world_size, source)

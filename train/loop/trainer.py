@@ -27,12 +27,13 @@ from train.checkpoint.left_behind import Run, upload_left_behind
 from train.checkpoint.policy import Cadence
 from train.checkpoint.session import finish_uploads, node_local, resume, save_checkpoint
 from train.checkpoint.state import TrainState
-from train.core import rundir, runlock, usercode
 from train.core.config import AUTO, Config, to_yaml
 from train.core.errors import EXIT_OK, EXIT_PEER_STOPPED, EXIT_STOPPED_BY_SIGNAL, Diverged
 from train.core.files import finished_step, write_atomic, write_json_atomic
-from train.core.identity import WorkerIdentity
-from train.core.protocol import Reporter
+from train.core.run import rundir, runlock
+from train.core.run.identity import WorkerIdentity
+from train.core.run.protocol import Reporter
+from train.core.user import usercode
 from train.data.loader import end_workers
 from train.data.order import eval_indices
 from train.distributed import ranks

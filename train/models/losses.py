@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from train.core import usercode
 from train.core.errors import CannotRunHere, ConfigError
+from train.core.user import usercode
 from train.models.autobatch import is_out_of_memory
 
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]

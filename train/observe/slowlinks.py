@@ -40,9 +40,9 @@ from typing import ClassVar
 
 import torch
 
-from train.core.identity import WorkerIdentity
 from train.core.nodes import link_rule as rule
 from train.core.nodes.verdict import RankResult
+from train.core.run.identity import WorkerIdentity
 from train.distributed import ranks
 from train.guards import links
 from train.observe.stragglers import FLOOR_S, MIN_COST, window_covers

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from train.core import datafiles, tokenfiles, tokenscan
 from train.core.config import hf_kind
 from train.core.config.origins import ref, source_of, val
+from train.core.datasets import datafiles, tokenfiles, tokenscan
 
 if TYPE_CHECKING:
     from train.core.config.schema import Config
