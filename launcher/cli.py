@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> NoReturn:
     """The command's process (entrypoint.py, ``trainpod``): main's exit code, without the
-    interpreter's teardown (:func:`train.core.machine.host.exit_now`), which after a stop would
+    interpreter's teardown (:func:`train.core.host.exit_now`), which after a stop would
     spend the platform's grace period (SLURM's KillWait) on a node starved of CPU."""
     from train.core.machine.host import exit_now
     exit_now(main())

@@ -87,7 +87,7 @@ def serve(port: int, log: Callable[[str], None], host: str = "0.0.0.0",
             signal.signal(sig, lambda signum, frame: stop.set())
     try:
         # torch's store would listen on every interface whatever host it is given: it
-        # gets a socket bound here instead (train.core.machine.binding)
+        # gets a socket bound here instead (train.core.binding)
         sock, _ = listener(host, port, exact=True)
         bound = sock.getsockname()
         store = dist.TCPStore(host, bound[1], is_master=True, wait_for_workers=False,
