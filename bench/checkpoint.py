@@ -324,7 +324,7 @@ if __name__ == "__main__":
         worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
         # the trainer's workers end the same way: the teardown of gloo's C++ threads
         # aborted a rank now and then after its work was done (exit -6)
-        from train.core.host import exit_now
+        from train.core.machine.host import exit_now
         exit_now(0)
     else:
         main()

@@ -95,7 +95,7 @@ MACHINERY = (
      ("next_batch", "forward", "backward", "update", "take", "observe", "started",
       "gradients_done")),
     ("stop agreement", "train/guards/stopping.py", ("agreed", "pace")),
-    ("gradient norm (clipping, divergence guard)", "train/optim.py", "grad_norm_and_clip"),
+    ("gradient norm (clipping, divergence guard)", "train/models/optim.py", "grad_norm_and_clip"),
     ("divergence guard", "train/guards/divergence.py", ("gradients", "loss")),
     ("checkpoint cadence", "train/checkpoint/policy.py", "due"),
     ("sample counter", "train/checkpoint/state.py", "advance"),
@@ -103,9 +103,9 @@ MACHINERY = (
 # (StepPhases call, the callee's file and function): the work each of those calls runs
 # and times, counted elsewhere (the data) or not machinery at all.
 TIMED_WORK = (("next_batch", "torch/utils/data/dataloader.py", "__next__"),
-              ("forward", "train/losses.py", "__call__"),
+              ("forward", "train/models/losses.py", "__call__"),
               ("backward", "torch/_tensor.py", "backward"),
-              ("update", "train/trainer.py", "optimizer_step"))
+              ("update", "train/loop/trainer.py", "optimizer_step"))
 # The plain loop clips too (clip_grad_norm_): the trainer's machinery beyond it is the rest.
 IN_THE_PLAIN_LOOP = ("data (DataLoader, sampler, the batch)",
                      "gradient norm (clipping, divergence guard)")
@@ -160,10 +160,10 @@ def profile(config: Path, steps: int) -> list[tuple[str, float]]:
     rows = [(label, seconds - timed_work / steps if label == STRAGGLERS else seconds)
             for label, seconds in rows]
     loop_own = sum(v[2] for (f, _, fn), v in stats.items()
-                   if f.endswith("train/trainer.py") and fn in ("train_steps", "train_step",
+                   if f.endswith("train/loop/trainer.py") and fn in ("train_steps", "train_step",
                                                                   "optimizer_step"))
     rows.append(("the loop's own lines", loop_own / steps))
-    whole = cumulative("train/trainer.py", "train_steps") - \
+    whole = cumulative("train/loop/trainer.py", "train_steps") - \
         cumulative("train/checkpoint/session.py", "save_checkpoint")
     rows.append(("whole step (train_steps)", whole / steps))
     return rows

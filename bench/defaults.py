@@ -175,7 +175,7 @@ def plain_step(config: Path, overrides: list[str], batch: int):
 
     from train.data.builders import build_data
     from train.models import build_model
-    from train.optim import build_optimizer
+    from train.models.optim import build_optimizer
     cfg = load_config(config, overrides)
     torch.manual_seed(cfg.seed)
     data = build_data(cfg)

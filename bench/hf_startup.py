@@ -4,7 +4,7 @@ init, 2 processes, gloo), from the command to its first training step, and the t
 process that imports it pays, measured in the same run).
 
 A factory module that imports transformers costs seconds to import; the launcher reads
-the user's code without importing it (train/core/usersource.py), so only the workers
+the user's code without importing it (train/core/user/usersource.py), so only the workers
 pay. The reference is the same dry run with the built-in gpt in place of the factory.
 The phases are those of bench/startup.py: the launcher's checks up to "entrypoint:
 run", the workers' start up to "INFO model", then the first step. Needs transformers

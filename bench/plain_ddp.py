@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from train.core.config import load_config
 from train.data.builders import build_data
 from train.models import build_model
-from train.optim import build_optimizer
+from train.models.optim import build_optimizer
 
 
 def main(config: str, warmup: int, *overrides: str) -> None:

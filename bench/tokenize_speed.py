@@ -28,7 +28,7 @@ PLAIN = """
 import sys, numpy as np
 from pathlib import Path
 from tokenizers import Tokenizer
-from train.core.datafiles import text_files
+from train.core.datasets.datafiles import text_files
 root, tok, out = Path(sys.argv[1]), Tokenizer.from_file(sys.argv[2]), sys.argv[3]
 texts = [p.read_text(encoding="utf-8") for p in text_files(root, "**/*.py")]
 ids = [i for e in tok.encode_batch_fast(texts, add_special_tokens=False) for i in e.ids]
@@ -49,7 +49,7 @@ def measured(cmd: list[str]) -> tuple[float, float]:
 
 def corpus(work: Path, copies: int) -> Path:
     """The standard library's .py files (site-packages left out), ``copies`` times."""
-    from train.core.datafiles import text_files
+    from train.core.datasets.datafiles import text_files
     from train.data.builders import default_text_root
     stdlib = Path(default_text_root())
     folder = work / f"corpus-{copies}"

@@ -107,7 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     if s3server.missing():
         raise SystemExit(f"bench.tokenobjects: {s3server.missing()}")
-    from train.core.tokenfiles import resolve
+    from train.core.datasets.tokenfiles import resolve
     with tempfile.TemporaryDirectory() as tmp, s3server.s3_server(Path(tmp) / "s3") as server:
         work = Path(tmp)
         os.environ.update({k: v for k, v in server.env().items() if k.startswith("AWS_")})

@@ -3,7 +3,7 @@
 launcher's critical path may grow with the data; goal: within 1 s on a warm page cache).
 
 The launcher checks every id of a token file against ``data.vocab_size`` before any
-worker starts (train/core/tokenscan.py); the scan's result is kept in the run directory,
+worker starts (train/core/datasets/tokenscan.py); the scan's result is kept in the run directory,
 so the workers skip it and so does every later start. Three kinds of start, in
 alternating rounds, 2 processes (gloo, 127.0.0.1), both files read once beforehand so
 the page cache holds them: the 1 MiB file; the 1 GiB file in a new run (the launcher
@@ -84,7 +84,7 @@ def data_costs(path: Path, context: int) -> dict[str, float]:
     """Seconds of each part of a start that grows with the file, in this process: the
     launcher's scan (a new run only), the identity a restart checks the record with, the
     manifest's sampled hash, and the permutation of the windows every rank computes."""
-    from train.core.tokenscan import fingerprint, scan
+    from train.core.datasets.tokenscan import fingerprint, scan
     from train.data.builders import _file_hash
     from train.data.order import GlobalOrder
     windows = (path.stat().st_size // 2 - 1) // context

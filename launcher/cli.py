@@ -82,7 +82,7 @@ class _Parser(argparse.ArgumentParser):
 def _reject_dashed_overrides(args: list[str]) -> None:
     """``--optim.lr=1e-3``: one line (exit 2) saying overrides have no dashes."""
     if any(a.startswith("--") for a in args):
-        from train.core.config.loader import dashed_override
+        from train.core.config.reading import dashed_override
         for arg in args:
             problem = dashed_override(arg) if arg.startswith("--") else None
             if problem is not None:
@@ -218,7 +218,7 @@ def _command_name() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if _command_name() == "trainpod":  # what the run's closing lines tell the user to type
-        from train.core.identity import COMMAND_VAR
+        from train.core.run.identity import COMMAND_VAR
         os.environ[COMMAND_VAR] = "trainpod"
     if not argv or argv[0] in ("-h", "--help", "help") or \
             (argv[0] in COMMANDS and argv[0] != "launch" and
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry() -> NoReturn:
     """The command's process (entrypoint.py, ``trainpod``): main's exit code, without the
-    interpreter's teardown (:func:`train.core.host.exit_now`), which after a stop would
+    interpreter's teardown (:func:`train.core.machine.host.exit_now`), which after a stop would
     spend the platform's grace period (SLURM's KillWait) on a node starved of CPU."""
-    from train.core.host import exit_now
+    from train.core.machine.host import exit_now
     exit_now(main())

@@ -33,7 +33,7 @@ arguments and differs in what it says and in one identity detail.
 
 - A store this agent hosts (torchrun's rendezvous store on the node whose name is the
   endpoint, a static job's store on node 0) listens on the address its name resolves
-  to here, not on every interface (:mod:`train.core.binding`); and the rendezvous state
+  to here, not on every interface (:mod:`train.core.machine.binding`); and the rendezvous state
   the agent reads from the store is unpickled with an allow-list
   (:func:`launcher.liveness.rdzv_state.load_state`): a client of the store that writes another
   pickle there cannot run code in the agent.
@@ -42,7 +42,7 @@ C++ warnings of torch's store client (each with its stack frames) are silenced i
 this process only; the workers keep the user's ``TORCH_CPP_LOG_LEVEL``.
 
 Once torchrun has returned (its workers ended, their logs copied), the process ends
-at once (:func:`train.core.host.exit_now`): the interpreter's teardown of a process
+at once (:func:`train.core.machine.host.exit_now`): the interpreter's teardown of a process
 that loaded torch is about 0.6 s of CPU, tens of seconds on a node that leaves it a few
 percent of one, all of it after the stop checkpoint and inside the platform's grace
 period (docs/slurm.md).
@@ -62,10 +62,11 @@ from types import SimpleNamespace
 
 from launcher.liveness.rdzv_state import load_state
 from launcher.running.agent_contract import LOCAL_ID_VAR, STORE_LOST
-from train.core import binding, failure_log, protocol
 from train.core.errors import EXIT_PEER_STOPPED
-from train.core.host import exit_now
-from train.core.identity import STATUS_DIR_VAR
+from train.core.machine import binding
+from train.core.machine.host import exit_now
+from train.core.run import failure_log, protocol
+from train.core.run.identity import STATUS_DIR_VAR
 
 
 def _quiet_cpp_warnings():
@@ -166,7 +167,7 @@ def _account_for_failed_attempts() -> None:
       counts any worker exit as a failure and spends one of ``--max-restarts`` on it;
       here such a restart is given back, so a planned departure costs no restart.
     - Any other failed attempt is recorded in the launcher's status folder
-      (:data:`train.core.protocol.ATTEMPTS`: how each process ended, and which ended
+      (:data:`train.core.run.protocol.ATTEMPTS`: how each process ended, and which ended
       before torchrun stopped the others), so the launcher names a worker that died
       without a word (a signal leaves no report) rather than the ranks that lost their
       connection to it; a restart is said in one line; and an ending a restart cannot
@@ -221,7 +222,7 @@ def _note_the_first_to_end() -> None:
         failed = getattr(self, "_failures", None)
         if failed and getattr(self, _FIRST, None) is None:
             setattr(self, _FIRST, frozenset(failed))
-            # before torch stops the rest: their stop is not the job's (train.core.failure_log)
+            # before torch stops the rest: their stop is not the job's (train.core.run.failure_log)
             failure_log.stopping_after_failure(os.environ.get(STATUS_DIR_VAR), now=True)
 
     context._capture_process_failures = capture_noting_first

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tools.stages import Recorder, Result, run_limited, stop_group
-from train.core import rundir
+from train.core.run import rundir
 
 ROOT = Path(__file__).resolve().parent.parent
 # Pure-Python packages a bare GPU machine may lack, taken from a carried .venv.

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from tools.oci import Failed
-from train.core import rundir
+from train.core.run import rundir
 
 
 def check_labels(labels: dict) -> str:

@@ -54,7 +54,7 @@ from tools.image_checks import (
 )
 from tools.locks import pytest_requirements
 from tools.oci import ROOT, Engine, Failed, log, sh
-from train.core import rundir
+from train.core.run import rundir
 
 
 def dockerfile_arg(name: str, file: str = "Dockerfile.cpu") -> str:

@@ -13,16 +13,19 @@ import os
 import sys
 from pathlib import Path
 
-from train.core import failure_log, peers, rundir, threads, tokenscan, usercode
 from train.core.config import check_resume_compatible, load_config, to_yaml
-from train.core.config.loader import dashed_override
 from train.core.config.origins import config_warnings
+from train.core.config.reading import dashed_override
 from train.core.credentials import redacted
+from train.core.datasets import tokenscan
 from train.core.errors import EXIT_TRAINING_FAILED, UnfitNodes, UserError, printable
 from train.core.files import write_atomic
-from train.core.host import exit_now
-from train.core.identity import WorkerIdentity, check_environ
-from train.core.protocol import Reporter
+from train.core.machine import threads
+from train.core.machine.host import exit_now
+from train.core.run import failure_log, peers, rundir
+from train.core.run.identity import WorkerIdentity, check_environ
+from train.core.run.protocol import Reporter
+from train.core.user import usercode
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -76,7 +79,7 @@ def run(argv: list[str], reporter: Reporter | None = None) -> tuple[int, str | N
         usercode.check(cfg, args.config, module=not env.supervised)
         check_resume_compatible(cfg, args.config)
         tokenscan.record(cfg.run_dir)  # a bare worker's scan of the token files, if any
-        from train.trainer import train  # torch is imported only when training
+        from train.loop.trainer import train  # torch is imported only when training
         return train(cfg, args.config, reporter=reporter), None
     except UserError as exc:
         # with the traceback of what your own code raised, when that is the cause
@@ -107,7 +110,7 @@ def _ident(reporter: Reporter | None) -> WorkerIdentity:
 
 
 def _kept(reporter: Reporter | None, kept: Path | None) -> bool:
-    """The failure went to this rank's log folder (:mod:`train.core.failure_log`): the
+    """The failure went to this rank's log folder (:mod:`train.core.run.failure_log`): the
     report names the file, for the launcher's line."""
     if kept is not None and reporter is not None:
         reporter.details = str(kept)

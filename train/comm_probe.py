@@ -5,9 +5,9 @@ step 1 of a multi-node run), say how far it got.
 ``python -m train.comm_probe --device gpu|cpu --backend nccl|gloo|mpi --timeout S``,
 started by :mod:`launcher.comm` with torchrun's variables set by hand. Each stage it
 reaches (start, init, matmul, allreduce, done, or error) is written as a report
-(:mod:`train.core.protocol`), with the measurements at the end, so the parent can name
+(:mod:`train.core.run.protocol`), with the measurements at the end, so the parent can name
 the rank that hung and where, and judge the ranks as training would
-(:func:`train.core.preflight.judge`).
+(:func:`train.core.nodes.verdict.judge`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from train.core.host import exit_now
-from train.core.protocol import COMM, Probe, Reporter
+from train.core.machine.host import exit_now
+from train.core.run.protocol import COMM, Probe, Reporter
 
 STAGES = ("start", "init", "matmul", "allreduce", "done")
 

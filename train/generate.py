@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from train.core import rundir
 from train.core.errors import ConfigError, UserError
+from train.core.run import rundir
 
 BYTES = 256
 
@@ -58,7 +58,7 @@ def sample(model, prompt: bytes, count: int, *, temperature: float, top_k: int,
            seed: int, context: int) -> bytes:
     import torch
 
-    from train.losses import logits_of  # a tensor, or a ModelOutput holding the logits
+    from train.models.losses import logits_of  # a tensor, or a ModelOutput holding the logits
     generator = torch.Generator().manual_seed(seed)
     ids = torch.tensor([list(prompt)], dtype=torch.long)
     with torch.no_grad():

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from train.core import placement
 from train.core.config import AUTO
 from train.core.errors import CannotRunHere
-from train.core.identity import WorkerIdentity
+from train.core.machine import placement
+from train.core.run.identity import WorkerIdentity
 from train.data.loader import loader_worker_init
 from train.distributed.ranks import keep_until_exit
 from train.distributed.stores import bind_store_servers

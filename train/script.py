@@ -3,13 +3,13 @@
 
 torchrun (or the launcher, for one process) starts this in place of the trainer for
 ``entrypoint.py launch``. It runs the script as ``__main__`` (as ``python SCRIPT`` would:
-``sys.argv``, ``sys.path[0]``), and leaves a :class:`~train.core.protocol.Report` of how it
+``sys.argv``, ``sys.path[0]``), and leaves a :class:`~train.core.run.protocol.Report` of how it
 ended, so the launcher can name the failing rank in one line and map the exit codes as
 for training. Like a training worker, it stops when its parent (torchrun or the
 launcher) dies.
 
 It ends the way the trainer does, without the interpreter's finalisation
-(:func:`train.core.host.exit_now`): there, the destructors of a gloo process group's C++
+(:func:`train.core.machine.host.exit_now`): there, the destructors of a gloo process group's C++
 threads now and then abort a rank that has finished ("terminate called without an active
 exception"), which read as a failed run. What a script may rely on from a normal exit
 still happens first, in Python's order: its non-daemon threads are joined, then its
@@ -27,10 +27,10 @@ import threading
 import traceback
 from pathlib import Path
 
-from train.core import peers
-from train.core.host import die_with_parent, exit_now
-from train.core.identity import WorkerIdentity
-from train.core.protocol import Reporter
+from train.core.machine.host import die_with_parent, exit_now
+from train.core.run import peers
+from train.core.run.identity import WorkerIdentity
+from train.core.run.protocol import Reporter
 
 
 def run(argv: list[str]) -> tuple[int, str | None]:

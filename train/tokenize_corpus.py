@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from train.core.config.schema import DataConfig
-from train.core.datafiles import text_files
+from train.core.datasets.datafiles import text_files
 from train.core.errors import EXIT_STOPPED_BY_SIGNAL, CannotRunHere, ConfigError, UserError
 from train.core.files import sha256_file
 

@@ -2,7 +2,7 @@
 
 torchrun (or the launcher, for a single process) starts ``python -m train.worker
 CONFIG [overrides]``. This runs the worker in-process and leaves a
-:class:`~train.core.protocol.Report` (exit code, error, log folder) in the launcher's
+:class:`~train.core.run.protocol.Report` (exit code, error, log folder) in the launcher's
 status folder, so the launcher can map torchrun's result to the user-facing exit
 codes and name the failing rank in one line. Before it trains, it asks the protocol
 whether an earlier attempt already ended in a way a restart cannot change.
@@ -13,10 +13,10 @@ from __future__ import annotations
 import signal
 import sys
 
-from train.core import failure_log
 from train.core.errors import EXIT_TRAINING_FAILED
-from train.core.host import die_with_parent, exit_now
-from train.core.protocol import Reporter
+from train.core.machine.host import die_with_parent, exit_now
+from train.core.run import failure_log
+from train.core.run.protocol import Reporter
 
 
 def refused(reporter: Reporter) -> int | None:
@@ -41,7 +41,7 @@ def refused(reporter: Reporter) -> int | None:
 
 
 def _say(reporter: Reporter, line: str) -> None:
-    """On the console, unless the launcher's last line says it (train.core.failure_log)."""
+    """On the console, unless the launcher's last line says it (train.core.run.failure_log)."""
     if failure_log.kept_off_console(reporter.ident, line) is None:
         print(line, file=sys.stderr)
 

@@ -5,7 +5,7 @@ set by hand, and each process records the stage it reached (start, init, matmul,
 all-reduce, done) in a report file as it goes. When the deadline passes, the parent
 stops them and names each rank by the stage it was stuck in — the usual NCCL hang
 gives no hint of which rank is missing. The ranks that finished are judged as training
-judges them before step 1 (:func:`train.core.preflight.judge`): the same lines.
+judges them before step 1 (:func:`train.core.nodes.verdict.judge`): the same lines.
 
 Each child runs :mod:`train.comm_probe` (it imports torch; this module does not).
 """
@@ -22,9 +22,10 @@ import tempfile
 import time
 from collections.abc import Mapping
 
-from train.core import preflight, protocol
 from train.core.config import DistributedConfig
-from train.core.identity import STATUS_DIR_VAR
+from train.core.nodes import verdict as preflight
+from train.core.run import protocol
+from train.core.run.identity import STATUS_DIR_VAR
 
 SLOW_RATIO = DistributedConfig().preflight_slow_ratio  # distributed.preflight_slow_ratio
 

@@ -25,7 +25,7 @@ from launcher.detection.hardware import Finding, TorchBuild
 from launcher.planning.variables import Environ
 from train.core.config import DistributedConfig
 from train.core.credentials import redacted
-from train.core.host import read_build_manifest
+from train.core.machine.host import read_build_manifest
 
 GIB = 1024 ** 3
 

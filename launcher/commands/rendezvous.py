@@ -80,15 +80,15 @@ def serve(port: int, log: Callable[[str], None], host: str = "0.0.0.0",
     """Serve the store on ``host`` (its address: nothing else listens) until stopped."""
     import torch.distributed as dist
 
-    from train.core.binding import listener
     from train.core.errors import CannotRunHere
+    from train.core.machine.binding import listener
     stop = stop or threading.Event()
     if install_signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: stop.set())
     try:
         # torch's store would listen on every interface whatever host it is given: it
-        # gets a socket bound here instead (train.core.binding)
+        # gets a socket bound here instead (train.core.machine.binding)
         sock, _ = listener(host, port, exact=True)
         bound = sock.getsockname()
         store = dist.TCPStore(host, bound[1], is_master=True, wait_for_workers=False,

@@ -9,7 +9,7 @@ on torch 2.13 that round completes only with the rendezvous store not shared
 Nothing of a run on one node needs another machine, so nothing listens beyond
 loopback: torchrun's store is at ``localhost`` (``--standalone``) and the workers'
 process group meets at ``--local-addr 127.0.0.1`` (both bound there by
-:mod:`train.core.binding`), and gloo (and NCCL's bootstrap) use the loopback interface
+:mod:`train.core.machine.binding`), and gloo (and NCCL's bootstrap) use the loopback interface
 (``GLOO_SOCKET_IFNAME=lo``, ``NCCL_SOCKET_IFNAME=lo``, unless an interface is named).
 """
 

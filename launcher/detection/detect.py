@@ -20,7 +20,7 @@ from typing import Any
 from launcher.detection import amd, nvidia
 from launcher.detection.hardware import Hardware, TorchBuild
 from launcher.planning.variables import Environ
-from train.core.host import available_cpus, available_memory
+from train.core.machine.host import available_cpus, available_memory
 
 
 def detect(env: Environ, nvml: Any | None = None, load_nvml: bool = True) -> Hardware:

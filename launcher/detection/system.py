@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from launcher.detection.hardware import Finding
-from train.core.host import OUTPUT_DIR_FIX, output_dir_problem
+from train.core.machine.host import OUTPUT_DIR_FIX, output_dir_problem
 
 GIB = 1024 ** 3
 SHM_MIN_BYTES = GIB

@@ -3,13 +3,13 @@ workers' reports is worded here, nowhere else (those the supervisor decides itse
 :mod:`launcher.endings.verdicts`).
 
 :func:`classify` reads the child's exit status, the signals that arrived and the
-workers' reports (:mod:`train.core.protocol`) as an :class:`Ending`, and takes the first
+workers' reports (:mod:`train.core.run.protocol`) as an :class:`Ending`, and takes the first
 rule of :data:`RULES` whose condition holds: an ordered table, as torchx maps scheduler
 states, so that which ending wins over which is read from top to bottom.
 
 The first rank to fail is the root cause. A rank killed by a signal (out of memory, kill
 -9) or crashed in native code writes no report; torchrun's record of the attempt
-(:class:`~train.core.protocol.Attempt`) says how it ended and that it ended before
+(:class:`~train.core.run.protocol.Attempt`) says how it ended and that it ended before
 torchrun stopped the others: it is named, not the ranks that then failed on the
 connection it closed. Except for a hang: a rank that stopped making
 progress makes the others time out in a collective, and they often report first. The
@@ -36,8 +36,8 @@ from train.core.errors import (
     EXIT_STORE_LOST,
     EXIT_TRAINING_FAILED,
 )
-from train.core.peers import lost_peer
-from train.core.protocol import Exit, Report, restart_can_help
+from train.core.run.peers import lost_peer
+from train.core.run.protocol import Exit, Report, restart_can_help
 
 # Workers that stopped with their checkpoint: told to, or with another node that was.
 STOPPED = (EXIT_STOPPED_BY_SIGNAL, EXIT_PEER_STOPPED)
@@ -109,7 +109,7 @@ def _log(r: Report) -> str:
 
 def _details(r: Report) -> str:
     """Where a failed rank's error is: the file it kept it in, off the console
-    (:mod:`train.core.failure_log`), else its log."""
+    (:mod:`train.core.run.failure_log`), else its log."""
     return f"its log {r.details}" if r.details else _log(r)
 
 

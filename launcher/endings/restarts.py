@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from launcher.endings.outcome import Ending, ended_without_a_word
-from train.core.peers import lost_peer
-from train.core.protocol import Exit, Report
+from train.core.run.peers import lost_peer
+from train.core.run.protocol import Exit, Report
 
 
 def cause(e: Ending) -> str:

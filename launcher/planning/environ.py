@@ -23,7 +23,7 @@ from launcher.planning.variables import (
     text,
     variable_error,
 )
-from train.core.host import DEFAULT_BUILD_MANIFEST
+from train.core.machine.host import DEFAULT_BUILD_MANIFEST
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:

@@ -26,20 +26,21 @@ from launcher.detection.compat import check_build
 from launcher.detection.hardware import Hardware, TorchBuild
 from launcher.planning.variables import Environ
 from launcher.planning.worker_variables import WorkerVariables, direct_worker_identity
-from train.core import rundir, tracker_config
-from train.core.comm_defaults import worker_defaults
 from train.core.config import AUTO, Config, batch_split
+from train.core.config import tracking as tracker_config
 from train.core.config.checks import check_batch_memory, check_model_memory
 from train.core.config.origins import config_warnings, origin_note, source_of
 from train.core.errors import CannotRunHere, ConfigError
-from train.core.placement import (
+from train.core.machine.comm_defaults import worker_defaults
+from train.core.machine.placement import (
     backend_problem,
     check_gpu_only,
     one_process_problem,
     resolve_backend,
     runs_one_process,
 )
-from train.core.threads import SPIN_COUNT, WAIT_POLICY, thread_defaults
+from train.core.machine.threads import SPIN_COUNT, WAIT_POLICY, thread_defaults
+from train.core.run import rundir
 
 WORKER_MODULE = "train.worker"
 SHUTDOWN_TIMEOUT_VAR = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"  # torchrun's --shutdown-timeout

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from train.core.host import DEFAULT_BUILD_MANIFEST
+from train.core.machine.host import DEFAULT_BUILD_MANIFEST
 
 DEFAULT_DNS_WAIT_S = 300.0
 

@@ -14,19 +14,20 @@ from typing import TYPE_CHECKING
 from launcher.detection import system
 from launcher.running.prepared import Prepared
 from launcher.running.requeue import requeue, requeue_without
-from train.core import rundir
 from train.core.errors import EXIT_STOPPED_BY_SIGNAL
+from train.core.run import rundir
 
 if TYPE_CHECKING:
     from launcher.endings.outcome import Outcome
     from launcher.running.signals import Forwarder
-    from train.core.runlock import RunLock
+    from train.core.run.runlock import RunLock
 
 
 def execute(p: Prepared, log: Callable[[str], None], *, verbose: bool = False) -> int:
     from launcher.conventions.slurm import earlier_incarnation
     from launcher.running.signals import Forwarder
-    from train.core import runlock, tokenscan
+    from train.core.datasets import tokenscan
+    from train.core.run import runlock
     plan, cfg = p.plan, p.cfg
     if _finished_already(p, log):
         return _upload_left_behind(p, log)
@@ -63,7 +64,8 @@ def _remote_lease(p: Prepared, log: Callable[[str], None], job: str):
     if not p.cfg.checkpoint.remote:
         return None
     from launcher.conventions.slurm import earlier_incarnation
-    from train.core import remote_lease, runlock
+    from train.core import remote_lease
+    from train.core.run import runlock
     return remote_lease.acquire(p.cfg.checkpoint.remote, p.cfg.run.name, job,
                                 runlock.LeaseTimes.of(p.cfg), log,
                                 ended=earlier_incarnation(job))
@@ -93,7 +95,7 @@ def _upload_left_behind(p: Prepared, log: Callable[[str], None]) -> int:
     import sys
 
     from launcher.conventions.slurm import earlier_incarnation
-    from train.core import runlock
+    from train.core.run import runlock
     cfg = p.cfg
     lock = runlock.acquire(cfg.run_dir, p.plan.job, runlock.LeaseTimes.of(cfg), log=log,
                            ended=earlier_incarnation(p.plan.job))

@@ -34,8 +34,8 @@ from launcher.planning import environ as environ_mod
 from launcher.planning.plan import plan as make_plan
 from launcher.planning.variables import Environ
 from launcher.running.prepared import Prepared, Request
-from train.core import rundir
 from train.core.errors import CannotRunHere, ConfigError, UserError
+from train.core.run import rundir
 
 APP_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -76,10 +76,10 @@ def _add(p: Prepared, findings: list[Finding]) -> None:
 
 
 def _config(p: Prepared) -> None:
-    from train.core import usercode
     from train.core.config import check_resume_compatible, load_config
-    from train.core.config.loader import load_overrides
     from train.core.config.origins import config_warnings
+    from train.core.config.reading import load_overrides
+    from train.core.user import usercode
     r = p.request
     try:
         if r.command == "launch":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tests.harness.procs import environ, worker_of_rank
 from tests.harness.runs import ENTRY, TINY_MLP, clean_env, limit, merge, write_config
-from train.core.protocol import Report
+from train.core.run.protocol import Report
 
 SLEEPY = '''\
 import os, time

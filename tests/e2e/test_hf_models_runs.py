@@ -132,7 +132,7 @@ def test_the_fsdp_runs_export_loads_with_from_pretrained_and_computes_its_logits
     finally:
         sys.path.remove(str(project))
     from train.checkpoint.sharded import full_model_state
-    from train.core.rundir import SHARDS
+    from train.core.run.rundir import SHARDS
     run = project / "runs" / "ref-fsdp"
     out = entry("export", str(run), cwd=project)
     assert out.returncode == 0, out.stderr[-3000:]

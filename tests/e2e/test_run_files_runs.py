@@ -31,7 +31,7 @@ from tests.harness.runs import (
     tiny_run_config,
     write_config,
 )
-from train.core import rundir
+from train.core.run import rundir
 
 # ------------------------------------------------------------------ the config read again
 

@@ -1,4 +1,4 @@
-"""The run directory's lease (train/core/runlock.py) taken over from a running launch: the
+"""The run directory's lease (train/core/run/runlock.py) taken over from a running launch: the
 launch stops without writing more. Real processes and files; the lease's other rules:
 tests/unit/test_run_lease.py."""
 

@@ -33,7 +33,7 @@ from tests.harness.runs import (
     write_config,
 )
 from train.checkpoint import Checkpointer, sharded
-from train.core import rundir
+from train.core.run import rundir
 
 STEPS = 8
 

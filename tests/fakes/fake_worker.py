@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 
-from train.core.protocol import Reporter
+from train.core.run.protocol import Reporter
 
 mode = sys.argv[1]
 reporter = Reporter.from_environ()

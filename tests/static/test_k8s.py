@@ -28,7 +28,7 @@ from launcher.planning.plan import plan
 from tests.harness.runs import ROOT, limit
 from train.core.config import DataConfig, load_config
 from train.core.errors import EXIT_CODES
-from train.core.protocol import restart_can_help
+from train.core.run.protocol import restart_can_help
 
 K8S = ROOT / "k8s"
 VERSIONS = [f"1.{minor}" for minor in range(31, 38)]  # docs/kubernetes.md promises 1.31 to 1.37
@@ -419,7 +419,7 @@ def test_only_the_jobs_workers_reach_the_store_and_each_other(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_job_fails_at_once_only_on_codes_a_retry_cannot_change(variant):
     """podFailurePolicy against the launcher's own retry rule
-    (train.core.protocol.restart_can_help): FailJob on exactly the codes a restart cannot
+    (train.core.run.protocol.restart_can_help): FailJob on exactly the codes a restart cannot
     change; every other code is retried (counted by backoffLimitPerIndex)."""
     from train.core import errors
     job = worker(VARIANTS[variant][0])[0]
@@ -436,7 +436,7 @@ def test_the_job_fails_at_once_only_on_codes_a_retry_cannot_change(variant):
 def test_the_volume_permissions_job_fixes_what_fsgroup_does_not_on_nfs():
     """The one-off Job makes the runs volume writable for group 0 (the pods' group) on
     volumes whose driver ignores fsGroup; the message of an unwritable output.dir names it."""
-    from train.core.host import OUTPUT_DIR_FIX
+    from train.core.machine.host import OUTPUT_DIR_FIX
     job = one(K8S / "tools", "Job", "train-volume-permissions")
     spec = job["spec"]["template"]["spec"]
     c = spec["containers"][0]

@@ -8,10 +8,11 @@
 - ``launcher/`` has rooms (detection, planning, conventions, running, endings, liveness,
   commands) and at its top level only the modules of a short list; no module of it
   imports itself back through others;
-- ``train/`` has rooms (``checkpoint/``, ``data/``, ``distributed/``, ``guards/``,
-  ``observe/``, and ``core/``); nothing in a room imports a top-level entry (the
-  ``python -m`` modules), and no module of ``train/`` imports itself back through
-  others (no import circle).
+- ``train/`` has rooms (:data:`ROOMS`) and a short top level (:data:`TOP_LEVEL`: the
+  process entries and the user's API), both held by a list: a new module picks a room;
+  nothing in a room imports a top-level module, and no module of ``train/`` imports
+  itself back through others (no import circle);
+- no module file name is used in two rooms (an import line or a traceback names one file).
 
 The static checks read every import statement, including those inside functions (a
 lazy import is still a dependency); the dynamic ones import for real in a fresh
@@ -139,23 +140,94 @@ def test_train_never_imports_the_launcher():
     assert not found, "\n".join(found)
 
 
-# The process entries, run as python -m train.<name> (the launcher, docs and manifests
-# name them): they may import the rooms, never the other way round.
-ENTRIES = ("train", "train.__main__", "train.worker", "train.script", "train.export",
-           "train.generate", "train.comm_probe", "train.tokenize_corpus")
+# What may live at train/'s top level, and why there: the process entries, run as
+# python -m train.<name> (the launcher, docs and manifests name them), and the API the
+# user's own script imports. Everything else lives in a room.
+TOP_LEVEL = {
+    "__init__": "the package: its version",
+    "__main__": "python -m train: one training process (the loop is loop/'s)",
+    "worker": "python -m train.worker: the supervised worker around __main__",
+    "script": "python -m train.script: the user's script under `launch`",
+    "generate": "python -m train.generate: text from an export",
+    "comm_probe": "python -m train.comm_probe: doctor --comm's measurement",
+    "tokenize_corpus": "python -m train.tokenize_corpus: `tokenize`'s token files",
+    "runtime": "from train import runtime: the API of the user's own script (docs/your-code.md)",
+}
+MOST_TOP_LEVEL = 12
+
+# The rooms of train/, each one concern (docs/architecture.md, "Layers").
+ROOMS = ("checkpoint", "core", "data", "distributed", "export", "guards", "loop", "models",
+         "observe")
+
+# train/core/ (torch-free) in sub-rooms by concern; at its top, what every sub-room uses
+# and the object-storage modules.
+CORE_TOP_LEVEL = ("__init__", "errors", "files", "bulk", "credentials", "remote_config",
+                  "remote_lease")
+CORE_ROOMS = ("config", "datasets", "machine", "nodes", "run", "user")
+
+# The process entries: they may import the rooms, never the other way round.
+ENTRIES = ("train", *(f"train.{m}" for m in TOP_LEVEL if m != "__init__"),
+           "train.export.__main__")
 
 
 def room_rule(name: str) -> str | None:
-    return "a room imports no process entry (python -m train.<entry>)" \
-        if name in ENTRIES else None
+    if name in ENTRIES or any(name.startswith(e + ".") for e in ENTRIES if e != "train"):
+        return "a room imports no top-level module of train (a process entry or the user's API)"
+    return None
 
 
-def test_no_room_imports_a_process_entry():
+def top_level_problems(folder: Path, top=TOP_LEVEL, rooms=ROOMS) -> list[str]:
+    last_train = len(folder.parts) - 1 - folder.parts[::-1].index("train")
+    where = "/".join(folder.parts[last_train:])  # train or train/core
+    found = [f"{where}/{p.name}: pick a room: {', '.join(rooms)} (or add it to the list of "
+             f"{where}'s top level in tests/static/test_layout.py, with the reason)"
+             for p in sorted(folder.glob("*.py")) if p.stem not in top]
+    found += [f"{where}/{p.name}/: a new room; add it to the list of {where}'s rooms in "
+              "tests/static/test_layout.py, with its concern"
+              for p in sorted(folder.iterdir())
+              if (p / "__init__.py").is_file() and p.name not in rooms]
+    return found
+
+
+def test_train_top_level_holds_only_the_listed_modules_and_rooms():
+    assert len(TOP_LEVEL) <= MOST_TOP_LEVEL
+    found = top_level_problems(ROOT / "train")
+    assert not found, "\n".join(found)
+    assert all((ROOT / "train" / f"{m}.py").is_file() for m in TOP_LEVEL), "listed but gone"
+
+
+def test_train_core_top_level_holds_only_the_listed_modules_and_sub_rooms():
+    found = top_level_problems(ROOT / "train" / "core", CORE_TOP_LEVEL, CORE_ROOMS)
+    assert not found, "\n".join(found)
+    assert all((ROOT / "train" / "core" / f"{m}.py").is_file() for m in CORE_TOP_LEVEL)
+
+
+def test_no_room_imports_a_top_level_module():
     rooms = [p for p in (ROOT / "train").iterdir() if (p / "__init__.py").is_file()]
-    assert {p.name for p in rooms} >= {"checkpoint", "core", "data", "distributed", "guards",
-                                       "observe"}
+    assert {p.name for p in rooms} == set(ROOMS)
     found = [v for room in rooms for v in violations(f"train/{room.name}", room_rule)]
     assert not found, "\n".join(found)
+
+
+# storage move pending: checkpoint/remote.py and data/remote.py (the S3 client and the
+# remote token files) become one storage capability.
+TWINS_ALLOWED = {"remote"}
+
+
+def twins(folder: Path) -> dict[str, list[str]]:
+    """Module file names used in more than one folder of ``folder`` (its rooms, their
+    sub-rooms and its top level), with the folders."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        if path.stem not in ("__init__", "__main__"):
+            where.setdefault(path.stem, []).append(str(path.parent.relative_to(folder.parent)))
+    return {name: dirs for name, dirs in where.items() if len(dirs) > 1}
+
+
+def test_no_module_file_name_in_two_rooms():
+    found = {n: d for n, d in twins(ROOT / "train").items() if n not in TWINS_ALLOWED}
+    assert not found, "rename by what each does:\n" + "\n".join(
+        f"{name}.py in {', '.join(dirs)}" for name, dirs in found.items())
 
 
 def import_graph(folder: str = "train") -> dict[str, set[str]]:
@@ -165,7 +237,7 @@ def import_graph(folder: str = "train") -> dict[str, set[str]]:
     for path in modules(folder):
         found = set()
         for _, name in imports(path, run_time_only=True):
-            while name and name not in names:  # train.core.rundir.LATEST -> train.core.rundir
+            while name and name not in names:  # train.core.run.rundir.LATEST -> ...rundir
                 name = name.rpartition(".")[0]
             if name and name != module_name(path):
                 found.add(name)
@@ -263,7 +335,20 @@ def test_a_new_launcher_module_is_told_to_pick_a_room(tmp_path):
 def test_a_circle_and_a_room_importing_an_entry_are_found():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert room_rule("train.worker") and room_rule("train.__main__")
-    assert room_rule("train.checkpoint.state") is None
+    assert room_rule("train.runtime.init") and room_rule("train.export.__main__")
+    assert room_rule("train.checkpoint.state") is None and room_rule("train.export") is None
+    assert room_rule("train.__version__") is None
+
+
+def test_a_new_top_level_module_and_a_twin_are_found(tmp_path):
+    (tmp_path / "train" / "rooma").mkdir(parents=True)
+    (tmp_path / "train" / "roomb" / "sub").mkdir(parents=True)
+    for name in ("train/worker.py", "train/helpers.py", "train/rooma/__init__.py",
+                 "train/rooma/io.py", "train/roomb/sub/io.py", "train/roomb/__init__.py"):
+        (tmp_path / name).write_text("")
+    found = top_level_problems(tmp_path / "train")
+    assert found[0].startswith("train/helpers.py: pick a room: ") and len(found) == 3
+    assert twins(tmp_path / "train") == {"io": ["train/rooma", "train/roomb/sub"]}
 
 
 def test_the_rules_catch_a_violation(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The run directory's names have one owner (train/core/rundir.py): no product module
+"""The run directory's names have one owner (train/core/run/rundir.py): no product module
 spells one itself, and docs/training.md's table lists exactly the layout it defines."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 from tests.harness.runs import ROOT
-from train.core import rundir
+from train.core.run import rundir
 
 PRODUCT = ("train", "launcher", "tools")
-OWNER = ROOT / "train" / "core" / "rundir.py"
+OWNER = ROOT / "train" / "core" / "run" / "rundir.py"
 # Names distinctive anywhere: spelled as a string in product code, they are a second owner.
 FILE_NAMES = (rundir.CONFIG, rundir.MANIFEST, rundir.METRICS, rundir.RESULT, rundir.TRACKERS,
               rundir.DIVERGED, rundir.PREFLIGHT, rundir.LOCK, rundir.FLOCK, rundir.STATE_FILE,
@@ -56,7 +56,7 @@ def stray_names(path: Path) -> list[str]:
 
 def test_no_product_module_spells_a_run_directory_name():
     found = [line for path in product_files() for line in stray_names(path)]
-    assert not found, "use train.core.rundir's names:\n" + "\n".join(found)
+    assert not found, "use train.core.run.rundir's names:\n" + "\n".join(found)
 
 
 def test_the_check_finds_a_stray_name(tmp_path, monkeypatch):

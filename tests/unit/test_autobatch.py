@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from train.autobatch import divisors_descending, largest_fitting
 from train.core.errors import CannotRunHere
+from train.models.autobatch import divisors_descending, largest_fitting
 
 
 def test_divisors_descending():

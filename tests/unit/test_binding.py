@@ -1,4 +1,4 @@
-"""Store servers listen where their clients connect (train/core/binding.py), measured on
+"""Store servers listen where their clients connect (train/core/machine/binding.py), measured on
 the real sockets: torch's TCPStore given a socket the project bound, the standalone
 ``rendezvous --host`` store, and the allow-list that reads torch's rendezvous state.
 The end-to-end half (whole runs, nodes in network namespaces, a pickle written to a
@@ -21,7 +21,7 @@ import pytest
 
 from tests.harness.runs import ENTRY, clean_env, limit, read_until
 from tests.harness.sockets import listening
-from train.core import binding
+from train.core.machine import binding
 
 NOT_HERE = "192.0.2.1"  # TEST-NET-1 (RFC 5737): never an address of this machine
 

@@ -27,7 +27,7 @@ from tests.harness.runs import (
     write_config,
 )
 from train.checkpoint import Checkpointer, retention
-from train.core import rundir
+from train.core.run import rundir
 
 
 def test_resumed_equals_uninterrupted_bitwise(checkpointed_run, tmp_path):
@@ -195,7 +195,7 @@ def test_a_rank_whose_write_failed_leaves_no_partial_even_if_another_wrote_after
 
     from train.checkpoint import CheckpointWriteError
     from train.checkpoint import store as store_module
-    from train.core import rundir
+    from train.core.run import rundir
     exchange, values = threading.Barrier(2, timeout=60), [None, None]
 
     def gather_for(rank):

@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from tests.harness.runs import QUICKSTART, entry, merge, write_config
-from train.core import credentials, tracker_config
-from train.core.config import check_checkpoint_config, load_config
+from train.core import credentials
+from train.core.config import check_checkpoint_config, load_config, tracking
 from train.core.credentials import redacted
 from train.core.errors import ConfigError, printable
 
@@ -123,8 +123,8 @@ def test_redacted_walks_mappings_and_lists():
 def test_everything_printed_passes_it():
     assert printable(f"\x1b[2J http://me:{SECRET}\n@h") == "\\x1b[2J http://***@h"
     long = "x" * 290 + f" http://me:{SECRET}@h"  # cut after hiding, never in the middle
-    assert SECRET[:4] not in tracker_config.said(ValueError(long))
-    assert tracker_config.shown_uri(f"https://h/?token={SECRET}") == "https://h/?token=***"
+    assert SECRET[:4] not in tracking.said(ValueError(long))
+    assert tracking.shown_uri(f"https://h/?token={SECRET}") == "https://h/?token=***"
     from train.distributed.ranks import EscapingFormatter
     try:
         raise ConnectionError(f"API request to http://me:{SECRET}@h/api failed")

@@ -16,7 +16,7 @@ import torch
 from tests.harness.procs import alive
 from tests.harness.runs import ROOT, TINY_GPT, TINY_MLP, limit, merge, worker_env, write_config
 from train.core.config import load_config
-from train.core.host import cgroup_cpu_quota
+from train.core.machine.host import cgroup_cpu_quota
 from train.data.builders import build_data, read_text_corpus
 from train.data.loader import make_loader
 from train.data.order import GlobalOrder, RankBatchSampler, eval_indices

@@ -255,7 +255,7 @@ def test_doctor_sees_listed_but_unusable_amd_gpus(tmp_path):
 
 def test_comm_summary_names_the_rank_that_did_not_answer(tmp_path):
     from launcher.commands import comm
-    from train.core import protocol
+    from train.core.run import protocol
     protocol.write(tmp_path, protocol.Report(rank=0, kind="comm", stage="allreduce"))
     protocol.write(tmp_path, protocol.Report(rank=1, kind="comm", stage="init"))
     result = comm.summarise(str(tmp_path), 3, [0, 1], ["", "", "ImportError: x"], "gpu",

@@ -19,10 +19,10 @@ from tests.harness.runs import (
     worker_env,
     write_config,
 )
-from train import safetensors_io
 from train.core.config import ModelConfig
 from train.core.errors import ConfigError
-from train.export import check_output, load_model
+from train.export import load_model, safetensors_io
+from train.export.writing import check_output
 from train.models import build_model
 
 
@@ -189,7 +189,7 @@ def token_file(tmp_path):
 
 
 def test_the_tokenizer_that_made_the_token_files_is_found_and_written(token_file, tmp_path):
-    from train.export_tokenizer import locate
+    from train.export.tokenizer import locate
     out, bpe = token_file
     found, why_not = locate({"data": {"kind": "tokens", "path": str(out)}}, tmp_path)
     assert why_not is None and found.file == (bpe / "tokenizer.json").resolve()
@@ -211,7 +211,7 @@ def test_the_tokenizer_that_made_the_token_files_is_found_and_written(token_file
 def test_no_tokenizer_is_exported_but_the_one_the_run_trained_with(token_file, tmp_path):
     """Byte-level text needs none; token files without FILE.json, a manifest naming
     another tokenizer and a tokenizer.json changed since are each one line."""
-    from train.export_tokenizer import locate
+    from train.export.tokenizer import locate
     out, bpe = token_file
     tokens = {"data": {"kind": "tokens", "path": str(out)}}
     assert locate({"data": {"kind": "text"}}, tmp_path) == (None, None)

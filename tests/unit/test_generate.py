@@ -142,7 +142,7 @@ def test_a_model_json_naming_a_huge_model_is_refused_before_building_it(gpt_run,
 
 def test_a_model_larger_than_the_memory_left_is_exit_3(gpt_run, tmp_path, monkeypatch):
     """The model's bytes (its shapes, on the meta device) against the memory left."""
-    from train.core import host
+    from train.core.machine import host
     monkeypatch.setattr(host, "available_memory", lambda: 1000)
     with pytest.raises(CannotRunHere, match=r"export: the model needs \d+ MiB, 0 MiB of memory"):
         load_model(copied_export(gpt_run, tmp_path))

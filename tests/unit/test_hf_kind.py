@@ -116,7 +116,7 @@ def test_a_pretrained_directory_is_where_training_starts(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from train.core.config import ModelConfig
-    from train.hf import build
+    from train.models.hf import build
     torch.manual_seed(1)
     saved = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300))
     saved.save_pretrained(tmp_path / "pre")
@@ -132,7 +132,7 @@ def test_a_truncated_pretrained_weights_file_is_one_line_naming_it(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from train.core.config import ModelConfig
-    from train.hf import build
+    from train.models.hf import build
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300)).save_pretrained(
         tmp_path / "pre")
     weights = tmp_path / "pre" / "model.safetensors"
@@ -148,7 +148,7 @@ def test_a_truncated_pretrained_weights_file_is_one_line_naming_it(tmp_path):
 
 def problem(tmp_path, *overrides: str) -> str:
     """The one line a config of kind hf with these overrides is refused with."""
-    from train.core import usercode
+    from train.core.user import usercode
     config = write_config(tmp_path / "c.yaml", merge(TINY_HF, {"output": {"dir": str(tmp_path)}}))
     with pytest.raises(ConfigError) as err:
         cfg = load_config(config, list(overrides))
@@ -197,7 +197,7 @@ def test_the_launcher_refuses_a_bad_value_before_any_worker_starts(tmp_path):
 
 
 def test_without_transformers_kind_hf_is_exit_3_naming_the_extra(tmp_path, monkeypatch):
-    from train.core import usercode
+    from train.core.user import usercode
     config = write_config(tmp_path / "c.yaml", TINY_HF)
     cfg = load_config(config)
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
@@ -247,7 +247,7 @@ def test_overrides_build_the_model_their_configuration_class_builds(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from train.core.config import ModelConfig
-    from train.hf import build
+    from train.models.hf import build
     theirs = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA))
     ours = build(ModelConfig(kind="hf", args={"config": "LlamaConfig", "overrides": LLAMA}),
                  input_shape=(16,), num_classes=256, source="c.yaml")
@@ -264,7 +264,7 @@ def test_overrides_build_the_model_their_configuration_class_builds(tmp_path):
 
 
 def test_overrides_the_configuration_class_refuses_are_one_line_naming_the_key(tmp_path):
-    from train.core import usercode
+    from train.core.user import usercode
     tree = merge(TINY_HF, {})
     tree["model"]["args"] = {"config": "LlamaConfig", "overrides": {**LLAMA, "hidden_size": 30}}
     config = write_config(tmp_path / "c.yaml", tree)
@@ -281,7 +281,7 @@ def test_the_export_keeps_the_cache_on_and_takes_the_tokenizers_special_ids(tmp_
     generation_config.json keeps that. The tokenizer's ids replace Llama's 1 and 2, but
     for those the overrides set."""
     from train.core.config import ModelConfig
-    from train.hf import build, save_pretrained
+    from train.models.hf import build, save_pretrained
     section = {"kind": "hf", "args": {"config": "LlamaConfig",
                                       "overrides": {**LLAMA, "pad_token_id": 7}}}
     model = build(ModelConfig(**section), input_shape=(16,), num_classes=256, source="c.yaml")
@@ -305,8 +305,8 @@ def test_a_run_checkpointed_before_overrides_went_to_the_constructor_exports_as_
 
     from transformers import AutoModelForCausalLM
 
-    from train.export_layout import write_pretrained
-    from train.hf import rebuild
+    from train.export.layout import write_pretrained
+    from train.models.hf import rebuild
     section = {"kind": "hf", "args": {"config": "LlamaConfig", "overrides": LLAMA},
                "context_length": 16}
     io = {"transformers": "LlamaForCausalLM", "num_classes": 256}

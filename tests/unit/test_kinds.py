@@ -8,12 +8,12 @@ import typing
 
 import pytest
 
-from train import losses
 from train.core.config import Config, kinds, types
 from train.core.config.checks import validate
 from train.core.config.origins import Sources
 from train.core.config.schema import DataConfig, ModelConfig
 from train.core.errors import ConfigError
+from train.models import losses
 
 
 @pytest.mark.parametrize("kind", [*kinds.MODEL_KINDS.values(), *kinds.DATA_KINDS.values()],

@@ -30,7 +30,7 @@ from tests.harness.plans import (
 from train.core.config import load_config
 from train.core.errors import CannotRunHere, ConfigError
 
-# How OpenMP threads wait, on every device (train/core/threads.py says why)
+# How OpenMP threads wait, on every device (train/core/machine/threads.py says why)
 WAIT = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 # ------------------------------------------------------------------------ golden plans
@@ -169,7 +169,7 @@ def test_a_users_spin_count_chooses_the_wait_instead_of_the_launchers_policy(cfg
 
 @pytest.mark.parametrize("cpus,nproc,threads", [(8, 1, "8"), (8, 3, "2"), (1, 2, "1")])
 def test_threads_are_the_nodes_cpus_shared_by_its_processes(cfg_file, cpus, nproc, threads):
-    """hw.cpus is the affinity mask capped by the cgroup quota (train/core/host.py)."""
+    """hw.cpus is the affinity mask capped by the cgroup quota (train/core/machine/host.py)."""
     p = make(cfg_file(), [f"distributed.nproc_per_node={nproc}"], hw=Hardware(cpus=cpus))
     assert p.env["OMP_NUM_THREADS"] == threads and p.env["OMP_WAIT_POLICY"] == "PASSIVE"
 

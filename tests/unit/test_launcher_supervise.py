@@ -12,9 +12,9 @@ import time
 from launcher.running.supervise import classify
 from tests.harness.runs import limit
 from tests.harness.supervision import start, wait_ready
-from train.core import protocol
 from train.core.errors import EXIT_ONLY_LOCAL
-from train.core.protocol import Exit, Report, restart_can_help
+from train.core.run import protocol
+from train.core.run.protocol import Exit, Report, restart_can_help
 
 
 def rep(rank: int, code: int, error: str | None = None, restart: int = 0,
@@ -86,7 +86,7 @@ def test_worker_exit_2_or_3_passes_through():
 
 def test_a_worker_error_kept_off_the_console_is_said_once_naming_rank_and_file():
     """Every rank met the same config error and kept it in its log folder
-    (train.core.failure_log): the one line is that error, the first rank and its file."""
+    (train.core.run.failure_log): the one line is that error, the first rank and its file."""
     said = "error: run.yaml: data.factory: make(**data.args) failed: ValueError: no table"
     kept = [dataclasses.replace(rep(r, 2, said, time=t),
                                 details=f"/runs/x/logs/a/attempt_0/{r}/traceback.log")
@@ -103,7 +103,7 @@ def test_a_worker_error_kept_off_the_console_is_said_once_naming_rank_and_file()
 
 def test_older_restart_rounds_are_ignored(tmp_path):
     from launcher.running.supervise import read_reports
-    from train.core import protocol
+    from train.core.run import protocol
     for r in (rep(0, 1, "old", restart=0), rep(1, 0, restart=1)):
         protocol.write(tmp_path, r)
     (tmp_path / "rank-2.json").write_text("{torn")  # a half-written file is skipped

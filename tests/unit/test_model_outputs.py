@@ -15,7 +15,7 @@ from torch import nn
 
 from tests.harness.runs import TINY_GPT, entry, installed, merge, read_metrics, write_config
 from train.core.errors import CannotRunHere, ConfigError
-from train.losses import Objective, logits_of
+from train.models.losses import Objective, logits_of
 
 # fixed ids (up to 7: an embedding of 4 fails on them, one of 8 does not)
 SAMPLE = (torch.tensor([[1, 7, 3, 0, 5]]), torch.tensor([[7, 3, 0, 5, 2]]))
@@ -143,7 +143,7 @@ def test_out_of_memory_on_the_sample_is_exit_3_naming_what_to_change(model):
 
 
 def test_a_loss_without_a_gradient_or_not_a_scalar_is_refused(monkeypatch):
-    import train.losses as losses
+    import train.models.losses as losses
     for fn, words in ((lambda out, y: out.sum().detach(), "without a gradient"),
                       (lambda out, y: out.mean(-1), "tensor of one floating-point value")):
         monkeypatch.setattr(losses.usercode, "resolve", lambda *a, fn=fn: fn)

@@ -133,7 +133,7 @@ def test_a_node_fetches_what_its_ranks_read_and_seals_only_that(aws, tmp_path):
     assert reader.verify(folder) is None  # what it holds is whole and verified
     (folder / ".node-part").touch()
     assert "one node's part of a checkpoint" in reader.verify(folder)  # never resumed alone
-    from train.core import rundir
+    from train.core.run import rundir
     assert rundir.usable_problem(folder.parent) is None  # nor refused by the launcher
 
     data = bytearray(tier0.remote.read("checkpoints/step-2/model/__0_0.distcp")[0])

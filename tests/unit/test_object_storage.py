@@ -21,9 +21,10 @@ from tests.harness import s3server
 from tests.harness.runs import entry, last_line, limit
 from train.checkpoint import Checkpointer
 from train.checkpoint.storage import LocalStorage
-from train.core import remote_config, remote_lease, rundir, runlock
+from train.core import remote_config, remote_lease
 from train.core.config import load_config
 from train.core.errors import CannotRunHere, ConfigError, RunDirBusy
+from train.core.run import rundir, runlock
 
 needs_s3 = pytest.mark.skipif(s3server.missing() is not None, reason=str(s3server.missing()))
 
@@ -375,7 +376,7 @@ def test_the_trainer_imports_without_boto3():
     code = ("import sys\n"
             "for name in ('boto3', 'botocore', 's3transfer'):\n"
             "    sys.modules[name] = None  # as if not installed: importing them fails\n"
-            "import train.trainer, train.components, train.checkpoint.remote\n"
+            "import train.loop.trainer, train.loop.components, train.checkpoint.remote\n"
             "print('imported')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=limit(120))

@@ -1,4 +1,4 @@
-"""The preflight check's rule (train/core/preflight.py): every rank's measurements in,
+"""The preflight check's rule (train/core/nodes/verdict.py): every rank's measurements in,
 the lines rank 0 prints out; when a run checks at all; its config keys; what it
 records; ``doctor --comm`` judging its probes alike; and one rank's measurement for real
 (a process group of one, in a subprocess). Real multi-node runs:
@@ -15,11 +15,11 @@ import pytest
 import yaml
 
 from tests.harness.runs import QUICKSTART, TINY_MLP, limit, worker_env
-from train.core import protocol, rundir
 from train.core.config import load_config
 from train.core.errors import ConfigError
-from train.core.identity import WorkerIdentity
-from train.core.preflight import RankResult, judge
+from train.core.nodes.verdict import RankResult, judge
+from train.core.run import protocol, rundir
+from train.core.run.identity import WorkerIdentity
 
 MIB = 1 << 20
 
@@ -182,7 +182,7 @@ def test_one_rank_measures_for_real():
     code = textwrap.dedent("""\
         import datetime, json, dataclasses
         import torch, torch.distributed as dist
-        from train.core.identity import WorkerIdentity
+        from train.core.run.identity import WorkerIdentity
         from train.guards import preflight
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=datetime.timedelta(seconds=60))

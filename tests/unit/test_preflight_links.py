@@ -1,4 +1,4 @@
-"""The preflight check's links (train/core/links.py, train/guards/links.py): which node
+"""The preflight check's links (train/core/nodes/link_rule.py, train/guards/links.py): which node
 pairs are timed, which node is named, and, for real, three hosts in network namespaces
 (tests/harness/netns.py) exchanging over gloo: silent while every link is alike, then
 the host whose interface tc holds back (a netem delay; a token-bucket rate where the
@@ -16,15 +16,15 @@ import time
 import pytest
 
 from tests.harness.runs import ROOT, limit, worker_env
-from train.core import links
-from train.core.preflight import RankResult, judge
+from train.core.nodes import link_rule
+from train.core.nodes.verdict import RankResult, judge
 
 MIB = 1 << 20
 
 
 def test_every_node_meets_a_different_peer_each_round_and_at_most_three():
     for nodes in range(2, 12):
-        rounds = links.schedule(nodes)
+        rounds = link_rule.schedule(nodes)
         assert len(rounds) == min(3, nodes - 1 + nodes % 2)
         met = set()
         for pairs in rounds:
@@ -32,14 +32,14 @@ def test_every_node_meets_a_different_peer_each_round_and_at_most_three():
             assert len(pairs) == nodes - nodes % 2  # one sits out when the count is odd
             met |= {frozenset(p) for p in pairs.items()}
         assert len(met) == sum(len(p) for p in rounds) // 2  # no pair meets twice
-    assert links.schedule(1) == []
-    assert [len(p) for p in links.schedule(3)] == [2, 2, 2]  # three nodes: every pair
+    assert link_rule.schedule(1) == []
+    assert [len(p) for p in link_rule.schedule(3)] == [2, 2, 2]  # three nodes: every pair
 
 
 def test_ranks_pair_with_the_same_local_rank_on_the_peer_node():
     layout = {(0, 0): 0, (0, 1): 1, (1, 0): 2, (1, 1): 3, (2, 0): 4}
-    assert links.partner(0, 1, 1, layout) == 3
-    assert links.partner(0, 1, 2, layout) is None  # node 2 has one rank only
+    assert link_rule.partner(0, 1, 1, layout) == 3
+    assert link_rule.partner(0, 1, 2, layout) is None  # node 2 has one rank only
 
 
 def ranks(times_ms: dict[tuple[int, int], float], nodes: int) -> list[RankResult]:
@@ -80,7 +80,7 @@ SCRIPT = textwrap.dedent("""\
     import datetime, json, socket, sys, time
     from pathlib import Path
     import torch, torch.distributed as dist
-    from train.core.preflight import RankResult, judge
+    from train.core.nodes.verdict import RankResult, judge
     from train.guards import links
     rank, work = int(sys.argv[1]), Path(sys.argv[2])
     dist.init_process_group("gloo", init_method="tcp://node0:29400", rank=rank,

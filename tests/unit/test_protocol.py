@@ -1,4 +1,4 @@
-"""The launcher <-> worker protocol (train/core/protocol.py): typed reports that survive
+"""The launcher <-> worker protocol (train/core/run/protocol.py): typed reports that survive
 the round trip through their files, the one retry rule, and the decisions a restarted
 worker takes from what earlier attempts left (a real ``python -m train.worker``)."""
 
@@ -13,10 +13,10 @@ import pytest
 
 from launcher.endings.outcome import RULES, Ending, classify
 from tests.harness.runs import ROOT, clean_env, limit
-from train.core import protocol
 from train.core.errors import EXIT_CODES, FINAL_EXIT_CODES
-from train.core.identity import STATUS_DIR_VAR, WorkerIdentity
-from train.core.protocol import Failure, Probe, Report, Reporter
+from train.core.run import protocol
+from train.core.run.identity import STATUS_DIR_VAR, WorkerIdentity
+from train.core.run.protocol import Failure, Probe, Report, Reporter
 
 
 def reporter(folder, rank=0, restart=0) -> Reporter:
@@ -150,7 +150,7 @@ def test_a_report_has_no_free_form_fields():
 # ------------------------------------------------- a failure said once (failure_log)
 
 def test_a_failure_goes_to_the_ranks_log_folder_only_where_the_launcher_sums_up(tmp_path):
-    from train.core import failure_log
+    from train.core.run import failure_log
     logs = tmp_path / "attempt_0" / "1"
     logs.mkdir(parents=True)
     summed = WorkerIdentity(rank=1, status_dir=str(tmp_path), log_dir=str(logs))
@@ -173,7 +173,7 @@ def test_a_failure_goes_to_the_ranks_log_folder_only_where_the_launcher_sums_up(
 
 
 def test_a_rank_knows_torchrun_stops_it_because_another_failed(tmp_path):
-    from train.core import failure_log
+    from train.core.run import failure_log
     ident = WorkerIdentity(rank=0, status_dir=str(tmp_path), log_dir=str(tmp_path))
     assert not failure_log.stopped_for_another(ident)  # a stop of the whole job
     failure_log.stopping_after_failure(tmp_path, now=True)

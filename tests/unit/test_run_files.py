@@ -16,8 +16,9 @@ from tests.harness.runs import (
     entry,
     tiny_run_config,
 )
-from train.core import files, rundir
+from train.core import files
 from train.core.errors import ConfigError
+from train.core.run import rundir
 
 VICTIM_TEXT = "a file outside the run directory\n"
 
@@ -58,7 +59,7 @@ def test_the_write_helpers_never_write_through_a_link(tmp_path):
     with files.create_new(tmp_path / "state.pt") as f:
         f.write(b"tensor bytes")
     assert victim.read_text() == VICTIM_TEXT
-    from train.core import runlock
+    from train.core.run import runlock
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / ".lock").symlink_to(victim)
     with pytest.raises(ConfigError, match=r"\.lock: .* is a symbolic link"):

@@ -1,4 +1,4 @@
-"""The run directory's lease (train/core/runlock.py), with real processes and files: a
+"""The run directory's lease (train/core/run/runlock.py), with real processes and files: a
 live lease of another job makes a launch wait, then exit 6 (retryable); a dead holder
 here is taken over at once, one on another host once its lease expires; members of one
 job never refuse each other, however many start at once. A launch whose lease was taken
@@ -24,13 +24,13 @@ import pytest
 
 from launcher.conventions.slurm import earlier_incarnation
 from tests.harness.runs import ROOT, clean_env, limit
-from train.core import runlock
 from train.core.errors import EXIT_RUN_DIR_BUSY, RunDirBusy
+from train.core.run import runlock
 
 FAST = runlock.LeaseTimes(renew_s=0.3, expiry_s=2.0, wait_s=1.0)
 HOLD = """import sys, time
 from pathlib import Path
-from train.core import runlock
+from train.core.run import runlock
 times = runlock.LeaseTimes(renew_s=0.3, expiry_s=2.0, wait_s=5.0)
 lock = runlock.acquire(Path(sys.argv[1]), sys.argv[2], times)
 print("held", flush=True)
@@ -156,7 +156,7 @@ def test_a_requeued_slurm_job_takes_its_earlier_incarnations_lease_at_once(tmp_p
 
 STARTER = """import sys, time
 from pathlib import Path
-from train.core import runlock
+from train.core.run import runlock
 from train.core.errors import RunDirBusy
 run, go, rounds = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
 times = runlock.LeaseTimes(renew_s=0.5, expiry_s=5.0, wait_s=0.0)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from train.core.identity import WorkerIdentity
-from train.core.preflight import RankResult
+from train.core.nodes.verdict import RankResult
+from train.core.run.identity import WorkerIdentity
 from train.observe import slowlinks
 from train.observe.slowlinks import CommWait, LinkFinding, SlowLinks
 

@@ -19,7 +19,7 @@ import torch
 
 from tests.harness.runs import ROOT, TINY_GPT, limit, merge, worker_env, write_config
 from train.core.config import load_config
-from train.core.identity import WorkerIdentity
+from train.core.run.identity import WorkerIdentity
 from train.distributed import compiler_stack, parallel
 
 COMPILER = ("torch._dynamo", "torch._inductor")

@@ -17,8 +17,8 @@ from tests.harness import s3server
 from tests.harness.runs import TINY_GPT, merge, write_config
 from tests.unit.test_token_shards import rank_batches
 from train.core.config import load_config
+from train.core.datasets.tokenfiles import resolve
 from train.core.errors import CannotRunHere, ConfigError, DataChanged
-from train.core.tokenfiles import resolve
 from train.data import remote
 from train.data.builders import build_data, read_text_files
 from train.data.shardcache import ShardCache

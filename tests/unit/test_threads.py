@@ -2,7 +2,7 @@
 inside a real cgroup with a CPU quota, and the OpenMP library's own report of its
 settings (``OMP_DISPLAY_ENV=verbose``: GNU OpenMP prints them when torch loads it).
 
-The defaults' reasons are in train/core/threads.py; their cost is bench/oversubscribe.py's.
+The defaults' reasons are in train/core/machine/threads.py; their cost is bench/oversubscribe.py's.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 
 from tests.harness import cgroups
 from tests.harness.runs import ENTRY, ROOT, TINY_GPT, clean_env, limit, merge, write_config
-from train.core import threads
-from train.core.host import available_cpus
+from train.core.machine import threads
+from train.core.machine.host import available_cpus
 
 # GNU OpenMP's report (OMP_DISPLAY_ENV=verbose), one line per setting
 SPIN = re.compile(r"GOMP_SPINCOUNT = '(\d+)'")
@@ -65,7 +65,7 @@ def test_a_cgroup_quota_sizes_the_plan_and_the_workers_threads(tmp_path, one_cpu
 
 def test_outside_a_quota_the_plan_takes_the_affinity_mask(tmp_path):
     """The same command outside any quota: the CPUs this process may run on (the mask
-    ``taskset`` or a cpuset gives), as train/core/host.py reads them."""
+    ``taskset`` or a cpuset gives), as train/core/machine/host.py reads them."""
     config = write_config(tmp_path / "t.yaml", TINY_GPT)
     one = {str(sorted(os.sched_getaffinity(0))[0])}
     plan = subprocess.run(["taskset", "-c", ",".join(one), sys.executable, ENTRY, "train",

@@ -21,8 +21,8 @@ from tests.harness import s3server
 from tests.harness.checkpoints import rewind
 from tests.harness.runs import ROOT, TINY_GPT, limit, losses, merge, run_train, write_config
 from tests.unit.test_token_shards import config, token_files, windows
+from train.core.datasets.tokenfiles import resolve
 from train.core.errors import EXIT_BAD_INPUT, CannotRunHere, ConfigError, DataChanged
-from train.core.tokenfiles import resolve
 from train.data.builders import build_data
 from train.data.shardcache import DataFileError, ShardCache, object_lock
 
@@ -75,7 +75,7 @@ def test_the_cache_stays_within_its_bound_and_refetches_what_it_evicted(aws, tmp
 def test_processes_sharing_a_cache_fetch_each_object_once(aws, tmp_path):
     (path,) = token_files(tmp_path / "data", sizes=(400_000,))
     url = upload(aws, [path], "shared")
-    script = (f"from train.core.tokenfiles import resolve\n"
+    script = (f"from train.core.datasets.tokenfiles import resolve\n"
               f"from train.data.shardcache import ShardCache\n"
               f"import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n"
               f"ShardCache({str(tmp_path / 'cache')!r}, 1 << 30).local("

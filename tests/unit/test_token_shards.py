@@ -17,10 +17,11 @@ import torch
 
 from tests.harness.checkpoints import rewind
 from tests.harness.runs import TINY_GPT, last_line, losses, merge, run_train, write_config
-from train.core import rundir, tokenscan
 from train.core.config import load_config
+from train.core.datasets import tokenscan
+from train.core.datasets.tokenfiles import resolve
 from train.core.errors import EXIT_BAD_INPUT, BadData, ConfigError
-from train.core.tokenfiles import resolve
+from train.core.run import rundir
 from train.data.builders import build_data
 from train.data.order import GlobalOrder, RankBatchSampler
 from train.data.tokenshards import ShardedWindows, Shards
@@ -77,7 +78,7 @@ def test_one_file_reads_exactly_as_before_and_as_a_list_of_one(tmp_path):
     assert windows(single.train) + windows(single.val) == expected_windows([path])
     assert windows(build_data(config(tmp_path, [str(path)])).train) == windows(single.train)
     # the several-files reader cuts one file into the same windows
-    from train.core.tokenfiles import resolve
+    from train.core.datasets.tokenfiles import resolve
     from train.data.builders import sharded_tokens
     cfg = config(tmp_path, str(path))
     sharded = sharded_tokens(cfg, resolve(cfg.data.path, "c.yaml"), "c.yaml")

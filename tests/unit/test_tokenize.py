@@ -19,7 +19,7 @@ import pytest
 
 from tests.harness.corpus import EOS, NON_ASCII, tokenize, train_tokenizer, write_corpus
 from tests.harness.runs import ENTRY, TINY_GPT, clean_env, installed, limit, merge, write_config
-from train.core.datafiles import text_files
+from train.core.datasets.datafiles import text_files
 from train.tokenize_corpus import pieces
 
 needs_tokenizers = pytest.mark.skipif(not installed("tokenizers"),

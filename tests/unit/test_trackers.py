@@ -14,8 +14,7 @@ from tests.harness.runs import (
     wait_for,
     write_config,
 )
-from train.core import tracker_config
-from train.core.config import load_config
+from train.core.config import load_config, tracking
 from train.core.errors import CannotRunHere, ConfigError
 from train.observe import trackers
 from train.observe.sender import Sender
@@ -25,18 +24,18 @@ def test_a_tracker_package_that_is_missing_is_exit_3_before_anything_starts(tmp_
                                                                               monkeypatch):
     config = write_config(tmp_path / "c.yaml", {"logging": {"wandb": {"mode": "offline"}}})
     cfg = load_config(config)
-    monkeypatch.setattr(tracker_config.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(tracking.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CannotRunHere) as raised:
-        tracker_config.check(cfg, str(config), environ={})
+        tracking.check(cfg, str(config), environ={})
     assert "logging.wandb.mode" in str(raised.value)
     assert "pip install wandb " in str(raised.value)
     with pytest.raises(ConfigError) as raised:
-        tracker_config.check(load_config(config, ["logging.mlflow.enabled=true"]), str(config), {})
+        tracking.check(load_config(config, ["logging.mlflow.enabled=true"]), str(config), {})
     assert raised.value.key == "logging.mlflow.tracking_uri"
     monkeypatch.undo()  # the packages are back: no error
     if not installed("mlflow"):
         return
-    tracker_config.check(load_config(config, ["logging.mlflow.enabled=true",
+    tracking.check(load_config(config, ["logging.mlflow.enabled=true",
                                         "logging.wandb.mode=disabled"]),
                    str(config), {"MLFLOW_TRACKING_URI": "http://mlflow:5000"})
 
@@ -48,7 +47,7 @@ def test_a_tracker_package_that_is_missing_is_exit_3_before_anything_starts(tmp_
     ("databricks", "databricks"),
 ])
 def test_tracking_uris_are_shown_without_credentials(uri, shown):
-    assert tracker_config.shown_uri(uri) == shown
+    assert tracking.shown_uri(uri) == shown
 
 
 def test_any_config_key_becomes_a_param_mlflow_accepts():

@@ -175,7 +175,7 @@ def test_the_fused_optimizer_changes_the_kernel_not_the_trajectory(tmp_path):
     import torch
 
     from train.core.config import OptimConfig
-    from train.optim import build_optimizer
+    from train.models.optim import build_optimizer
     layer = torch.nn.Linear(4, 4)
     assert build_optimizer(layer, OptimConfig()).defaults["fused"] is True
     assert not build_optimizer(layer, OptimConfig(fused=False)).defaults["fused"]
@@ -197,7 +197,7 @@ def test_grad_norm_and_clip_gives_clip_grad_norms_numbers(clip):
     an infinite clip), whether the norm is under the clip (no multiply) or over it."""
     import torch
 
-    from train.optim import grad_norm_and_clip
+    from train.models.optim import grad_norm_and_clip
 
     def model_with_grads():
         torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The launcher's check of the user's code by reading it (train/core/usersource.py):
+"""The launcher's check of the user's code by reading it (train/core/user/usersource.py):
 real files in a temporary project folder; the property is that nothing of that code
 runs (a module whose import would leave a file or raise), while a path that cannot be
 found, a name the module does not define and arguments its signature refuses are one
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from train.core import usersource
 from train.core.errors import ConfigError
+from train.core.user import usersource
 
 # Importing this module would leave a file beside it, then fail.
 SIDE_EFFECT = """

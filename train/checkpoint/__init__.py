@@ -6,7 +6,7 @@ the bytes live (:mod:`.storage`: the seam for other storage), what each rank wri
 (:mod:`.policy`: when to save, which checkpoint a start resumes) and the trainer's save
 and resume (:mod:`.session`).
 
-How the launcher reads the layout before any worker starts is :mod:`train.core.rundir`'s.
+How the launcher reads the layout before any worker starts is :mod:`train.core.run.rundir`'s.
 """
 
 from train.checkpoint.reader import CheckpointsUnusable

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from train.checkpoint import sharded
 from train.checkpoint.state import Restored
 from train.core.config import Config
-from train.core.rundir import SHARDS
+from train.core.run.rundir import SHARDS
 
 
 class Format(Protocol):

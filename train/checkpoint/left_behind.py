@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from train.checkpoint import remote
-from train.core import rundir
 from train.core.config import Config
 from train.core.errors import EXIT_OK, EXIT_ONLY_LOCAL
 from train.core.remote_config import said
+from train.core.run import rundir
 
 
 def print_line(line: str) -> None:

@@ -24,12 +24,12 @@ from train.checkpoint import reader, retention
 from train.checkpoint.reader import CheckpointsUnusable
 from train.checkpoint.remote_reads import SHARDS_INDEX
 from train.checkpoint.store import Checkpointer
-from train.core import rundir
 from train.core.config import AUTO, Config
 from train.core.errors import CannotRunHere, ConfigError
 from train.core.files import describe_load_error
-from train.core.identity import WorkerIdentity
 from train.core.remote_config import said
+from train.core.run import rundir
+from train.core.run.identity import WorkerIdentity
 from train.distributed import ranks
 
 log = logging.getLogger("train")

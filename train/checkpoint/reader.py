@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from train.checkpoint.storage import LocalStorage
-from train.core import rundir
 from train.core.files import describe_load_error
-from train.core.rundir import CHECKSUMS, STATE_FILE
+from train.core.run import rundir
+from train.core.run.rundir import CHECKSUMS, STATE_FILE
 
 log = logging.getLogger("train")
 

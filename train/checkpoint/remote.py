@@ -60,8 +60,9 @@ from typing import Any
 from train.checkpoint.objectstore import S3Storage, said
 from train.checkpoint.remote_reads import RemoteError, StoreReads
 from train.checkpoint.storage import LocalStorage
-from train.core import remote_config, rundir
-from train.core.rundir import (
+from train.core import remote_config
+from train.core.run import rundir
+from train.core.run.rundir import (
     BOARD,
     CHECKPOINTS,
     CHECKSUMS,

@@ -13,8 +13,8 @@ import shutil
 from pathlib import Path
 
 from train.checkpoint.objectstore import missing, said
-from train.core import rundir
-from train.core.rundir import (
+from train.core.run import rundir
+from train.core.run.rundir import (
     CHECKPOINTS,
     CHECKSUMS,
     LATEST,

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from train.checkpoint.storage import LocalStorage
-from train.core import rundir
-from train.core.rundir import ABANDONED, CHECKPOINTS, REPLACED, STEP_DIR
+from train.core.run import rundir
+from train.core.run.rundir import ABANDONED, CHECKPOINTS, REPLACED, STEP_DIR
 
 log = logging.getLogger("train")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from train.checkpoint.storage import LocalStorage
-from train.core import rundir
 from train.core.errors import CannotRunHere
+from train.core.run import rundir
 
 
 class CheckpointWriteError(CannotRunHere):

@@ -13,18 +13,18 @@ import sys
 
 import torch
 
-from train import hf
 from train.checkpoint import formats, reader, remote, sharded
 from train.checkpoint.left_behind import only_local_line
 from train.checkpoint.policy import choose_checkpoint
 from train.checkpoint.state import Restored, TrainState, payload, rank_payload, set_rng_state
-from train.components import Components
 from train.core.config import check_checkpoint_config, to_dict
 from train.core.config.resume import check_same_data
 from train.core.errors import EXIT_OK, EXIT_ONLY_LOCAL
-from train.core.protocol import Reporter
 from train.core.remote_config import said
+from train.core.run.protocol import Reporter
 from train.guards.divergence import Guard
+from train.loop.components import Components
+from train.models import hf
 
 log = logging.getLogger("train")
 

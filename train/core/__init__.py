@@ -6,16 +6,20 @@ validates a config, checks the run directory and plans a launch in a fraction of
 second, and ``entrypoint.py --help`` answers at once. ``tests/static/test_layout.py`` holds
 both rules.
 
-- :mod:`.errors`: exit codes and the one-line errors behind them;
-- :mod:`.config`: the typed config, its loader and checks, the kind registry;
-- :mod:`.placement`: which backend, how many processes, which settings need a GPU;
-- :mod:`.identity`: a worker's rank, world size and launcher settings, from its
-  environment; :mod:`.comm_defaults`: the communication variables a worker needs;
-  :mod:`.threads`: its CPU threads and how they wait;
-- :mod:`.protocol`: what a worker tells the launcher (its progress, how it ended) and
-  what a restart can fix;
-- :mod:`.rundir`: every name in the run directory, and reading its checkpoints;
-- :mod:`.runlock`, :mod:`.files`, :mod:`.host`, :mod:`.datafiles`, :mod:`.usercode`,
-  :mod:`.tracker_config`: the run directory's lock, atomic files, the machine, data
-  files, the user's code, the experiment trackers' settings.
+Its sub-rooms, one concern each:
+
+- :mod:`.config`: the typed config, its reading and checks, the kind registry, the
+  experiment trackers' settings;
+- :mod:`.run`: the run directory and its lease, a worker's identity, and the launcher <->
+  worker protocol;
+- :mod:`.machine`: the host's CPUs and memory, placement (backend, processes), threads,
+  communication variables, where store servers listen;
+- :mod:`.user`: the user's own code, read by the launcher and imported by the workers;
+- :mod:`.datasets`: the files behind each ``data.kind``;
+- :mod:`.nodes`: the preflight check's verdict and link rule.
+
+At the top, what every sub-room uses: :mod:`.errors` (exit codes and the one-line errors
+behind them), :mod:`.files` (crash-safe writes, digests) and :mod:`.bulk` (large files at
+the disk's speed); and the object-storage settings, lease and credentials
+(:mod:`.remote_config`, :mod:`.remote_lease`, :mod:`.credentials`).
 """

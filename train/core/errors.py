@@ -38,7 +38,7 @@ EXIT_MEANINGS = {
 }
 EXIT_CODES = tuple(EXIT_MEANINGS)
 # Exit codes a retry cannot change: launchers and Kubernetes should not restart on them.
-# The rule that reads them is train.core.protocol.restart_can_help.
+# The rule that reads them is train.core.run.protocol.restart_can_help.
 FINAL_EXIT_CODES = (EXIT_BAD_INPUT, EXIT_CANNOT_RUN_HERE, EXIT_DIVERGED)
 # The key of a ConfigError about a config file as a whole, not one of its keys.
 WHOLE_FILE = "<file>"

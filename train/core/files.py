@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
-from train.core import rundir
+from train.core.run import rundir
 
 
 def fsync_file(path: Path) -> None:

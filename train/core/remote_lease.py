@@ -1,6 +1,6 @@
 """The run's lease in object storage (``checkpoint.remote``): one job per remote run.
 
-The run directory's lease (:mod:`train.core.runlock`) keeps two jobs from writing one run
+The run directory's lease (:mod:`train.core.run.runlock`) keeps two jobs from writing one run
 only where both see the same directory. With a remote, two jobs on different disks (a
 node-local run directory on Kubernetes, two clusters given one bucket, a colleague's run
 of the same name) would both upload to ``PREFIX/RUN_NAME`` and each resume from the
@@ -22,9 +22,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from train.core import remote_config, runlock
+from train.core import remote_config
 from train.core.errors import RunDirBusy
-from train.core.runlock import LeaseTimes
+from train.core.run import runlock
+from train.core.run.runlock import LeaseTimes
 
 NAME = "lease.json"
 LOGGED_EVERY_S = 15

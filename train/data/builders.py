@@ -3,7 +3,7 @@ samples) and returns a :class:`DataBundle` of map-style datasets, with batched
 ``__getitems__`` where that pays, and a hash of what it read for the manifest.
 
 Which builder serves a kind is :data:`train.core.config.kinds.DATA_KINDS`' entry; the
-files are checked by the launcher before any worker starts (:mod:`train.core.datafiles`).
+files are checked by the launcher before any worker starts (:mod:`train.core.datasets.datafiles`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,20 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset, default_collate
 
-from train.core import tokenfiles, usercode
 from train.core.config import Config, DataConfig
 from train.core.config.kinds import DATA_KINDS, MODEL_KINDS, load_builder
-from train.core.datafiles import check_labels, is_text_folder, load_npy, load_pt, text_files
+from train.core.datasets import tokenfiles
+from train.core.datasets.datafiles import (
+    check_labels,
+    is_text_folder,
+    load_npy,
+    load_pt,
+    text_files,
+)
+from train.core.datasets.tokenfiles import TokenFile
 from train.core.errors import ConfigError
 from train.core.files import sha256_file
-from train.core.tokenfiles import TokenFile
+from train.core.user import usercode
 from train.data import remote
 from train.data.shardcache import ShardCache, default_folder
 from train.data.tokenfile import read_sidecar
@@ -184,7 +191,7 @@ def default_text_root() -> str:
 
 def text(cfg: Config, source: str) -> DataBundle:
     """Bytes of text: the files under a folder matching data.text_glob, or the files and
-    objects data.path names (:mod:`train.core.tokenfiles`), in order, up to max_bytes."""
+    objects data.path names (:mod:`train.core.datasets.tokenfiles`), in order, up to max_bytes."""
     d = cfg.data
     if is_text_folder(d.path):
         root = Path(d.path or default_text_root())
@@ -281,7 +288,7 @@ class SampleDataset(Dataset):
 
 
 def from_factory(cfg: Config, source: str) -> DataBundle:
-    """data.kind custom: the user's factory (train.core.usercode); a validation set of its
+    """data.kind custom: the user's factory (train.core.user.usercode); a validation set of its
     own, or the tail data.val_fraction of the training set."""
     d = cfg.data
     remote.use_cache(d.cache_dir, d.cache_bytes)  # where the factory's fetch() keeps copies

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from train.core.host import die_with_parent, process_alive
+from train.core.machine.host import die_with_parent, process_alive
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 WORKERS_EXIT_S = 5.0  # how long workers asked to stop may take before they are killed

@@ -30,8 +30,8 @@ from typing import IO, Any
 
 from train.core import remote_config
 from train.core.config import DataConfig
+from train.core.datasets.tokenfiles import MAGIC, TokenFile
 from train.core.errors import CannotRunHere
-from train.core.tokenfiles import MAGIC, TokenFile
 from train.data.shardcache import ShardCache, default_folder
 
 __all__ = ["fetch", "open", "use_cache"]

@@ -1,6 +1,6 @@
 """Token files in object storage, fetched whole into a bounded local folder.
 
-A ``data.kind: tokens`` dataset may name ``s3://`` objects (:mod:`train.core.tokenfiles`
+A ``data.kind: tokens`` dataset may name ``s3://`` objects (:mod:`train.core.datasets.tokenfiles`
 lists them). Training reads them from local copies: each object is fetched once, whole,
 into ``data.cache_dir`` (node-local by default), where every process of the node finds
 it: the ranks, their DataLoader workers, and the next start of the run. A per-object
@@ -38,8 +38,8 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from train.core.datasets.tokenfiles import TokenFile
 from train.core.errors import DataChanged
-from train.core.tokenfiles import TokenFile
 
 log = logging.getLogger("train")
 

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from train.core.datasets.tokenfiles import TokenFile
 from train.core.errors import BadData
-from train.core.tokenfiles import TokenFile
 from train.data.shardcache import ShardCache
 
 

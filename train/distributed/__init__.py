@@ -1,5 +1,5 @@
 """How a rank runs among the others: its device, process group and collectives
-(:mod:`.runtime`), the model's wrapping for its strategy (DDP, DataParallel, FSDP)
+(:mod:`.ranks`), the model's wrapping for its strategy (DDP, DataParallel, FSDP)
 with activation checkpointing and state dicts that keep portable names
 (:mod:`.parallel`), and mixed precision (:mod:`.precision`).
 """

@@ -56,7 +56,7 @@ from collections.abc import Callable
 
 import torch
 
-from train.core.identity import WorkerIdentity
+from train.core.run.identity import WorkerIdentity
 
 DYNAMO = "torch._dynamo"
 DDP_MODE = "ddp_optimizer"  # get_optimize_ddp_mode() for the default optimize_ddp=True

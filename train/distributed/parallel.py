@@ -18,8 +18,8 @@ from torch.utils.checkpoint import checkpoint
 
 from train.core.config import Config
 from train.core.errors import CannotRunHere, ConfigError
-from train.core.identity import WorkerIdentity
-from train.core.placement import check_gpu_only, one_process_problem, runs_one_process
+from train.core.machine.placement import check_gpu_only, one_process_problem, runs_one_process
+from train.core.run.identity import WorkerIdentity
 from train.distributed import compiler_stack
 from train.distributed.full_state import is_fsdp, load_model_and_optimizer, model_and_optimizer
 from train.distributed.precision import autocast_dtype

@@ -1,8 +1,9 @@
 """The worker's process set-up: device, determinism, seeds, the process group, the few
 collectives the trainer needs outside the model, logging.
 
-What the process is (rank, world size, ...) comes from :class:`~train.core.identity.WorkerIdentity`.
-The placement rules it applies are :mod:`train.core.placement`'s, shared with the launcher.
+What the process is (rank, world size, ...) comes from
+:class:`~train.core.run.identity.WorkerIdentity`. The placement rules it applies are
+:mod:`train.core.machine.placement`'s, shared with the launcher.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from train.core import comm_defaults, placement
 from train.core.config import AUTO, Config
 from train.core.credentials import redacted
 from train.core.errors import EXIT_TRAINING_FAILED, CannotRunHere, UserError, printable
-from train.core.identity import WorkerIdentity
+from train.core.machine import comm_defaults, placement
+from train.core.run.identity import WorkerIdentity
 from train.distributed.stores import bind_store_servers
 
 log = logging.getLogger("train")

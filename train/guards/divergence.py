@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from train.core import rundir
 from train.core.errors import Diverged
 from train.core.files import write_json_atomic
+from train.core.run import rundir
 
 log = logging.getLogger("train")
 

@@ -1,9 +1,9 @@
 """The preflight check's link timing: each node against a few peer nodes, in pairs.
 
-Rules and wording are :mod:`train.core.links`'s; this is the torch side, run by every
+Rules and wording are :mod:`train.core.nodes.link_rule`'s; this is the torch side, run by every
 rank of a multi-node start after the matmul and all-reduce (:mod:`train.guards.preflight`),
 once every rank's node and local rank are known. In each round of
-:func:`train.core.links.schedule` a rank exchanges :data:`LINK` bytes both ways at once
+:func:`train.core.nodes.link_rule.schedule` a rank exchanges :data:`LINK` bytes both ways at once
 with the rank of the same local rank on its node's peer (a send and a receive posted
 together: ``batch_isend_irecv``, which NCCL needs to avoid a deadlock and gloo takes
 too), a warm-up and :data:`REPEATS` timed exchanges, and keeps the fastest: a process
@@ -13,7 +13,7 @@ no peer in a round (an odd number of nodes, or no rank of its local rank on the 
 node) sits it out. Each exchange is a part of the watched ``preflight`` phase, so a
 link that never delivers is named by the hang watchdog like a stuck all-reduce.
 
-Bounded: at most :data:`~train.core.links.ROUNDS` rounds of 1 + :data:`REPEATS`
+Bounded: at most :data:`~train.core.nodes.link_rule.ROUNDS` rounds of 1 + :data:`REPEATS`
 exchanges, whatever the size of the job.
 """
 
@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from train.core import links as rule
-from train.core.preflight import RankResult
+from train.core.nodes import link_rule as rule
+from train.core.nodes.verdict import RankResult
 
 # float32 elements each way: 1 MiB on CPUs (gloo), 64 MiB on GPUs (a NIC's bandwidth
 # shows only with a large message).

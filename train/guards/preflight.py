@@ -15,9 +15,9 @@ default, or fail), every rank measures after the process group is up and before 
   whose every link is slow (a bad NIC, a congested port) is named, which the all-reduce,
   waiting alike on every rank for the slowest link, cannot do.
 
-An all-gather brings every rank's :class:`~train.core.preflight.RankResult` to every
+An all-gather brings every rank's :class:`~train.core.nodes.verdict.RankResult` to every
 rank (once for the layout, once more with the links); each judges them alike
-(:func:`train.core.preflight.judge`), so every rank reaches the same verdict without
+(:func:`train.core.nodes.verdict.judge`), so every rank reaches the same verdict without
 another collective. Rank 0 logs a line per problem (or one
 summary line) and appends the measurements to ``preflight.json`` in the run directory.
 With ``fail``, a problem ends the run on every rank with exit 3 (this machine cannot run
@@ -47,12 +47,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from train.core import rundir
 from train.core.config import Config
 from train.core.errors import UnfitNodes
 from train.core.files import write_json_atomic
-from train.core.identity import WorkerIdentity
-from train.core.preflight import FAIL, OFF, RankResult, Verdict, judge
+from train.core.nodes.verdict import FAIL, OFF, RankResult, Verdict, judge
+from train.core.run import rundir
+from train.core.run.identity import WorkerIdentity
 from train.distributed import ranks
 from train.guards import links
 from train.guards.watchdog import PREFLIGHT, Watchdog

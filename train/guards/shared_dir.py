@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 
 from train.core.errors import CannotRunHere
-from train.core.identity import WorkerIdentity
+from train.core.run.identity import WorkerIdentity
 from train.distributed import ranks
 
 log = logging.getLogger("train")

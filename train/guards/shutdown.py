@@ -9,7 +9,7 @@ one line names what was abandoned. A stop signal (SIGTERM, SIGINT) during that t
 one that stopped the run, leaves at most SIGNALLED_S: a platform that wants the process
 gone (Kubernetes, SLURM, a user's Ctrl-C) gets it within its grace period.
 
-Helper threads are daemons and the worker ends with ``os._exit`` (train/core/host.py
+Helper threads are daemons and the worker ends with ``os._exit`` (train/core/machine/host.py
 ``exit_now``), so no thread can keep the process alive after this.
 """
 

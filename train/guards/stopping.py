@@ -12,7 +12,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from train.core import failure_log
+from train.core.run import failure_log
 from train.guards.shutdown import SIGNALLED_S, Shutdown
 
 log = logging.getLogger("train")

@@ -1,7 +1,7 @@
 """A step, an evaluation or a checkpoint that makes no progress becomes a named hang
 instead of a silent one.
 
-Each rank's report (:mod:`train.core.protocol`) says which step it reached, refreshed at
+Each rank's report (:mod:`train.core.run.protocol`) says which step it reached, refreshed at
 most every PROGRESS_EVERY_S, so that the launcher can name a rank that stopped arriving
 (frozen, SIGSTOPped) when the others time out waiting for it. When a step makes no
 progress for STEPS_OF_SILENCE times its usual time (at least FLOOR_S, at most
@@ -47,7 +47,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from train.core.protocol import (
+from train.core.run.protocol import (
     STUCK_IN_OWN_CODE,
     WAITS_FOR_LOADER,
     WAITS_FOR_RANKS,

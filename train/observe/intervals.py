@@ -17,8 +17,8 @@ import time
 import torch
 
 from train.core.config import Config
-from train.core.identity import WorkerIdentity
-from train.core.preflight import RankResult
+from train.core.nodes.verdict import RankResult
+from train.core.run.identity import WorkerIdentity
 from train.distributed import ranks
 from train.observe.slowlinks import LinkFinding, SlowLinks
 from train.observe.stragglers import Finding, StepPhases, Stragglers

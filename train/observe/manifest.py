@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from train import __version__
-from train.core import rundir
 from train.core.config import Config, to_yaml
 from train.core.files import write_json_atomic
-from train.core.host import read_build_manifest
+from train.core.machine.host import read_build_manifest
+from train.core.run import rundir
 
 
 def config_hash(cfg: Config) -> str:

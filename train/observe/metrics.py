@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from train.core import rundir
 from train.core.config import Config, to_yaml
 from train.core.files import json_text, open_append, write_atomic
-from train.core.identity import COMMAND_VAR
+from train.core.run import rundir
+from train.core.run.identity import COMMAND_VAR
 from train.guards.shutdown import Shutdown
 from train.observe.board import Board
 from train.observe.console import Console, format_duration

@@ -14,7 +14,7 @@ retrying cannot help. At the end of a run, :meth:`Sender.close` queues the run's
 and :meth:`Sender.wait` waits for the buffer to drain and the close to be done, within
 the time the caller still has; past it both are abandoned and it says what was left
 (the thread is a daemon, and the worker ends without waiting for threads:
-train/core/host.py ``exit_now``).
+train/core/machine/host.py ``exit_now``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from train.core.tracker_config import said
+from train.core.config.tracking import said
 
 log = logging.getLogger("train")
 

@@ -22,7 +22,7 @@ a job already mostly waiting, 60 % say, could never reach 1.3 times its share.)
 Attribution: rank 0 then sets a flag in its row of the next logging gather, and every
 rank, having seen it in the same gather, runs the preflight's bounded pairwise link
 timing (:func:`train.guards.links.measure`) at the same step; rank 0 judges it with the
-preflight's rule (:func:`train.core.links.slow_nodes`, three nodes or more). Two nodes
+preflight's rule (:func:`train.core.nodes.link_rule.slow_nodes`, three nodes or more). Two nodes
 share one link, so there the link is compared with its own earlier speed: the
 preflight's, or else a timing made once when the baseline is set. At most one check every
 :data:`CHECK_EVERY_S`; training goes on whatever it finds.
@@ -40,9 +40,9 @@ from typing import ClassVar
 
 import torch
 
-from train.core import links as rule
-from train.core.identity import WorkerIdentity
-from train.core.preflight import RankResult
+from train.core.nodes import link_rule as rule
+from train.core.nodes.verdict import RankResult
+from train.core.run.identity import WorkerIdentity
 from train.distributed import ranks
 from train.guards import links
 from train.observe.stragglers import FLOOR_S, MIN_COST, window_covers

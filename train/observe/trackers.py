@@ -42,11 +42,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from train.core import rundir
 from train.core.config import Config
+from train.core.config.tracking import MLFLOW_URI_VAR, mlflow_uri, said, shown_uri, wanted
 from train.core.errors import CannotRunHere
 from train.core.files import write_json_atomic
-from train.core.tracker_config import MLFLOW_URI_VAR, mlflow_uri, said, shown_uri, wanted
+from train.core.run import rundir
 from train.observe.sender import Row, Sender
 
 log = logging.getLogger("train")

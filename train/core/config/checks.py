@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from train.core import credentials, remote_config, rundir
+from train.core import credentials, remote_config
 from train.core.config import kinds
 from train.core.config.origins import (
     DEFAULT,
@@ -29,6 +29,7 @@ from train.core.config.origins import (
 from train.core.config.schema import AUTO, Config, to_dict
 from train.core.config.strict_yaml import short
 from train.core.errors import CannotRunHere, ConfigError, raise_all
+from train.core.run import rundir
 
 
 def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = None,
@@ -40,7 +41,7 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
     line)``, ``model.width=128 (default)``). Failures are added to ``errors`` (raised
     at the end without it); a check that reads a key in ``bad`` (one that already
     failed on its own and holds its default instead) is skipped. A warmup longer than
-    the run is shortened to it, with a warning (:func:`~.loader.config_warnings`).
+    the run is shortened to it, with a warning (:func:`~.origins.config_warnings`).
     """
     collect = errors is not None
     report = _Report(cfg, sources, [] if errors is None else errors, bad)
@@ -167,7 +168,7 @@ def _check_data_files(cfg: Config, report: _Report) -> None:
         return
     try:
         kinds.data_kind(cfg).files(cfg, report.fail)
-    except ConfigError as exc:  # from train.core.datafiles: names the data file itself
+    except ConfigError as exc:  # from train.core.datasets.datafiles: names the data file itself
         report.errors.append(exc)
 
 

@@ -7,8 +7,8 @@ launcher runs before anything starts and the worker runs again. The schema's
 ``Literal`` choices are these names, and :func:`~train.core.config.checks.validate`
 collects every kind's problems without knowing any kind by name.
 
-Adding a kind: a builder (``train/models.py`` or ``train/data/builders.py``), an entry here with
-its rules, then regenerate the config reference.
+Adding a kind: a builder (``train/models/builtin.py`` or ``train/data/builders.py``), an
+entry here with its rules, then regenerate the config reference.
 
 A rule is ``rules(cfg, fail)``; ``fail(key, problem, *related)`` records one problem of
 ``key`` (``related``: other keys it reads), and :func:`~.origins.ref` /
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from train.core import datafiles, tokenfiles, tokenscan
 from train.core.config import hf_kind
 from train.core.config.origins import ref, source_of, val
+from train.core.datasets import datafiles, tokenfiles, tokenscan
 
 if TYPE_CHECKING:
     from train.core.config.schema import Config
@@ -87,7 +87,7 @@ TEXT_VOCAB = 256  # the text kind is byte-level
 
 
 def _gpt_parameters(cfg: Config) -> int:
-    """train/models.py's GPT: embeddings, depth x (2 LayerNorms, qkv, proj, 4x MLP), the
+    """train/models/builtin.py's GPT: embeddings, depth x (2 LayerNorms, qkv, proj, 4x MLP), the
     final LayerNorm and the head (none of its own when tied to the token embedding)."""
     m = cfg.model
     vocab = TEXT_VOCAB if cfg.data.kind == "text" else cfg.data.vocab_size
@@ -98,7 +98,7 @@ def _gpt_parameters(cfg: Config) -> int:
 
 
 def _mlp_parameters(cfg: Config) -> int | None:
-    """train/models.py's MLP on synthetic data (other data: the shape is in the file)."""
+    """train/models/builtin.py's MLP on synthetic data (other data: the shape is in the file)."""
     if cfg.data.kind != "synthetic":
         return None
     inputs = 1
@@ -109,15 +109,15 @@ def _mlp_parameters(cfg: Config) -> int | None:
 
 
 MODEL_KINDS: dict[str, ModelKind] = {k.name: k for k in (
-    ModelKind("mlp", "train.models:mlp", parameters=_mlp_parameters,
+    ModelKind("mlp", "train.models.builtin:mlp", parameters=_mlp_parameters,
               keys=("depth", "width", "dropout")),
-    ModelKind("cnn", "train.models:cnn", _cnn_rules, keys=("depth", "width", "dropout")),
-    ModelKind("gpt", "train.models:gpt", _gpt_rules, data=("text", "tokens", "custom"),
+    ModelKind("cnn", "train.models.builtin:cnn", _cnn_rules, keys=("depth", "width", "dropout")),
+    ModelKind("gpt", "train.models.builtin:gpt", _gpt_rules, data=("text", "tokens", "custom"),
               blocks=True, tokens=True, parameters=_gpt_parameters,
               keys=("depth", "width", "heads", "context_length", "dropout", "tie_weights")),
-    ModelKind("custom", "train.models:from_factory", blocks=True, factory=True,
+    ModelKind("custom", "train.models.builtin:from_factory", blocks=True, factory=True,
               takes_args=True, own_loss=True, keys=("factory", "args", "context_length")),
-    ModelKind("hf", "train.hf:build", hf_kind.rules, data=("text", "tokens", "custom"),
+    ModelKind("hf", "train.models.hf:build", hf_kind.rules, data=("text", "tokens", "custom"),
               blocks=True, tokens=True, takes_args=True, own_loss=True,
               keys=("args", "context_length")),
 )}
@@ -226,7 +226,7 @@ DATA_KINDS: dict[str, DataKind] = {k.name: k for k in (
     DataKind("custom", "train.data.builders:from_factory", factory=True, takes_args=True),
 )}
 
-# train.loss names that are no import path (train/losses.py: NAMES); "model" is the
+# train.loss names that are no import path (train/models/losses.py: NAMES); "model" is the
 # model's own loss, which only the user's model can compute (check_pairing).
 BUILT_IN_LOSSES = ("cross_entropy", "mse", "model")
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import yaml
 
-from train.core import rundir
 from train.core.config.origins import MISSING, dig, origin_note, show
 from train.core.config.schema import AUTO, Config, to_dict
 from train.core.credentials import redacted
 from train.core.errors import ConfigError, DataChanged
+from train.core.run import rundir
 
 log = logging.getLogger("train")
 

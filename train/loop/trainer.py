@@ -1,7 +1,7 @@
 """The training loop: resume, step, log, evaluate, checkpoint, stop.
 
 Runs the same in one plain process and under torchrun (DDP or FSDP over gloo or nccl).
-Its parts are built by :mod:`train.components`; its progress, a
+Its parts are built by :mod:`train.loop.components`; its progress, a
 :class:`~train.checkpoint.state.TrainState`, is saved with the checkpoint. Gradient
 accumulation keeps ``train.global_batch_size`` at any world size, and the data order is
 the global one of :mod:`train.data.order`: a run resized or resumed between steps goes on
@@ -27,13 +27,13 @@ from train.checkpoint.left_behind import Run, upload_left_behind
 from train.checkpoint.policy import Cadence
 from train.checkpoint.session import finish_uploads, node_local, resume, save_checkpoint
 from train.checkpoint.state import TrainState
-from train.components import Components, build, preflight, train_loader
-from train.core import rundir, runlock, usercode
 from train.core.config import AUTO, Config, to_yaml
 from train.core.errors import EXIT_OK, EXIT_PEER_STOPPED, EXIT_STOPPED_BY_SIGNAL, Diverged
 from train.core.files import finished_step, write_atomic, write_json_atomic
-from train.core.identity import WorkerIdentity
-from train.core.protocol import Reporter
+from train.core.run import rundir, runlock
+from train.core.run.identity import WorkerIdentity
+from train.core.run.protocol import Reporter
+from train.core.user import usercode
 from train.data.loader import end_workers
 from train.data.order import eval_indices
 from train.distributed import ranks
@@ -43,12 +43,13 @@ from train.guards.preflight import check_before_training
 from train.guards.shutdown import Shutdown
 from train.guards.stopping import StopFlag
 from train.guards.watchdog import CHECKPOINT, EVALUATION, Watchdog
-from train.losses import logits_of
+from train.loop.components import Components, build, preflight, train_loader
 from train.models import count_parameters
+from train.models.losses import logits_of
+from train.models.optim import grad_norm_and_clip
 from train.observe.intervals import Intervals, StepPhases
 from train.observe.manifest import update_manifest
 from train.observe.metrics import MetricsLogger, gpu_memory_stats
-from train.optim import grad_norm_and_clip
 
 log = logging.getLogger("train")
 

@@ -13,7 +13,7 @@ wrong, one line each:
   all of whose ranks are slow is named as the node; uniform slowness names nothing.
 
 - a node whose links are all far slower than the other nodes' (a bad NIC, a congested
-  port): the nodes exchange a tensor in pairs, and :mod:`train.core.links` says which
+  port): the nodes exchange a tensor in pairs, and :mod:`train.core.nodes.link_rule` says which
   node's best link is far below the others' (``preflight: node 2 (host-c) links 0.04x
   the other nodes' (...)``); three nodes or more.
 
@@ -32,7 +32,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from train.core import links as link_rule
+from train.core.nodes import link_rule
 
 OFF, WARN, FAIL = "off", "warn", "fail"   # distributed.preflight
 PREFIX = "preflight: "

@@ -8,7 +8,7 @@ editable installs included), parses it (:mod:`ast`), and checks that the name is
 there and, where its signature can be read from the source, that the config's ``args``
 fit it. What only running the code can tell (the factory raising, a dataset without
 (input, target) pairs, a model and loss that do not fit) the workers find before step 1:
-the same one line and exit 2 (:mod:`train.core.usercode`, :mod:`train.losses`), and no
+the same one line and exit 2 (:mod:`train.core.user.usercode`, :mod:`train.models.losses`), and no
 restart repeats it.
 
 Where the source cannot say for sure (a compiled module, a name made by a decorator, a

@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from train.core import rundir
 from train.core.errors import ConfigError, RunDirBusy
 from train.core.files import LinkRefused, refusing_links, write_atomic
-from train.core.host import process_alive
+from train.core.machine.host import process_alive
+from train.core.run import rundir
 
 LOCK_FILE = rundir.LOCK
 FLOCK_FILE = rundir.FLOCK

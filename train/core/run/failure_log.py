@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 from train.core.credentials import redacted
-from train.core.identity import WorkerIdentity
+from train.core.run.identity import WorkerIdentity
 
 # Beside torchrun's stdout.log and stderr.log of the rank, which it does not tee.
 TRACEBACK = "traceback.log"

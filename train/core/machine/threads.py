@@ -5,7 +5,7 @@ applies the same defaults to itself before torch loads. A value the user set win
 Torch-free.
 
 - ``OMP_NUM_THREADS``: the CPUs this process may use (its affinity mask, capped by its
-  cgroup's CPU quota: :func:`train.core.host.available_cpus`) shared by the node's ranks.
+  cgroup's CPU quota: :func:`train.core.machine.host.available_cpus`) shared by the node's ranks.
 - ``OMP_WAIT_POLICY=PASSIVE``: a thread of torch's OpenMP pool that waits for work or
   for the others at the end of a parallel region sleeps at once instead of spinning.
   torch's CPU wheels use GNU OpenMP (libgomp), which otherwise spins about 300,000 times

@@ -4,7 +4,7 @@ When one rank dies (killed by a signal, out of memory, its node lost), every oth
 fails in its next collective with the communication library's words for a closed
 connection, often under a long traceback. Those ranks are survivors, not the cause: the
 launcher names the rank that died (:mod:`launcher.outcome`), and a survivor keeps its
-traceback in its own log folder (:func:`train.core.failure_log.keep`), out of the console
+traceback in its own log folder (:func:`train.core.run.failure_log.keep`), out of the console
 torchrun tees every rank's output to, with at most one short line on the console.
 """
 
@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from train.core import failure_log
+from train.core.run import failure_log
 
 # gloo's words for a peer that died (its process, or its whole node), both forms; NCCL's.
 _WITH_ADDRESS = (re.compile(r"\[([^\]]+)\]:(\d+): Connection (?:reset|closed) by peer"),
@@ -38,7 +38,7 @@ def lost_peer(error: str) -> str | None:
 def survived(rank: int, error: str, log_dir: str | None, quiet: bool = False) -> Path | None:
     """Inside an ``except``: when ``error`` says another rank died, keep the traceback in
     ``log_dir`` and print one line instead (``quiet``: the launcher sums up, so the line
-    goes to the file too: :mod:`train.core.failure_log`). The file; None (nothing done)
+    goes to the file too: :mod:`train.core.run.failure_log`). The file; None (nothing done)
     for any other error, or without a log folder (the caller then shows its traceback as
     usual)."""
     lost = lost_peer(error)

@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from train.core import rundir
+from train.core.run import rundir
 
 SAMPLES = 16                 # chunks hashed to tell two files of equal size and time apart
 SAMPLE_BYTES = 64 << 10

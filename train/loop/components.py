@@ -16,25 +16,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from train import losses
-from train.autobatch import largest_fitting, probe_on_gpu
 from train.checkpoint import Checkpointer, formats, remote
 from train.checkpoint.state import TrainState
-from train.core import remote_config, rundir, tracker_config
-from train.core.config import AUTO, Config, batch_split
+from train.core import remote_config
+from train.core.config import AUTO, Config, batch_split, tracking
 from train.core.config.checks import check_batch_memory
 from train.core.errors import CannotRunHere
-from train.core.host import OUTPUT_DIR_FIX, available_memory, output_dir_problem
-from train.core.identity import WorkerIdentity
-from train.core.preflight import Verdict
+from train.core.machine.host import OUTPUT_DIR_FIX, available_memory, output_dir_problem
+from train.core.nodes.verdict import Verdict
+from train.core.run import rundir
+from train.core.run.identity import WorkerIdentity
 from train.data.builders import DataBundle, build_data
 from train.data.loader import make_loader
 from train.data.order import GlobalOrder, RankBatchSampler
 from train.distributed import ranks
 from train.distributed.parallel import apply_activation_checkpointing, check_placement, parallelize
 from train.distributed.precision import autocast, grad_scaler
-from train.models import build_model
-from train.optim import build_optimizer, build_scheduler
+from train.models import build_model, losses
+from train.models.autobatch import largest_fitting, probe_on_gpu
+from train.models.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger("train")
 
@@ -89,7 +89,7 @@ def preflight(cfg: Config, env: WorkerIdentity, source: str) -> Placement:
         raise CannotRunHere(f"{problem}; {OUTPUT_DIR_FIX}")
     rundir.check_no_links(cfg.run_dir)
     if env.is_main:
-        tracker_config.check(cfg, source)
+        tracking.check(cfg, source)
         remote_config.check(cfg.checkpoint.remote, cfg.run.name, source,
                             probe=not env.supervised)  # the launcher probed already
     micro, accum = batch_split(cfg, env.world_size, source)

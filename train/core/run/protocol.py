@@ -31,11 +31,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from train.core import rundir
 from train.core.errors import EXIT_TRAINING_FAILED
 from train.core.files import write_json_atomic
-from train.core.identity import WorkerIdentity
-from train.core.reports import (  # the records, used by every side under these names
+from train.core.run import rundir
+from train.core.run.identity import WorkerIdentity
+from train.core.run.reports import (  # the records, used by every side under these names
     COMM,
     RANK,
     STUCK_IN_OWN_CODE,
@@ -78,7 +78,7 @@ class Reporter:
         self.ident, self.kind = ident, kind
         self.checkpoints: Path | None = None
         self.unfit_hosts: list[str] | None = None  # set when a check found them
-        self.details: str | None = None  # where its failure went (train.core.failure_log)
+        self.details: str | None = None  # where its failure went (train.core.run.failure_log)
         self.only_local: str | None = None  # the line of a final checkpoint not uploaded
 
     @classmethod

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from train.core.host import DEFAULT_BUILD_MANIFEST, available_cpus
+from train.core.machine.host import DEFAULT_BUILD_MANIFEST, available_cpus
 
 # Set by the launcher's supervisor: the folder where each worker writes its report.
 STATUS_DIR_VAR = "TRAIN_LAUNCHER_STATUS_DIR"

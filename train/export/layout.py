@@ -16,10 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from train.core import rundir
 from train.core.errors import ConfigError
 from train.core.files import create_new, sha256_file
-from train.export_tokenizer import TOKENIZER_FILES
+from train.core.run import rundir
+from train.export.tokenizer import TOKENIZER_FILES
 
 # What an export writes; model.json lists them, and a later export replaces only these.
 EXPORT_FILES = (rundir.EXPORT_WEIGHTS, rundir.EXPORT_META)
@@ -46,7 +46,7 @@ def write_weights(out: Path, weights: dict, safetensors: bool) -> str:
     """model.pt, or model.safetensors; the file's name."""
     import torch
 
-    from train import safetensors_io
+    from train.export import safetensors_io
     tensors = {k: v.contiguous() for k, v in weights.items()}
     name = SAFETENSORS if safetensors else rundir.EXPORT_WEIGHTS
     write_replacing(out / name, (lambda f: safetensors_io.write(tensors, f)) if safetensors
@@ -58,10 +58,10 @@ def write_weights(out: Path, weights: dict, safetensors: bool) -> str:
 def write_pretrained(out: Path, saved, weights: dict, max_shard_size: str | None,
                      source: str, tokenizer=None) -> list[str]:
     """A transformers model's save_pretrained files, and the run's tokenizer's when it
-    has one (:mod:`train.export_tokenizer`, whose special tokens' ids the configuration
+    has one (:mod:`train.export.tokenizer`, whose special tokens' ids the configuration
     takes), written into a temporary folder in ``out``, each fsync'ed and renamed into
     place; their names."""
-    from train import hf
+    from train.models import hf
     for left in out.glob(HF_TEMPORARY + "*"):  # an interrupted export's
         shutil.rmtree(left, ignore_errors=True)
     model = trained_model(saved, weights, source)
@@ -89,7 +89,7 @@ def trained_model(saved, weights: dict, source: str):
     checkpointed before the overrides went to the configuration's constructor kept the
     fields it derives from the defaults (Llama's head_dim): rebuilt so when the weights
     say it was, with a warning."""
-    from train import hf
+    from train.models import hf
     section = saved.config["model"]
     model = hf.rebuild(section, saved.model_io, source)
     try:

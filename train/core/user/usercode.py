@@ -7,7 +7,7 @@ checkout) or from an installed package, and called with the config's ``args`` as
 keyword arguments. Every mistake is one :class:`~train.core.errors.ConfigError` (exit 2)
 naming the key and the first line of the error. The launcher checks the paths and the
 arguments by reading the source, running none of it (:func:`check_without_running`,
-:mod:`train.core.usersource`: a factory module that imports transformers would cost
+:mod:`train.core.user.usersource`: a factory module that imports transformers would cost
 seconds there, and every worker imports it anyway); each worker imports and checks them
 (:func:`check`), then calls them before step 1, where a failure is the same one line.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from train.core.errors import ConfigError, UserError
-from train.core.usersource import split_path
+from train.core.user.usersource import split_path
 
 # This project's own packages: never counted as the user's code.
 _ROOT = Path(__file__).resolve().parents[2]
@@ -95,8 +95,8 @@ def call(path: str, args: dict[str, Any], key: str, source: str) -> Any:
 def check_without_running(cfg, source: str) -> None:
     """The launcher's checks: every import path is found and the config's arguments fit
     what its source shows; nothing of the user's code is imported or run."""
-    from train.core import usersource
     from train.core.config.kinds import BUILT_IN_LOSSES, data_kind, model_kind
+    from train.core.user import usersource
     if cfg.model.kind == "hf":  # no user code: transformers' own classes, built on meta
         from train.core.config import hf_kind
         hf_kind.check(cfg, source)

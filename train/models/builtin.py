@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.core import usercode
 from train.core.config import ModelConfig
 from train.core.config.kinds import MODEL_KINDS, load_builder
 from train.core.errors import ConfigError
+from train.core.user import usercode
 
 
 class MLP(nn.Module):
@@ -144,7 +144,7 @@ def gpt(cfg: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int,
 
 def from_factory(cfg: ModelConfig, *, input_shape: tuple[int, ...], num_classes: int,
                  source: str) -> nn.Module:
-    """custom: the user's factory, called with model.args (train.core.usercode)."""
+    """custom: the user's factory, called with model.args (train.core.user.usercode)."""
     model = usercode.call(cfg.factory, cfg.args, "model", source)
     if not isinstance(model, nn.Module):
         raise ConfigError(source, "model.factory", f"{cfg.factory} returned "

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from train.autobatch import is_out_of_memory
-from train.core import usercode
 from train.core.errors import CannotRunHere, ConfigError
+from train.core.user import usercode
+from train.models.autobatch import is_out_of_memory
 
 Loss = Callable[[Any, torch.Tensor], torch.Tensor]
 MODEL_LOSS = "model"  # train.loss: the model's own loss

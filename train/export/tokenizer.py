@@ -23,7 +23,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.core import rundir
+from train.core.run import rundir
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -100,7 +100,7 @@ class Tokenizer:
 def locate(config: dict, run_dir: Path) -> tuple[Tokenizer | None, str | None]:
     """The tokenizer that made the run's token files, or None and why (None when there
     is nothing to say: data that is not token files)."""
-    from train.core import tokenfiles
+    from train.core.datasets import tokenfiles
     from train.core.errors import ConfigError
     from train.data.tokenfile import read_sidecar
     data = config.get("data") or {}

@@ -18,8 +18,7 @@ links slow, and its best link is slow too. A node whose best link is below
 its fastest of 2 peer nodes)``. Naming needs three nodes or more: with two there is one
 link, and nothing tells which end of it is slow (its speed is in the summary line).
 
-Torch-free and pure, like :mod:`train.core.preflight`, whose :func:`~train.core.preflight.judge`
-uses it.
+Torch-free and pure, like :mod:`.verdict`, whose :func:`~.verdict.judge` uses it.
 """
 
 from __future__ import annotations
