@@ -40,7 +40,7 @@ MiB = 1 << 20
 def _job():
     import torch
 
-    import train.trainer  # noqa: F401  (what a worker has loaded before its first save)
+    import train.loop.trainer  # noqa: F401  (what a worker has loaded before its first save)
     from train.core.config.schema import ModelConfig
     from train.distributed import compiler_stack
     from train.models import GPT

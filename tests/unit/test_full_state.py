@@ -19,7 +19,7 @@ from train.core.config import OptimConfig
 from train.core.config.schema import ModelConfig
 from train.distributed import full_state
 from train.models import GPT
-from train.optim import build_optimizer
+from train.models.optim import build_optimizer
 
 FULL = StateDictOptions(full_state_dict=True)
 
