@@ -59,7 +59,7 @@ def _timed(action) -> float:
 
 def measure(server, work: Path, mib: int, rounds: int) -> dict[str, list[float]]:
     from train.checkpoint.remote import RemoteTier
-    from train.checkpoint.storage import LocalStorage
+    from train.core.storage.local import LocalStorage
     run_dir = work / "run"
     _sealed(run_dir, mib)
     files, client = _files(run_dir), server.client()
@@ -82,7 +82,7 @@ def measure(server, work: Path, mib: int, rounds: int) -> dict[str, list[float]]
 def blocked(server, work: Path, mib: int, rounds: int) -> tuple[float, float]:
     """Median seconds a save blocks training without and with the tier."""
     from train.checkpoint.remote import RemoteTier
-    from train.checkpoint.storage import LocalStorage
+    from train.core.storage.local import LocalStorage
     alone, tiered = [], []
     for r in range(rounds):
         alone.append(_sealed(work / f"alone-{r}", mib))

@@ -22,8 +22,8 @@ from launcher import conventions, packages, rdma, system
 from launcher.environ import Environ
 from launcher.hardware import Finding, TorchBuild
 from train.core.config import DistributedConfig
-from train.core.credentials import redacted
 from train.core.host import read_build_manifest
+from train.core.storage.credentials import redacted
 
 GIB = 1024 ** 3
 

@@ -45,12 +45,12 @@ from launcher.restarts import STOPPED_BY_LAUNCHER, failed_attempt, restarting
 from launcher.signals import Forwarder
 from launcher.torchrun import LOCAL_ID_VAR, STORE_LOST
 from train.core import failure_log, protocol
-from train.core.credentials import redacted
 from train.core.errors import EXIT_CANNOT_RUN_HERE, EXIT_STOPPED_BY_SIGNAL, EXIT_TRAINING_FAILED
 from train.core.files import write_atomic
 from train.core.host import die_with_parent
 from train.core.identity import CONFIG_SNAPSHOT_VAR, RELAUNCH_VAR, STATUS_DIR_VAR
 from train.core.protocol import Report
+from train.core.storage.credentials import redacted
 
 
 def read_reports(folder: Path) -> list[Report]:

@@ -17,12 +17,12 @@ from train.core import failure_log, peers, rundir, threads, tokenscan, usercode
 from train.core.config import check_resume_compatible, load_config, to_yaml
 from train.core.config.loader import dashed_override
 from train.core.config.origins import config_warnings
-from train.core.credentials import redacted
 from train.core.errors import EXIT_TRAINING_FAILED, UnfitNodes, UserError, printable
 from train.core.files import write_atomic
 from train.core.host import exit_now
 from train.core.identity import WorkerIdentity, check_environ
 from train.core.protocol import Reporter
+from train.core.storage.credentials import redacted
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -20,13 +20,14 @@ from train import losses
 from train.autobatch import largest_fitting, probe_on_gpu
 from train.checkpoint import Checkpointer, formats, remote
 from train.checkpoint.state import TrainState
-from train.core import remote_config, rundir, tracker_config
+from train.core import rundir, tracker_config
 from train.core.config import AUTO, Config, batch_split
 from train.core.config.checks import check_batch_memory
 from train.core.errors import CannotRunHere
 from train.core.host import OUTPUT_DIR_FIX, available_memory, output_dir_problem
 from train.core.identity import WorkerIdentity
 from train.core.preflight import Verdict
+from train.core.storage import s3
 from train.data.builders import DataBundle, build_data
 from train.data.loader import make_loader
 from train.data.order import GlobalOrder, RankBatchSampler
@@ -90,8 +91,8 @@ def preflight(cfg: Config, env: WorkerIdentity, source: str) -> Placement:
     rundir.check_no_links(cfg.run_dir)
     if env.is_main:
         tracker_config.check(cfg, source)
-        remote_config.check(cfg.checkpoint.remote, cfg.run.name, source,
-                            probe=not env.supervised)  # the launcher probed already
+        s3.check(cfg.checkpoint.remote, cfg.run.name, source,
+              probe=not env.supervised)  # the launcher probed already
     micro, accum = batch_split(cfg, env.world_size, source)
     check_batch_memory(cfg, env.world_size, source,
                        (available_memory() or 0) // env.local_world_size or None)

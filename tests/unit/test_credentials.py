@@ -1,7 +1,7 @@
 """Credentials in process: every config key that could carry one refuses it (exit 2, one
 line naming the environment variable to use, the secret not echoed), values that only
 look alike pass, and the one function that hides credentials in what is printed
-(:func:`train.core.credentials.redacted`) behind every error, warning and log line.
+(:func:`train.core.storage.credentials.redacted`) behind every error, warning and log line.
 A run, its resume and the trackers' stores grepped for planted secrets:
 tests/e2e/test_credentials_runs.py.
 """
@@ -15,10 +15,11 @@ import sys
 import pytest
 
 from tests.harness.runs import QUICKSTART, entry, merge, write_config
-from train.core import credentials, tracker_config
+from train.core import tracker_config
 from train.core.config import check_checkpoint_config, load_config
-from train.core.credentials import redacted
 from train.core.errors import ConfigError, printable
+from train.core.storage import credentials
+from train.core.storage.credentials import redacted
 
 SECRET = "plantedSECRETx9"
 MLP = {"model": {"kind": "mlp"}, "data": {"kind": "synthetic"}}

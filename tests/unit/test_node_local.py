@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import s3server
-from train.checkpoint.storage import LocalStorage
+from train.core.storage.local import LocalStorage
 
 BUCKET = s3server.BUCKET
 

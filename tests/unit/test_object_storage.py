@@ -20,10 +20,12 @@ from launcher.system import free_port
 from tests.harness import s3server
 from tests.harness.runs import entry, last_line, limit
 from train.checkpoint import Checkpointer
-from train.checkpoint.storage import LocalStorage
-from train.core import remote_config, remote_lease, rundir, runlock
+from train.core import rundir, runlock
 from train.core.config import load_config
 from train.core.errors import CannotRunHere, ConfigError, RunDirBusy
+from train.core.storage import lease as remote_lease
+from train.core.storage import s3, urls
+from train.core.storage.local import LocalStorage
 
 needs_s3 = pytest.mark.skipif(s3server.missing() is not None, reason=str(s3server.missing()))
 
@@ -75,17 +77,17 @@ def test_a_key_in_the_remote_url_is_refused_and_not_echoed(tmp_path):
 
 def test_a_valid_remote_loads(tmp_path):
     cfg = load_config(config_with(tmp_path, "s3://my-bucket/team/ckpt/"))
-    url, problem = remote_config.parse(cfg.checkpoint.remote)
+    url, problem = urls.parse(cfg.checkpoint.remote)
     assert problem is None and url.run_prefix("r1") == "team/ckpt/r1"
     assert load_config(config_with(tmp_path, "")).checkpoint.remote == ""
 
 
 def test_without_boto3_a_remote_is_exit_3_saying_how_to_install(monkeypatch):
-    real = remote_config.importlib.util.find_spec
-    monkeypatch.setattr(remote_config.importlib.util, "find_spec",
+    real = s3.importlib.util.find_spec
+    monkeypatch.setattr(s3.importlib.util, "find_spec",
                         lambda name, *a: None if name == "boto3" else real(name, *a))
     with pytest.raises(CannotRunHere) as raised:
-        remote_config.check("s3://bucket/x", "run", "c.yaml")
+        s3.check("s3://bucket/x", "run", "c.yaml")
     assert "pip install 'trainpod[s3]'" in raised.value.one_line()
     assert raised.value.exit_code == 3
 
@@ -96,7 +98,7 @@ def test_an_unreachable_store_is_exit_3_naming_endpoint_and_bucket(aws, monkeypa
     dead = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", dead)
     with pytest.raises(CannotRunHere) as raised:
-        remote_config.check("s3://ckpt/x", "run", "c.yaml")
+        s3.check("s3://ckpt/x", "run", "c.yaml")
     line = raised.value.one_line()
     assert dead in line and "bucket ckpt" in line and "\n" not in line
 
@@ -104,9 +106,9 @@ def test_an_unreachable_store_is_exit_3_naming_endpoint_and_bucket(aws, monkeypa
 @needs_s3
 def test_a_missing_bucket_is_exit_3_and_a_writable_one_passes(aws):
     with pytest.raises(CannotRunHere) as raised:
-        remote_config.check("s3://no-such-bucket/x", "run", "c.yaml")
+        s3.check("s3://no-such-bucket/x", "run", "c.yaml")
     assert "no-such-bucket" in raised.value.one_line()
-    remote_config.check("s3://ckpt/probe", "run", "c.yaml")
+    s3.check("s3://ckpt/probe", "run", "c.yaml")
     assert remote_keys(aws, "probe") == []  # the probe object is gone again
 
 

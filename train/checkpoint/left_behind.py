@@ -27,7 +27,7 @@ from train.checkpoint import remote
 from train.core import rundir
 from train.core.config import Config
 from train.core.errors import EXIT_OK, EXIT_ONLY_LOCAL
-from train.core.remote_config import said
+from train.core.storage.s3 import said
 
 
 def print_line(line: str) -> None:

@@ -29,7 +29,7 @@ from train.core.config import AUTO, Config
 from train.core.errors import CannotRunHere, ConfigError
 from train.core.files import describe_load_error
 from train.core.identity import WorkerIdentity
-from train.core.remote_config import said
+from train.core.storage.s3 import said
 from train.distributed import ranks
 
 log = logging.getLogger("train")

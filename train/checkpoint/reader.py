@@ -13,10 +13,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from train.checkpoint.storage import LocalStorage
 from train.core import rundir
 from train.core.files import describe_load_error
 from train.core.rundir import CHECKSUMS, STATE_FILE
+from train.core.storage.local import LocalStorage
 
 log = logging.getLogger("train")
 

@@ -57,10 +57,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from train.checkpoint.objectstore import S3Storage, said
 from train.checkpoint.remote_reads import RemoteError, StoreReads
-from train.checkpoint.storage import LocalStorage
-from train.core import remote_config, rundir
+from train.core import rundir
 from train.core.rundir import (
     BOARD,
     CHECKPOINTS,
@@ -71,6 +69,10 @@ from train.core.rundir import (
     METRICS,
     RESULT,
 )
+from train.core.storage import urls
+from train.core.storage.bucket import S3Storage
+from train.core.storage.local import LocalStorage
+from train.core.storage.s3 import said
 
 log = logging.getLogger("train")
 
@@ -115,7 +117,7 @@ class RemoteTier(StoreReads):
     @classmethod
     def from_url(cls, url: str, run_name: str, local: LocalStorage,
                  keep_last: int) -> RemoteTier:
-        parsed, problem = remote_config.parse(url)
+        parsed, problem = urls.parse(url)
         if parsed is None:
             raise ValueError(problem)
         where = f"s3://{parsed.bucket}/{parsed.run_prefix(run_name)}"

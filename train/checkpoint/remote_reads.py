@@ -12,7 +12,6 @@ import re
 import shutil
 from pathlib import Path
 
-from train.checkpoint.objectstore import missing, said
 from train.core import rundir
 from train.core.rundir import (
     CHECKPOINTS,
@@ -24,6 +23,7 @@ from train.core.rundir import (
     SHARDS,
     STEP_DIR,
 )
+from train.core.storage.s3 import missing, said
 
 log = logging.getLogger("train")
 

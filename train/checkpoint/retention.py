@@ -12,9 +12,9 @@ import logging
 import time
 from pathlib import Path
 
-from train.checkpoint.storage import LocalStorage
 from train.core import rundir
 from train.core.rundir import ABANDONED, CHECKPOINTS, REPLACED, STEP_DIR
+from train.core.storage.local import LocalStorage
 
 log = logging.getLogger("train")
 

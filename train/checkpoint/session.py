@@ -23,7 +23,7 @@ from train.core.config import check_checkpoint_config, to_dict
 from train.core.config.resume import check_same_data
 from train.core.errors import EXIT_OK, EXIT_ONLY_LOCAL
 from train.core.protocol import Reporter
-from train.core.remote_config import said
+from train.core.storage.s3 import said
 from train.guards.divergence import Guard
 
 log = logging.getLogger("train")

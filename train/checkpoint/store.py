@@ -37,9 +37,9 @@ from typing import Any
 
 from train.checkpoint import reader, retention
 from train.checkpoint.serializer import CheckpointWriteError, save_object, snapshot, writing
-from train.checkpoint.storage import LocalStorage
 from train.core import rundir
 from train.core.rundir import CHECKPOINTS, CHECKSUMS, LATEST, NODE_PART, SHARDS, STATE_FILE
+from train.core.storage.local import LocalStorage
 
 # Shards: a collective writer of sharded state into a folder, returning the files this
 # rank wrote with their SHA-256, hashed while written (in the background: a function that

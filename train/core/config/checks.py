@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from train.core import credentials, remote_config, rundir
+from train.core import rundir
 from train.core.config import kinds
 from train.core.config.origins import (
     DEFAULT,
@@ -29,6 +29,7 @@ from train.core.config.origins import (
 from train.core.config.schema import AUTO, Config, to_dict
 from train.core.config.strict_yaml import short
 from train.core.errors import CannotRunHere, ConfigError, raise_all
+from train.core.storage import credentials, urls
 
 
 def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = None,
@@ -182,7 +183,7 @@ def _check_resume_from(cfg: Config, fail: kinds.Fail) -> None:
 def _check_remote(cfg: Config, fail: kinds.Fail) -> None:
     """checkpoint.remote: empty (off) or an s3://BUCKET/PREFIX URL."""
     if cfg.checkpoint.remote:
-        _, problem = remote_config.parse(cfg.checkpoint.remote)
+        _, problem = urls.parse(cfg.checkpoint.remote)
         if problem:
             fail("checkpoint.remote", problem)
 

@@ -15,8 +15,8 @@ import yaml
 from train.core import rundir
 from train.core.config.origins import MISSING, dig, origin_note, show
 from train.core.config.schema import AUTO, Config, to_dict
-from train.core.credentials import redacted
 from train.core.errors import ConfigError, DataChanged
+from train.core.storage.credentials import redacted
 
 log = logging.getLogger("train")
 

@@ -22,9 +22,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from train.core import remote_config, runlock
+from train.core import runlock
 from train.core.errors import RunDirBusy
 from train.core.runlock import LeaseTimes
+from train.core.storage import s3 as store
+from train.core.storage.urls import parse
 
 NAME = "lease.json"
 LOGGED_EVERY_S = 15
@@ -51,7 +53,7 @@ class RemoteLease:
         try:
             data = self.s3.get_object(Bucket=self.bucket, Key=self.key)["Body"].read()
         except Exception as exc:
-            if _missing(exc):
+            if store.missing(exc):
                 return {}
             raise
         try:
@@ -106,19 +108,19 @@ def acquire(url: str, run_name: str, job: str, times: LeaseTimes,
             s3=None) -> RemoteLease | None:
     """The remote run's lease for ``job``, waiting for another job's live one up to
     ``times.wait_s`` (then RunDirBusy, exit 6); None when the store does not answer."""
-    parsed, _ = remote_config.parse(url)
+    parsed, _ = parse(url)
     if parsed is None:
         return None
     key = f"{parsed.run_prefix(run_name)}/{NAME}"
     try:
-        lease = RemoteLease(s3 or remote_config.client(attempts=2), parsed.bucket, key, job,
+        lease = RemoteLease(s3 or store.client(attempts=2), parsed.bucket, key, job,
                             times, log)
         return _take(lease, ended)
     except RunDirBusy:
         raise
     except Exception as exc:
         log(f"warning: the remote run lease {parsed}/{key} could not be read or written "
-            f"({remote_config.said(exc)}); going on with the local lease only")
+            f"({store.said(exc)}); going on with the local lease only")
         return None
 
 
@@ -152,7 +154,3 @@ def _take(lease: RemoteLease, ended: Callable[[str], bool] | None) -> RemoteLeas
             said = now
         time.sleep(min(1.0, lease.times.renew_s / 2))
 
-
-def _missing(exc: BaseException) -> bool:
-    code = (getattr(exc, "response", None) or {}).get("Error", {}).get("Code")
-    return code in ("404", "NoSuchKey", "NotFound")
