@@ -18,7 +18,8 @@ from torch import nn
 
 from train import losses
 from train.autobatch import largest_fitting, probe_on_gpu
-from train.checkpoint import Checkpointer, formats, remote
+from train.checkpoint import Checkpointer, formats
+from train.checkpoint.factory import build_checkpointer
 from train.checkpoint.state import TrainState
 from train.core import rundir, tracker_config
 from train.core.config import AUTO, Config, batch_split
@@ -34,6 +35,7 @@ from train.data.order import GlobalOrder, RankBatchSampler
 from train.distributed import ranks
 from train.distributed.parallel import apply_activation_checkpointing, check_placement, parallelize
 from train.distributed.precision import autocast, grad_scaler
+from train.guards import shared_dir
 from train.models import build_model
 from train.optim import build_optimizer, build_scheduler
 
@@ -131,14 +133,9 @@ def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> C
     model = parallelize(module, cfg, env, device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
-    checkpointer = Checkpointer(cfg.run_dir, rank=env.rank, keep_last=cfg.checkpoint.keep_last,
-                                world_size=env.world_size, barrier=ranks.barrier(env),
-                                gather=ranks.gather(env),
-                                async_timeout_s=cfg.distributed.timeout_s)
-    if env.is_main and cfg.checkpoint.remote:  # rank 0 uploads what it sealed
-        checkpointer.remote = remote.tier_for(cfg.checkpoint.remote, cfg.run_dir,
-                                              cfg.run.name, cfg.checkpoint.keep_last)
-        checkpointer.sealed = checkpointer.remote.sealed
+    # several nodes: one run directory, or node-local (each node's own, with a remote)
+    nodes = shared_dir.prepare(cfg.run_dir, env, remote=bool(cfg.checkpoint.remote))
+    checkpointer = build_checkpointer(cfg, env, nodes)
     return Components(cfg, source, env, device, data, model, module, optimizer, scheduler,
                       grad_scaler(device.type, cfg.precision), micro, accum, checkpointer,
                       formats.for_config(cfg), objective)

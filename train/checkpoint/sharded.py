@@ -69,7 +69,7 @@ def _writer(folder: Path):
         spread over the ranks); one, ``__<rank>_0.distcp``, where it has only one kind
         (no shards: DDP, one process). A rank that loads with the same world size and strategy
         then reads its own shard file and the small ones: a node resuming from object
-        storage fetches only those (:mod:`.remote_reads`), not every rank's shards."""
+        storage fetches only those (:mod:`.fetcher`), not every rank's shards."""
 
         def write_data(self, plan, planner):
             from torch.distributed.checkpoint.planner import WriteItemType
