@@ -56,7 +56,9 @@ def newest_loadable(folder: Path, rank: int = 0) -> tuple[Path, dict, dict | Non
         if problem is None:
             try:
                 return (path, *load(path, rank))
-            except Exception as exc:  # verified bytes that torch cannot read back
+            except Exception as exc:  # verified bytes that torch cannot read back:
+                # torch.load raises unrelated types for them (UnpicklingError, RuntimeError,
+                # EOFError, ...), and any of them means try the previous checkpoint
                 problem = f"cannot be loaded: {describe_load_error(exc)}"
         log.warning("checkpoint %s is unusable (%s); trying the previous one", path, problem)
         problems.append((path.name, problem))

@@ -206,7 +206,9 @@ def _run_timeout():
     for device in ("cpu", "cuda"):
         try:
             return dist.group.WORLD._get_backend(torch.device(device)).options._timeout
-        except Exception:  # no backend for that device; a torch without these internals
+        except Exception:  # no backend for that device; a torch without these internals:
+            # private API, whose errors differ between torch versions (RuntimeError,
+            # AttributeError, ...): any of them means "not said here", torch's default
             continue
     return None
 

@@ -76,11 +76,10 @@ def _describe(url: str) -> TokenFile:
     if importlib.util.find_spec("boto3") is None:
         raise CannotRunHere(f"{url} needs boto3, which is not installed here: "
                             f"{s3.INSTALL}")
-    from train.core.storage.s3 import missing
     try:
         head = _s3().head_object(Bucket=bucket, Key=key)
-    except Exception as exc:  # whatever the store or the network says
-        if missing(exc):
+    except s3.errors() as exc:  # whatever the store or the network says
+        if s3.missing(exc):
             raise FileNotFoundError(f"{url}: no such object in bucket {bucket}") from None
         raise CannotRunHere(f"cannot read {url} at {s3.endpoint()}: "
                             f"{s3.said(exc)}; check the AWS_* variables "

@@ -146,14 +146,14 @@ class ShardCache:
     def _fetch(self, f: TokenFile, path: Path) -> None:
         """Fetch ``f`` into ``path``; a connection that fails mid-way is tried again
         (botocore retries a request, not a body cut off while it streams)."""
-        from train.core.storage.s3 import missing, said
+        from train.core.storage.s3 import errors, missing, said
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 size = self._fetch_once(f, path)
                 break
             except DataChanged:
                 raise
-            except Exception as exc:  # the store's or the network's answer, in one line
+            except errors() as exc:  # the store's or the network's answer, in one line
                 if missing(exc):
                     raise DataChanged(f"{f.name}: no longer in the store (it was listed when "
                                       f"the run started){CHANGED}") from None

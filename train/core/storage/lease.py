@@ -52,7 +52,7 @@ class RemoteLease:
     def read(self) -> dict:
         try:
             data = self.s3.get_object(Bucket=self.bucket, Key=self.key)["Body"].read()
-        except Exception as exc:
+        except store.errors() as exc:  # re-raised unless it says "not there"
             if store.missing(exc):
                 return {}
             raise
@@ -78,7 +78,7 @@ class RemoteLease:
                              "the remote checkpoints")
                     return
                 self.write(holder)
-            except Exception:  # the store is away: the next renewal tries again
+            except store.errors():  # the store is away: the next renewal tries again
                 continue
 
     def release(self, wait_s: float = RELEASE_WAIT_S) -> None:
@@ -99,7 +99,7 @@ class RemoteLease:
             holder = self.read()
             if holder.get("job") == self.job:
                 self.write(holder, released=True)
-        except Exception:  # the lease expires by itself
+        except store.errors():  # the lease expires by itself
             pass
 
 
@@ -118,7 +118,7 @@ def acquire(url: str, run_name: str, job: str, times: LeaseTimes,
         return _take(lease, ended)
     except RunDirBusy:
         raise
-    except Exception as exc:
+    except store.errors() as exc:
         log(f"warning: the remote run lease {parsed}/{key} could not be read or written "
             f"({store.said(exc)}); going on with the local lease only")
         return None

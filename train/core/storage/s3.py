@@ -67,7 +67,7 @@ def writable(url: RemoteURL, run_name: str) -> str | None:
         s3 = client(attempts=2)
         s3.put_object(Bucket=url.bucket, Key=key, Body=b"probe\n")
         s3.delete_object(Bucket=url.bucket, Key=key)
-    except Exception as exc:  # whatever the store or the network says
+    except errors() as exc:  # whatever the store or the network says
         return said(exc)
     return None
 
@@ -108,11 +108,13 @@ def errors() -> tuple[type[BaseException], ...]:
     """What a call to the store can raise when the store or the network says no: botocore's
     errors (its ClientError: the store's answer; BotoCoreError: no connection, no
     credentials, a timeout, a body cut off), boto3's own (a managed transfer's failure),
-    and OSError (the network, a local file). Without boto3, OSError alone."""
+    urllib3's (a body read where botocore does not wrap them) and OSError (the network,
+    a local file). Without boto3, OSError alone."""
     try:
         import boto3.exceptions
         import botocore.exceptions
+        import urllib3.exceptions
     except ImportError:
         return (OSError,)
     return (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError,
-            boto3.exceptions.Boto3Error, OSError)
+            boto3.exceptions.Boto3Error, urllib3.exceptions.HTTPError, OSError)
