@@ -94,7 +94,7 @@ def preflight(cfg: Config, env: WorkerIdentity, source: str) -> Placement:
     if env.is_main:
         tracker_config.check(cfg, source)
         s3.check(cfg.checkpoint.remote, cfg.run.name, source,
-              probe=not env.supervised)  # the launcher probed already
+                 probe=not env.supervised)  # the launcher probed already
     micro, accum = batch_split(cfg, env.world_size, source)
     check_batch_memory(cfg, env.world_size, source,
                        (available_memory() or 0) // env.local_world_size or None)

@@ -12,8 +12,9 @@ A foreground save agrees through collectives (a write that fails on any rank fai
 every rank alike, with that rank's words: no rank is left waiting for another); a
 background save, whose thread may not use the training thread's process group, through
 a marker file per rank in the partial folder. Nothing else differs. The bytes go
-through a :class:`~.storage.LocalStorage` (the seam for other storage); keeping the last
-few and moving stale trajectories aside is :mod:`.retention`'s.
+through a :class:`~train.core.storage.local.LocalStorage` (the storage seam,
+:mod:`train.core.storage.seam`); keeping the last few and moving stale trajectories
+aside is :mod:`.retention`'s.
 
 Node-local run directories (``checkpoint.remote`` on nodes that do not share one,
 :mod:`train.guards.shared_dir`): each node's first rank seals that node's part (its
