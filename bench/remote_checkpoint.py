@@ -37,9 +37,7 @@ def _sealed(run_dir: Path, mib: int, remote=None) -> float:
     import torch
 
     from train.checkpoint import Checkpointer
-    store = Checkpointer(run_dir, rank=0, keep_last=2)
-    if remote is not None:
-        store.sealed = remote.sealed
+    store = Checkpointer(run_dir, rank=0, keep_last=2, tier=remote)
     state = {"model": {"w": torch.randn(mib << 18)}}  # 4-byte floats: mib MiB
     started = time.perf_counter()
     store.save(1, state, {"rng": torch.get_rng_state()})
@@ -58,8 +56,8 @@ def _timed(action) -> float:
 
 
 def measure(server, work: Path, mib: int, rounds: int) -> dict[str, list[float]]:
-    from train.checkpoint.remote import RemoteTier
-    from train.checkpoint.storage import LocalStorage
+    from train.checkpoint.tier import RemoteTier
+    from train.core.storage.local import LocalStorage
     run_dir = work / "run"
     _sealed(run_dir, mib)
     files, client = _files(run_dir), server.client()
@@ -75,14 +73,14 @@ def measure(server, work: Path, mib: int, rounds: int) -> dict[str, list[float]]
         times["tier upload"].append(_timed(lambda: [tier.remote.upload(
             f"checkpoints/step-1/{p.relative_to(run_dir / 'checkpoints/step-1')}", p)
             for p in files]))
-        times["tier mirror"].append(_timed(lambda: tier.mirror(1)))
+        times["tier mirror"].append(_timed(lambda: tier.uploader.mirror(1)))
     return times
 
 
 def blocked(server, work: Path, mib: int, rounds: int) -> tuple[float, float]:
     """Median seconds a save blocks training without and with the tier."""
-    from train.checkpoint.remote import RemoteTier
-    from train.checkpoint.storage import LocalStorage
+    from train.checkpoint.tier import RemoteTier
+    from train.core.storage.local import LocalStorage
     alone, tiered = [], []
     for r in range(rounds):
         alone.append(_sealed(work / f"alone-{r}", mib))
@@ -90,7 +88,7 @@ def blocked(server, work: Path, mib: int, rounds: int) -> tuple[float, float]:
         tier = RemoteTier.from_url(f"s3://{s3server.BUCKET}/blocked-{r}", "run",
                                    LocalStorage(run_dir), 2)
         tiered.append(_sealed(run_dir, mib, tier))
-        tier.wait(600)
+        tier.uploader.wait(600)
     return statistics.median(alone), statistics.median(tiered)
 
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from train.core.config import check_resume_compatible, load_config, to_yaml
 from train.core.config.origins import config_warnings
 from train.core.config.reading import dashed_override
-from train.core.credentials import redacted
 from train.core.datasets import tokenscan
 from train.core.errors import EXIT_TRAINING_FAILED, UnfitNodes, UserError, printable
 from train.core.files import write_atomic
@@ -25,6 +24,7 @@ from train.core.machine.host import exit_now
 from train.core.run import failure_log, peers, rundir
 from train.core.run.identity import WorkerIdentity, check_environ
 from train.core.run.protocol import Reporter
+from train.core.storage.credentials import redacted
 from train.core.user import usercode
 
 

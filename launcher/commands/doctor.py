@@ -24,8 +24,8 @@ from launcher.detection import rdma, system
 from launcher.detection.hardware import Finding, TorchBuild
 from launcher.planning.variables import Environ
 from train.core.config import DistributedConfig
-from train.core.credentials import redacted
 from train.core.machine.host import read_build_manifest
+from train.core.storage.credentials import redacted
 
 GIB = 1024 ** 3
 

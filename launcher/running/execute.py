@@ -64,8 +64,8 @@ def _remote_lease(p: Prepared, log: Callable[[str], None], job: str):
     if not p.cfg.checkpoint.remote:
         return None
     from launcher.conventions.slurm import earlier_incarnation
-    from train.core import remote_lease
     from train.core.run import runlock
+    from train.core.storage import lease as remote_lease
     return remote_lease.acquire(p.cfg.checkpoint.remote, p.cfg.run.name, job,
                                 runlock.LeaseTimes.of(p.cfg), log,
                                 ended=earlier_incarnation(job))

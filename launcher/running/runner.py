@@ -212,7 +212,7 @@ def _remote(p: Prepared) -> None:
     bucket writable under the run's prefix, before any worker starts."""
     if p.cfg is None or not p.cfg.checkpoint.remote:
         return
-    from train.core import remote_config
+    from train.core.storage import s3 as remote_config
     try:
         remote_config.check(p.cfg.checkpoint.remote, p.cfg.run.name,
                             p.request.config or "<defaults>", p.env.raw,

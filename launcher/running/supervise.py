@@ -44,13 +44,13 @@ from launcher.planning.plan import Plan
 from launcher.running.agent_contract import LOCAL_ID_VAR, STORE_LOST
 from launcher.running.processes import kill_tree, stop_workers, workers_alive
 from launcher.running.signals import Forwarder
-from train.core.credentials import redacted
 from train.core.errors import EXIT_CANNOT_RUN_HERE, EXIT_STOPPED_BY_SIGNAL, EXIT_TRAINING_FAILED
 from train.core.files import write_atomic
 from train.core.machine.host import die_with_parent
 from train.core.run import failure_log, protocol
 from train.core.run.identity import CONFIG_SNAPSHOT_VAR, RELAUNCH_VAR, STATUS_DIR_VAR
 from train.core.run.protocol import Report
+from train.core.storage.credentials import redacted
 
 
 def read_reports(folder: Path) -> list[Report]:

@@ -246,14 +246,14 @@ def wait_until(sealed, seconds: float, pod) -> None:
 
 # A sitecustomize: the uploader freezes the S3 server (SIGSTOP of its process group: a
 # store that accepts connections and never answers) as it starts to upload step FREEZE_AT.
-FREEZE = patched_on_import("train.checkpoint.remote", """
-mirror = module.RemoteTier.mirror
+FREEZE = patched_on_import("train.checkpoint.uploader", """
+mirror = module.Uploader.mirror
 def frozen_at(self, step, *args, **kwargs):
     if step == int(os.environ["FREEZE_AT"]):
         import signal
         os.killpg(int(os.environ["S3_PGID"]), signal.SIGSTOP)
     return mirror(self, step, *args, **kwargs)
-module.RemoteTier.mirror = frozen_at
+module.Uploader.mirror = frozen_at
 """)
 
 

@@ -161,9 +161,8 @@ ROOMS = ("checkpoint", "core", "data", "distributed", "export", "guards", "loop"
 
 # train/core/ (torch-free) in sub-rooms by concern; at its top, what every sub-room uses
 # and the object-storage modules.
-CORE_TOP_LEVEL = ("__init__", "errors", "files", "bulk", "credentials", "remote_config",
-                  "remote_lease")
-CORE_ROOMS = ("config", "datasets", "machine", "nodes", "run", "user")
+CORE_TOP_LEVEL = ("__init__", "errors", "files", "bulk")
+CORE_ROOMS = ("config", "datasets", "machine", "nodes", "run", "storage", "user")
 
 # The process entries: they may import the rooms, never the other way round.
 ENTRIES = ("train", *(f"train.{m}" for m in TOP_LEVEL if m != "__init__"),
@@ -209,11 +208,6 @@ def test_no_room_imports_a_top_level_module():
     assert not found, "\n".join(found)
 
 
-# storage move pending: checkpoint/remote.py and data/remote.py (the S3 client and the
-# remote token files) become one storage capability.
-TWINS_ALLOWED = {"remote"}
-
-
 def twins(folder: Path) -> dict[str, list[str]]:
     """Module file names used in more than one folder of ``folder`` (its rooms, their
     sub-rooms and its top level), with the folders."""
@@ -225,7 +219,7 @@ def twins(folder: Path) -> dict[str, list[str]]:
 
 
 def test_no_module_file_name_in_two_rooms():
-    found = {n: d for n, d in twins(ROOT / "train").items() if n not in TWINS_ALLOWED}
+    found = twins(ROOT / "train")
     assert not found, "rename by what each does:\n" + "\n".join(
         f"{name}.py in {', '.join(dirs)}" for name, dirs in found.items())
 

@@ -13,9 +13,10 @@ import torch
 from train.checkpoint import Checkpointer, formats, reader
 from train.checkpoint.serializer import _latest_size, write_error
 from train.checkpoint.state import Restored
-from train.checkpoint.storage import LocalStorage, Storage
 from train.core.config import load_config
 from train.core.run import rundir
+from train.core.storage.local import LocalStorage
+from train.core.storage.seam import Storage
 
 
 def test_a_write_is_durable_and_its_hash_is_that_of_the_bytes_on_disk(tmp_path):

@@ -1,7 +1,7 @@
 """Credentials in process: every config key that could carry one refuses it (exit 2, one
 line naming the environment variable to use, the secret not echoed), values that only
 look alike pass, and the one function that hides credentials in what is printed
-(:func:`train.core.credentials.redacted`) behind every error, warning and log line.
+(:func:`train.core.storage.credentials.redacted`) behind every error, warning and log line.
 A run, its resume and the trackers' stores grepped for planted secrets:
 tests/e2e/test_credentials_runs.py.
 """
@@ -15,10 +15,11 @@ import sys
 import pytest
 
 from tests.harness.runs import QUICKSTART, entry, merge, write_config
-from train.core import credentials
-from train.core.config import check_checkpoint_config, load_config, tracking
-from train.core.credentials import redacted
+from train.core.config import check_checkpoint_config, load_config
+from train.core.config import tracking as tracker_config
 from train.core.errors import ConfigError, printable
+from train.core.storage import credentials
+from train.core.storage.credentials import redacted
 
 SECRET = "plantedSECRETx9"
 MLP = {"model": {"kind": "mlp"}, "data": {"kind": "synthetic"}}
@@ -123,8 +124,8 @@ def test_redacted_walks_mappings_and_lists():
 def test_everything_printed_passes_it():
     assert printable(f"\x1b[2J http://me:{SECRET}\n@h") == "\\x1b[2J http://***@h"
     long = "x" * 290 + f" http://me:{SECRET}@h"  # cut after hiding, never in the middle
-    assert SECRET[:4] not in tracking.said(ValueError(long))
-    assert tracking.shown_uri(f"https://h/?token={SECRET}") == "https://h/?token=***"
+    assert SECRET[:4] not in tracker_config.said(ValueError(long))
+    assert tracker_config.shown_uri(f"https://h/?token={SECRET}") == "https://h/?token=***"
     from train.distributed.ranks import EscapingFormatter
     try:
         raise ConnectionError(f"API request to http://me:{SECRET}@h/api failed")

@@ -16,15 +16,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.detection.system import free_port
+from launcher.system import free_port
 from tests.harness import s3server
 from tests.harness.runs import entry, last_line, limit
 from train.checkpoint import Checkpointer
-from train.checkpoint.storage import LocalStorage
-from train.core import remote_config, remote_lease
 from train.core.config import load_config
 from train.core.errors import CannotRunHere, ConfigError, RunDirBusy
 from train.core.run import rundir, runlock
+from train.core.storage import lease as remote_lease
+from train.core.storage import s3, urls
+from train.core.storage.local import LocalStorage
 
 needs_s3 = pytest.mark.skipif(s3server.missing() is not None, reason=str(s3server.missing()))
 
@@ -38,7 +39,7 @@ def sealed_run(run_dir: Path, steps: list[int], keep_last: int = 5) -> Checkpoin
 
 
 def tier(tmp_path: Path, prefix: str, keep_last: int = 5):
-    from train.checkpoint.remote import RemoteTier
+    from train.checkpoint.tier import RemoteTier
     return RemoteTier.from_url(f"s3://{s3server.BUCKET}/{prefix}", "run",
                                LocalStorage(tmp_path / "run"), keep_last)
 
@@ -76,17 +77,17 @@ def test_a_key_in_the_remote_url_is_refused_and_not_echoed(tmp_path):
 
 def test_a_valid_remote_loads(tmp_path):
     cfg = load_config(config_with(tmp_path, "s3://my-bucket/team/ckpt/"))
-    url, problem = remote_config.parse(cfg.checkpoint.remote)
+    url, problem = urls.parse(cfg.checkpoint.remote)
     assert problem is None and url.run_prefix("r1") == "team/ckpt/r1"
     assert load_config(config_with(tmp_path, "")).checkpoint.remote == ""
 
 
 def test_without_boto3_a_remote_is_exit_3_saying_how_to_install(monkeypatch):
-    real = remote_config.importlib.util.find_spec
-    monkeypatch.setattr(remote_config.importlib.util, "find_spec",
+    real = s3.importlib.util.find_spec
+    monkeypatch.setattr(s3.importlib.util, "find_spec",
                         lambda name, *a: None if name == "boto3" else real(name, *a))
     with pytest.raises(CannotRunHere) as raised:
-        remote_config.check("s3://bucket/x", "run", "c.yaml")
+        s3.check("s3://bucket/x", "run", "c.yaml")
     assert "pip install 'trainpod[s3]'" in raised.value.one_line()
     assert raised.value.exit_code == 3
 
@@ -97,7 +98,7 @@ def test_an_unreachable_store_is_exit_3_naming_endpoint_and_bucket(aws, monkeypa
     dead = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", dead)
     with pytest.raises(CannotRunHere) as raised:
-        remote_config.check("s3://ckpt/x", "run", "c.yaml")
+        s3.check("s3://ckpt/x", "run", "c.yaml")
     line = raised.value.one_line()
     assert dead in line and "bucket ckpt" in line and "\n" not in line
 
@@ -105,9 +106,9 @@ def test_an_unreachable_store_is_exit_3_naming_endpoint_and_bucket(aws, monkeypa
 @needs_s3
 def test_a_missing_bucket_is_exit_3_and_a_writable_one_passes(aws):
     with pytest.raises(CannotRunHere) as raised:
-        remote_config.check("s3://no-such-bucket/x", "run", "c.yaml")
+        s3.check("s3://no-such-bucket/x", "run", "c.yaml")
     assert "no-such-bucket" in raised.value.one_line()
-    remote_config.check("s3://ckpt/probe", "run", "c.yaml")
+    s3.check("s3://ckpt/probe", "run", "c.yaml")
     assert remote_keys(aws, "probe") == []  # the probe object is gone again
 
 
@@ -116,13 +117,13 @@ def test_a_missing_bucket_is_exit_3_and_a_writable_one_passes(aws):
 def test_a_sealed_checkpoint_is_uploaded_verified_and_named_latest(aws, tmp_path):
     sealed_run(tmp_path / "run", [2])
     remote = tier(tmp_path, "up")
-    remote.sealed(2)
-    assert remote.wait(60) is None
+    remote.uploader.sealed(2)
+    assert remote.uploader.wait(60) is None
     local = LocalStorage(tmp_path / "run")
     sums = json.loads(local.read_text("checkpoints/step-2/checksums.json"))
     for name, digest in sums.items():
         assert remote.remote.digest(f"checkpoints/step-2/{name}") == digest
-    assert remote.latest()[0] == 2 and remote.uploaded == 2
+    assert remote.listing.latest()[0] == 2 and remote.uploader.uploaded == 2
     assert "up/run/checkpoints/step-2/checksums.json" in remote_keys(aws, "up")
 
 
@@ -131,11 +132,11 @@ def test_latest_never_moves_backwards_and_keep_last_applies_remotely(aws, tmp_pa
     sealed_run(tmp_path / "run", [2, 4, 6])
     remote = tier(tmp_path, "order", keep_last=2)
     for step in (2, 4, 6):
-        remote.mirror(step)
-    assert remote.steps(sealed=True) == [6, 4]  # step-2 pruned
+        remote.uploader.mirror(step)
+    assert remote.listing.steps(sealed=True) == [6, 4]  # step-2 pruned
     assert remote_keys(aws, "order/run/checkpoints/step-2") == []
-    remote.mirror(4)  # a stale writer's older step
-    assert remote.latest()[0] == 6
+    remote.uploader.mirror(4)  # a stale writer's older step
+    assert remote.listing.latest()[0] == 6
 
 
 @needs_s3
@@ -143,14 +144,14 @@ def test_an_empty_run_directory_fetches_the_newest_remote_checkpoint(aws, tmp_pa
     sealed_run(tmp_path / "run", [2, 4])
     remote = tier(tmp_path, "fetch")
     for step in (2, 4):
-        remote.mirror(step)
+        remote.uploader.mirror(step)
     original = (tmp_path / "run/checkpoints/step-4/state.pt").read_bytes()
     LocalStorage(tmp_path).delete("run")
-    assert remote.fetch_newer() == 4
+    assert remote.fetcher.fetch_newer() == 4
     assert (tmp_path / "run/checkpoints/step-4/state.pt").read_bytes() == original
     assert Checkpointer(tmp_path / "run", rank=0, keep_last=3).latest_step() == 4
     assert Checkpointer.verify(tmp_path / "run/checkpoints/step-4") is None
-    assert remote.fetch_newer() is None  # nothing newer than the local one now
+    assert remote.fetcher.fetch_newer() is None  # nothing newer than the local one now
 
 
 @needs_s3
@@ -166,7 +167,7 @@ def test_the_runs_record_is_mirrored_and_an_empty_disk_continues_its_metrics(aws
     events.parent.mkdir(parents=True)
     events.write_bytes(b"x" * 10)
     remote = tier(tmp_path, "record")
-    remote.mirror(2)
+    remote.uploader.mirror(2)
     s3 = aws.client()
 
     def stored(name: str) -> bytes:
@@ -176,10 +177,10 @@ def test_the_runs_record_is_mirrored_and_an_empty_disk_continues_its_metrics(aws
     assert stored("config.yaml") == b"seed: 0\n"
     assert stored("tb/train/events.out.tfevents.1.host") == b"x" * 10
     events.write_bytes(b"y" * 20)  # grew: sent again
-    remote.mirror_record()
+    remote.uploader.mirror_record()
     assert stored("tb/train/events.out.tfevents.1.host") == b"y" * 20
     LocalStorage(tmp_path).delete("run")
-    assert remote.fetch_newer() == 2
+    assert remote.fetcher.fetch_newer() == 2
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
     assert not (run / "tb").exists()  # a resumed run writes its own event files
 
@@ -189,14 +190,14 @@ def test_a_flipped_byte_in_the_store_falls_back_naming_the_file(aws, tmp_path, c
     sealed_run(tmp_path / "run", [2, 4])
     remote = tier(tmp_path, "flip")
     for step in (2, 4):
-        remote.mirror(step)
+        remote.uploader.mirror(step)
     s3, key = aws.client(), "flip/run/checkpoints/step-4/rank-0.pt"
     data = bytearray(s3.get_object(Bucket=s3server.BUCKET, Key=key)["Body"].read())
     data[len(data) // 2] ^= 0xFF
     s3.put_object(Bucket=s3server.BUCKET, Key=key, Body=bytes(data))
     LocalStorage(tmp_path).delete("run")
     with caplog.at_level(logging.WARNING, logger="train"):
-        assert remote.fetch_newer() == 2
+        assert remote.fetcher.fetch_newer() == 2
     assert "step-4 is unusable (rank-0.pt does not match its checksum)" in caplog.text
     assert not (tmp_path / "run/checkpoints/step-4").exists()
     assert not (tmp_path / "run/checkpoints/step-4.partial").exists()
@@ -208,16 +209,16 @@ def test_a_store_that_stops_answering_is_one_warning_and_nothing_raised(aws, tmp
     sealed_run(tmp_path / "run", [2, 4])
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")
     remote = tier(tmp_path, "gone")
-    remote.sleep = lambda s: None  # the backoff's waits, not what is tested
+    remote.uploader.sleep = lambda s: None  # the backoff's waits, not what is tested
     with caplog.at_level(logging.WARNING, logger="train"):
-        remote.sealed(2)
-        assert remote.wait(120) is None
-        remote.sealed(4)
-        assert remote.wait(120) is None
+        remote.uploader.sealed(2)
+        assert remote.uploader.wait(120) is None
+        remote.uploader.sealed(4)
+        assert remote.uploader.wait(120) is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, warnings
     assert "step-2 and later checkpoints stay local" in warnings[0]
-    assert remote.uploaded is None and remote.unreachable
+    assert remote.uploader.uploaded is None and remote.uploader.unreachable
     assert rundir.latest_name(tmp_path / "run/checkpoints") == "step-4"
 
 
@@ -231,15 +232,15 @@ def test_an_upload_held_up_is_named_as_only_local_then_seals_once_the_store_answ
     remote = tier(tmp_path, "held")
     os.killpg(aws.proc.pid, signal.SIGSTOP)
     try:
-        remote.sealed(2)
+        remote.uploader.sealed(2)
         with caplog.at_level(logging.WARNING, logger="train"):
-            assert remote.wait(1) == 2
+            assert remote.uploader.wait(1) == 2
         assert "checkpoint step-2 is only local: its upload to s3://ckpt/held/run did not " \
                "finish within 1 s" in caplog.text
     finally:
         os.killpg(aws.proc.pid, signal.SIGCONT)
-    assert remote.wait(120) is None
-    assert remote.latest()[0] == 2 and remote.uploaded == 2
+    assert remote.uploader.wait(120) is None
+    assert remote.listing.latest()[0] == 2 and remote.uploader.uploaded == 2
 
 
 
@@ -262,27 +263,27 @@ def test_a_store_killed_and_started_again_seals_the_checkpoints_it_missed(tmp_pa
                 restarted.append(seconds)
                 s3server.start(server)
 
-        remote.sleep = restart_during_backoff
+        remote.uploader.sleep = restart_during_backoff
         s3server.stop(server)
         with caplog.at_level(logging.WARNING, logger="train"):
-            remote.sealed(2)
-            assert remote.wait(limit(120)) is None
-            assert restarted and remote.uploaded == 2 and remote.latest()[0] == 2
+            remote.uploader.sealed(2)
+            assert remote.uploader.wait(limit(120)) is None
+            assert restarted and remote.uploader.uploaded == 2 and remote.listing.latest()[0] == 2
             assert not caplog.records, caplog.text
-            remote.sleep = lambda seconds: None  # the store stays away through the backoff
+            remote.uploader.sleep = lambda seconds: None  # the store stays away through the backoff
             s3server.stop(server)
             store.save(4, {"step": 4, "weights": [4]}, {"rng": 4})
-            remote.sealed(4)
-            assert remote.wait(limit(120)) is None
+            remote.uploader.sealed(4)
+            assert remote.uploader.wait(limit(120)) is None
             s3server.start(server)
             store.save(6, {"step": 6, "weights": [6]}, {"rng": 6})
-            remote.sealed(6)
-            assert remote.wait(limit(120)) is None
+            remote.uploader.sealed(6)
+            assert remote.uploader.wait(limit(120)) is None
         warnings = [r.getMessage() for r in caplog.records]
         assert len(warnings) == 2, warnings
         assert "step-4 and later checkpoints stay local until the store answers" in warnings[0]
         assert "work again: step-6 is there" in warnings[1]
-        assert remote.latest()[0] == 6 and remote.uploaded == 6
+        assert remote.listing.latest()[0] == 6 and remote.uploader.uploaded == 6
 
 
 # ------------------------------------------------------------- the remote lease
@@ -376,7 +377,7 @@ def test_the_trainer_imports_without_boto3():
     code = ("import sys\n"
             "for name in ('boto3', 'botocore', 's3transfer'):\n"
             "    sys.modules[name] = None  # as if not installed: importing them fails\n"
-            "import train.loop.trainer, train.loop.components, train.checkpoint.remote\n"
+            "import train.loop.trainer, train.loop.components, train.checkpoint.tier\n"
             "print('imported')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=limit(120))

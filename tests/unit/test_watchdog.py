@@ -129,7 +129,6 @@ BACKGROUND = textwrap.dedent("""\
         sharded.writer_group()
     w = Watchdog(15)  # 80 %: a checkpoint part silent 12 s is a hang
     c = Checkpointer(work, rank=rank, keep_last=2, world_size=2, gather=gather)
-    c.watch(w)
     model = torch.nn.Linear(64, 64)
     shards = (lambda folder: sharded.save_in_background({"model": model.state_dict()},
                                                         folder)) if fmt == "sharded" else None
@@ -139,7 +138,8 @@ BACKGROUND = textwrap.dedent("""\
         dist.all_reduce(x)  # a step: the ranks still reach each other
         if step == 5:
             with w.watching(CHECKPOINT, step):
-                c.save(step, {"step": step}, {"rng": rank}, background=True, shards=shards)
+                c.save(step, {"step": step}, {"rng": rank}, background=True, shards=shards,
+                       watchdog=w)
         print(f"step {step}", flush=True)
         time.sleep(0.2)
     """)

@@ -7,7 +7,7 @@ the final checkpoint is still only on the run's disk then, the run ends with
 :data:`~train.core.errors.EXIT_ONLY_LOCAL` (a code a Job or a SLURM requeue retries),
 and the next start on the same disk, finding the run finished, comes here instead of
 saying "nothing to do": the newest sealed local checkpoint is uploaded and named
-``latest`` in the store exactly as the run's own uploader does it (:mod:`.remote`),
+``latest`` in the store exactly as the run's own uploader does it (:mod:`.uploader`),
 and the start exits 0. A store still unreachable is the same exit code again.
 
 Bounded by ``distributed.timeout_s``: this start has nothing else to do, and a large
@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.checkpoint import remote
+from train.checkpoint.tier import tier_for
 from train.core.config import Config
 from train.core.errors import EXIT_OK, EXIT_ONLY_LOCAL
-from train.core.remote_config import said
 from train.core.run import rundir
+from train.core.storage.s3 import errors, said
 
 
 def print_line(line: str) -> None:
@@ -52,23 +52,24 @@ class Run:
 def upload_left_behind(run: Run, say: Callable[[str], None] = print_line) -> int:
     """Upload the newest local checkpoint of a finished run when the store's ``latest``
     is older; the exit code of this start (0, or EXIT_ONLY_LOCAL with one line said)."""
-    tier = remote.tier_for(run.remote, run.run_dir, run.name, run.keep_last)
+    tier = tier_for(run.remote, run.run_dir, run.name, run.keep_last)
     folder = run.run_dir / rundir.CHECKPOINTS
     local = [p for p in rundir.candidates(folder) if rundir.quick_check(p) is None]
     if tier is None or not local:
         return EXIT_OK  # node-local parts are uploaded by their nodes' run, not here
     step = rundir.step_of(local[0])
     try:
-        stored, _ = tier.latest()
-    except Exception as exc:  # the store's or the network's answer, said in one line
+        stored, _ = tier.listing.latest()
+    except errors() as exc:  # the store's or the network's answer, said in one line
         say(only_local_line(step, tier.where, f"the store did not answer ({said(exc)})"))
         return EXIT_ONLY_LOCAL
     if stored is not None and stored >= step:
         return EXIT_OK
     say(f"checkpoint {rundir.step_name(step)} of the finished run is only local: uploading "
         f"it to {tier.where}")
-    tier.sealed(step)
-    if tier.wait(run.timeout_s, warn=False) is not None or tier.uploaded != step:
+    tier.uploader.sealed(step)
+    if tier.uploader.wait(run.timeout_s, warn=False) is not None or \
+            tier.uploader.uploaded != step:
         say(only_local_line(step, tier.where, f"its upload did not finish within "
                                               f"distributed.timeout_s={run.timeout_s:g}"))
         return EXIT_ONLY_LOCAL

@@ -5,7 +5,9 @@ takes (the final step, or the step every rank agreed to stop at after a signal).
 last one is written in the foreground, so exit 0 or 143 means it is on disk; the
 others in the background with ``checkpoint.async_save``.
 
-Resuming: rank 0 picks (:func:`choose_checkpoint`) and every rank loads the same one.
+Resuming: rank 0 picks (:func:`choose_checkpoint`) and every rank loads the same one;
+what there is to pick from, local and remote, the policy asks one
+:class:`~.catalog.Catalog`.
 With node-local run directories (a node holds only its own ranks' part of each local
 checkpoint) the one to resume comes from the store: rank 0 lists the remote sealed ones
 and every node fetches from the chosen one what its ranks read (:func:`_from_the_store`):
@@ -20,16 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.checkpoint import reader, retention
-from train.checkpoint.reader import CheckpointsUnusable
-from train.checkpoint.remote_reads import SHARDS_INDEX
+from train.checkpoint.catalog import Catalog
+from train.checkpoint.fetcher import SHARDS_INDEX
 from train.checkpoint.store import Checkpointer
 from train.core.config import AUTO, Config
 from train.core.errors import CannotRunHere, ConfigError
-from train.core.files import describe_load_error
-from train.core.remote_config import said
 from train.core.run import rundir
 from train.core.run.identity import WorkerIdentity
+from train.core.storage.s3 import said
 from train.distributed import ranks
 
 log = logging.getLogger("train")
@@ -66,31 +66,28 @@ def choose_checkpoint(checkpointer: Checkpointer, choice: str, env: WorkerIdenti
     checkpoint this rank loads (node-local mode fetches only those)."""
     if choice == "none" and env.continuing:
         choice = AUTO  # a restart of this attempt continues it instead of starting over
+    catalog = Catalog(checkpointer.storage, checkpointer.tier)
     if checkpointer.is_node_local:
-        return _from_the_store(checkpointer, choice, env, source, reads), None
+        return _from_the_store(checkpointer, catalog, choice, env, source, reads), None
     if choice == "none":
         if env.is_main:
-            moved = retention.set_aside(checkpointer.storage)
-            if moved:
-                log.warning("checkpoint.resume_from=none: earlier checkpoints moved to %s", moved)
+            catalog.set_aside()
         ranks.barrier(env)()
         return None, None
     path, loaded, problem = None, None, None
     if env.is_main:
-        retention.remove_leftovers(checkpointer.storage)
-        if choice == AUTO and checkpointer.remote is not None:
-            checkpointer.remote.fetch_newer()  # a newer one in object storage comes here
-        path, loaded, problem = _pick(checkpointer, choice)
-        if path is not None and path.parent == checkpointer.dir:
-            retention.set_aside_newer_than(checkpointer.storage, rundir.step_of(path))
+        catalog.remove_leftovers()
+        path, loaded, problem = catalog.pick(choice)
+        if path is not None and path.parent == catalog.dir:
+            catalog.set_aside_newer_than(rundir.step_of(path))
     path, problem = ranks.from_main((str(path) if path else None, problem), env)
     if problem:
         raise ConfigError(source, "checkpoint.resume_from", problem)
     return (Path(path) if path else None), loaded
 
 
-def _from_the_store(checkpointer: Checkpointer, choice: str, env: WorkerIdentity,
-                    source: str, reads: Reads | None) -> Path | None:
+def _from_the_store(checkpointer: Checkpointer, catalog: Catalog, choice: str,
+                    env: WorkerIdentity, source: str, reads: Reads | None) -> Path | None:
     """Node-local mode: the newest remote checkpoint that every node fetches and verifies
     (each node's first rank, into its own run directory: what its ranks read), the same
     on every rank; None for a fresh start. Collective."""
@@ -100,31 +97,30 @@ def _from_the_store(checkpointer: Checkpointer, choice: str, env: WorkerIdentity
                             "from checkpoint.remote (auto) or starts over (none)")
     seals = checkpointer.seals
     if seals:
-        retention.remove_leftovers(checkpointer.storage)
+        catalog.remove_leftovers()
     if choice == "none":
-        moved = retention.set_aside(checkpointer.storage) if seals else None
-        if moved:
-            log.warning("checkpoint.resume_from=none: earlier checkpoints moved to %s", moved)
+        if seals:
+            catalog.set_aside()
         ranks.barrier(env)()
         return None
-    steps, problem = _remote_steps(checkpointer) if env.is_main else (None, None)
+    steps, problem = catalog.remote_steps() if env.is_main else (None, None)
     steps, problem = ranks.from_main((steps, problem), env)
     if problem:
         raise CannotRunHere(problem)
     gather = ranks.gather(env)
     for step in steps:
-        problems = _fetch_everywhere(checkpointer, env, step, reads)
+        problems = _fetch_everywhere(checkpointer, catalog, env, step, reads)
         if not problems:
             if seals:
-                log.info("fetched checkpoint step-%d from %s", step, checkpointer.remote.where)
-                retention.set_aside_newer_than(checkpointer.storage, step)
+                log.info("fetched checkpoint step-%d from %s", step, catalog.where)
+                catalog.set_aside_newer_than(step)
             ranks.barrier(env)()
-            return checkpointer.dir / rundir.step_name(step)
+            return catalog.folder(step)
         if env.is_main:
             log.warning("remote checkpoint %s/%s/%s is unusable (%s); trying the previous "
-                        "one", checkpointer.remote.where, rundir.CHECKPOINTS,
-                        rundir.step_name(step), problems[0])
-    held = any(gather(seals and bool(rundir.candidates(checkpointer.dir))))
+                        "one", catalog.where, rundir.CHECKPOINTS, rundir.step_name(step),
+                        problems[0])
+    held = any(gather(seals and catalog.holds_any()))
     if steps or held:  # never a silent start from step 0
         raise ConfigError(source, "checkpoint.resume_from",
                           "the run directories are node-local (each node holds its part of "
@@ -134,23 +130,23 @@ def _from_the_store(checkpointer: Checkpointer, choice: str, env: WorkerIdentity
     return None
 
 
-def _fetch_everywhere(checkpointer: Checkpointer, env: WorkerIdentity, step: int,
-                      reads: Reads | None) -> list[str]:
+def _fetch_everywhere(checkpointer: Checkpointer, catalog: Catalog, env: WorkerIdentity,
+                      step: int, reads: Reads | None) -> list[str]:
     """Collective: each node's first rank fetches ``step``: first what every rank reads
     (state.pt, its ranks' rank files, a sharded checkpoint's index), then the shard files
     its ranks load, which each rank names from that index (every file when one cannot).
     What went wrong on any node (nothing: fetched everywhere), on every rank."""
-    gather, seals, tier = ranks.gather(env), checkpointer.seals, checkpointer.remote
-    problems = [p for p in gather(tier.fetch_part(step, checkpointer.here) if seals
+    gather, seals = ranks.gather(env), checkpointer.seals
+    problems = [p for p in gather(catalog.fetch_part(step, checkpointer.here) if seals
                                   else None) if p]
     if problems:
         if seals:
-            tier.drop_fetch(step)
+            catalog.drop_fetch(step)
         return problems
-    wanted = gather(_shards_read(checkpointer.dir / f"{rundir.step_name(step)}.partial", reads))
+    wanted = gather(_shards_read(catalog.dir / f"{rundir.step_name(step)}.partial", reads))
     mine = [wanted[r] for r in checkpointer.here]
     shards = None if None in mine else set().union(*mine)
-    return [p for p in gather(tier.fetch_rest(step, shards) if seals else None) if p]
+    return [p for p in gather(catalog.fetch_rest(step, shards) if seals else None) if p]
 
 
 def _shards_read(folder: Path, reads: Reads | None) -> set[str] | None:
@@ -163,36 +159,9 @@ def _shards_read(folder: Path, reads: Reads | None) -> set[str] | None:
         return None
     try:
         return {f"{rundir.SHARDS}/{name}" for name in reads(index)}
-    except Exception as exc:  # what the load will say too: fetch it all, let it say so
+    except Exception as exc:  # what the load will say too: fetch it all, let it say so.
+        # torch.distributed.checkpoint's index is a pickle: reading it raises unrelated
+        # types (UnpicklingError, EOFError, RuntimeError, ...), none of them to act on here
         log.info("cannot tell from %s which shard files this rank reads (%s): fetching "
                  "every one", index / SHARDS_INDEX, said(exc))
         return None
-
-
-def _remote_steps(checkpointer: Checkpointer) -> tuple[list[int] | None, str | None]:
-    """Rank 0: the remote checkpoints to try, newest first, or why the store cannot say."""
-    try:
-        return checkpointer.remote.sealed_steps(), None
-    except Exception as exc:
-        return None, (f"cannot read checkpoints from {checkpointer.remote.where} "
-                      f"({said(exc)}) and the run directories are node-local, so a resume "
-                      "needs the store: start the job again when it answers")
-
-
-def _pick(checkpointer: Checkpointer, choice: str
-          ) -> tuple[Path | None, tuple | None, str | None]:
-    """(path, (shared, mine) loaded on rank 0, problem) for resume_from auto or a path."""
-    if choice == AUTO:
-        try:
-            found = checkpointer.newest_loadable(rank=0)
-        except CheckpointsUnusable as exc:  # never a silent start from step 0
-            return None, None, str(exc)
-        return (found[0], found[1:], None) if found else (None, None, None)
-    path = Path(choice)
-    problem = reader.verify(path)
-    if problem:
-        return None, None, f"{choice}: {problem}"
-    try:
-        return path, reader.load(path, 0), None
-    except Exception as exc:  # verified bytes torch cannot read back
-        return None, None, f"{choice}: cannot be loaded: {describe_load_error(exc)}"

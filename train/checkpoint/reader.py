@@ -13,10 +13,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from train.checkpoint.storage import LocalStorage
 from train.core.files import describe_load_error
 from train.core.run import rundir
 from train.core.run.rundir import CHECKSUMS, STATE_FILE
+from train.core.storage.local import LocalStorage
 
 log = logging.getLogger("train")
 
@@ -47,6 +47,16 @@ def load(path: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
     return shared, mine
 
 
+def load_verified(path: Path, rank: int) -> tuple[tuple[dict, dict | None] | None, str | None]:
+    """:func:`load` of a checkpoint that verified, or why torch cannot read it back."""
+    try:
+        return load(path, rank), None
+    except Exception as exc:  # verified bytes torch cannot read back: torch.load raises
+        # unrelated types for them (UnpicklingError, RuntimeError, EOFError, ...), and any
+        # of them means this checkpoint cannot be resumed
+        return None, f"cannot be loaded: {describe_load_error(exc)}"
+
+
 def newest_loadable(folder: Path, rank: int = 0) -> tuple[Path, dict, dict | None] | None:
     """The newest checkpoint of ``folder`` (a run's checkpoints/) that verifies and loads,
     loaded. None when there are none; CheckpointsUnusable when none verifies and loads."""
@@ -54,10 +64,9 @@ def newest_loadable(folder: Path, rank: int = 0) -> tuple[Path, dict, dict | Non
     for path in found:
         problem = verify(path)
         if problem is None:
-            try:
-                return (path, *load(path, rank))
-            except Exception as exc:  # verified bytes that torch cannot read back
-                problem = f"cannot be loaded: {describe_load_error(exc)}"
+            loaded, problem = load_verified(path, rank)
+            if loaded is not None:
+                return (path, *loaded)
         log.warning("checkpoint %s is unusable (%s); trying the previous one", path, problem)
         problems.append((path.name, problem))
     if found:

@@ -20,9 +20,9 @@ import threading
 import time
 from pathlib import Path
 
-from train.checkpoint.storage import LocalStorage
 from train.core.run import rundir
 from train.core.run.rundir import ABANDONED, CHECKPOINTS, REPLACED, STEP_DIR
+from train.core.storage.local import LocalStorage
 
 log = logging.getLogger("train")
 

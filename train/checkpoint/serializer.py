@@ -17,9 +17,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from train.checkpoint.storage import LocalStorage
 from train.core.errors import CannotRunHere
 from train.core.run import rundir
+from train.core.storage.local import LocalStorage
 
 
 class CheckpointWriteError(CannotRunHere):

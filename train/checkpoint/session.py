@@ -13,27 +13,28 @@ import sys
 
 import torch
 
-from train.checkpoint import formats, reader, remote, sharded
+from train.checkpoint import formats, reader, sharded
 from train.checkpoint.left_behind import only_local_line
 from train.checkpoint.policy import choose_checkpoint
 from train.checkpoint.state import Restored, TrainState, payload, rank_payload, set_rng_state
 from train.core.config import check_checkpoint_config, to_dict
 from train.core.config.resume import check_same_data
 from train.core.errors import EXIT_OK, EXIT_ONLY_LOCAL
-from train.core.remote_config import said
 from train.core.run.protocol import Reporter
+from train.core.storage.s3 import errors, said
 from train.guards.divergence import Guard
+from train.guards.watchdog import Watchdog
 from train.loop.components import Components
 from train.models import hf
 
 log = logging.getLogger("train")
 
 
-def save_checkpoint(c: Components, state: TrainState, guard: Guard, *,
-                    background: bool = False) -> None:
+def save_checkpoint(c: Components, state: TrainState, guard: Guard,
+                    watchdog: Watchdog | None = None, *, background: bool = False) -> None:
     """Collective: every rank calls it (full: FSDP gathers on rank 0; sharded: each rank
     writes its own shards). Weights that are not finite are never saved: the guard
-    stops the run instead."""
+    stops the run instead. ``watchdog``: told of the save's progress, part by part."""
     guard.weights(state.step, c.model, c.env.distributed)
     state.skipped_steps = guard.skipped
     model_state, optim_state, shards = c.checkpoint_format.collect(c.model, c.optimizer,
@@ -46,7 +47,7 @@ def save_checkpoint(c: Components, state: TrainState, guard: Guard, *,
                                "num_classes": c.data.num_classes, **hf.model_io(c.model)},
                      format=c.checkpoint_format.name, data_sha256=c.data.data_hash)
     path = c.checkpointer.save(state.step, shared, rank_payload(c.env.rank),
-                               background=background, shards=shards)
+                               background=background, shards=shards, watchdog=watchdog)
     if c.env.is_main:
         log.info("checkpoint %s: %s", "writing" if background else "saved", path)
 
@@ -78,22 +79,6 @@ def resume(c: Components) -> TrainState:
     return state
 
 
-def node_local(c: Components, nodes: list[int] | None) -> None:
-    """Node-local run directories (``nodes``: each rank's node index; None: one shared
-    directory, nothing to do): this node's run directory holds its ranks' files only, and
-    its first rank uploads its part of each checkpoint (rank 0's seals them remotely)."""
-    if nodes is None:
-        return
-    me = nodes[c.env.rank]
-    c.checkpointer.node_local([r for r, n in enumerate(nodes) if n == me])
-    if not c.checkpointer.seals:
-        return
-    tier = c.checkpointer.remote or remote.tier_for(
-        c.cfg.checkpoint.remote, c.run_dir, c.cfg.run.name, c.cfg.checkpoint.keep_last)
-    tier.node_local(me, list(dict.fromkeys(nodes)), c.cfg.distributed.timeout_s)
-    c.checkpointer.remote, c.checkpointer.sealed = tier, tier.sealed
-
-
 def finish_uploads(c: Components, code: int, seconds_left: float, reporter: Reporter) -> int:
     """Rank 0 (node-local mode: each node's first rank) with ``checkpoint.remote``: wait
     for the upload in flight (the last checkpoint's); the worker's exit code.
@@ -107,19 +92,20 @@ def finish_uploads(c: Components, code: int, seconds_left: float, reporter: Repo
     report (the worker itself exits 0, or torchrun would restart a finished run). Then
     (rank 0) the run's record once more, with what was logged after the last checkpoint
     (the final evaluation, result.json)."""
-    tier = c.checkpointer.remote
+    tier = c.checkpointer.tier
     if tier is None:
         return code
+    uploader = tier.uploader
     if code != EXIT_OK:
-        behind = tier.wait(c.cfg.distributed.grace_period_s / 2)
+        behind = uploader.wait(c.cfg.distributed.grace_period_s / 2)
     else:
-        behind = tier.wait(min(seconds_left, c.cfg.distributed.timeout_s / 2), warn=False)
+        behind = uploader.wait(min(seconds_left, c.cfg.distributed.timeout_s / 2), warn=False)
         if behind is not None:
             return _left_behind(c, behind, reporter)
-    if behind is None and not tier.unreachable and tier.publishes:
+    if behind is None and not uploader.unreachable and tier.nodes.publishes:
         try:
-            tier.mirror_record()
-        except Exception as exc:  # the checkpoints are there; the record is a convenience
+            uploader.mirror_record()
+        except errors() as exc:  # the checkpoints are there; the record is a convenience
             log.warning("the run's metrics did not reach %s at the end (%s)", tier.where,
                         said(exc))
     return code
@@ -129,7 +115,7 @@ def _left_behind(c: Components, step: int, reporter: Reporter) -> int:
     """The final checkpoint ``step`` is only local: the launcher is told (and ends with
     EXIT_ONLY_LOCAL); a worker started without it says so and exits with it."""
     limit = c.cfg.train.shutdown_timeout_s
-    line = only_local_line(step, c.checkpointer.remote.where, "its upload did not finish "
+    line = only_local_line(step, c.checkpointer.tier.where, "its upload did not finish "
                            f"within train.shutdown_timeout_s={limit:g} after the last step "
                            "(raise it when uploads of this size need longer)")
     reporter.only_local = line

@@ -69,7 +69,7 @@ def _writer(folder: Path):
         spread over the ranks); one, ``__<rank>_0.distcp``, where it has only one kind
         (no shards: DDP, one process). A rank that loads with the same world size and strategy
         then reads its own shard file and the small ones: a node resuming from object
-        storage fetches only those (:mod:`.remote_reads`), not every rank's shards."""
+        storage fetches only those (:mod:`.fetcher`), not every rank's shards."""
 
         def write_data(self, plan, planner):
             from torch.distributed.checkpoint.planner import WriteItemType
@@ -206,7 +206,8 @@ def _run_timeout():
     for device in ("cpu", "cuda"):
         try:
             return dist.group.WORLD._get_backend(torch.device(device)).options._timeout
-        except Exception:  # no backend for that device; a torch without these internals
+        except (RuntimeError, AttributeError):  # no backend for that device (torch 2.13
+            # raises RuntimeError), or a torch whose private internals differ: not said here
             continue
     return None
 

@@ -12,14 +12,15 @@ A foreground save agrees through collectives (a write that fails on any rank fai
 every rank alike, with that rank's words: no rank is left waiting for another); a
 background save, whose thread may not use the training thread's process group, through
 a marker file per rank in the partial folder. Nothing else differs. The bytes go
-through a :class:`~.storage.LocalStorage` (the seam for other storage); keeping the last
-few and moving stale trajectories aside is :mod:`.retention`'s.
+through a :class:`~train.core.storage.local.LocalStorage` (the storage seam,
+:mod:`train.core.storage.seam`); keeping the last few and moving stale trajectories
+aside is :mod:`.retention`'s.
 
 Node-local run directories (``checkpoint.remote`` on nodes that do not share one,
 :mod:`train.guards.shared_dir`): each node's first rank seals that node's part (its
 ``checksums.json`` lists its own ranks' files, a background save waits only for their
 markers) and hands it to its remote tier; the checkpoint as a whole is sealed in the
-store (:mod:`.remote`). Every save of the job carries one token, rank 0's, exchanged in
+store (:mod:`.uploader`). Every save of the job carries one token, rank 0's, exchanged in
 the save's first collective, so that the parts of one save are never mixed with another's.
 """
 
@@ -33,13 +34,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from train.checkpoint import reader, retention
 from train.checkpoint.serializer import CheckpointWriteError, save_object, snapshot, writing
-from train.checkpoint.storage import LocalStorage
 from train.core.run import rundir
 from train.core.run.rundir import CHECKPOINTS, CHECKSUMS, LATEST, NODE_PART, SHARDS, STATE_FILE
+
+if TYPE_CHECKING:
+    from train.checkpoint.tier import RemoteTier
+    from train.guards.watchdog import Watchdog
+from train.core.storage.local import LocalStorage
 
 # Shards: a collective writer of sharded state into a folder, returning the files this
 # rank wrote with their SHA-256, hashed while written (in the background: a function that
@@ -76,37 +81,35 @@ def _unwatched(step: int) -> Iterator[_Unwatched]:
     yield _Unwatched()
 
 
+def _nothing() -> None:
+    pass
+
+
 class Checkpointer:
     """Writes the checkpoints of one run and finds them; ``gather`` exchanges a value
-    with every rank (alone: a list of one)."""
+    with every rank (alone: a list of one). Built once with its collaborators
+    (:func:`~.factory.build_checkpointer` for a run), nothing set afterwards:
+
+    - ``here``: the ranks whose files this run directory holds: every rank's (None, a
+      shared directory), or in node-local mode this node's;
+    - ``tier``: the remote tier (:mod:`.tier`) on the rank that uploads what it seals
+      (rank 0, or in node-local mode each node's first), for a resume to consult too;
+      None without ``checkpoint.remote`` and on every other rank.
+    """
 
     def __init__(self, run_dir: Path, *, rank: int, keep_last: int, world_size: int = 1,
                  barrier: Callable[[], None] = lambda: None,
                  gather: Callable[[object], list] = lambda value: [value],
-                 async_timeout_s: float = 600):
+                 async_timeout_s: float = 600, here: list[int] | None = None,
+                 tier: RemoteTier | None = None):
         self.storage = LocalStorage(run_dir)
         self.dir = self.storage.path(CHECKPOINTS)
         self.rank, self.keep_last, self.barrier, self.gather = rank, keep_last, barrier, gather
         self.world_size, self.async_timeout_s = world_size, async_timeout_s
+        self.here = here if here is not None else list(range(world_size))
+        self.tier = tier
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
-        # The training thread's hang watchdog: told after each round and file written,
-        # so a checkpoint is watched part by part (train.guards.watchdog).
-        self.progress: Callable[[], None] = lambda: None
-        # ... and its watch over a background save's writer thread, which the training
-        # thread does not wait for (train.guards.watchdog.Watchdog.watching_writer).
-        self.watch_writer = _unwatched
-        # Told on rank 0 once a checkpoint is sealed here (the remote tier's upload:
-        # train.checkpoint.remote); the tier itself, for a resume to consult.
-        self.sealed: Callable[..., None] = lambda step, **seal: None
-        self.remote = None
-        # The ranks whose files this run directory holds: every rank's (shared), or in
-        # node-local mode this node's (set by node_local()).
-        self.here = list(range(world_size))
-
-    def node_local(self, here: list[int]) -> None:
-        """The run directory holds only the files of the ranks ``here`` (this node's)."""
-        self.here = here
 
     @property
     def is_node_local(self) -> bool:
@@ -118,34 +121,36 @@ class Checkpointer:
         return self.rank == self.here[0]
 
     def save(self, step: int, shared_state: dict[str, Any], rank_state: dict[str, Any],
-             *, background: bool = False, shards: Shards | None = None) -> Path:
+             *, background: bool = False, shards: Shards | None = None,
+             watchdog: Watchdog | None = None) -> Path:
         """Collective: every rank calls it; rank 0 writes ``shared_state`` (state.pt),
         each rank its own ``rank_state`` and shards. ``background=True`` returns once the
-        state is copied (the next save, or :meth:`wait`, joins the writer)."""
+        state is copied (the next save, or :meth:`wait`, joins the writer). ``watchdog``:
+        the training thread's hang watchdog (train.guards.watchdog), told after each round
+        and file written, so a checkpoint is watched part by part, and watching a
+        background save's writer thread on its own."""
+        progress = watchdog.progress if watchdog is not None else _nothing
         files = {rundir.rank_file(self.rank): rank_state}
         if self.rank == 0:
             files[STATE_FILE] = shared_state
         save = _Save(step, files, shards)
-        save.token = self._together(lambda: self._prepare(save), save.partial)[0]
+        save.token = self._together(lambda: self._prepare(save), save.partial, progress)[0]
         folder = self.storage.path(f"{save.partial}/{SHARDS}")
         if background:
             pending = shards(folder) if shards is not None else None  # DCP stages now
             save.files = {name: snapshot(state) for name, state in files.items()}
-            self._writer = threading.Thread(target=self._in_background, args=(save, pending),
+            watch = watchdog.watching_writer if watchdog is not None else _unwatched
+            self._writer = threading.Thread(target=self._in_background,
+                                            args=(save, pending, watch),
                                             name=f"checkpoint-step-{step}")
             self._writer.start()
         else:
             shard_files = (lambda: shards(folder)) if shards is not None else None
-            hashes = self._together(lambda: self._write(save, shard_files, self.progress),
-                                    save.partial)
+            hashes = self._together(lambda: self._write(save, shard_files, progress),
+                                    save.partial, progress)
             self._together(lambda: self._seal(save, hashes) if self.seals else None,
-                           save.partial)
+                           save.partial, progress)
         return self.storage.path(save.final)
-
-    def watch(self, watchdog) -> None:
-        """Report to the hang watchdog: the training thread's parts of a checkpoint, and
-        a background save's writer on its own."""
-        self.progress, self.watch_writer = watchdog.progress, watchdog.watching_writer
 
     def wait(self) -> None:
         """Join a background save, and the deletion of pruned checkpoints; a save's
@@ -160,7 +165,8 @@ class Checkpointer:
                 raise error
             raise RuntimeError(f"background checkpoint failed: {error}") from error
 
-    def _together(self, action: Callable[[], Any], partial: str) -> list:
+    def _together(self, action: Callable[[], Any], partial: str,
+                  progress: Callable[[], None]) -> list:
         """This rank's part, then every rank's results: the first failure to write
         anywhere is raised everywhere, and the sealer removes ``partial`` then. The rank
         that failed removed it already, but another rank may have been writing into it
@@ -170,9 +176,9 @@ class Checkpointer:
             result = action()
         except CheckpointWriteError as exc:
             error = str(exc)
-        self.progress()
+        progress()
         exchanged = self.gather((error, result))
-        self.progress()
+        progress()
         failed = [e for e, _ in exchanged if e]
         if failed:
             if self.seals:
@@ -206,44 +212,21 @@ class Checkpointer:
             progress()
         return hashes
 
-    def _in_background(self, save: _Save, pending: Callable[[], dict[Path, str]] | None
-                       ) -> None:
+    def _in_background(self, save: _Save, pending: Callable[[], dict[Path, str]] | None,
+                       watch_writer: Callable[[int], Any]) -> None:
         try:
-            with self.watch_writer(save.step) as watch:
+            with watch_writer(save.step) as watch:
                 mine = self._write(save, pending, watch.progress)
                 marker = f"{save.partial}/rank-{self.rank}.done"
                 with writing(self.storage, save.partial, marker):
                     self.storage.replace(marker, json.dumps(mine).encode())
                 if self.seals:
-                    self._seal(save, self._markers(save, watch))
-        except BaseException as exc:  # surfaced by wait()
+                    self._seal(save, _markers(self.storage, save, self.here,
+                                              self.async_timeout_s, watch))
+        except BaseException as exc:  # surfaced by wait(), in the training thread: any
+            # failure here (a KeyboardInterrupt too) must fail the save there, and a thread
+            # has nowhere else to raise it
             self._writer_error = exc
-
-    def _markers(self, save: _Save, watch=None) -> list[dict[str, str]]:
-        """The hashes of every rank whose files are here, once each has written its
-        marker (the sealer only); the watch is told which ranks it waits for, and of each
-        marker that appears."""
-        watch = watch or _Unwatched()
-        names = [f"{save.partial}/rank-{r}.done" for r in self.here]
-        deadline = time.monotonic() + self.async_timeout_s
-        seen = 0
-        while not all(self.storage.exists(n) for n in names):
-            missing = [r for r, n in zip(self.here, names, strict=True)
-                       if not self.storage.exists(n)]
-            if len(names) - len(missing) > seen:
-                seen = len(names) - len(missing)
-                watch.progress()
-            watch.waits_for(f"rank{'s' if len(missing) > 1 else ''} "
-                            f"{', '.join(map(str, missing))} to write {save.partial}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks did not finish writing {save.partial} in time")
-            if not self.storage.exists(save.partial):  # a rank's write failed: it went
-                raise RuntimeError(f"{save.partial} was removed by a rank whose write failed")
-            time.sleep(0.05)
-        hashes = [json.loads(self.storage.read_text(n)) for n in names]
-        for name in names:
-            self.storage.delete(name)
-        return hashes
 
     def _seal(self, save: _Save, hashes: list[dict[str, str]]) -> None:
         """checksums.json (the files of every rank here) makes the folder complete; it is
@@ -268,10 +251,12 @@ class Checkpointer:
                                  f"{rundir.step_name(save.step)}\n".encode())
             self.storage.delete(replaced)
         retention.prune(self.storage, self.keep_last)
+        if self.tier is None:
+            return
         if self.is_node_local:
-            self.sealed(save.step, token=save.token, whole=whole)
+            self.tier.uploader.sealed(save.step, token=save.token, whole=whole)
         else:
-            self.sealed(save.step)
+            self.tier.uploader.sealed(save.step)
 
     # ------------------------------------------------------------- finding them
     def latest_name(self) -> str | None:
@@ -286,6 +271,33 @@ class Checkpointer:
 
     verify = staticmethod(reader.verify)
     load = staticmethod(reader.load)
+
+
+def _markers(storage: LocalStorage, save: _Save, here: list[int], timeout_s: float,
+             watch) -> list[dict[str, str]]:
+    """The hashes of every rank whose files are here, once each has written its
+    marker (the sealer only); the watch is told which ranks it waits for, and of each
+    marker that appears."""
+    watch = watch or _Unwatched()
+    names = [f"{save.partial}/rank-{r}.done" for r in here]
+    deadline = time.monotonic() + timeout_s
+    seen = 0
+    while not all(storage.exists(n) for n in names):
+        missing = [r for r, n in zip(here, names, strict=True) if not storage.exists(n)]
+        if len(names) - len(missing) > seen:
+            seen = len(names) - len(missing)
+            watch.progress()
+        watch.waits_for(f"rank{'s' if len(missing) > 1 else ''} "
+                        f"{', '.join(map(str, missing))} to write {save.partial}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks did not finish writing {save.partial} in time")
+        if not storage.exists(save.partial):  # a rank's write failed: it went
+            raise RuntimeError(f"{save.partial} was removed by a rank whose write failed")
+        time.sleep(0.05)
+    hashes = [json.loads(storage.read_text(n)) for n in names]
+    for name in names:
+        storage.delete(name)
+    return hashes
 
 
 def _merged(hashes: list[dict[str, str]]) -> dict[str, str]:

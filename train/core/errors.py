@@ -6,7 +6,7 @@ never as a traceback.
 
 from __future__ import annotations
 
-from train.core.credentials import redacted
+from train.core.storage.credentials import redacted
 
 EXIT_OK = 0
 EXIT_TRAINING_FAILED = 1
@@ -48,7 +48,7 @@ def printable(text: str) -> str:
     """``text`` safe to print to a terminal: control and format characters (ESC, CR,
     bidirectional overrides; from a config key or value, an environment variable) are
     shown escaped (``\\x1b``) instead of acting on the terminal or forging a log line,
-    and credentials in it hidden (:func:`~train.core.credentials.redacted`: a URL's
+    and credentials in it hidden (:func:`~train.core.storage.credentials.redacted`: a URL's
     ``user:token@`` is shown as ``***@``)."""
     return redacted("".join(c if c.isprintable() or c == " " else
                             (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")

@@ -28,10 +28,10 @@ import os
 from pathlib import Path
 from typing import IO, Any
 
-from train.core import remote_config
 from train.core.config import DataConfig
 from train.core.datasets.tokenfiles import MAGIC, TokenFile
 from train.core.errors import CannotRunHere
+from train.core.storage import s3, urls
 from train.data.shardcache import ShardCache, default_folder
 
 __all__ = ["fetch", "open", "use_cache"]
@@ -70,20 +70,19 @@ def _describe(url: str) -> TokenFile:
     if url in _known:
         return _known[url]
     bucket, _, key = url[len("s3://"):].partition("/") if url.startswith("s3://") else ("", "", "")
-    if not remote_config.BUCKET.match(bucket) or not key or any(c in key for c in MAGIC) \
+    if not urls.BUCKET.match(bucket) or not key or any(c in key for c in MAGIC) \
             or not key.isprintable():
         raise ValueError(f"{url!r} is not an object URL; s3://BUCKET/KEY, without a pattern")
     if importlib.util.find_spec("boto3") is None:
         raise CannotRunHere(f"{url} needs boto3, which is not installed here: "
-                            f"{remote_config.INSTALL}")
-    from train.checkpoint.objectstore import missing
+                            f"{s3.INSTALL}")
     try:
         head = _s3().head_object(Bucket=bucket, Key=key)
-    except Exception as exc:  # whatever the store or the network says
-        if missing(exc):
+    except s3.errors() as exc:  # whatever the store or the network says
+        if s3.missing(exc):
             raise FileNotFoundError(f"{url}: no such object in bucket {bucket}") from None
-        raise CannotRunHere(f"cannot read {url} at {remote_config.endpoint()}: "
-                            f"{remote_config.said(exc)}; check the AWS_* variables "
+        raise CannotRunHere(f"cannot read {url} at {s3.endpoint()}: "
+                            f"{s3.said(exc)}; check the AWS_* variables "
                             "(docs/object-storage.md)") from None
     _known[url] = TokenFile(url, head["ContentLength"], head.get("ETag", "").strip('"'))
     return _known[url]
@@ -92,5 +91,5 @@ def _describe(url: str) -> TokenFile:
 def _s3():
     global _client
     if _client is None or _client[0] != os.getpid():
-        _client = (os.getpid(), remote_config.client())
+        _client = (os.getpid(), s3.client())
     return _client[1]

@@ -19,7 +19,7 @@ would grow past ``data.cache_bytes`` the least recently used files go first; a p
 reading an evicted file fetches it again. Why whole files and not byte ranges, and what
 a cache smaller than the dataset costs: docs/object-storage.md ("Training data").
 
-The client is the checkpoints' own (:class:`train.checkpoint.objectstore.S3Storage`,
+The client is the checkpoints' own (:class:`train.core.storage.bucket.S3Storage`,
 boto3, credentials the AWS way), made once per process: a boto3 client must not cross
 a fork into a DataLoader worker.
 """
@@ -138,7 +138,7 @@ class ShardCache:
         return path
 
     def _storage(self, bucket: str):
-        from train.checkpoint.objectstore import S3Storage
+        from train.core.storage.bucket import S3Storage
         if self._client is None or self._client[0] != os.getpid():
             self._client = (os.getpid(), S3Storage(bucket, attempts=5).s3)
         return S3Storage(bucket, s3=self._client[1])
@@ -146,14 +146,14 @@ class ShardCache:
     def _fetch(self, f: TokenFile, path: Path) -> None:
         """Fetch ``f`` into ``path``; a connection that fails mid-way is tried again
         (botocore retries a request, not a body cut off while it streams)."""
-        from train.checkpoint.objectstore import missing, said
+        from train.core.storage.s3 import errors, missing, said
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 size = self._fetch_once(f, path)
                 break
             except DataChanged:
                 raise
-            except Exception as exc:  # the store's or the network's answer, in one line
+            except errors() as exc:  # the store's or the network's answer, in one line
                 if missing(exc):
                     raise DataChanged(f"{f.name}: no longer in the store (it was listed when "
                                       f"the run started){CHANGED}") from None

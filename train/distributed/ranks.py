@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from train.core.config import AUTO, Config
-from train.core.credentials import redacted
 from train.core.errors import EXIT_TRAINING_FAILED, CannotRunHere, UserError, printable
 from train.core.machine import comm_defaults, placement
 from train.core.run.identity import WorkerIdentity
+from train.core.storage.credentials import redacted
 from train.distributed.stores import bind_store_servers
 
 log = logging.getLogger("train")
@@ -214,7 +214,7 @@ def shutdown_distributed(clean: bool) -> None:
 class EscapingFormatter(logging.Formatter):
     """Messages with control characters escaped (a path or name from the config cannot
     act on the terminal or forge a line); tracebacks keep their lines. Credentials are
-    hidden in both (:func:`~train.core.credentials.redacted`)."""
+    hidden in both (:func:`~train.core.storage.credentials.redacted`)."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = printable(record.message)

@@ -123,7 +123,8 @@ def measure(env: WorkerIdentity, device: torch.device,
     stage("matmul")
     try:
         gflops, nonfinite = _matmul(device, progress)
-    except Exception as exc:  # a faulty device: the verdict names the rank
+    except (RuntimeError, ArithmeticError) as exc:  # a faulty device (torch raises its
+        # device errors as RuntimeError), or a clock too coarse: the verdict names the rank
         error = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
     stage("allreduce")
     ms, nbytes, ok = _allreduce(device, env.world_size, progress)

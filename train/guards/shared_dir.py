@@ -17,7 +17,7 @@ rank looks for it:
 - some node does not, with ``checkpoint.remote``: node-local mode. Each node seals its
   own part locally and uploads it, rank 0 seals the checkpoint in the store once every
   node's part is there, and a resume fetches from the store what a node lacks
-  (:mod:`train.checkpoint.remote`, docs/object-storage.md).
+  (:mod:`train.checkpoint.uploader`, docs/object-storage.md).
 """
 
 from __future__ import annotations

@@ -16,22 +16,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from train.checkpoint import Checkpointer, formats, remote
+from train.checkpoint import Checkpointer, formats
+from train.checkpoint.factory import build_checkpointer
 from train.checkpoint.state import TrainState
-from train.core import remote_config
-from train.core.config import AUTO, Config, batch_split, tracking
+from train.core.config import AUTO, Config, batch_split
+from train.core.config import tracking as tracker_config
 from train.core.config.checks import check_batch_memory
 from train.core.errors import CannotRunHere
 from train.core.machine.host import OUTPUT_DIR_FIX, available_memory, output_dir_problem
 from train.core.nodes.verdict import Verdict
 from train.core.run import rundir
 from train.core.run.identity import WorkerIdentity
+from train.core.storage import s3
 from train.data.builders import DataBundle, build_data
 from train.data.loader import make_loader
 from train.data.order import GlobalOrder, RankBatchSampler
 from train.distributed import ranks
 from train.distributed.parallel import apply_activation_checkpointing, check_placement, parallelize
 from train.distributed.precision import autocast, grad_scaler
+from train.guards import shared_dir
 from train.models import build_model, losses
 from train.models.autobatch import largest_fitting, probe_on_gpu
 from train.models.optim import build_optimizer, build_scheduler
@@ -89,9 +92,9 @@ def preflight(cfg: Config, env: WorkerIdentity, source: str) -> Placement:
         raise CannotRunHere(f"{problem}; {OUTPUT_DIR_FIX}")
     rundir.check_no_links(cfg.run_dir)
     if env.is_main:
-        tracking.check(cfg, source)
-        remote_config.check(cfg.checkpoint.remote, cfg.run.name, source,
-                            probe=not env.supervised)  # the launcher probed already
+        tracker_config.check(cfg, source)
+        s3.check(cfg.checkpoint.remote, cfg.run.name, source,
+                 probe=not env.supervised)  # the launcher probed already
     micro, accum = batch_split(cfg, env.world_size, source)
     check_batch_memory(cfg, env.world_size, source,
                        (available_memory() or 0) // env.local_world_size or None)
@@ -130,14 +133,9 @@ def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> C
     model = parallelize(module, cfg, env, device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
-    checkpointer = Checkpointer(cfg.run_dir, rank=env.rank, keep_last=cfg.checkpoint.keep_last,
-                                world_size=env.world_size, barrier=ranks.barrier(env),
-                                gather=ranks.gather(env),
-                                async_timeout_s=cfg.distributed.timeout_s)
-    if env.is_main and cfg.checkpoint.remote:  # rank 0 uploads what it sealed
-        checkpointer.remote = remote.tier_for(cfg.checkpoint.remote, cfg.run_dir,
-                                              cfg.run.name, cfg.checkpoint.keep_last)
-        checkpointer.sealed = checkpointer.remote.sealed
+    # several nodes: one run directory, or node-local (each node's own, with a remote)
+    nodes = shared_dir.prepare(cfg.run_dir, env, remote=bool(cfg.checkpoint.remote))
+    checkpointer = build_checkpointer(cfg, env, nodes)
     return Components(cfg, source, env, device, data, model, module, optimizer, scheduler,
                       grad_scaler(device.type, cfg.precision), micro, accum, checkpointer,
                       formats.for_config(cfg), objective)

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from train.checkpoint.left_behind import Run, upload_left_behind
 from train.checkpoint.policy import Cadence
-from train.checkpoint.session import finish_uploads, node_local, resume, save_checkpoint
+from train.checkpoint.session import finish_uploads, resume, save_checkpoint
 from train.checkpoint.state import TrainState
 from train.core.config import AUTO, Config, to_yaml
 from train.core.errors import EXIT_OK, EXIT_PEER_STOPPED, EXIT_STOPPED_BY_SIGNAL, Diverged
@@ -37,7 +37,6 @@ from train.core.user import usercode
 from train.data.loader import end_workers
 from train.data.order import eval_indices
 from train.distributed import ranks
-from train.guards import shared_dir
 from train.guards.divergence import Guard, clear_marker, read_marker, write_marker
 from train.guards.preflight import check_before_training
 from train.guards.shutdown import Shutdown
@@ -139,10 +138,6 @@ def evaluate(c: Components, progress: Callable[[], None] = lambda: None) -> dict
 
 # ------------------------------------------------------------------------- loop
 
-def prepare_run_dir(c: Components) -> None:  # several nodes: one directory, or node-local
-    node_local(c, shared_dir.prepare(c.run_dir, c.env, remote=bool(c.cfg.checkpoint.remote)))
-
-
 def start_logging(c: Components, state: TrainState, shutdown: Shutdown) -> MetricsLogger | None:
     """After a successful resume, so config.yaml always describes loadable checkpoints.
     Rank 0 writes the run's files and gets the metrics logger; other ranks get None."""
@@ -230,7 +225,7 @@ def train_steps(c: Components, state: TrainState, stop: StopFlag,
         how = cadence.due(step, last)
         if how is not None:  # the last one in the foreground: exit 0 or 143 means saved
             with watchdog.watching(CHECKPOINT, step):
-                save_checkpoint(c, state, guard, background=how == "background")
+                save_checkpoint(c, state, guard, watchdog, background=how == "background")
         if stopping:
             watchdog.pause()  # what follows has its own bounds
             if not stop.requested:  # another node leaves; this one goes on without it
@@ -305,8 +300,7 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
                      "to train on", cfg.run.name, done, cfg.run_dir / rundir.RESULT)
             clean = True
             return upload_left_behind(Run.of(cfg))  # the final one, if the store lacks it
-        c = build(cfg, env, source, placed)
-        prepare_run_dir(c)
+        c = build(cfg, env, source, placed)  # the run directory prepared too
         refuse_a_diverged_restart(c)
         watchdog = Watchdog(cfg.distributed.timeout_s, reporter, state_bytes=checkpoint_bytes(c))
         c = c.with_preflight(check_before_training(cfg, env, c.device, c.run_dir, watchdog))
@@ -321,7 +315,6 @@ def train(cfg: Config, source: str, env: WorkerIdentity | None = None,
                 metrics.close(final)
             code = EXIT_OK
         else:
-            c.checkpointer.watch(watchdog)
             code = run_loop(c, state, stop, metrics, guard, watchdog)
         if metrics is not None:  # stopped by a signal, or by another node: resumable
             metrics.close(status="KILLED")

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from train.core import credentials, remote_config
 from train.core.config import kinds
 from train.core.config.origins import (
     DEFAULT,
@@ -30,6 +29,7 @@ from train.core.config.schema import AUTO, Config, to_dict
 from train.core.config.strict_yaml import short
 from train.core.errors import CannotRunHere, ConfigError, raise_all
 from train.core.run import rundir
+from train.core.storage import credentials, urls
 
 
 def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = None,
@@ -41,7 +41,7 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
     line)``, ``model.width=128 (default)``). Failures are added to ``errors`` (raised
     at the end without it); a check that reads a key in ``bad`` (one that already
     failed on its own and holds its default instead) is skipped. A warmup longer than
-    the run is shortened to it, with a warning (:func:`~.origins.config_warnings`).
+    the run is shortened to it, with a warning (:func:`~.loader.config_warnings`).
     """
     collect = errors is not None
     report = _Report(cfg, sources, [] if errors is None else errors, bad)
@@ -183,7 +183,7 @@ def _check_resume_from(cfg: Config, fail: kinds.Fail) -> None:
 def _check_remote(cfg: Config, fail: kinds.Fail) -> None:
     """checkpoint.remote: empty (off) or an s3://BUCKET/PREFIX URL."""
     if cfg.checkpoint.remote:
-        _, problem = remote_config.parse(cfg.checkpoint.remote)
+        _, problem = urls.parse(cfg.checkpoint.remote)
         if problem:
             fail("checkpoint.remote", problem)
 

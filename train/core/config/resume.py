@@ -14,9 +14,9 @@ import yaml
 
 from train.core.config.origins import MISSING, dig, origin_note, show
 from train.core.config.schema import AUTO, Config, to_dict
-from train.core.credentials import redacted
 from train.core.errors import ConfigError, DataChanged
 from train.core.run import rundir
+from train.core.storage.credentials import redacted
 
 log = logging.getLogger("train")
 

@@ -8,8 +8,8 @@ import importlib.util
 import os
 
 from train.core.config import Config
-from train.core.credentials import redacted
 from train.core.errors import CannotRunHere, ConfigError
+from train.core.storage.credentials import redacted
 
 MLFLOW_URI_VAR = "MLFLOW_TRACKING_URI"
 # what to pip install for each tracker (import name -> distribution): the client alone

@@ -24,8 +24,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from train.core import remote_config
 from train.core.errors import CannotRunHere, ConfigError
+from train.core.storage import s3, urls
 
 KEY = "data.path"
 MAGIC = "*?["
@@ -89,13 +89,13 @@ def _local(entry: str, source: str) -> list[TokenFile]:
 
 def _remote(entry: str, source: str) -> list[TokenFile]:
     bucket, _, pattern = entry[len("s3://"):].partition("/")
-    if not remote_config.BUCKET.match(bucket) or not pattern.strip("/") \
+    if not urls.BUCKET.match(bucket) or not pattern.strip("/") \
             or not pattern.isprintable():
         raise ConfigError(source, KEY, f"{entry!r} is not an object URL; "
                                        "s3://BUCKET/KEY or s3://BUCKET/PREFIX/*.EXT")
     if importlib.util.find_spec("boto3") is None:
         raise CannotRunHere(f"{source}: {KEY}: {entry} needs boto3, which is not installed "
-                            f"here: {remote_config.INSTALL}")
+                            f"here: {s3.INSTALL}")
     fixed = pattern
     for c in MAGIC:
         fixed = fixed.split(c, 1)[0]
@@ -103,7 +103,7 @@ def _remote(entry: str, source: str) -> list[TokenFile]:
         listed = _list(bucket, fixed)
     except Exception as exc:  # whatever the store or the network says
         raise CannotRunHere(f"{source}: {KEY}: cannot list {entry} at "
-                            f"{remote_config.endpoint()}: {remote_config.said(exc)}; check "
+                            f"{s3.endpoint()}: {s3.said(exc)}; check "
                             "the AWS_* variables (docs/object-storage.md)") from None
     keys = sorted(k for k in listed if fnmatch.fnmatchcase(k, pattern))
     if not keys:
@@ -113,7 +113,7 @@ def _remote(entry: str, source: str) -> list[TokenFile]:
 
 def _list(bucket: str, prefix: str) -> dict[str, tuple[int, str]]:
     """{key: (size, ETag)} of every object under ``prefix``."""
-    pages = remote_config.client().get_paginator("list_objects_v2").paginate(
+    pages = s3.client().get_paginator("list_objects_v2").paginate(
         Bucket=bucket, Prefix=prefix)
     return {o["Key"]: (o["Size"], o.get("ETag", "").strip('"'))
             for page in pages for o in page.get("Contents", [])}

@@ -20,8 +20,8 @@ from __future__ import annotations
 import traceback
 from pathlib import Path
 
-from train.core.credentials import redacted
 from train.core.run.identity import WorkerIdentity
+from train.core.storage.credentials import redacted
 
 # Beside torchrun's stdout.log and stderr.log of the rank, which it does not tee.
 TRACEBACK = "traceback.log"

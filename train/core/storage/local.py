@@ -1,17 +1,9 @@
-"""Where a checkpoint's bytes live: the few operations the store needs, behind one seam.
+"""A folder on a file system as a :class:`~.seam.Storage`.
 
-The store (:mod:`.store`) speaks of names relative to a root ("checkpoints/step-4/
-state.pt", "checkpoints/latest"), never of paths, so that one protocol (a partial
-folder, every file durable and hashed, ``checksums.json`` written last, ``latest``
-replaced atomically) holds whatever keeps the bytes. :class:`LocalStorage`, a folder on
-a file system, is the first implementation; an object store (S3 and alike) is meant to
-be a second one, used by a tier that mirrors sealed checkpoints, not a special case in
-the store.
-
-:class:`Storage` is what any implementation provides. A file system adds what only it
-can do: rename a folder atomically (:meth:`LocalStorage.move`: how a partial checkpoint
-is sealed) and give a library a real path to write into (:meth:`LocalStorage.path`:
-torch.distributed.checkpoint writes its shards itself).
+A file system adds what only it can do: rename a folder atomically
+(:meth:`LocalStorage.move`: how a partial checkpoint is sealed) and give a library a real
+path to write into (:meth:`LocalStorage.path`: torch.distributed.checkpoint writes its
+shards itself).
 """
 
 from __future__ import annotations
@@ -20,33 +12,10 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO
 
 from train.core.bulk import BulkFile
 from train.core.files import fsync_dir, sha256_file, write_atomic
-
-
-class Storage(Protocol):
-    def write(self, name: str, fill: Callable[[BinaryIO], None]) -> str:
-        """A new file: ``fill`` writes its bytes; complete and durable when this returns.
-        Returns its SHA-256, computed while writing (no second pass over the bytes)."""
-
-    def replace(self, name: str, data: bytes) -> None:
-        """A small file replaced in one step, durably: a reader sees the old or the new."""
-
-    def open(self, name: str) -> BinaryIO:
-        """A stored file, to read."""
-
-    def digest(self, name: str) -> str:
-        """The SHA-256 of a stored file, read back."""
-
-    def names(self, folder: str = "") -> list[str]:
-        """What a folder holds (names relative to it); none when it does not exist."""
-
-    def exists(self, name: str) -> bool: ...
-
-    def delete(self, name: str) -> None:
-        """A file, or a folder with all it holds; nothing when it is not there."""
 
 
 class LocalStorage:

@@ -22,10 +22,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from train.core import remote_config
 from train.core.errors import RunDirBusy
 from train.core.run import runlock
 from train.core.run.runlock import LeaseTimes
+from train.core.storage import s3 as store
+from train.core.storage.urls import parse
 
 NAME = "lease.json"
 LOGGED_EVERY_S = 15
@@ -51,8 +52,8 @@ class RemoteLease:
     def read(self) -> dict:
         try:
             data = self.s3.get_object(Bucket=self.bucket, Key=self.key)["Body"].read()
-        except Exception as exc:
-            if _missing(exc):
+        except store.errors() as exc:  # re-raised unless it says "not there"
+            if store.missing(exc):
                 return {}
             raise
         try:
@@ -77,7 +78,7 @@ class RemoteLease:
                              "the remote checkpoints")
                     return
                 self.write(holder)
-            except Exception:  # the store is away: the next renewal tries again
+            except store.errors():  # the store is away: the next renewal tries again
                 continue
 
     def release(self, wait_s: float = RELEASE_WAIT_S) -> None:
@@ -98,7 +99,7 @@ class RemoteLease:
             holder = self.read()
             if holder.get("job") == self.job:
                 self.write(holder, released=True)
-        except Exception:  # the lease expires by itself
+        except store.errors():  # the lease expires by itself
             pass
 
 
@@ -107,19 +108,19 @@ def acquire(url: str, run_name: str, job: str, times: LeaseTimes,
             s3=None) -> RemoteLease | None:
     """The remote run's lease for ``job``, waiting for another job's live one up to
     ``times.wait_s`` (then RunDirBusy, exit 6); None when the store does not answer."""
-    parsed, _ = remote_config.parse(url)
+    parsed, _ = parse(url)
     if parsed is None:
         return None
     key = f"{parsed.run_prefix(run_name)}/{NAME}"
     try:
-        lease = RemoteLease(s3 or remote_config.client(attempts=2), parsed.bucket, key, job,
+        lease = RemoteLease(s3 or store.client(attempts=2), parsed.bucket, key, job,
                             times, log)
         return _take(lease, ended)
     except RunDirBusy:
         raise
-    except Exception as exc:
+    except store.errors() as exc:
         log(f"warning: the remote run lease {parsed}/{key} could not be read or written "
-            f"({remote_config.said(exc)}); going on with the local lease only")
+            f"({store.said(exc)}); going on with the local lease only")
         return None
 
 
@@ -153,7 +154,3 @@ def _take(lease: RemoteLease, ended: Callable[[str], bool] | None) -> RemoteLeas
             said = now
         time.sleep(min(1.0, lease.times.renew_s / 2))
 
-
-def _missing(exc: BaseException) -> bool:
-    code = (getattr(exc, "response", None) or {}).get("Error", {}).get("Code")
-    return code in ("404", "NoSuchKey", "NotFound")

@@ -1,8 +1,8 @@
-"""The remote tier: sealed checkpoints mirrored to object storage, and fetched back when
-the store holds a newer one than the local disk (``checkpoint.remote``).
+"""The remote tier's uploader: sealed checkpoints mirrored to object storage
+(``checkpoint.remote``).
 
 Each checkpoint is written and sealed locally first, exactly as without a remote (the
-protocol of :mod:`.store`); then rank 0 hands it to :meth:`RemoteTier.sealed` and a
+protocol of :mod:`.store`); then rank 0 hands it to :meth:`Uploader.sealed` and a
 background thread uploads it, so training never waits for the network:
 
 1. every file ``checksums.json`` lists, each read back from the store and hashed after
@@ -24,27 +24,18 @@ warning for the whole run (the local checkpoints still protect it) and each late
 checkpoint is tried once more when it seals. Only the newest sealed checkpoint waits
 for upload: an older one not started yet is skipped.
 
-Resuming (:meth:`RemoteTier.fetch_newer`, rank 0, before the local choice): a remote
-checkpoint newer than every local one is downloaded into ``step-N.partial``, every file
-checked against its ``checksums.json`` as it arrives, then sealed locally like a fresh
-save; one that does not verify is named and the previous remote one tried. An empty run
-directory also gets the record a resumed run continues (metrics.jsonl, rewound to the
-checkpoint's step as on any resume, and manifest.json). The local
-choice (:mod:`.policy`) then resumes from it exactly as from a checkpoint written here.
+Resuming from the store is the fetcher's (:mod:`.fetcher`).
 
 Node-local run directories (:mod:`train.guards.shared_dir`): each node's first rank has a
-tier (:meth:`RemoteTier.node_local`) and uploads its node's part, each file verified as
+tier (built with its :class:`~.listing.Nodes`) and uploads its node's part, each file verified as
 above, then a marker ``step-N/.parts/node-K.json`` listing those files, their SHA-256 and
 the save's token. Rank 0's tier then waits for every node's marker of that save and
 writes ``checksums.json`` only when they are all there and agree (with each other, and
 with the checksums the ranks exchanged, for a foreground save); steps 3-5 follow as
-above, from rank 0 alone. A resume downloads on every node what its ranks read of the
-chosen checkpoint (:meth:`RemoteTier.fetch_part`, then :meth:`RemoteTier.fetch_rest`
-with the shard files the ranks name: the files a node already holds with the right
-checksum are kept, not downloaded again), marked as that node's part.
+above, from rank 0 alone.
 
-What the tier reads back from the store (``latest``, the step folders, the nodes' parts,
-the fetch of a checkpoint) is :mod:`.remote_reads`'.
+What the store holds (``latest``, the step folders, the nodes' parts) is read through
+:class:`~.listing.RemoteListing`.
 """
 
 from __future__ import annotations
@@ -54,13 +45,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from train.checkpoint.objectstore import S3Storage, said
-from train.checkpoint.remote_reads import RemoteError, StoreReads
-from train.checkpoint.storage import LocalStorage
-from train.core import remote_config
+from train.checkpoint.listing import Nodes, RemoteError, RemoteListing, part_name
 from train.core.run import rundir
 from train.core.run.rundir import (
     BOARD,
@@ -72,6 +59,9 @@ from train.core.run.rundir import (
     METRICS,
     RESULT,
 )
+from train.core.storage.bucket import S3Storage
+from train.core.storage.local import LocalStorage
+from train.core.storage.s3 import code, errors, said
 
 log = logging.getLogger("train")
 
@@ -84,47 +74,52 @@ class Superseded(Exception):
     """A newer checkpoint sealed while this one waited for other nodes' parts."""
 
 
-class RemoteTier(StoreReads):
-    """Mirrors one run's sealed checkpoints (``local``: the run directory's storage)."""
+class Record:
+    """The run's own files beside its checkpoints in the store (:data:`RECORD` and the
+    TensorBoard event files), so that a run without a shared volume can be read with
+    ``aws s3 sync`` and a pod with an empty disk continues its metrics."""
 
-    def __init__(self, remote: S3Storage, local: LocalStorage, keep_last: int, where: str,
+    def __init__(self, remote: S3Storage, local: LocalStorage):
+        self.remote, self.local = remote, local
+        self._board_sent: dict[str, int] = {}  # event file -> size last uploaded
+
+    def send(self) -> None:
+        """The record as it is now. metrics.jsonl is appended while this runs: only its
+        whole lines are sent. An event file is sent again only when it grew."""
+        for name in RECORD:
+            path = self.local.path(name)
+            if path.is_file():
+                data = path.read_bytes()
+                self.remote.replace(name, data[:data.rfind(b"\n") + 1] if name == METRICS
+                                    else data)
+        board = self.local.path(BOARD)
+        for path in sorted(board.rglob("*")) if board.is_dir() else ():
+            name = path.relative_to(self.local.path()).as_posix()
+            size = path.stat().st_size if path.is_file() else None
+            if size is not None and self._board_sent.get(name) != size:
+                self.remote.upload(name, path)
+                self._board_sent[name] = size
+
+
+class Uploader:
+    """Mirrors one run's sealed checkpoints from ``local`` (the run directory's storage)
+    to ``remote`` (the run's key prefix, listed by ``listing``); ``where``: its URL, for
+    messages; ``nodes``: where this tier runs (node-local mode or not)."""
+
+    def __init__(self, remote: S3Storage, local: LocalStorage, listing: RemoteListing,
+                 keep_last: int, where: str, nodes: Nodes,
                  sleep: Callable[[float], None] = time.sleep):
-        self.remote, self.local, self.keep_last, self.where = remote, local, keep_last, where
-        self.sleep = sleep
+        self.remote, self.local, self.listing = remote, local, listing
+        self.keep_last, self.where, self.nodes, self.sleep = keep_last, where, nodes, sleep
         self._lock = threading.Condition()
         self._pending: int | None = None     # the newest sealed step not started yet
         self._busy: int | None = None        # the step being uploaded
         self._thread: threading.Thread | None = None
         self.unreachable = False             # warned once: no more backoff after that
         self.uploaded: int | None = None     # the newest step sealed remotely by this run
-        self._board_sent: dict[str, int] = {}  # event file -> size last uploaded
-        self.node: int | None = None         # node-local mode: this node's index ...
-        self.nodes: list[int] = []           # ... and every node's (the first is rank 0's)
-        self.parts_timeout_s = 600.0         # how long rank 0 waits for the other parts
+        self.record = Record(remote, local)
         self._seals: dict[int, tuple[str | None, dict | None]] = {}  # step -> token, sums
 
-    def node_local(self, node: int, nodes: list[int], parts_timeout_s: float) -> None:
-        """This tier uploads node ``node``'s part of each checkpoint; on ``nodes[0]``
-        (rank 0's) it also seals the checkpoint once every node's part is there."""
-        self.node, self.nodes, self.parts_timeout_s = node, nodes, parts_timeout_s
-
-    @property
-    def publishes(self) -> bool:
-        """This tier writes checksums.json, the record and latest (rank 0's)."""
-        return self.node is None or self.node == self.nodes[0]
-
-    @classmethod
-    def from_url(cls, url: str, run_name: str, local: LocalStorage,
-                 keep_last: int) -> RemoteTier:
-        parsed, problem = remote_config.parse(url)
-        if parsed is None:
-            raise ValueError(problem)
-        where = f"s3://{parsed.bucket}/{parsed.run_prefix(run_name)}"
-        # botocore retries a request once; whole files are retried here, with backoff
-        return cls(S3Storage(parsed.bucket, parsed.run_prefix(run_name), attempts=2), local,
-                   keep_last, where)
-
-    # ------------------------------------------------------------ uploading
     def sealed(self, step: int, token: str | None = None, whole: dict | None = None) -> None:
         """A checkpoint (node-local mode: this node's part of it, of the save ``token``,
         with every rank's checksums ``whole`` when known) was sealed locally: upload it
@@ -168,7 +163,8 @@ class RemoteTier(StoreReads):
             except Superseded:
                 log.info("checkpoint step-%d not sealed remotely: a newer one sealed while it "
                          "waited for the other nodes' parts", step)
-            except Exception as exc:  # the run goes on: its local checkpoints protect it
+            except (*errors(), RemoteError, ValueError) as exc:  # the run goes on: its
+                # local checkpoints protect it (ValueError: a checksums.json not JSON)
                 if self.local.exists(f"{CHECKPOINTS}/{rundir.step_name(step)}"):
                     self._unreachable(step, exc)
                 else:  # keep_last removed it locally while it uploaded: a newer one follows
@@ -196,17 +192,17 @@ class RemoteTier(StoreReads):
         sums = json.loads(self.local.read_text(f"{folder}/{CHECKSUMS}"))
         for name, digest in sums.items():
             self._retry(lambda n=name, d=digest: self._upload(f"{folder}/{n}", d))
-        if self.node is None:
+        if self.nodes.node is None:
             self._retry(lambda: self.remote.upload(f"{folder}/{CHECKSUMS}",
                                                    self.local.path(f"{folder}/{CHECKSUMS}")))
         else:
             part = json.dumps({"token": token, "files": sums}, indent=1).encode()
-            self._retry(lambda: self.remote.replace(self.part_name(step, self.node), part))
-            if self.publishes:
+            self._retry(lambda: self.remote.replace(part_name(step, self.nodes.node), part))
+            if self.nodes.publishes:
                 sealed = self._wait_for_parts(step, token, whole)
                 self._retry(lambda: self.remote.replace(
                     f"{folder}/{CHECKSUMS}", (json.dumps(sealed, indent=1) + "\n").encode()))
-        if self.publishes:
+        if self.nodes.publishes:
             # the record before latest: whoever resumes from this step finds its metrics
             self._retry(self.mirror_record)
             self._retry(lambda: self._name_latest(step))
@@ -219,28 +215,15 @@ class RemoteTier(StoreReads):
             self.unreachable = False
 
     def mirror_record(self) -> None:
-        """The run's record as it is now. metrics.jsonl is appended while this runs: only
-        its whole lines are sent. An event file is sent again only when it grew."""
-        for name in RECORD:
-            path = self.local.path(name)
-            if path.is_file():
-                data = path.read_bytes()
-                self.remote.replace(name, data[:data.rfind(b"\n") + 1] if name == METRICS
-                                    else data)
-        board = self.local.path(BOARD)
-        for path in sorted(board.rglob("*")) if board.is_dir() else ():
-            name = path.relative_to(self.local.path()).as_posix()
-            size = path.stat().st_size if path.is_file() else None
-            if size is not None and self._board_sent.get(name) != size:
-                self.remote.upload(name, path)
-                self._board_sent[name] = size
+        """The run's record as it is now (:class:`Record`)."""
+        self.record.send()
 
     def _wait_for_parts(self, step: int, token: str | None, whole: dict | None) -> dict:
         """Every node's part of ``step``, up to ``parts_timeout_s``; Superseded as soon as
         a newer checkpoint waits for upload (its nodes may skip this one)."""
-        deadline = time.monotonic() + self.parts_timeout_s
+        deadline = time.monotonic() + self.nodes.parts_timeout_s
         while True:
-            merged = self._retry(lambda: self.parts(step, token, whole))
+            merged = self._retry(lambda: self.listing.parts(step, token, whole))
             if merged is not None:
                 return merged
             with self._lock:
@@ -248,7 +231,7 @@ class RemoteTier(StoreReads):
                     raise Superseded()
             if time.monotonic() > deadline:
                 raise RemoteError(f"not every node's part of step-{step} reached the store "
-                                  f"within {self.parts_timeout_s:.0f} s")
+                                  f"within {self.nodes.parts_timeout_s:.0f} s")
             self.sleep(POLL_S)
 
     def _upload(self, name: str, digest: str) -> None:
@@ -267,7 +250,7 @@ class RemoteTier(StoreReads):
                 return action()
             except RemoteError:
                 raise  # a disagreement: another attempt reads the same
-            except Exception:  # retried; the last attempt's error is the one raised
+            except errors():  # retried; the last attempt's error is the one raised
                 self.sleep(delay)
         return action()
 
@@ -276,7 +259,7 @@ class RemoteTier(StoreReads):
         the ETag read (a writer that raced this one makes it read and compare again)
         where the store supports conditional writes."""
         for _ in range(5):
-            current, etag = self.latest()
+            current, etag = self.listing.latest()
             if current is not None and current > step:
                 log.info("remote latest names step-%d, newer than step-%d: left as it is",
                          current, step)
@@ -286,10 +269,10 @@ class RemoteTier(StoreReads):
             try:
                 self.remote.replace(f"{CHECKPOINTS}/{LATEST}", data, **condition)
                 return
-            except Exception as exc:
-                if _code(exc) == "PreconditionFailed":
+            except errors() as exc:
+                if code(exc) == "PreconditionFailed":
                     continue  # another writer in between: compare again
-                if _code(exc) not in ("NotImplemented", "InvalidArgument", "InvalidRequest"):
+                if code(exc) not in ("NotImplemented", "InvalidArgument", "InvalidRequest"):
                     raise
                 self.remote.replace(f"{CHECKPOINTS}/{LATEST}", data)  # no conditional writes
                 return
@@ -298,23 +281,11 @@ class RemoteTier(StoreReads):
     def _prune(self) -> None:
         """keep_last remotely: the newest ``keep_last`` up to ``latest``; nothing newer
         than ``latest`` is touched (another writer's, or one being uploaded)."""
-        latest, _ = self.latest()
+        latest, _ = self.listing.latest()
         if latest is None:
             return
-        kept = [s for s in self.steps(sealed=True) if s <= latest][:self.keep_last]
+        kept = [s for s in self.listing.steps(sealed=True) if s <= latest][:self.keep_last]
         # older ones, and uploads that never sealed (a store that went away mid-way)
-        for step in [s for s in self.steps() if s <= latest and s not in kept]:
+        for step in [s for s in self.listing.steps() if s <= latest and s not in kept]:
             self.remote.delete(f"{CHECKPOINTS}/{rundir.step_name(step)}")
 
-
-def _code(exc: BaseException) -> str | None:
-    response = getattr(exc, "response", None) or {}
-    return response.get("Error", {}).get("Code")
-
-
-def tier_for(url: str | None, run_dir: Path, run_name: str, keep_last: int
-             ) -> RemoteTier | None:
-    """The run's remote tier, or None when ``checkpoint.remote`` is off."""
-    if not url:
-        return None
-    return RemoteTier.from_url(url, run_name, LocalStorage(run_dir), keep_last)

@@ -1,9 +1,9 @@
-"""``checkpoint.remote``: where a run's checkpoints are mirrored in object storage, and
-the checks the launcher makes before any worker starts.
+"""The S3 client every user of object storage shares (checkpoints, data, the run's lease),
+what its errors say, and the checks the launcher makes of ``checkpoint.remote`` before any
+worker starts.
 
-The value is ``s3://BUCKET/PREFIX`` (PREFIX optional); the run's checkpoints go under
-``PREFIX/RUN_NAME/checkpoints/``. A malformed URL is bad input (exit 2, from the config
-checks); boto3 not installed, or a bucket that cannot be reached or written, is "cannot
+The URL itself is :mod:`.urls`'; a malformed one is bad input (exit 2, from the config
+checks). boto3 not installed, or a bucket that cannot be reached or written, is "cannot
 run here" (exit 3, from :func:`check`), naming the endpoint and the bucket.
 
 Credentials never appear in the config (the config checks refuse ``s3://key:secret@``):
@@ -16,53 +16,20 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import uuid
-from dataclasses import dataclass
 
-from train.core.credentials import redacted
 from train.core.errors import CannotRunHere
+from train.core.storage.credentials import redacted
+from train.core.storage.urls import RemoteURL, parse
 
 KEY = "checkpoint.remote"
 INSTALL = "pip install 'trainpod[s3]' (or pip install boto3; in an image: a RUN line in your " \
           "Dockerfile)"
-# S3's bucket naming rules (3-63 characters of lowercase letters, digits, dots and hyphens,
-# starting and ending with a letter or digit); compatible stores accept a subset of these
-BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 # boto3 >= 1.36 adds a CRC32 trailer to every upload by default ("when_supported"), which
 # several S3-compatible stores reject; the remote tier checks SHA-256 itself, so only
 # where an operation requires one.
 CLIENT_CHECKSUMS = "when_required"
-
-
-@dataclass(frozen=True)
-class RemoteURL:
-    bucket: str
-    prefix: str                 # without leading or trailing '/', may be empty
-
-    def run_prefix(self, run_name: str) -> str:
-        """The run's own folder in the bucket: PREFIX/RUN_NAME."""
-        return f"{self.prefix}/{run_name}" if self.prefix else run_name
-
-    def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
-
-
-def parse(url: str) -> tuple[RemoteURL | None, str | None]:
-    """(the URL, None) or (None, what is wrong with it)."""
-    allowed = "an s3://BUCKET/PREFIX URL (e.g. s3://my-bucket/checkpoints), or empty for off"
-    if not url.startswith("s3://"):
-        return None, f"{url!r} is not an s3:// URL; {allowed}"
-    bucket, _, prefix = url[len("s3://"):].partition("/")
-    if not BUCKET.match(bucket) or ".." in bucket:
-        return None, f"{url!r}: bucket {bucket!r} is not a valid bucket name; {allowed}"
-    prefix = prefix.strip("/")
-    if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
-        return None, f"{url!r}: the prefix has an empty, '.' or '..' part; {allowed}"
-    if any(c in prefix for c in "?#\\") or not prefix.isprintable():
-        return None, f"{url!r}: the prefix has '?', '#', '\\' or control characters; {allowed}"
-    return RemoteURL(bucket, prefix), None
 
 
 def endpoint(environ=os.environ) -> str:
@@ -100,7 +67,7 @@ def writable(url: RemoteURL, run_name: str) -> str | None:
         s3 = client(attempts=2)
         s3.put_object(Bucket=url.bucket, Key=key, Body=b"probe\n")
         s3.delete_object(Bucket=url.bucket, Key=key)
-    except Exception as exc:  # whatever the store or the network says
+    except errors() as exc:  # whatever the store or the network says
         return said(exc)
     return None
 
@@ -124,3 +91,30 @@ def said(exc: BaseException, limit: int = 300) -> str:
     text = f"{error.get('Code', '?')}: {error.get('Message') or exc}" if error \
         else str(exc) or type(exc).__name__
     return redacted(" ".join(text.split()))[:limit]
+
+
+def code(exc: BaseException) -> str | None:
+    """The store's error code in ``exc`` (a botocore ClientError's), or None."""
+    response = getattr(exc, "response", None) or {}
+    return response.get("Error", {}).get("Code")
+
+
+def missing(exc: BaseException) -> bool:
+    """Whether ``exc`` says the object is not there."""
+    return code(exc) in ("404", "NoSuchKey", "NotFound")
+
+
+def errors() -> tuple[type[BaseException], ...]:
+    """What a call to the store can raise when the store or the network says no: botocore's
+    errors (its ClientError: the store's answer; BotoCoreError: no connection, no
+    credentials, a timeout, a body cut off), boto3's own (a managed transfer's failure),
+    urllib3's (a body read where botocore does not wrap them) and OSError (the network,
+    a local file). Without boto3, OSError alone."""
+    try:
+        import boto3.exceptions
+        import botocore.exceptions
+        import urllib3.exceptions
+    except ImportError:
+        return (OSError,)
+    return (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError,
+            boto3.exceptions.Boto3Error, urllib3.exceptions.HTTPError, OSError)

@@ -1,11 +1,12 @@
-"""An S3-compatible bucket as a :class:`~.storage.Storage`: the second implementation of
-the storage seam, used by the remote tier (:mod:`.remote`) to mirror sealed checkpoints.
+"""An S3-compatible bucket as a :class:`~.seam.Storage`: the second implementation of
+the storage seam, used by the remote tier (:mod:`train.checkpoint.tier`) to mirror sealed
+checkpoints, and by the data cache (:mod:`train.data.shardcache`) to fetch objects.
 
 Names are the same relative names the store uses ("checkpoints/step-4/state.pt"), under
 a key prefix (the run's ``PREFIX/RUN_NAME``). A "folder" is a key prefix ending in
 ``/``. What an object store cannot do is not offered: there is no atomic rename, so a
 checkpoint is sealed remotely by the order of its writes instead (every file, then
-``checksums.json``, then ``latest``: :mod:`.remote`).
+``checksums.json``, then ``latest``: :mod:`train.checkpoint.uploader`).
 
 The client is boto3 (docs/object-storage.md says why): credentials, region and endpoint
 come from its default chain (``AWS_*`` variables, ``AWS_PROFILE`` and the shared files,
@@ -23,9 +24,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from train.core.remote_config import client, said
+from train.core.storage.s3 import client, missing
 
-__all__ = ["S3Storage", "client", "missing", "said"]
+__all__ = ["S3Storage"]
 
 # boto3 logs where it found the credentials at INFO (a run's root logger shows INFO): not
 # a secret, but nothing a run's log needs
@@ -36,21 +37,15 @@ CHUNK = 8 << 20
 # module whatever the config, and the base install has no boto3 (an optional extra)
 
 
-def _transfer():
-    from boto3.s3.transfer import TransferConfig
-    return TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=32 << 20,
-                          max_concurrency=8, use_threads=True)
-
-
 def _client_error() -> type[Exception]:
     import botocore.exceptions
     return botocore.exceptions.ClientError
 
 
-def missing(exc: BaseException) -> bool:
-    """Whether ``exc`` says the object is not there."""
-    return isinstance(exc, _client_error()) and \
-        exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound")
+def _transfer():
+    from boto3.s3.transfer import TransferConfig
+    return TransferConfig(multipart_threshold=64 << 20, multipart_chunksize=32 << 20,
+                          max_concurrency=8, use_threads=True)
 
 
 class S3Storage:

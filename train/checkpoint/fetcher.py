@@ -1,7 +1,15 @@
-"""What the remote tier reads back from the store: the remote ``latest`` and step
-folders, the nodes' parts of a checkpoint (node-local mode), and the fetch of a remote
-checkpoint into the run directory when a start resumes from it. The protocol is
-:mod:`.remote`'s; this is the half of :class:`~.remote.RemoteTier` that reads."""
+"""The remote tier's fetcher: a remote checkpoint brought into the run directory when a
+start resumes from it, downloaded into ``step-N.partial``, every file checked against the
+checksums.json it arrives with, then sealed locally like a fresh save (:mod:`.store`'s
+protocol); an empty run directory also gets the record a resumed run continues
+(metrics.jsonl and manifest.json).
+
+A run directory the ranks share fetches a checkpoint whole (:meth:`Fetcher.fetch_newer`,
+rank 0, before the local choice). Node-local run directories fetch on every node what its
+ranks read of the chosen checkpoint (:meth:`Fetcher.fetch_part`, then
+:meth:`Fetcher.fetch_rest` with the shard files the ranks name: the files a node already
+holds with the right checksum are kept, not downloaded again), marked as that node's part.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +20,7 @@ import re
 import shutil
 from pathlib import Path
 
-from train.checkpoint.objectstore import missing, said
+from train.checkpoint.listing import Nodes, RemoteListing
 from train.core.run import rundir
 from train.core.run.rundir import (
     CHECKPOINTS,
@@ -22,86 +30,46 @@ from train.core.run.rundir import (
     METRICS,
     NODE_PART,
     SHARDS,
-    STEP_DIR,
 )
+from train.core.storage.bucket import S3Storage
+from train.core.storage.local import LocalStorage
+from train.core.storage.s3 import errors, missing, said
 
 log = logging.getLogger("train")
 
 CONTINUED = (METRICS, MANIFEST)  # the record files a resumed run appends to
-PARTS = ".parts"                 # a step's node markers (node-local mode)
 SHARDS_INDEX = ".metadata"       # DCP's index of a sharded checkpoint, in SHARDS/
 RANK_FILE = re.compile(r"^rank-(\d+)\.pt$")  # rundir.rank_file's names
 
 
-class RemoteError(Exception):
-    """The store did not take (or give back) a checkpoint."""
+def _failures() -> tuple[type[BaseException], ...]:
+    """What a fetch can meet: the store's or the network's no, a local file's, and a
+    checksums.json that is not JSON (a ValueError)."""
+    return (*errors(), ValueError)
 
 
-class StoreReads:
-    """The reading half of the remote tier (attributes set by :class:`~.remote.RemoteTier`)."""
-    @staticmethod
-    def part_name(step: int, node: int) -> str:
-        return f"{CHECKPOINTS}/{rundir.step_name(step)}/{PARTS}/node-{node}.json"
+class Fetcher:
+    """Brings remote checkpoints of ``remote`` (listed by ``listing``) into the run
+    directory ``local``; ``where``: the store's URL, for messages."""
 
-    def parts(self, step: int, token: str | None, whole: dict | None) -> dict | None:
-        """One look at the nodes' markers of ``step``: the whole checkpoint's checksums
-        when every node's part of the save ``token`` is there, or None. A part that
-        disagrees (a file two nodes list with other checksums, or not what the ranks
-        reported: ``whole``) is a RemoteError: never sealed."""
-        merged: dict[str, str] = {}
-        for node in self.nodes:
-            try:
-                part = json.loads(self.remote.read(self.part_name(step, node))[0])
-            except Exception as exc:
-                if missing(exc):
-                    return None
-                raise
-            if part.get("token") != token:  # an earlier save of this step: not yet
-                return None
-            for name, digest in part["files"].items():
-                if merged.setdefault(name, digest) != digest:
-                    raise RemoteError(f"two nodes uploaded {name} of step-{step} with "
-                                      "different checksums")
-        if whole is not None and merged != whole:
-            raise RemoteError(f"the nodes' parts of step-{step} in the store do not list the "
-                              "files and checksums the ranks wrote")
-        return dict(sorted(merged.items()))
+    def __init__(self, remote: S3Storage, local: LocalStorage, listing: RemoteListing,
+                 where: str, nodes: Nodes):
+        self.remote, self.local, self.listing = remote, local, listing
+        self.where, self.nodes = where, nodes
 
-    def latest(self) -> tuple[int | None, str | None]:
-        """(the step the remote ``latest`` names, its ETag), or (None, None)."""
-        try:
-            data, etag = self.remote.read(f"{CHECKPOINTS}/{LATEST}")
-        except Exception as exc:
-            if missing(exc):
-                return None, None
-            raise
-        match = STEP_DIR.match(data.decode("utf-8", "replace").strip())
-        return (int(match[1]) if match else None), etag
-
-    def steps(self, sealed: bool = False) -> list[int]:
-        """The remote step folders, newest first; ``sealed``: only those with their
-        checksums.json (some stores list a folder whose objects are all deleted)."""
-        found = sorted((int(m[1]) for n in self.remote.names(CHECKPOINTS)
-                        if (m := STEP_DIR.match(n))), reverse=True)
-        if sealed:
-            found = [s for s in found if self.remote.exists(
-                f"{CHECKPOINTS}/{rundir.step_name(s)}/{CHECKSUMS}")]
-        return found
-
-    # ------------------------------------------------------------ resuming
     def fetch_newer(self) -> int | None:
         """Rank 0, before choosing a checkpoint: the newest remote checkpoint (up to the
         remote ``latest``) newer than every local one, downloaded, verified and sealed
         locally. The step fetched, or None (none newer, or the store unreachable: a
         warning, and the local checkpoints are used)."""
         try:
-            latest, _ = self.latest()
+            latest, _ = self.listing.latest()
             if latest is None:
                 return None
             local = max((rundir.step_of(p) for p in rundir.step_dirs(self.local.path(
                 CHECKPOINTS)) if not rundir.is_part(p)), default=-1)
-            newer = [s for s in self.steps(sealed=True) if local < s <= latest]
-        except Exception as exc:
+            newer = [s for s in self.listing.steps(sealed=True) if local < s <= latest]
+        except _failures() as exc:
             log.warning("cannot read checkpoints from %s (%s); resuming from the local "
                         "ones", self.where, said(exc))
             return None
@@ -113,12 +81,6 @@ class StoreReads:
             log.warning("remote checkpoint %s/%s/%s is unusable (%s); trying the previous "
                         "one", self.where, CHECKPOINTS, rundir.step_name(step), problem)
         return None
-
-    def sealed_steps(self) -> list[int]:
-        """The remote checkpoints a resume may take, newest first: sealed, up to
-        ``latest``. Raises when the store cannot be read."""
-        latest, _ = self.latest()
-        return [] if latest is None else [s for s in self.steps(sealed=True) if s <= latest]
 
     def fetch(self, step: int) -> str | None:
         """The remote checkpoint ``step`` into this node's run directory, whole and
@@ -142,7 +104,7 @@ class StoreReads:
                                      [n for n in sums if _read_by_every_rank(n, ranks)])
             if problem is None:
                 self.local.replace(f"{partial}/{CHECKSUMS}", data)
-        except Exception as exc:
+        except _failures() as exc:
             problem = said(exc)
         if problem is not None:
             self.local.delete(partial)
@@ -160,7 +122,7 @@ class StoreReads:
             here = [n for n in sums if self.local.exists(f"{partial}/{n}")]
             wanted = [n for n in sums if n not in here and (shards is None or n in shards)]
             problem = self._download(final, partial, sums, wanted)
-        except Exception as exc:
+        except _failures() as exc:
             problem = said(exc)
         if problem is not None:
             self.local.delete(partial)
@@ -170,7 +132,7 @@ class StoreReads:
         if held != sums:  # this node's part: never resumed alone
             self.local.replace(f"{partial}/{NODE_PART}", b"")
         self._seal_fetched(step)
-        if self.publishes:
+        if self.nodes.publishes:
             self._fetch_record()
         return None
 
@@ -186,7 +148,7 @@ class StoreReads:
         self.local.delete(partial)
         try:
             sums = self._download_all(final, partial)
-        except Exception as exc:
+        except _failures() as exc:
             self.local.delete(partial)
             return said(exc)
         if isinstance(sums, str):
@@ -208,7 +170,7 @@ class StoreReads:
             if not self.local.exists(name):
                 try:
                     self.local.replace(name, self.remote.read(name)[0])
-                except Exception as exc:  # a run that mirrored none yet: start it afresh
+                except errors() as exc:  # a run that mirrored none yet: start it afresh
                     if not missing(exc):
                         log.warning("cannot fetch %s from %s (%s); it starts afresh here",
                                     name, self.where, said(exc))
