@@ -94,3 +94,9 @@ def shm_warned(doctor_output: str) -> bool:
 
 def wheelhouse_stamp(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def size_line(sizes: dict[str, int], client_bytes: int) -> str:
+    """Each image's size and what the S3 client (boto3 and its dependencies) adds."""
+    each = ", ".join(f"{tag} {size / 1e9:.2f} GB" for tag, size in sizes.items())
+    return f"image sizes: {each}; boto3 and its dependencies add {client_bytes / 1e6:.1f} MB"

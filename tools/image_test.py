@@ -10,7 +10,9 @@
    Dockerfile.cuda and Dockerfile.rocm (step 5) (``Engine.build_all``: why two);
 3. run it as its non-root user with a host run directory: doctor, a short quickstart
    training, a 2-process gloo run, a fast subset of the suite; check the run
-   directories on the host;
+   directories on the host; train with ``checkpoint.remote`` against a real S3 server
+   and resume from the store in a fresh container with an empty run directory
+   (:mod:`.image_s3`);
 4. run it as an arbitrary UID in group 0 (OpenShift-style), then with a read-only root,
    writable /tmp and /workspace and the default 64 MB /dev/shm: doctor must warn about
    shm, training must still work, torch.compile must work (g++ kept); build the user
@@ -20,14 +22,16 @@
    (TORCH_VARIANT=cpu: every line but the vendor base and wheel), train;
 6. the CPU image's two builds, both without cache (neither may reuse the other's layers
    while they run side by side), are compared: package sets, then every file's path,
-   mode and content (``scripts/file-manifest``).
+   mode and content (``scripts/file-manifest``);
+7. print each image's size and what the S3 client adds; the CPU image stays within
+   ``CPU_LIMIT_GB``.
 
 ``scripts/image-test`` finds the engine and runs this module. Settings (environment):
 ``OCI_ENGINE`` (docker | podman), ``OCI_BUILD_FLAGS``, ``OCI_RUN_FLAGS``,
 ``OCI_BASE_IMAGE`` (substitute every FROM), ``IMAGE_PYTHON`` (the base's python, 3.11),
 ``TORCH_WHEEL_INDEX`` (index of the CPU torch wheel; default: pip's configuration),
 ``TORCH_LOCK`` (auto | none), ``IMAGE_TEST_SKIP`` (space-separated: locks vendor
-rebuild compile pytest), ``IMAGE_TAG``.
+rebuild compile pytest s3), ``IMAGE_TAG``.
 """
 
 from __future__ import annotations
@@ -50,8 +54,10 @@ from tools.image_checks import (
     compare_build_manifests,
     layers_line,
     shm_warned,
+    size_line,
     wheelhouse_stamp,
 )
+from tools.image_s3 import s3_run
 from tools.locks import pytest_requirements
 from tools.oci import ROOT, Engine, Failed, log, sh
 from train.core import rundir
@@ -286,6 +292,8 @@ class ImageTest:
         runs.chmod(0o777)  # the container user (UID 1000, group 0) writes here on any host
         try:
             self.runs(runs)
+            if "s3" not in self.skip:
+                s3_run(self.engine, img=self.img)
             self.user_image(runs)
         finally:
             self.remove_runs(runs)
@@ -295,7 +303,18 @@ class ImageTest:
             self.vendors()
         if "rebuild" not in self.skip:
             self.rebuild()
-        log(f"image test passed; {self.img} is {self.engine.size(self.img)}")
+        self.sizes()
+        log("image test passed")
+
+    def sizes(self) -> None:
+        """Each image's size; the CPU image within CPU_LIMIT_GB; what boto3 adds."""
+        tags = [self.img, *(f"{self.tag}:{f}-on-cpu" for f in VENDORS if "vendor" not in self.skip)]
+        client = int(self.engine.run("--entrypoint", "python3", self.img, "-c", CLIENT_BYTES,
+                                     capture=True).stdout)
+        sizes = {tag: int(self.engine.inspect(tag, "{{.Size}}")) for tag in tags}
+        print(size_line(sizes, client))
+        if sizes[self.img] > CPU_LIMIT_GB * 1e9:
+            raise Failed(f"{self.img} is {sizes[self.img] / 1e9:.2f} GB, over {CPU_LIMIT_GB} GB")
 
     def remove_runs(self, runs: Path) -> None:
         """Files written by the container's UID: removed from inside when the host can't."""
@@ -307,6 +326,7 @@ class ImageTest:
 
 
 VENDORS = ("cuda", "rocm")
+CPU_LIMIT_GB = 1.5  # with the compilers (README.md, "Container images")
 SHORT = ("train.max_steps=4", "schedule.warmup_steps=2", "train.eval_every_steps=4",
          "checkpoint.every_steps=4")
 TRAININGS = (
@@ -344,6 +364,12 @@ COMPILE = """import time, torch
 t = time.time()
 f = torch.compile(lambda x: torch.nn.functional.gelu(x @ x.T).sum())
 print(f"torch.compile ok: {float(f(torch.randn(8, 8))):.3f} in {time.time() - t:.1f} s")"""
+# The bytes of the S3 client and what it brings (every file its distributions installed).
+CLIENT_BYTES = """import os
+from importlib.metadata import distribution
+names = ("boto3", "botocore", "s3transfer", "jmespath", "python-dateutil", "six", "urllib3")
+paths = {str(d.locate_file(f)) for d in map(distribution, names) for f in d.files or ()}
+print(sum(os.path.getsize(p) for p in paths if os.path.isfile(p)))"""
 VENDOR_RDMA = """set -e; test "$(id -u)" != 0
 python3 -c 'import sys; sys.path.insert(0, "/app"); from launcher import rdma; \
 assert rdma.verbs_loadable(), "no libibverbs.so.1"; print("libibverbs.so.1 loads")'

@@ -199,11 +199,24 @@ def test_image_locks_are_exact_hashed_and_torch_free(name):
 def test_image_locks_agree_across_pythons_and_with_the_dev_lock():
     py311, py312 = (lock_pins(ROOT / "requirements" / n) for n in IMAGE_LOCKS)
     assert {k: v[0] for k, v in py311.items()} == {k: v[0] for k, v in py312.items()}
-    dev = lock_pins(ROOT / "requirements" / "dev-py311.lock")
+    # the dev set plus `make s3`'s (boto3 and its dependencies): the versions the tests use
+    dev = {**lock_pins(ROOT / "requirements" / "s3-py311.lock"),
+           **lock_pins(ROOT / "requirements" / "dev-py311.lock")}
     differ = {k: (v[0], dev[k][0]) for k, v in py311.items() if k in dev and dev[k][0] != v[0]}
-    assert not differ, f"image and dev locks pin different versions: {differ}"
+    assert not differ, f"image and dev/s3 locks pin different versions: {differ}"
     missing = sorted(set(py311) - set(dev))
-    assert not missing, f"in the image lock but not the dev lock: {missing}"
+    assert not missing, f"in the image lock but not the dev or s3 lock: {missing}"
+
+
+def test_every_image_carries_the_s3_client_of_make_s3():
+    """The object-storage kustomize component (checkpoint.remote: s3://...) runs on the
+    published images as they are: boto3 and its dependencies, hash-locked, the versions
+    `make s3` tests with."""
+    s3 = lock_pins(ROOT / "requirements" / "s3-py311.lock")
+    client = ("boto3", "botocore", "s3transfer", "jmespath", "python-dateutil", "urllib3")
+    for name in IMAGE_LOCKS:
+        pins = lock_pins(ROOT / "requirements" / name)
+        assert {n: pins.get(n, ("-",))[0] for n in client} == {n: s3[n][0] for n in client}, name
 
 
 def test_image_in_covers_base_in_and_torch_requirements():

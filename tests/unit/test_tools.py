@@ -91,6 +91,14 @@ def test_image_checks_refuse_what_a_broken_image_shows(tmp_path):
     assert line.startswith("layers: 2 of 3 identical") and "[1] differ" in line
 
 
+def test_the_size_line_names_each_image_and_the_s3_clients_share():
+    line = image_checks.size_line({"t:cpu": 1_430_000_000, "t:cuda-on-cpu": 1_440_000_000},
+                                  19_800_000)
+    assert line == ("image sizes: t:cpu 1.43 GB, t:cuda-on-cpu 1.44 GB; boto3 and its "
+                    "dependencies add 19.8 MB")
+    assert image_test.CPU_LIMIT_GB == 1.5
+
+
 def test_run_directories_are_checked_as_the_host_sees_them(tmp_path, tiny_gpt):
     run = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "train",
                           str(tiny_gpt), "train.max_steps=2", "checkpoint.every_steps=2",
