@@ -574,3 +574,29 @@ def test_release_pipeline_pushes_exactly_what_it_tested_and_never_half_publishes
     assert "Dockerfile.*" in on["pull_request"]["paths"] and "schedule" in on
     cache = builds[0]["with"]["cache-from"]
     assert cache.startswith("type=registry") and "type=gha" not in str(image)
+
+
+@pytest.mark.parametrize("flavor", sorted(DOCKERFILES))
+def test_every_image_writes_its_sbom_before_the_build_manifest_that_records_it(flavor):
+    """scripts/sbom runs once the venv and the code are in (it lists what is installed),
+    from the wheelhouse when there is one, and before build-manifest, which records its
+    SHA-256; its generator comes from a hash lock shipped in the build context."""
+    ins = instructions(ROOT / DOCKERFILES[flavor])
+    runs = {i: r for i, (w, r) in enumerate(ins) if w == "RUN"}
+    (sbom,) = [i for i, r in runs.items() if "/app/scripts/sbom" in r]
+    assert f"--flavor {flavor} --out /app/sbom.cdx.json" in runs[sbom]
+    assert "from=wheelhouse,target=/wheelhouse" in runs[sbom]
+    installs = [i for i, r in runs.items() if "install-python-deps" in r]
+    code = max(i for i, (w, r) in enumerate(ins) if w == "COPY" and r.startswith(". /app"))
+    manifest = next(i for i, r in runs.items() if "build-manifest" in r)
+    assert max(installs) < code < sbom < manifest
+    env = " ".join(r for w, r in ins if w == "ENV")
+    labels = " ".join(r for w, r in ins if w == "LABEL")
+    assert "TRAIN_SBOM=/app/sbom.cdx.json" in env and 'train.sbom="/app/sbom.cdx.json"' in labels
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "!requirements/sbom.lock" in ignore and "!scripts/sbom" in ignore
+    pins = lock_pins(ROOT / "requirements" / "sbom.lock")
+    assert "cyclonedx-bom" in pins and all(h >= 1 for _, h in pins.values())
+    script = (ROOT / "scripts/sbom").read_text()
+    assert '"--require-hashes"' in script and "shutil.rmtree(TOOL" in script, \
+        "the generator: hash-checked, and gone from the image"
