@@ -509,7 +509,7 @@ def test_only_the_cu126_variant_switches_the_toolkits_cuda_check_off():
     assert arg_default(cuda, "NVIDIA_DISABLE_REQUIRE") == ""
     assert ("ENV", "NVIDIA_DISABLE_REQUIRE=${NVIDIA_DISABLE_REQUIRE}") in instructions(cuda)
     workflow = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
-    (job,) = [j for j in workflow["jobs"].values() if "matrix" in j.get("strategy", {})]
+    job = workflow["jobs"]["image"]
     disabled = {e["variant"]: e.get("disable_require")
                 for e in job["strategy"]["matrix"]["include"]}
     assert disabled == {"cpu": None, "cu130": None, "cu126": "true", "rocm7.2": None}, disabled
@@ -568,12 +568,86 @@ def test_release_pipeline_pushes_exactly_what_it_tested_and_never_half_publishes
     # least privilege: nothing at the top, package writes only where something is pushed
     assert wf["permissions"] == {}
     assert {n: j["permissions"].get("packages") for n, j in wf["jobs"].items()} == \
-        {"image": "write", "promote": "write"}
+        {"image": "write", "promote": "write", "scan-release": "read"}
     # pull requests that touch the images build them (no push: no login on PRs)
     on = wf.get("on") or wf.get(True)  # PyYAML reads a bare `on:` key as True
     assert "Dockerfile.*" in on["pull_request"]["paths"] and "schedule" in on
     cache = builds[0]["with"]["cache-from"]
     assert cache.startswith("type=registry") and "type=gha" not in str(image)
+
+
+def _step(steps: list[dict], needle: str) -> int:
+    """Index of the one step whose `uses` or `run` holds ``needle``."""
+    found = [i for i, s in enumerate(steps) if needle in s.get("uses", "") + s.get("run", "")]
+    assert len(found) == 1, f"{needle}: {len(found)} steps"
+    return found[0]
+
+
+def test_release_signs_attests_and_verifies_by_digest_before_promoting():
+    """Keyless cosign by digest, SLSA provenance and the SBOM as attestations pushed beside
+    the image, on tags only; promote pulls every digest back and verifies all of it (and
+    that the attested SBOM is the image's) before any release tag moves."""
+    wf = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
+    image, promote = wf["jobs"]["image"], wf["jobs"]["promote"]
+    assert image["permissions"]["id-token"] == "write"   # GitHub OIDC for keyless signing
+    assert image["permissions"]["attestations"] == "write"
+    steps = image["steps"]
+    push = _step(steps, "docker push")
+    sign = _step(steps, "cosign sign --yes")
+    provenance = _step(steps, "actions/attest-build-provenance@")
+    sbom = _step(steps, "actions/attest-sbom@")
+    handed = next(i for i, s in enumerate(steps) if s.get("name", "").startswith("Hand the digest"))
+    assert _step(steps, "sigstore/cosign-installer@") < sign
+    assert push < sign < provenance < sbom < handed, "sign and attest what was pushed, then hand on"
+    assert "@${{ steps.push.outputs.digest }}" in steps[sign]["run"], "signed by digest, not tag"
+    for i in (push, sign, provenance, sbom):
+        assert steps[i]["if"] == "startsWith(github.ref, 'refs/tags/v')", steps[i]
+    for i in (provenance, sbom):
+        assert steps[i]["with"]["subject-digest"] == "${{ steps.push.outputs.digest }}"
+        assert steps[i]["with"]["push-to-registry"] is True
+    assert steps[sbom]["with"]["sbom-path"] == "sbom.cdx.json"
+    assert "/app/sbom.cdx.json >sbom.cdx.json" in steps[sbom - 1]["run"], "the image's own SBOM"
+    # promote: verify every digest, pulled back, before the tags
+    p_steps = promote["steps"]
+    verify = _step(p_steps, "cosign verify ")
+    run = p_steps[verify]["run"]
+    for needle in ("--certificate-identity", "--certificate-oidc-issuer "
+                   "https://token.actions.githubusercontent.com",
+                   "--predicate-type https://slsa.dev/provenance/v1",
+                   "--predicate-type https://cyclonedx.org/bom", "docker pull",
+                   "/app/sbom.cdx.json", "exit 1"):
+        assert needle in run, needle
+    assert "images.yml@${{ github.ref }}" in p_steps[verify]["env"]["IDENTITY"]
+    assert verify < _step(p_steps, "imagetools create"), "verified before promoting"
+    assert promote["permissions"].get("attestations") == "read"
+
+
+def test_a_vulnerability_gate_runs_before_any_push_and_on_the_newest_release():
+    wf = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
+    steps = wf["jobs"]["image"]["steps"]
+    gate = _step(steps, "aquasecurity/trivy-action@")
+    assert "if" not in steps[gate], "every build is gated: pull requests, schedules, tags"
+    tested = next(i for i, s in enumerate(steps) if s.get("name", "").startswith("doctor,"))
+    assert tested < gate < _step(steps, "docker push"), "the gate before the push"
+    scan = wf["jobs"]["scan-release"]
+    assert "schedule" in scan["if"]
+    release = scan["steps"][_step(scan["steps"], "aquasecurity/trivy-action@")]
+    for cfg in (steps[gate]["with"], release["with"]):
+        assert cfg["severity"] == "CRITICAL,HIGH" and cfg["ignore-unfixed"] is True
+        assert cfg["exit-code"] == "1" and cfg["trivyignores"] == ".trivyignore.yaml"
+        assert re.fullmatch(r"v\d+\.\d+\.\d+", cfg["version"]), "Trivy itself pinned"
+    assert release["with"]["image-ref"] == "${{ env.REGISTRY_IMAGE }}:${{ matrix.variant }}"
+    variants = {e["variant"] for e in wf["jobs"]["image"]["strategy"]["matrix"]["include"]}
+    assert {e["variant"] for e in scan["strategy"]["matrix"]["include"]} == variants
+
+
+def test_every_accepted_finding_says_why_and_until_when():
+    ignore = yaml.safe_load((ROOT / ".trivyignore.yaml").read_text())
+    assert isinstance(ignore.get("vulnerabilities"), list)
+    for entry in ignore["vulnerabilities"]:
+        assert re.fullmatch(r"(CVE-\d{4}-\d+|GHSA(-[0-9a-z]{4}){3})", entry.get("id", "")), entry
+        assert len(str(entry.get("statement", ""))) >= 20, f"{entry['id']}: no reason"
+        assert entry.get("expired_at"), f"{entry['id']}: no expiry"
 
 
 @pytest.mark.parametrize("flavor", sorted(DOCKERFILES))
