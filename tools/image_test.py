@@ -348,7 +348,7 @@ class ImageTest:
 
 
 VENDORS = ("cuda", "rocm")
-CPU_LIMIT_GB = 1.5  # with the compilers (README.md, "Container images")
+CPU_LIMIT_GB = 1.5  # with the compilers (docs/images.md, "Sizes")
 SHORT = ("train.max_steps=4", "schedule.warmup_steps=2", "train.eval_every_steps=4",
          "checkpoint.every_steps=4")
 TRAININGS = (
