@@ -96,7 +96,7 @@ def test_workflows_match_the_github_schema():
 
 
 @pytest.mark.parametrize("script", ["scripts/image-test", "scripts/gpu-check",
-                                    "scripts/lock-torch"])
+                                    "scripts/lock-torch", "scripts/verify-image"])
 def test_shell_scripts_parse(script):
     res = subprocess.run(["bash", "-n", script], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
@@ -607,18 +607,24 @@ def test_release_signs_attests_and_verifies_by_digest_before_promoting():
         assert steps[i]["with"]["push-to-registry"] is True
     assert steps[sbom]["with"]["sbom-path"] == "sbom.cdx.json"
     assert "/app/sbom.cdx.json >sbom.cdx.json" in steps[sbom - 1]["run"], "the image's own SBOM"
-    # promote: verify every digest, pulled back, before the tags
+    # pulled back by digest and verified before the digest is handed on ...
+    back = _step(steps, "scripts/verify-image")
+    assert sbom < back < handed and steps[back]["if"] == steps[push]["if"]
+    for needle in ("docker pull", "@${{ steps.push.outputs.digest }}", "/app/sbom.cdx.json",
+                   "pulled-sbom.cdx.json"):
+        assert needle in steps[back]["run"], needle
+    # ... and again by promote, before any tag moves
     p_steps = promote["steps"]
-    verify = _step(p_steps, "cosign verify ")
-    run = p_steps[verify]["run"]
-    for needle in ("--certificate-identity", "--certificate-oidc-issuer "
-                   "https://token.actions.githubusercontent.com",
+    verify = _step(p_steps, "scripts/verify-image")
+    assert _step(p_steps, "actions/checkout@") < verify < _step(p_steps, "imagetools create")
+    assert "digests/*" in p_steps[verify]["run"]
+    script = (ROOT / "scripts/verify-image").read_text()
+    for needle in ("cosign verify", "--certificate-identity-regexp",
+                   "--certificate-oidc-issuer https://token.actions.githubusercontent.com",
                    "--predicate-type https://slsa.dev/provenance/v1",
-                   "--predicate-type https://cyclonedx.org/bom", "docker pull",
-                   "/app/sbom.cdx.json", "exit 1"):
-        assert needle in run, needle
-    assert "images.yml@${{ github.ref }}" in p_steps[verify]["env"]["IDENTITY"]
-    assert verify < _step(p_steps, "imagetools create"), "verified before promoting"
+                   "--predicate-type https://cyclonedx.org/bom", "--signer-workflow",
+                   "not pinned by digest"):
+        assert needle in script, needle
     assert promote["permissions"].get("attestations") == "read"
 
 
