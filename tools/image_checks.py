@@ -94,3 +94,61 @@ def shm_warned(doctor_output: str) -> bool:
 
 def wheelhouse_stamp(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def check_sbom(sbom: dict, pip_list: list[dict], dpkg_rows: str,
+               locked: dict[str, set[str]], manifest: dict | None = None) -> str:
+    """The image's CycloneDX SBOM lists exactly what is installed: every distribution of
+    ``pip list`` (in /opt/venv) at its version with a pkg:pypi purl, every ``dpkg-query -W``
+    package at its version with a pkg:deb purl, the base image; every Python component
+    that a hash lock (``locked``: name -> allowed SHA-256s) holds carries one of the
+    lock's hashes; and the build manifest names this SBOM's packages too."""
+    comps = sbom.get("components", [])
+    pypi = {_norm(c["name"]): c for c in comps if c.get("purl", "").startswith("pkg:pypi/")}
+    deb = {c["name"]: c for c in comps if c.get("purl", "").startswith("pkg:deb/")}
+    problems = []
+    if sbom.get("bomFormat") != "CycloneDX" or "serialNumber" in sbom:
+        problems.append("not a reproducible CycloneDX document")
+    want_py = {_norm(p["name"]): p["version"] for p in pip_list}
+    got_py = {n: c.get("version") for n, c in pypi.items()}
+    if want_py != got_py:
+        problems.append("Python: " + _diff(want_py, got_py))
+    rows = [r.split("\t") for r in dpkg_rows.splitlines() if r.strip()]
+    want_deb = {r[1]: r[2] for r in rows if len(r) == 3 and r[0].startswith("ii")}
+    got_deb = {n: c.get("version") for n, c in deb.items()}
+    if want_deb != got_deb:
+        problems.append("dpkg: " + _diff(want_deb, got_deb))
+    for name, allowed in locked.items():
+        comp = pypi.get(name)
+        digests = {h["content"] for h in (comp or {}).get("hashes", []) if h["alg"] == "SHA-256"}
+        if comp is not None and not digests & allowed:
+            problems.append(f"{name}: SHA-256 {sorted(digests)} is not one of its lock's")
+    if not any(c.get("type") == "container" for c in comps):
+        problems.append("no base image component")
+    if manifest is not None:
+        if {_norm(k): v for k, v in manifest.get("python_packages", {}).items()} != want_py:
+            problems.append("the build manifest's python_packages differ from pip list")
+        if manifest.get("system_packages") != want_deb:
+            problems.append("the build manifest's system_packages differ from dpkg")
+    if problems:
+        raise Failed("SBOM /app/sbom.cdx.json: " + "; ".join(problems))
+    hashed = sum(1 for c in pypi.values() if c.get("hashes"))
+    return (f"SBOM ok: {len(pypi)} Python distributions (= pip list; {hashed} with their "
+            f"wheel's SHA-256, every hash-locked one among its lock's), {len(deb)} Debian "
+            "packages (= dpkg-query), the base image")
+
+
+def _diff(want: dict[str, str], got: dict[str, str]) -> str:
+    keys = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+    return ", ".join(f"{k}: installed {want.get(k, '-')}, SBOM {got.get(k, '-')}"
+                     for k in keys[:10])
+
+
+def size_line(sizes: dict[str, int], client_bytes: int) -> str:
+    """Each image's size and what the S3 client (boto3 and its dependencies) adds."""
+    each = ", ".join(f"{tag} {size / 1e9:.2f} GB" for tag, size in sizes.items())
+    return f"image sizes: {each}; boto3 and its dependencies add {client_bytes / 1e6:.1f} MB"

@@ -1,16 +1,20 @@
 """The image test: build the real images and run them (``make image-test``, ``.ci/run``).
 
 1. fill a wheelhouse (``build/wheelhouse-pyXY``, cached by lock hash) with ``pip
-   download``: the hash-locked runtime set, pytest's few wheels, the CPU torch wheel;
+   download``: the hash-locked runtime set, pytest's few wheels, the SBOM generator
+   (``requirements/sbom.lock``), the CPU torch wheel;
    every ``requirements/torch-*.lock`` must resolve for its image's platform
    (``scripts/check-torch-resolution locks``: index metadata, no download), asked while
    the images build;
 2. build every image before any check, two at a time (no package index inside a
    build): Dockerfile.cpu, and unless skipped its second build (step 6), then
    Dockerfile.cuda and Dockerfile.rocm (step 5) (``Engine.build_all``: why two);
-3. run it as its non-root user with a host run directory: doctor, a short quickstart
-   training, a 2-process gloo run, a fast subset of the suite; check the run
-   directories on the host;
+3. check its SBOM (/app/sbom.cdx.json) against ``pip list`` and ``dpkg-query`` inside it
+   and the runtime lock's hashes; run it as its non-root user with a host run directory:
+   doctor, a short quickstart training, a 2-process gloo run, a fast subset of the
+   suite; check the run directories on the host; train with ``checkpoint.remote``
+   against a real S3 server and resume from the store in a fresh container with an empty
+   run directory (:mod:`.image_s3`);
 4. run it as an arbitrary UID in group 0 (OpenShift-style), then with a read-only root,
    writable /tmp and /workspace and the default 64 MB /dev/shm: doctor must warn about
    shm, training must still work, torch.compile must work (g++ kept); build the user
@@ -20,14 +24,16 @@
    (TORCH_VARIANT=cpu: every line but the vendor base and wheel), train;
 6. the CPU image's two builds, both without cache (neither may reuse the other's layers
    while they run side by side), are compared: package sets, then every file's path,
-   mode and content (``scripts/file-manifest``).
+   mode and content (``scripts/file-manifest``);
+7. print each image's size and what the S3 client adds; the CPU image stays within
+   ``CPU_LIMIT_GB``.
 
 ``scripts/image-test`` finds the engine and runs this module. Settings (environment):
 ``OCI_ENGINE`` (docker | podman), ``OCI_BUILD_FLAGS``, ``OCI_RUN_FLAGS``,
 ``OCI_BASE_IMAGE`` (substitute every FROM), ``IMAGE_PYTHON`` (the base's python, 3.11),
 ``TORCH_WHEEL_INDEX`` (index of the CPU torch wheel; default: pip's configuration),
 ``TORCH_LOCK`` (auto | none), ``IMAGE_TEST_SKIP`` (space-separated: locks vendor
-rebuild compile pytest), ``IMAGE_TAG``.
+rebuild compile pytest s3), ``IMAGE_TAG``.
 """
 
 from __future__ import annotations
@@ -47,12 +53,15 @@ from tools.image_checks import (
     check_build_manifest,
     check_labels,
     check_run_dirs,
+    check_sbom,
     compare_build_manifests,
     layers_line,
     shm_warned,
+    size_line,
     wheelhouse_stamp,
 )
-from tools.locks import pytest_requirements
+from tools.image_s3 import s3_run
+from tools.locks import hashes, pytest_requirements
 from tools.oci import ROOT, Engine, Failed, log, sh
 from train.core.run import rundir
 
@@ -126,8 +135,9 @@ class ImageTest:
         self.pytest_req.write_text(pytest_requirements(
             lock, ROOT / "requirements" / f"dev-{self.pyv}.lock"))
         index = self.env.get("TORCH_WHEEL_INDEX", "")
+        sbom_lock = ROOT / "requirements" / "sbom.lock"
         stamp = wheelhouse_stamp(lock.read_text(), self.pytest_req.read_text(),
-                                 f"torch=={self.torch_version}+cpu {index}")
+                                 sbom_lock.read_text(), f"torch=={self.torch_version}+cpu {index}")
         stamp_file = self.wheels / ".stamp"
         if not stamp_file.is_file() or stamp_file.read_text().strip() != stamp:
             log(f"filling {self.wheels} (pip download; cached until the locks change)")
@@ -142,6 +152,7 @@ class ImageTest:
                         *platforms]
             sh(*download, "--require-hashes", "-r", str(lock))
             sh(*download, "--require-hashes", "-r", str(self.pytest_req))
+            sh(*download, "--require-hashes", "-r", str(sbom_lock))  # scripts/sbom's generator
             sh(*download, *(["--index-url", index] if index else []),
                f"torch=={self.torch_version}+cpu")
             stamp_file.write_text(stamp + "\n")
@@ -168,6 +179,20 @@ class ImageTest:
             raise Failed(f"unexpected ENTRYPOINT {entry}")
         manifest = self.manifest_of(img, ROOT / "build/image-test-manifest-1.json")
         print(check_build_manifest(manifest, self.torch_version))
+        self.sbom(img, manifest)
+
+    def sbom(self, tag: str, manifest: dict) -> None:
+        """/app/sbom.cdx.json against pip list (/opt/venv) and dpkg-query inside the image,
+        the hashes against the runtime lock's."""
+        log(f"SBOM of {tag}: pip list, dpkg-query, the lock's hashes, the build manifest")
+        facts = json.loads(self.engine.run("--entrypoint", "python3", tag, "-c", SBOM_FACTS,
+                                           capture=True).stdout)
+        locked = hashes((ROOT / "requirements" / f"image-{self.pyv}.lock").read_text())
+        print(check_sbom(facts["sbom"], facts["pip"], facts["dpkg"], locked, manifest))
+        sbom = manifest.get("sbom") or {}
+        if sbom.get("sha256") != facts["sha256"]:
+            raise Failed(f"the build manifest names SBOM {sbom}, the image holds "
+                         f"{facts['sha256']}")
 
     def manifest_of(self, tag: str, keep: Path) -> dict:
         text = self.engine.run("--entrypoint", "cat", tag, "/app/build-manifest.json",
@@ -184,7 +209,9 @@ class ImageTest:
             raise Failed(f"bash through the entrypoint: {out}")
         log("doctor (default user, --shm-size=1g)")
         e.run(*ws, img, "doctor")
-        json.loads(e.run(*ws, img, "doctor", "--json", capture=True).stdout)
+        report = json.loads(e.run(*ws, img, "doctor", "--json", capture=True).stdout)
+        if not (report.get("sbom") or {}).get("as_built"):
+            raise Failed(f"doctor --json: SBOM {report.get('sbom')}, expected the one built")
         for name, title, extra in TRAININGS:
             log(f"train: {title}")
             e.run(*ws, img, "train", "configs/quickstart.yaml", *extra, f"run.name={name}")
@@ -243,6 +270,7 @@ class ImageTest:
             log(f"Dockerfile.{flavor} built with BASE_IMAGE={self.base} and the CPU wheel")
             manifest = self.manifest_of(tag, ROOT / f"build/image-test-manifest-{flavor}.json")
             print(check_build_manifest(manifest, self.torch_version, flavor))
+            self.sbom(tag, manifest)
             self.engine.run("--entrypoint", "bash", tag, "-c", VENDOR_RDMA)  # RDMA for NCCL
             self.engine.run("--shm-size=1g", tag, "train", "configs/quickstart.yaml",
                             "device=cpu", "train.max_steps=2", "schedule.warmup_steps=2",
@@ -286,6 +314,8 @@ class ImageTest:
         runs.chmod(0o777)  # the container user (UID 1000, group 0) writes here on any host
         try:
             self.runs(runs)
+            if "s3" not in self.skip:
+                s3_run(self.engine, img=self.img)
             self.user_image(runs)
         finally:
             self.remove_runs(runs)
@@ -295,7 +325,18 @@ class ImageTest:
             self.vendors()
         if "rebuild" not in self.skip:
             self.rebuild()
-        log(f"image test passed; {self.img} is {self.engine.size(self.img)}")
+        self.sizes()
+        log("image test passed")
+
+    def sizes(self) -> None:
+        """Each image's size; the CPU image within CPU_LIMIT_GB; what boto3 adds."""
+        tags = [self.img, *(f"{self.tag}:{f}-on-cpu" for f in VENDORS if "vendor" not in self.skip)]
+        client = int(self.engine.run("--entrypoint", "python3", self.img, "-c", CLIENT_BYTES,
+                                     capture=True).stdout)
+        sizes = {tag: int(self.engine.inspect(tag, "{{.Size}}")) for tag in tags}
+        print(size_line(sizes, client))
+        if sizes[self.img] > CPU_LIMIT_GB * 1e9:
+            raise Failed(f"{self.img} is {sizes[self.img] / 1e9:.2f} GB, over {CPU_LIMIT_GB} GB")
 
     def remove_runs(self, runs: Path) -> None:
         """Files written by the container's UID: removed from inside when the host can't."""
@@ -307,6 +348,7 @@ class ImageTest:
 
 
 VENDORS = ("cuda", "rocm")
+CPU_LIMIT_GB = 1.5  # with the compilers (docs/images.md, "Sizes")
 SHORT = ("train.max_steps=4", "schedule.warmup_steps=2", "train.eval_every_steps=4",
          "checkpoint.every_steps=4")
 TRAININGS = (
@@ -344,6 +386,19 @@ COMPILE = """import time, torch
 t = time.time()
 f = torch.compile(lambda x: torch.nn.functional.gelu(x @ x.T).sum())
 print(f"torch.compile ok: {float(f(torch.randn(8, 8))):.3f} in {time.time() - t:.1f} s")"""
+SBOM_FACTS = """import hashlib, json, subprocess
+run = lambda *a: subprocess.run(a, capture_output=True, text=True, check=True).stdout
+raw = open("/app/sbom.cdx.json", "rb").read()
+print(json.dumps({"sbom": json.loads(raw), "sha256": hashlib.sha256(raw).hexdigest(),
+                  "pip": json.loads(run("pip", "list", "--format", "json")),
+                  "dpkg": run("dpkg-query", "-W", "-f",
+                              "${db:Status-Abbrev}\\t${Package}\\t${Version}\\n")}))"""
+# The bytes of the S3 client and what it brings (every file its distributions installed).
+CLIENT_BYTES = """import os
+from importlib.metadata import distribution
+names = ("boto3", "botocore", "s3transfer", "jmespath", "python-dateutil", "six", "urllib3")
+paths = {str(d.locate_file(f)) for d in map(distribution, names) for f in d.files or ()}
+print(sum(os.path.getsize(p) for p in paths if os.path.isfile(p)))"""
 VENDOR_RDMA = """set -e; test "$(id -u)" != 0
 python3 -c 'import sys; sys.path.insert(0, "/app"); from launcher.detection import rdma; \
 assert rdma.verbs_loadable(), "no libibverbs.so.1"; print("libibverbs.so.1 loads")'

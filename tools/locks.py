@@ -27,3 +27,10 @@ def pytest_requirements(runtime_lock: Path, dev_lock: Path) -> str:
     if missing:
         raise ValueError(f"{dev_lock.name} lacks {missing}")
     return "".join(dev[name] + "\n" for name in sorted(set(PYTEST_SET) - runtime.keys()))
+
+
+def hashes(text: str) -> dict[str, set[str]]:
+    """Normalized name -> the SHA-256 digests its entry allows (one per wheel or sdist)."""
+    return {re.sub(r"[-_.]+", "-", name).lower(): set(re.findall(r"--hash=sha256:([0-9a-f]{64})",
+                                                                 block))
+            for name, _, block in _ENTRY.findall(text)}

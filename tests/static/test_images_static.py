@@ -96,7 +96,7 @@ def test_workflows_match_the_github_schema():
 
 
 @pytest.mark.parametrize("script", ["scripts/image-test", "scripts/gpu-check",
-                                    "scripts/lock-torch"])
+                                    "scripts/lock-torch", "scripts/verify-image"])
 def test_shell_scripts_parse(script):
     res = subprocess.run(["bash", "-n", script], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
@@ -199,11 +199,24 @@ def test_image_locks_are_exact_hashed_and_torch_free(name):
 def test_image_locks_agree_across_pythons_and_with_the_dev_lock():
     py311, py312 = (lock_pins(ROOT / "requirements" / n) for n in IMAGE_LOCKS)
     assert {k: v[0] for k, v in py311.items()} == {k: v[0] for k, v in py312.items()}
-    dev = lock_pins(ROOT / "requirements" / "dev-py311.lock")
+    # the dev set plus `make s3`'s (boto3 and its dependencies): the versions the tests use
+    dev = {**lock_pins(ROOT / "requirements" / "s3-py311.lock"),
+           **lock_pins(ROOT / "requirements" / "dev-py311.lock")}
     differ = {k: (v[0], dev[k][0]) for k, v in py311.items() if k in dev and dev[k][0] != v[0]}
-    assert not differ, f"image and dev locks pin different versions: {differ}"
+    assert not differ, f"image and dev/s3 locks pin different versions: {differ}"
     missing = sorted(set(py311) - set(dev))
-    assert not missing, f"in the image lock but not the dev lock: {missing}"
+    assert not missing, f"in the image lock but not the dev or s3 lock: {missing}"
+
+
+def test_every_image_carries_the_s3_client_of_make_s3():
+    """The object-storage kustomize component (checkpoint.remote: s3://...) runs on the
+    published images as they are: boto3 and its dependencies, hash-locked, the versions
+    `make s3` tests with."""
+    s3 = lock_pins(ROOT / "requirements" / "s3-py311.lock")
+    client = ("boto3", "botocore", "s3transfer", "jmespath", "python-dateutil", "urllib3")
+    for name in IMAGE_LOCKS:
+        pins = lock_pins(ROOT / "requirements" / name)
+        assert {n: pins.get(n, ("-",))[0] for n in client} == {n: s3[n][0] for n in client}, name
 
 
 def test_image_in_covers_base_in_and_torch_requirements():
@@ -496,7 +509,7 @@ def test_only_the_cu126_variant_switches_the_toolkits_cuda_check_off():
     assert arg_default(cuda, "NVIDIA_DISABLE_REQUIRE") == ""
     assert ("ENV", "NVIDIA_DISABLE_REQUIRE=${NVIDIA_DISABLE_REQUIRE}") in instructions(cuda)
     workflow = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
-    (job,) = [j for j in workflow["jobs"].values() if "matrix" in j.get("strategy", {})]
+    job = workflow["jobs"]["image"]
     disabled = {e["variant"]: e.get("disable_require")
                 for e in job["strategy"]["matrix"]["include"]}
     assert disabled == {"cpu": None, "cu130": None, "cu126": "true", "rocm7.2": None}, disabled
@@ -555,9 +568,115 @@ def test_release_pipeline_pushes_exactly_what_it_tested_and_never_half_publishes
     # least privilege: nothing at the top, package writes only where something is pushed
     assert wf["permissions"] == {}
     assert {n: j["permissions"].get("packages") for n, j in wf["jobs"].items()} == \
-        {"image": "write", "promote": "write"}
+        {"image": "write", "promote": "write", "scan-release": "read"}
     # pull requests that touch the images build them (no push: no login on PRs)
     on = wf.get("on") or wf.get(True)  # PyYAML reads a bare `on:` key as True
     assert "Dockerfile.*" in on["pull_request"]["paths"] and "schedule" in on
     cache = builds[0]["with"]["cache-from"]
     assert cache.startswith("type=registry") and "type=gha" not in str(image)
+
+
+def _step(steps: list[dict], needle: str) -> int:
+    """Index of the one step whose `uses` or `run` holds ``needle``."""
+    found = [i for i, s in enumerate(steps) if needle in s.get("uses", "") + s.get("run", "")]
+    assert len(found) == 1, f"{needle}: {len(found)} steps"
+    return found[0]
+
+
+def test_release_signs_attests_and_verifies_by_digest_before_promoting():
+    """Keyless cosign by digest, SLSA provenance and the SBOM as attestations pushed beside
+    the image, on tags only; promote pulls every digest back and verifies all of it (and
+    that the attested SBOM is the image's) before any release tag moves."""
+    wf = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
+    image, promote = wf["jobs"]["image"], wf["jobs"]["promote"]
+    assert image["permissions"]["id-token"] == "write"   # GitHub OIDC for keyless signing
+    assert image["permissions"]["attestations"] == "write"
+    steps = image["steps"]
+    push = _step(steps, "docker push")
+    sign = _step(steps, "cosign sign --yes")
+    provenance = _step(steps, "actions/attest-build-provenance@")
+    sbom = _step(steps, "actions/attest-sbom@")
+    handed = next(i for i, s in enumerate(steps) if s.get("name", "").startswith("Hand the digest"))
+    assert _step(steps, "sigstore/cosign-installer@") < sign
+    assert push < sign < provenance < sbom < handed, "sign and attest what was pushed, then hand on"
+    assert "@${{ steps.push.outputs.digest }}" in steps[sign]["run"], "signed by digest, not tag"
+    for i in (push, sign, provenance, sbom):
+        assert steps[i]["if"] == "startsWith(github.ref, 'refs/tags/v')", steps[i]
+    for i in (provenance, sbom):
+        assert steps[i]["with"]["subject-digest"] == "${{ steps.push.outputs.digest }}"
+        assert steps[i]["with"]["push-to-registry"] is True
+    assert steps[sbom]["with"]["sbom-path"] == "sbom.cdx.json"
+    assert "/app/sbom.cdx.json >sbom.cdx.json" in steps[sbom - 1]["run"], "the image's own SBOM"
+    # pulled back by digest and verified before the digest is handed on ...
+    back = _step(steps, "scripts/verify-image")
+    assert sbom < back < handed and steps[back]["if"] == steps[push]["if"]
+    for needle in ("docker pull", "@${{ steps.push.outputs.digest }}", "/app/sbom.cdx.json",
+                   "pulled-sbom.cdx.json"):
+        assert needle in steps[back]["run"], needle
+    # ... and again by promote, before any tag moves
+    p_steps = promote["steps"]
+    verify = _step(p_steps, "scripts/verify-image")
+    assert _step(p_steps, "actions/checkout@") < verify < _step(p_steps, "imagetools create")
+    assert "digests/*" in p_steps[verify]["run"]
+    script = (ROOT / "scripts/verify-image").read_text()
+    for needle in ("cosign verify", "--certificate-identity-regexp",
+                   "--certificate-oidc-issuer https://token.actions.githubusercontent.com",
+                   "--predicate-type https://slsa.dev/provenance/v1",
+                   "--predicate-type https://cyclonedx.org/bom", "--signer-workflow",
+                   "not pinned by digest"):
+        assert needle in script, needle
+    assert promote["permissions"].get("attestations") == "read"
+
+
+def test_a_vulnerability_gate_runs_before_any_push_and_on_the_newest_release():
+    wf = yaml.safe_load((ROOT / ".github/workflows/images.yml").read_text())
+    steps = wf["jobs"]["image"]["steps"]
+    gate = _step(steps, "aquasecurity/trivy-action@")
+    assert "if" not in steps[gate], "every build is gated: pull requests, schedules, tags"
+    tested = next(i for i, s in enumerate(steps) if s.get("name", "").startswith("doctor,"))
+    assert tested < gate < _step(steps, "docker push"), "the gate before the push"
+    scan = wf["jobs"]["scan-release"]
+    assert "schedule" in scan["if"]
+    release = scan["steps"][_step(scan["steps"], "aquasecurity/trivy-action@")]
+    for cfg in (steps[gate]["with"], release["with"]):
+        assert cfg["severity"] == "CRITICAL,HIGH" and cfg["ignore-unfixed"] is True
+        assert cfg["exit-code"] == "1" and cfg["trivyignores"] == ".trivyignore.yaml"
+        assert re.fullmatch(r"v\d+\.\d+\.\d+", cfg["version"]), "Trivy itself pinned"
+    assert release["with"]["image-ref"] == "${{ env.REGISTRY_IMAGE }}:${{ matrix.variant }}"
+    variants = {e["variant"] for e in wf["jobs"]["image"]["strategy"]["matrix"]["include"]}
+    assert {e["variant"] for e in scan["strategy"]["matrix"]["include"]} == variants
+
+
+def test_every_accepted_finding_says_why_and_until_when():
+    ignore = yaml.safe_load((ROOT / ".trivyignore.yaml").read_text())
+    assert isinstance(ignore.get("vulnerabilities"), list)
+    for entry in ignore["vulnerabilities"]:
+        assert re.fullmatch(r"(CVE-\d{4}-\d+|GHSA(-[0-9a-z]{4}){3})", entry.get("id", "")), entry
+        assert len(str(entry.get("statement", ""))) >= 20, f"{entry['id']}: no reason"
+        assert entry.get("expired_at"), f"{entry['id']}: no expiry"
+
+
+@pytest.mark.parametrize("flavor", sorted(DOCKERFILES))
+def test_every_image_writes_its_sbom_before_the_build_manifest_that_records_it(flavor):
+    """scripts/sbom runs once the venv and the code are in (it lists what is installed),
+    from the wheelhouse when there is one, and before build-manifest, which records its
+    SHA-256; its generator comes from a hash lock shipped in the build context."""
+    ins = instructions(ROOT / DOCKERFILES[flavor])
+    runs = {i: r for i, (w, r) in enumerate(ins) if w == "RUN"}
+    (sbom,) = [i for i, r in runs.items() if "/app/scripts/sbom" in r]
+    assert f"--flavor {flavor} --out /app/sbom.cdx.json" in runs[sbom]
+    assert "from=wheelhouse,target=/wheelhouse" in runs[sbom]
+    installs = [i for i, r in runs.items() if "install-python-deps" in r]
+    code = max(i for i, (w, r) in enumerate(ins) if w == "COPY" and r.startswith(". /app"))
+    manifest = next(i for i, r in runs.items() if "build-manifest" in r)
+    assert max(installs) < code < sbom < manifest
+    env = " ".join(r for w, r in ins if w == "ENV")
+    labels = " ".join(r for w, r in ins if w == "LABEL")
+    assert "TRAIN_SBOM=/app/sbom.cdx.json" in env and 'train.sbom="/app/sbom.cdx.json"' in labels
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "!requirements/sbom.lock" in ignore and "!scripts/sbom" in ignore
+    pins = lock_pins(ROOT / "requirements" / "sbom.lock")
+    assert "cyclonedx-bom" in pins and all(h >= 1 for _, h in pins.values())
+    script = (ROOT / "scripts/sbom").read_text()
+    assert '"--require-hashes"' in script and "shutil.rmtree(TOOL" in script, \
+        "the generator: hash-checked, and gone from the image"

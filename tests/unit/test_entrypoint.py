@@ -5,6 +5,7 @@ tests/e2e/test_entrypoint_runs.py."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -195,8 +196,16 @@ def test_other_commands_are_executed(tmp_path):
 
 def test_doctor_here_is_ready_on_cpu(tmp_path):
     manifest = tmp_path / "m.json"
+    sbom = tmp_path / "sbom.cdx.json"
+    sbom.write_text('{"bomFormat": "CycloneDX"}')
     manifest.write_text(json.dumps({"flavor": "cpu", "base_image": "debian:12",
-                                    "torch": {"version": "9.9.9"}}))
+                                    "torch": {"version": "9.9.9"},
+                                    "sbom": {"path": str(sbom), "sha256": "0" * 64}}))
+    out = entry("doctor", "--json", cwd=tmp_path,
+                env=clean_env(TRAIN_BUILD_MANIFEST=str(manifest)), timeout=120)
+    digest = hashlib.sha256(sbom.read_bytes()).hexdigest()
+    assert json.loads(out.stdout)["sbom"] == {"path": str(sbom), "sha256": digest,
+                                              "as_built": False}  # changed since the build
     out = entry("doctor", cwd=tmp_path, env=clean_env(TRAIN_BUILD_MANIFEST=str(manifest)),
                 timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -215,6 +224,7 @@ def test_doctor_json(tmp_path):
     assert report["plan"]["device"] == "cpu" and report["plan"]["backend"] == "gloo"
     assert report["build_manifest"] == {"path": "/app/build-manifest.json", "present": False,
                                         "content": None}
+    assert report["sbom"] is None  # not in an image: no build manifest names one
     assert {f["topic"] for f in report["findings"]} >= {"plan", "output", "shm"}
     assert report["network"]["interfaces"]
 

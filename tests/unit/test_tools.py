@@ -91,6 +91,56 @@ def test_image_checks_refuse_what_a_broken_image_shows(tmp_path):
     assert line.startswith("layers: 2 of 3 identical") and "[1] differ" in line
 
 
+def _sbom(**py):
+    """A CycloneDX document as scripts/sbom writes it: Python, dpkg, the base image."""
+    comps = [{"name": n, "version": v, "purl": f"pkg:pypi/{n.lower()}@{v}",
+              "hashes": [{"alg": "SHA-256", "content": "a" * 64}]} for n, v in py.items()]
+    comps += [{"name": "tini", "version": "0.19.0-1", "type": "library",
+               "purl": "pkg:deb/debian/tini@0.19.0-1?arch=amd64&distro=debian-12"},
+              {"name": "debian:12.11-slim", "type": "container", "version": "sha256:" + "b" * 64,
+               "purl": "pkg:oci/debian@sha256:" + "b" * 64}]
+    return {"bomFormat": "CycloneDX", "specVersion": "1.6", "components": comps}
+
+
+def test_the_sbom_check_holds_the_sbom_to_pip_dpkg_and_the_lock():
+    sbom = _sbom(PyYAML="6.0.4", boto3="1.44.8")
+    pip = [{"name": "PyYAML", "version": "6.0.4"}, {"name": "boto3", "version": "1.44.8"}]
+    dpkg = "ii \ttini\t0.19.0-1\nrc \told-removed\t1.0\n"
+    locked = {"pyyaml": {"a" * 64, "c" * 64}}
+    manifest = {"python_packages": {"pyyaml": "6.0.4", "boto3": "1.44.8"},
+                "system_packages": {"tini": "0.19.0-1"}}
+    ok = image_checks.check_sbom(sbom, pip, dpkg, locked, manifest)
+    assert ok.startswith("SBOM ok: 2 Python distributions") and "1 Debian" in ok
+    with pytest.raises(image_checks.Failed, match=r"boto3: installed 1\.44\.9, SBOM 1\.44\.8"):
+        image_checks.check_sbom(sbom, [pip[0], {"name": "boto3", "version": "1.44.9"}], dpkg,
+                                locked)
+    with pytest.raises(image_checks.Failed, match="dpkg: g\\+\\+: installed 12, SBOM -"):
+        image_checks.check_sbom(sbom, pip, dpkg + "ii \tg++\t12\n", locked)
+    with pytest.raises(image_checks.Failed, match=r"pyyaml: SHA-256 .* not one of its lock's"):
+        image_checks.check_sbom(sbom, pip, dpkg, {"pyyaml": {"c" * 64}})
+    with pytest.raises(image_checks.Failed, match="build manifest's system_packages"):
+        image_checks.check_sbom(sbom, pip, dpkg, locked, {**manifest, "system_packages": {}})
+    without_base = {**sbom, "components": sbom["components"][:-1]}
+    with pytest.raises(image_checks.Failed, match="no base image"):
+        image_checks.check_sbom(without_base, pip, dpkg, locked)
+    with pytest.raises(image_checks.Failed, match="reproducible"):
+        image_checks.check_sbom({**sbom, "serialNumber": "urn:uuid:1"}, pip, dpkg, locked)
+
+
+def test_the_size_line_names_each_image_and_the_s3_clients_share():
+    line = image_checks.size_line({"t:cpu": 1_430_000_000, "t:cuda-on-cpu": 1_440_000_000},
+                                  19_800_000)
+    assert line == ("image sizes: t:cpu 1.43 GB, t:cuda-on-cpu 1.44 GB; boto3 and its "
+                    "dependencies add 19.8 MB")
+    assert image_test.CPU_LIMIT_GB == 1.5
+
+
+def test_lock_hashes_are_read_per_package():
+    allowed = locks.hashes((ROOT / "requirements/image-py311.lock").read_text())
+    assert len(allowed["boto3"]) == 2 and all(len(h) == 64 for h in allowed["boto3"])
+    assert "python-dateutil" in allowed and "torch" not in allowed
+
+
 def test_run_directories_are_checked_as_the_host_sees_them(tmp_path, tiny_gpt):
     run = subprocess.run([sys.executable, str(ROOT / "entrypoint.py"), "train",
                           str(tiny_gpt), "train.max_steps=2", "checkpoint.every_steps=2",
