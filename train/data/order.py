@@ -82,6 +82,19 @@ class BlockOrder(GlobalOrder):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return self._groups(torch.randperm(len(self.files), generator=g).tolist())
 
+    def spans(self, first_sample: int) -> Iterator[tuple[int, int, list[int]]]:
+        """(first, end, files) of each group from the one holding position
+        ``first_sample`` of the concatenated epochs on, without end."""
+        epoch = first_sample // self.n
+        at = epoch * self.n
+        while True:
+            for group in self.groups(epoch):
+                end = at + sum(len(self._training_samples(k)) for k in group)
+                if end > first_sample:
+                    yield at, end, group
+                at = end
+            epoch += 1
+
     def _groups(self, files: list[int]) -> list[list[int]]:
         out: list[list[int]] = []
         held = self.group_bytes  # bytes in the last group: start a new one at once
@@ -119,13 +132,15 @@ class RankBatchSampler:
         # Where start_step's batch begins: start_step * G unless the global batch size
         # changed since the checkpoint (the checkpoint's samples_consumed then).
         self.first = start_step * global_batch_size if first_sample is None else first_sample
+        self.position = self.first  # where the batch yielded last begins
 
     def __len__(self) -> int:
         return (self.end - self.start) * (self.per_rank // self.micro)
 
     def __iter__(self) -> Iterator[list[int]]:
         for k in range(self.end - self.start):
-            batch = self.order.take(self.first + k * self.g, self.g)
+            self.position = self.first + k * self.g
+            batch = self.order.take(self.position, self.g)
             mine = batch[self.rank * self.per_rank: (self.rank + 1) * self.per_rank]
             for i in range(0, self.per_rank, self.micro):
                 yield mine[i: i + self.micro]

@@ -199,18 +199,23 @@ class ShardCache:
                 p.unlink()  # a process that has it mapped keeps reading its pages
             total -= size
 
+    def fetch_ahead(self, f: TokenFile) -> bool:
+        """Fetch ``f`` ahead of its reader; False when it cannot be fetched (its reader
+        says why, in its own step)."""
+        try:
+            self.local(f)
+        except (DataFileError, DataChanged):
+            return False
+        return True
+
     def read_ahead(self, files: Iterable[TokenFile]) -> threading.Thread:
         """Fetch ``files`` in this order in the background, as many as the cache holds."""
         def run() -> None:
             budget = self.limit
             for f in files:
                 budget -= f.size
-                if budget < 0:
+                if budget < 0 or not self.fetch_ahead(f):
                     return
-                try:
-                    self.local(f)
-                except (DataFileError, DataChanged):
-                    return  # the reader that needs it says so, in its own step
         thread = threading.Thread(target=run, name="data-read-ahead", daemon=True)
         thread.start()
         return thread

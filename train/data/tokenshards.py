@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ from torch.utils.data import Dataset
 
 from train.core.datasets.tokenfiles import TokenFile
 from train.core.errors import BadData
+from train.data.order import BlockOrder
 from train.data.shardcache import ShardCache
 
 
@@ -35,6 +37,9 @@ def windows_in(f: TokenFile, length: int) -> int:
     return max(0, (f.size // 2 - 1) // length)
 
 
+# How often the read-ahead of data.shuffle: blocks looks whether training reached the
+# group before the one it fetches next
+GROUP_WAIT_S = 0.2
 # How often a process looks whether the cache still holds a file it has mapped: a map
 # keeps an evicted file's pages readable, and its disk space taken, until it is dropped
 RECHECK_S = 1.0
@@ -130,6 +135,35 @@ class ShardedWindows(Windows):
                     yield self.shards.files[k]
             if seen == wanted:
                 return
+
+    def layout(self) -> list[tuple[int, int]]:
+        """(windows, bytes) of each file, in the windows' sequence: what
+        ``data.shuffle: blocks`` groups (:class:`~train.data.order.BlockOrder`)."""
+        return [(end - start, f.size) for start, end, f in
+                zip(self.starts, self.starts[1:], self.shards.files, strict=True)]
+
+    def read_ahead_groups(self, order: BlockOrder, first: int, last: int,
+                          position: Callable[[], int]) -> None:
+        """``data.shuffle: blocks``: fetch, in the background, each group's objects once
+        the group before it trains (``position()``: where the loader is in the order),
+        for positions ``[first, last)``. The cache holds two groups: the one training and
+        the one arriving."""
+        if self.shards.cache is None or not any(f.remote for f in self.shards.files):
+            return
+        cache, files = self.shards.cache, self.shards.files
+
+        def run() -> None:
+            previous = None  # where the group before this one begins
+            for start, _, group in order.spans(first):
+                if start >= last:
+                    return
+                while previous is not None and position() < previous:
+                    time.sleep(GROUP_WAIT_S)
+                for k in group:
+                    if files[k].remote and not cache.fetch_ahead(files[k]):
+                        return  # the reader that needs it says so, in its own step
+                previous = start
+        threading.Thread(target=run, name="data-read-ahead", daemon=True).start()
 
     def read_ahead(self, batches: Iterable[list[int]]) -> None:
         """Fetch, in the background, the objects ``batches`` (this rank's, in order) read."""

@@ -30,7 +30,7 @@ from train.core.run.identity import WorkerIdentity
 from train.core.storage import s3
 from train.data.builders import DataBundle, build_data
 from train.data.loader import make_loader
-from train.data.order import GlobalOrder, RankBatchSampler
+from train.data.order import BlockOrder, GlobalOrder, RankBatchSampler
 from train.distributed import ranks
 from train.distributed.parallel import apply_activation_checkpointing, check_placement, parallelize
 from train.distributed.precision import autocast, grad_scaler
@@ -168,20 +168,42 @@ def auto_micro_batch(cfg: Config, env: WorkerIdentity, module: nn.Module, data: 
     return micro, per_rank // micro
 
 
+def _read_ahead(c: Components, state: TrainState, sampler) -> None:
+    """Files in object storage: fetched ahead of the steps that read them, by a thread."""
+    train = c.data.train
+    order = train_order(c)
+    if isinstance(order, BlockOrder) and hasattr(train, "read_ahead_groups"):
+        g = c.cfg.train.global_batch_size
+        last = state.samples_consumed + (c.cfg.train.max_steps - state.step) * g
+        # paced by the steps trained: the group before the next one to fetch is done
+        # being read by every loader worker once training is in it
+        train.read_ahead_groups(order, state.samples_consumed, last,
+                                lambda: state.samples_consumed)
+    elif hasattr(train, "read_ahead"):
+        train.read_ahead(sampler())
+
+
+def train_order(c: Components) -> GlobalOrder:
+    """The global sample order ``data.shuffle`` names: every window shuffled, or the
+    files' windows kept together in groups of half ``data.cache_bytes`` (token files;
+    one file is one group)."""
+    train, d = c.data.train, c.cfg.data
+    if d.shuffle == "blocks" and hasattr(train, "layout"):
+        return BlockOrder(len(train), c.cfg.seed, train.layout(), group_bytes=d.cache_bytes // 2)
+    return GlobalOrder(len(train), c.cfg.seed)
+
+
 def train_loader(c: Components, state: TrainState):
     """This rank's micro-batches from ``state``'s position in the global order to the end."""
     cfg, env = c.cfg, c.env
 
-    def sampler() -> RankBatchSampler:
-        return RankBatchSampler(GlobalOrder(len(c.data.train), cfg.seed),
-                                global_batch_size=cfg.train.global_batch_size,
+    def sampler() -> RankBatchSampler:  # an order each: it caches an epoch's permutation
+        return RankBatchSampler(train_order(c), global_batch_size=cfg.train.global_batch_size,
                                 rank=env.rank, world_size=env.world_size,
                                 micro_batch_size=c.micro, start_step=state.step,
                                 end_step=cfg.train.max_steps,
                                 first_sample=state.samples_consumed)
-    read_ahead = getattr(c.data.train, "read_ahead", None)
-    if read_ahead is not None:  # files in object storage: a sampler of its own (a thread)
-        read_ahead(sampler())
+    _read_ahead(c, state, sampler)
     workers = cfg.data.num_workers
     if workers == AUTO:
         workers = min(4, env.cpus_per_rank() // 2)

@@ -55,6 +55,7 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
     _check_data_files(cfg, report)
     _check_resume_from(cfg, report.fail)
     _check_remote(cfg, report.fail)
+    _check_shuffle(cfg, report.fail)
     cfg._warnings = report.warnings
     if not collect:
         raise_all(report.errors)
@@ -186,6 +187,13 @@ def _check_remote(cfg: Config, fail: kinds.Fail) -> None:
         _, problem = urls.parse(cfg.checkpoint.remote)
         if problem:
             fail("checkpoint.remote", problem)
+
+
+def _check_shuffle(cfg: Config, fail: kinds.Fail) -> None:
+    """data.shuffle: blocks keeps the windows of a few files together: token files only."""
+    if cfg.data.shuffle == "blocks" and cfg.data.kind != "tokens":
+        fail("data.shuffle", f"blocks orders the files of data.kind=tokens; "
+                             f"{ref('data.kind')} is shuffled by windows")
 
 
 def _blocked_kinds() -> str:

@@ -194,11 +194,19 @@ def _tokens_files(cfg: Config, fail: Fail) -> None:
 
 
 def _cache_holds_each(cfg: Config, files: list[tokenfiles.TokenFile], fail: Fail) -> None:
+    """The cache holds the largest object (windows), or two of it (blocks: the group
+    training and the next one arriving)."""
     largest = max((f.size for f in files if f.remote), default=0)
-    if largest > cfg.data.cache_bytes:
+    if cfg.data.shuffle == "blocks" and 2 * largest > cfg.data.cache_bytes:
+        fail("data.cache_bytes", f"{val('data.cache_bytes')} holds less than two of the "
+                                 f"largest file of {ref('data.path')} ({largest} bytes), "
+                                 f"which data.shuffle=blocks needs; raise it to at least "
+                                 f"{2 * largest}")
+    elif largest > cfg.data.cache_bytes:
         fail("data.cache_bytes", f"{val('data.cache_bytes')} is less than the largest file "
                                  f"of {ref('data.path')} ({largest} bytes); raise it to at "
-                                 f"least that (to the dataset's size to fetch each file once)")
+                                 f"least that (to the dataset's size to fetch each file once, "
+                                 f"or {2 * largest} with data.shuffle=blocks)")
 
 
 def _tensors_files(cfg: Config, fail: Fail) -> None:

@@ -110,6 +110,13 @@ class DataConfig:
     cache_bytes: int = opt(64 << 30, "objects from s3://: the most bytes of fetched files kept "
                                      "in data.cache_dir; at least the largest file (the whole "
                                      "dataset to fetch each file once).", ge=1 << 20)
+    shuffle: Literal["windows", "blocks"] = opt(
+        "windows", "tokens: the training order. windows: every window of every file "
+                   "shuffled each epoch (objects bigger together than data.cache_bytes are "
+                   "fetched again and again); blocks: the files shuffled each epoch and cut "
+                   "into groups of half data.cache_bytes, the windows shuffled within a "
+                   "group, so each object is fetched once an epoch by a cache that holds two "
+                   "of the largest file.")
     allow_changed: bool = opt(False, "Resume a run whose data differs from what its checkpoint "
                                      "trained on (its data_sha256: files, objects, or the "
                                      "custom factory and args). Off: such a resume is exit 2 "
