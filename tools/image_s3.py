@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tools.oci import ROOT, Engine, Failed, log
-from train.core import rundir
+from train.core.run import rundir
 
 ACCESS_KEY, SECRET_KEY = "imagetestaccess", "imagetestsecret0123456789abcdef"
 BUCKET = "ckpt"

@@ -3,7 +3,7 @@ matmul and all-reduce (:func:`train.guards.preflight.measure`, as training does 
 step 1 of a multi-node run), say how far it got.
 
 ``python -m train.comm_probe --device gpu|cpu --backend nccl|gloo|mpi --timeout S``,
-started by :mod:`launcher.comm` with torchrun's variables set by hand. Each stage it
+started by :mod:`launcher.commands.comm` with torchrun's variables set by hand. Each stage it
 reaches (start, init, matmul, allreduce, done, or error) is written as a report
 (:mod:`train.core.run.protocol`), with the measurements at the end, so the parent can name
 the rank that hung and where, and judge the ranks as training would

@@ -421,3 +421,57 @@ def test_no_bench_module_hides_a_standard_library_module():
     bench/tokenize.py once replaced Python's tokenize there, and torch's tracebacks failed."""
     names = {p.stem for p in (ROOT / "bench").glob("*.py")}
     assert not names & set(sys.stdlib_module_names)
+
+
+PROJECT = ("train", "launcher", "tools", "bench", "tests")
+
+
+def unresolved(name: str) -> str | None:
+    """Why ``name`` (a module, or a name imported from a package) is not in the
+    repository; None when it is."""
+    path = ROOT / Path(*name.split("."))
+    if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file():
+        return None
+    package, _, attribute = name.rpartition(".")
+    init = ROOT / Path(*package.split(".")) / "__init__.py"
+    if init.is_file() and attribute in _bound_names(init):
+        return None  # a name the package's __init__ defines or imports
+    return "no such module in the repository"
+
+
+def _bound_names(path: Path) -> set[str]:
+    """The names a module's top level binds: definitions, assignments, imports."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def test_every_import_of_the_projects_own_modules_names_one_that_exists():
+    """A module moved to another room leaves no import behind, lazy ones included (those
+    only fail when their line runs: in a worker, mid-run)."""
+    found = []
+    for folder in PROJECT:
+        for path in modules(folder):
+            for line, name in imports(path):
+                if name.split(".")[0] in PROJECT and (problem := unresolved(name)):
+                    found.append(f"{path.relative_to(ROOT)}:{line}: {name}: {problem}")
+    found += violations("entrypoint.py", lambda n: unresolved(n)
+                        if n.split(".")[0] in PROJECT else None)
+    assert not found, "\n".join(found)
+
+
+def test_an_import_of_a_moved_module_is_found(tmp_path, monkeypatch):
+    (tmp_path / "train" / "core" / "run").mkdir(parents=True)
+    for init in ("train", "train/core", "train/core/run"):
+        (tmp_path / init / "__init__.py").write_text("")
+    (tmp_path / "train" / "core" / "run" / "rundir.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert unresolved("train.core.run.rundir") is None
+    assert unresolved("train.core.rundir") == "no such module in the repository"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.system import free_port
+from launcher.detection.system import free_port
 from tests.harness import s3server
 from tests.harness.runs import entry, last_line, limit
 from train.checkpoint import Checkpointer

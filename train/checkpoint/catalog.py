@@ -16,9 +16,9 @@ from pathlib import Path
 from train.checkpoint import reader, retention
 from train.checkpoint.reader import CheckpointsUnusable
 from train.checkpoint.tier import RemoteTier
-from train.core import rundir
 from train.core.config import AUTO
-from train.core.rundir import CHECKPOINTS
+from train.core.run import rundir
+from train.core.run.rundir import CHECKPOINTS
 from train.core.storage.local import LocalStorage
 from train.core.storage.s3 import errors, said
 

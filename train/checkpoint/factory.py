@@ -16,7 +16,7 @@ from train.checkpoint.listing import Nodes
 from train.checkpoint.store import Checkpointer
 from train.checkpoint.tier import RemoteTier, tier_for
 from train.core.config import Config
-from train.core.identity import WorkerIdentity
+from train.core.run.identity import WorkerIdentity
 from train.distributed import ranks
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from train.core import rundir
-from train.core.rundir import CHECKPOINTS, CHECKSUMS, LATEST, STEP_DIR
+from train.core.run import rundir
+from train.core.run.rundir import CHECKPOINTS, CHECKSUMS, LATEST, STEP_DIR
 from train.core.storage.bucket import S3Storage
 from train.core.storage.s3 import errors, missing
 

@@ -4,7 +4,7 @@ torch's ``TCPStore`` server listens on every interface whatever host name it is 
 (``ss -ltn`` shows ``*:PORT``): torchrun's rendezvous store, the store the workers'
 process group meets at, and the standalone ``rendezvous`` command's store. Anyone who
 reaches the port can read and write the job's keys, and torchrun's agent unpickles one
-of them (see :mod:`launcher.rdzv_state`). TCPStore accepts a socket that is already
+of them (see :mod:`launcher.liveness.rdzv_state`). TCPStore accepts a socket that is already
 listening (``master_listen_fd``, with both its backends): here the project binds that
 socket itself and hands it over, so the bind is real.
 

@@ -2,7 +2,7 @@
 
 Under the launcher with more than one process, torchrun tees every rank's output to one
 console (``--tee 3``), and the launcher ends the run with one line naming the rank that
-failed first, its error and where its details are (:mod:`launcher.outcome`). A line of
+failed first, its error and where its details are (:mod:`launcher.endings.outcome`). A line of
 each rank's own on top of it (every rank meets the same config error; a rank that only
 lost its connection to the one that died; one that torchrun stopped because another
 failed) says the same thing several times over, above the line that matters.

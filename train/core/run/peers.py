@@ -3,7 +3,7 @@
 When one rank dies (killed by a signal, out of memory, its node lost), every other rank
 fails in its next collective with the communication library's words for a closed
 connection, often under a long traceback. Those ranks are survivors, not the cause: the
-launcher names the rank that died (:mod:`launcher.outcome`), and a survivor keeps its
+launcher names the rank that died (:mod:`launcher.endings.outcome`), and a survivor keeps its
 traceback in its own log folder (:func:`train.core.run.failure_log.keep`), out of the console
 torchrun tees every rank's output to, with at most one short line on the console.
 """

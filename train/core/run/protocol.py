@@ -7,7 +7,7 @@ stopped by SIGTERM, and a hung process says nothing at all. So each supervised p
 :class:`Report` in the folder the launcher gives it (``TRAIN_LAUNCHER_STATUS_DIR``): how
 far it got (the step it reached, the probe's stage) and how it ended (exit code, one-line
 error, where its log is). The launcher reads them back to choose the exit code and to
-name the failing or silent rank in one line (:mod:`launcher.outcome`).
+name the failing or silent rank in one line (:mod:`launcher.endings.outcome`).
 
 This module (with its records, :mod:`.reports`) is the protocol's only owner:
 
