@@ -29,10 +29,13 @@ pytestmark = pytest.mark.skipif(s3server.missing() is not None,
 STEPS = 6
 
 
-def test_two_processes_from_objects_train_as_one_from_local_files(tmp_path):
+@pytest.mark.parametrize("shuffle", ["windows", "blocks"])
+def test_two_processes_from_objects_train_as_one_from_local_files(tmp_path, shuffle):
+    """Also in data.shuffle=blocks order (groups of half the cache: 1 MiB, so here one
+    group of the three files; the order's own properties: tests/unit/test_block_order.py)."""
     paths = token_files(tmp_path / "data", sizes=(3000, 2500, 4000), vocab=256)
     tree = merge(TINY_GPT, {"output": {"dir": str(tmp_path / "runs")},
-                            "data": {"kind": "tokens", "vocab_size": 256,
+                            "data": {"kind": "tokens", "vocab_size": 256, "shuffle": shuffle,
                                      "cache_dir": str(tmp_path / "cache")},
                             "train": {"max_steps": STEPS}})
     local = write_config(tmp_path / "local.yaml", merge(tree, {"data": {

@@ -112,6 +112,9 @@ def test_the_dry_run_shows_the_warning(tmp_path):
      "(default)"),
     ({"model": {"kind": "mlp"}}, ["data.kind=text"], "command line",
      "data.kind: text data needs model.kind gpt, custom or hf, got model.kind=mlp ({config})"),
+    ({"model": {"heads": 2}}, ["data.shuffle=blocks"], "command line",
+     "data.shuffle: blocks orders the files of data.kind=tokens; data.kind=text ({config}) "
+     "is shuffled by windows"),
 ])
 def test_a_cross_key_error_says_where_each_value_came_from(tmp_path, in_file, overrides,
                                                            source, expect):

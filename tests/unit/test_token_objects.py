@@ -7,6 +7,8 @@ Skips without boto3 and weed (``make s3``)."""
 
 from __future__ import annotations
 
+import itertools
+import logging
 import multiprocessing
 import subprocess
 import sys
@@ -20,11 +22,14 @@ import pytest
 from tests.harness import s3server
 from tests.harness.checkpoints import rewind
 from tests.harness.runs import ROOT, TINY_GPT, limit, losses, merge, run_train, write_config
-from tests.unit.test_token_shards import config, token_files, windows
+from tests.unit.test_token_shards import LENGTH, config, token_files, windows
 from train.core.datasets.tokenfiles import resolve
 from train.core.errors import EXIT_BAD_INPUT, CannotRunHere, ConfigError, DataChanged
+from train.data import tokenshards
 from train.data.builders import build_data
+from train.data.order import BlockOrder, GlobalOrder
 from train.data.shardcache import DataFileError, ShardCache, object_lock
+from train.data.tokenshards import ShardedWindows, Shards, windows_in
 
 
 def upload(server, paths: list[Path], prefix: str) -> str:
@@ -117,6 +122,11 @@ def test_the_launchers_checks_of_objects(aws, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"data.cache_bytes: .*largest file .*1200000 bytes"):
         config(tmp_path, url, cache_bytes=1 << 20)
     assert config(tmp_path, url).data.path == url
+    with pytest.raises(ConfigError, match=r"data.cache_bytes: .*two of the largest file .*"
+                                          r"1200000 bytes.*data.shuffle=blocks.*2400000"):
+        config(tmp_path, url, shuffle="blocks", cache_bytes=2_000_000)
+    assert config(tmp_path, url, shuffle="blocks", cache_bytes=2_400_000).data.shuffle == \
+        "blocks"
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
     with pytest.raises(CannotRunHere, match=r"data.path: cannot list .*127\.0\.0\.1:9"):
         config(tmp_path, url)
@@ -187,3 +197,52 @@ def test_a_process_forked_while_a_thread_holds_an_objects_lock_does_not_inherit_
     child.join(limit(60))
     assert child.exitcode == 0 and marker.exists()
 
+
+
+def fetched_reading(data, order, steps: int, batch: int, blocks: bool, caplog) -> int:
+    """Objects fetched while ``steps`` batches of ``order`` are read one after another,
+    the read-ahead on as the trainer runs it (paced by the samples read). With blocks,
+    the reader waits at each step for the read-ahead to hold the group it reads (as
+    steps longer than a fetch do): the count then does not depend on timing."""
+    done = [0]
+    if blocks:
+        data.read_ahead_groups(order, 0, steps * batch, lambda: done[0])
+        spans = list(itertools.islice(order.spans(0), 3 * len(data.shards.files)))
+    else:
+        data.read_ahead(order.global_batch(s, batch) for s in range(steps))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="train"):
+        for step in range(steps):
+            if blocks:
+                group = next(g for start, end, g in spans if start <= done[0] < end)
+                cached = [data.shards.cache.path(data.shards.files[k]) for k in group]
+                deadline = time.monotonic() + limit(60)
+                while not all(p.exists() for p in cached):
+                    assert time.monotonic() < deadline, "the read-ahead fell behind"
+                    time.sleep(0.01)
+            data.__getitems__(order.global_batch(step, batch))
+            done[0] = (step + 1) * batch
+    return sum(r.getMessage().startswith("fetched ") for r in caplog.records)
+
+
+@pytest.mark.parametrize("blocks", [True, False], ids=["blocks", "windows"])
+def test_blocks_fetch_each_object_about_once_an_epoch_from_a_cache_of_an_eighth(
+        aws, tmp_path, caplog, monkeypatch, blocks):
+    # a run's steps take long enough for a reader to see each eviction (its map keeps an
+    # evicted file readable until it looks): these take microseconds, so it always looks
+    monkeypatch.setattr(tokenshards, "RECHECK_S", 0.0)
+    paths = token_files(tmp_path / "data", sizes=(3000,) * 16, vocab=1000)
+    files = resolve(upload(aws, paths, f"eighth-{blocks}"), "c.yaml")
+    limit = 2 * max(f.size for f in files)  # two objects: an eighth of the dataset
+    shards = Shards(files, ShardCache(tmp_path / "cache", limit))
+    n = sum(windows_in(f, LENGTH) for f in files)
+    data = ShardedWindows(shards, LENGTH, 0, n, 1000)
+    order = BlockOrder(n, 0, data.layout(), group_bytes=limit // 2) if blocks else \
+        GlobalOrder(n, 0)
+    batch = 8
+    epochs = 2
+    fetched = fetched_reading(data, order, epochs * n // batch, batch, blocks, caplog)
+    if blocks:  # each group fetched while the one before trains, and never again
+        assert fetched <= epochs * len(files), fetched
+    else:  # what blocks are for: the full shuffle refetches from a cache this small
+        assert fetched > 3 * epochs * len(files), fetched

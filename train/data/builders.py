@@ -254,10 +254,11 @@ def sharded_tokens(cfg: Config, files: list[TokenFile], source: str) -> DataBund
                                                f"{length} tokens in {len(files)} file(s); "
                                                "need at least 2")
     fetched = sum(f.size for f in files if f.remote)
-    if fetched > d.cache_bytes:
+    if fetched > d.cache_bytes and d.shuffle == "windows":
         log.warning("data.cache_bytes=%d holds less than the %d bytes of objects in "
                     "data.path: every step will fetch files again (a full shuffle reads "
-                    "them all; docs/object-storage.md); raise it to %d", d.cache_bytes,
+                    "them all; docs/object-storage.md); set data.shuffle=blocks to fetch "
+                    "each once an epoch, or raise data.cache_bytes to %d", d.cache_bytes,
                     fetched, fetched)
     n_train, n_val = _split_counts(n, d.val_fraction)
     # objects: their listing (size, ETag) stands for their bytes, which are not here yet

@@ -140,7 +140,7 @@ class ShardedWindows(Windows):
         """(windows, bytes) of each file, in the windows' sequence: what
         ``data.shuffle: blocks`` groups (:class:`~train.data.order.BlockOrder`)."""
         return [(end - start, f.size) for start, end, f in
-                zip(self.starts, self.starts[1:], self.shards.files, strict=True)]
+                zip(self.starts[:-1], self.starts[1:], self.shards.files, strict=True)]
 
     def read_ahead_groups(self, order: BlockOrder, first: int, last: int,
                           position: Callable[[], int]) -> None:
@@ -154,15 +154,17 @@ class ShardedWindows(Windows):
 
         def run() -> None:
             previous = None  # where the group before this one begins
-            for start, _, group in order.spans(first):
+            for start, end, group in order.spans(first):
                 if start >= last:
                     return
                 while previous is not None and position() < previous:
                     time.sleep(GROUP_WAIT_S)
+                previous = start
+                if end <= position():
+                    continue  # trained already (the reader fetched what it needed)
                 for k in group:
                     if files[k].remote and not cache.fetch_ahead(files[k]):
                         return  # the reader that needs it says so, in its own step
-                previous = start
         threading.Thread(target=run, name="data-read-ahead", daemon=True).start()
 
     def read_ahead(self, batches: Iterable[list[int]]) -> None:
