@@ -114,3 +114,14 @@ def test_what_the_short_path_does_not_take_goes_to_torchs_api():
     regrouped = {**saved[1], "param_groups": saved[1]["param_groups"][::-1]}
     assert not full_state.load_model_and_optimizer(fresh, fresh_optimizer, saved[0], regrouped)
     assert same(fresh.state_dict(), tied_gpt()[0].state_dict()), "nothing loaded"
+
+
+def test_the_models_state_dict_hooks_run_once_a_save_as_with_torchs_api():
+    model, optimizer = tied_gpt()
+    step(model, optimizer, 1)
+    calls = []
+    model._register_state_dict_hook(lambda *args: calls.append(1))
+    get_state_dict(model, optimizer, options=FULL)
+    theirs = len(calls)
+    full_state.model_and_optimizer(model, optimizer)
+    assert len(calls) - theirs == theirs == 1

@@ -34,11 +34,14 @@ def is_fsdp(model: nn.Module) -> bool:
 
 
 def _plain_names(model: nn.Module) -> bool:
-    """Whether the model's state-dict names are already the names torch's API writes."""
-    if any(hasattr(m, "_fqn_modifiers") for m in model.modules()):
-        return False
-    return not any(prefix in name for name in model.state_dict(keep_vars=True)
-                   for prefix in WRAPPER_PREFIXES)
+    """Whether the model's state-dict names are already the names torch's API writes:
+    read from its modules, not from a ``state_dict()`` (whose hooks, the model's own,
+    must run once a save, as they do with torch's API)."""
+    for name, module in model.named_modules():
+        if hasattr(module, "_fqn_modifiers") or \
+                any(prefix in name.split(".") for prefix in WRAPPER_PREFIXES):
+            return False
+    return True
 
 
 def _names_by_position(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str] | None:
