@@ -89,8 +89,17 @@ class _Fetches(logging.Handler):
             self.bytes += int(record.args[1])
 
 
+def _as_in_long_steps() -> None:
+    """A reader looks whether a file it has mapped was evicted at most once a second
+    (tokenshards.RECHECK_S): a run's steps are long enough for it to see each eviction,
+    these batches (microseconds once cached) are not, so it looks at every read here."""
+    from train.data import tokenshards
+    tokenshards.RECHECK_S = 0.0
+
+
 def evicting(files, work: Path, order: list[list[int]]) -> float:
     """Bytes fetched through a cache of half the dataset, as a multiple of the dataset."""
+    _as_in_long_steps()
     log, counter = logging.getLogger("train"), _Fetches()
     log.addHandler(counter)
     log.setLevel(logging.INFO)
@@ -108,6 +117,7 @@ def blocks_epoch(files, work: Path, batch: int) -> tuple[float, float]:
     import statistics
 
     from train.data.order import BlockOrder
+    _as_in_long_steps()
     log, counter = logging.getLogger("train"), _Fetches()
     log.addHandler(counter)
     log.setLevel(logging.INFO)
