@@ -132,15 +132,13 @@ class RankBatchSampler:
         # Where start_step's batch begins: start_step * G unless the global batch size
         # changed since the checkpoint (the checkpoint's samples_consumed then).
         self.first = start_step * global_batch_size if first_sample is None else first_sample
-        self.position = self.first  # where the batch yielded last begins
 
     def __len__(self) -> int:
         return (self.end - self.start) * (self.per_rank // self.micro)
 
     def __iter__(self) -> Iterator[list[int]]:
         for k in range(self.end - self.start):
-            self.position = self.first + k * self.g
-            batch = self.order.take(self.position, self.g)
+            batch = self.order.take(self.first + k * self.g, self.g)
             mine = batch[self.rank * self.per_rank: (self.rank + 1) * self.per_rank]
             for i in range(0, self.per_rank, self.micro):
                 yield mine[i: i + self.micro]

@@ -145,7 +145,7 @@ class ShardedWindows(Windows):
     def read_ahead_groups(self, order: BlockOrder, first: int, last: int,
                           position: Callable[[], int]) -> None:
         """``data.shuffle: blocks``: fetch, in the background, each group's objects once
-        the group before it trains (``position()``: where the loader is in the order),
+        the group before it trains (``position()``: the samples trained so far),
         for positions ``[first, last)``. The cache holds two groups: the one training and
         the one arriving."""
         if self.shards.cache is None or not any(f.remote for f in self.shards.files):
