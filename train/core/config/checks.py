@@ -56,6 +56,7 @@ def validate(cfg: Config, sources: Sources, errors: list[ConfigError] | None = N
     _check_resume_from(cfg, report.fail)
     _check_remote(cfg, report.fail)
     _check_shuffle(cfg, report.fail)
+    _check_replicas(cfg, report)
     cfg._warnings = report.warnings
     if not collect:
         raise_all(report.errors)
@@ -194,6 +195,25 @@ def _check_shuffle(cfg: Config, fail: kinds.Fail) -> None:
     if cfg.data.shuffle == "blocks" and cfg.data.kind != "tokens":
         fail("data.shuffle", f"blocks orders the files of data.kind=tokens; "
                              f"{ref('data.kind')} is shuffled by windows")
+
+
+REPLICA_KEYS = ("distributed.replicas", "distributed.spares")
+
+
+def _check_replicas(cfg: Config, report: _Report) -> None:
+    """distributed.replicas and spares mean something with fault_tolerance=replicas only,
+    which trains DDP (or one process) inside each group."""
+    d = cfg.distributed
+    if d.fault_tolerance != "replicas":
+        # by value, not origin: print-config writes every key, and its output must load
+        for key in REPLICA_KEYS:
+            if dig(to_dict(cfg), key) != dig(to_dict(Config()), key):
+                report.fail(key, f"applies to distributed.fault_tolerance=replicas, got "
+                                 f"{ref('distributed.fault_tolerance')}")
+        return
+    if d.strategy not in ("single", "ddp"):
+        report.fail("distributed.strategy", f"{val('distributed.strategy')} inside replica "
+                                            "groups is not supported yet; single or ddp")
 
 
 def _blocked_kinds() -> str:

@@ -196,6 +196,16 @@ class DistributedConfig:
     nproc_per_node: int | Literal["auto"] = opt(AUTO, "Processes per node; auto: one per "
                                                       "usable GPU, 1 on CPU.", ge=1)
     max_restarts: int = opt(3, "torchrun restarts of the local workers after a failure.", ge=0)
+    fault_tolerance: Literal["restart", "replicas"] = opt(
+        "restart", "What a lost worker or node costs. restart: every worker restarts and "
+                   "resumes from the last checkpoint. replicas: distributed.replicas groups "
+                   "train the global batch together and survivors train on through a loss "
+                   "(torchft: pip install 'trainpod[ft]'; docs/fault-tolerance.md).")
+    replicas: int = opt(2, "fault_tolerance=replicas: the replica groups that share each "
+                           "global batch (on one machine, nproc_per_node processes each).",
+                        ge=1)
+    spares: int = opt(0, "fault_tolerance=replicas: hot spare groups started with the job; "
+                         "a spare follows every step and takes a lost group's share.", ge=0)
     timeout_s: int = opt(600, "Collective timeout (checkpoint and evaluation collectives "
                               "too); a training step silent for 20 step times (at least "
                               "120 s, at most this) is a hang: stacks dumped, the rank "
