@@ -197,7 +197,7 @@ def _check_shuffle(cfg: Config, fail: kinds.Fail) -> None:
                              f"{ref('data.kind')} is shuffled by windows")
 
 
-REPLICA_KEYS = ("distributed.replicas", "distributed.spares")
+REPLICA_KEYS = ("distributed.replicas", "distributed.spares", "distributed.replica_timeout_s")
 
 
 def _check_replicas(cfg: Config, report: _Report) -> None:

@@ -206,6 +206,10 @@ class DistributedConfig:
                         ge=1)
     spares: int = opt(0, "fault_tolerance=replicas: hot spare groups started with the job; "
                          "a spare follows every step and takes a lost group's share.", ge=0)
+    replica_timeout_s: float = opt(60.0, "fault_tolerance=replicas: how long a group waits "
+                                          "in a step's all-reduce for the other groups; "
+                                          "longer than the groups' step times differ. A "
+                                          "frozen or cut-off group costs this once.", gt=0.0)
     timeout_s: int = opt(600, "Collective timeout (checkpoint and evaluation collectives "
                               "too); a training step silent for 20 step times (at least "
                               "120 s, at most this) is a hang: stacks dumped, the rank "
