@@ -105,7 +105,7 @@ MACHINERY = (
 TIMED_WORK = (("next_batch", "torch/utils/data/dataloader.py", "__next__"),
               ("forward", "train/models/losses.py", "__call__"),
               ("backward", "torch/_tensor.py", "backward"),
-              ("update", "train/loop/trainer.py", "optimizer_step"))
+              ("update", "train/loop/steps.py", "optimizer_step"))
 # The plain loop clips too (clip_grad_norm_): the trainer's machinery beyond it is the rest.
 IN_THE_PLAIN_LOOP = ("data (DataLoader, sampler, the batch)",
                      "gradient norm (clipping, divergence guard)")

@@ -95,13 +95,21 @@ def preflight(cfg: Config, env: WorkerIdentity, source: str) -> Placement:
         tracker_config.check(cfg, source)
         s3.check(cfg.checkpoint.remote, cfg.run.name, source,
                  probe=not env.supervised)  # the launcher probed already
-    micro, accum = batch_split(cfg, env.world_size, source)
+    micro, accum = batch_split(cfg, logical_world_size(cfg, env), source)
     check_batch_memory(cfg, env.world_size, source,
                        (available_memory() or 0) // env.local_world_size or None)
     device = ranks.resolve_device(cfg, env)
     check_placement(cfg, env, device, source)
     env.check_rendezvous()
     return Placement(device, ranks.resolve_backend(cfg, device), micro, accum)
+
+
+def logical_world_size(cfg: Config, env: WorkerIdentity) -> int:
+    """The ranks the global batch splits over: with replica groups, every group's
+    (``distributed.replicas`` x the group's processes; spares take no share)."""
+    if cfg.distributed.fault_tolerance == "replicas":
+        return cfg.distributed.replicas * env.world_size
+    return env.world_size
 
 
 def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> Components:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from train.core.machine.host import DEFAULT_BUILD_MANIFEST, available_cpus
+from train.core.run import replica_contract
 
 # Set by the launcher's supervisor: the folder where each worker writes its report.
 STATUS_DIR_VAR = "TRAIN_LAUNCHER_STATUS_DIR"
@@ -55,6 +56,10 @@ class WorkerIdentity:
     master_port: str | None = None       # (rank 0's store; torchrun sets both)
     omp_threads: int | None = None       # OMP_NUM_THREADS: the launcher's or the user's
     keep_compiler_unloaded: bool = True  # TRAIN_KEEP_COMPILER_UNLOADED (0: off)
+    replica_group: int | None = None     # REPLICA_GROUP_ID: this worker's replica group
+    replica_groups: int | None = None    # NUM_REPLICA_GROUPS: the groups started
+    lighthouse: str | None = None        # TORCHFT_LIGHTHOUSE: the job's Lighthouse
+    replica_addr: str | None = None      # TRAIN_REPLICA_ADDR: where other groups reach us
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> WorkerIdentity:
@@ -85,7 +90,11 @@ class WorkerIdentity:
                    master_addr=text("MASTER_ADDR"), master_port=text("MASTER_PORT"),
                    omp_threads=num("OMP_NUM_THREADS", None) or None,
                    keep_compiler_unloaded=(text(KEEP_COMPILER_UNLOADED_VAR) or "1").lower()
-                   not in _OFF)
+                   not in _OFF,
+                   replica_group=num(replica_contract.GROUP_VAR, None),
+                   replica_groups=num(replica_contract.GROUPS_VAR, None),
+                   lighthouse=text(replica_contract.LIGHTHOUSE_VAR),
+                   replica_addr=text(replica_contract.ADDR_VAR))
 
     @property
     def distributed(self) -> bool:
@@ -117,6 +126,13 @@ class WorkerIdentity:
     def is_main(self) -> bool:
         """Rank 0: the one rank that writes run-level files and logs metrics."""
         return self.rank == 0
+
+    @property
+    def leads_run(self) -> bool:
+        """The one process that writes the run's own files (config, manifest, metrics,
+        result): rank 0, of replica group 0 when there are replica groups (each group
+        has its own rank 0, and its own checkpoint writer: :attr:`is_main`)."""
+        return self.is_main and not self.replica_group
 
     @property
     def by_hand(self) -> bool:

@@ -33,6 +33,7 @@ WANDB = "wandb"                   # W&B's own offline files
 DIVERGED = "diverged.json"        # the message of a run that diverged
 PREFLIGHT = "preflight.json"      # the multi-node preflight checks' measurements
 TOKEN_IDS = "token-ids.json"      # each token file's largest id, so restarts skip the scan
+LEDGER = "ledger.jsonl"           # replica groups: one line per committed step, its samples
 LOCK = ".lock"                    # the run directory's lease
 FLOCK = ".flock"                  # flock'ed by the run's processes on the holder's host
 LOGS = "logs"                     # torchrun's per-rank logs
@@ -74,12 +75,12 @@ def aside_name(why: str, stamp: str) -> str:
 LAYOUT = (CONFIG, MANIFEST, METRICS, f"{BOARD}/train/", f"{BOARD}/val/",
           f"{CHECKPOINTS}/step-N/", f"{CHECKPOINTS}/{LATEST}",
           f"{aside_name(REPLACED, '<time>')}/", f"{aside_name(ABANDONED, '<time>')}/", RESULT,
-          TRACKERS, f"{WANDB}/offline-run-<time>-<id>/", DIVERGED, PREFLIGHT, TOKEN_IDS, LOCK,
-          FLOCK, f"{LOGS}/", f"{EXPORT}/")
+          TRACKERS, f"{WANDB}/offline-run-<time>-<id>/", DIVERGED, PREFLIGHT, TOKEN_IDS, LEDGER,
+          LOCK, FLOCK, f"{LOGS}/", f"{EXPORT}/")
 
 # Files a run writes at fixed names in its directory (checkpoints/ holds fresh step-N
 # folders): none may be a symbolic link, or the run would write where it points.
-RUN_FILES = (CONFIG, MANIFEST, METRICS, RESULT, DIVERGED, PREFLIGHT, LOCK, FLOCK,
+RUN_FILES = (CONFIG, MANIFEST, METRICS, RESULT, DIVERGED, PREFLIGHT, LEDGER, LOCK, FLOCK,
              f"{CHECKPOINTS}/{LATEST}")
 
 

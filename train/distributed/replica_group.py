@@ -1,0 +1,149 @@
+"""This process's seat among replica groups (``distributed.fault_tolerance: replicas``),
+on torchft's Manager.
+
+Each step begins with a quorum of the groups alive (the job's Lighthouse decides it); a
+group behind the others (one that restarted) first heals: it receives the state of a
+live peer (model, optimizer, schedule, progress) over HTTP, not from a checkpoint. The
+step's gradients are summed across the quorum's groups with one fault-tolerant
+all-reduce; a step in which anything failed is not committed, by any group that saw the
+failure, and is trained again with the next quorum on the same samples
+(:mod:`train.loop.replica_loop`).
+
+The quorum is taken synchronously (``use_async_quorum=False``): a group that heals has
+the state before it computes, and takes part in that same step. Every group in the
+quorum participates; which slots of the batch each computes is
+:mod:`train.distributed.replica_slots`'. The timeouts keep the order of
+:mod:`train.core.run.replica_contract`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed import ReduceOp, TCPStore
+
+from train.core.config import Config
+from train.core.errors import CannotRunHere
+from train.core.run.identity import WorkerIdentity
+from train.core.run.replica_contract import Timeouts
+
+log = logging.getLogger("train")
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """One step's membership, as this group sees it."""
+    participant: int    # this group's index among the participants
+    participants: int   # groups in the quorum
+    step: int           # the step the quorum trains (after a heal: the peers')
+    healed: bool        # this group received its state from a peer for it
+
+
+# torchft's loggers: a line per quorum, commit and heal at INFO is too much for a console;
+# what matters (a step not committed, a heal) the loop says in its own words.
+TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
+
+
+def _torchft():
+    # its Rust side (Lighthouse client, Manager server) logs through RUST_LOG
+    os.environ.setdefault("RUST_LOG", "warn")
+    for name in TORCHFT_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    # a heal's tensors arrive in a read-only buffer that torch copies from
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    try:
+        import torchft
+    except ImportError as exc:  # the launcher checks first; a bare worker may lack it
+        raise CannotRunHere(f"distributed.fault_tolerance=replicas needs torchft ({exc}); "
+                            "install it with pip install 'trainpod[ft]' (make ft)") from None
+    return torchft
+
+
+class ReplicaGroup:
+    """The Manager of this group, built once per worker start."""
+
+    def __init__(self, cfg: Config, env: WorkerIdentity, device: torch.device,
+                 save: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]):
+        torchft = _torchft()
+        t = Timeouts.of(cfg.distributed.replica_timeout_s)
+        pg_class = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
+        addr, port, self._own_store = _group_store(env)
+        self.group_id = env.replica_group or 0
+        self._healed_at: int | None = None
+        self.manager = torchft.Manager(
+            pg=pg_class(timeout=timedelta(seconds=t.allreduce_s)),
+            load_state_dict=self._loader(load), state_dict=save,
+            min_replica_size=1, use_async_quorum=False,
+            timeout=timedelta(seconds=t.manager_s),
+            quorum_timeout=timedelta(seconds=t.quorum_s),
+            connect_timeout=timedelta(seconds=t.manager_s),
+            rank=env.rank, world_size=env.world_size, store_addr=addr, store_port=port,
+            lighthouse_addr=env.lighthouse, replica_id=f"group_{self.group_id}",
+            hostname=env.replica_addr or "127.0.0.1")
+        _quiet_heal_server(self.manager)
+
+    def _loader(self, load: Callable[[dict[str, Any]], None]):
+        def heal(state: dict[str, Any]) -> None:
+            load(state)
+            self._healed_at = self.manager.current_step()
+        return heal
+
+    def start_at(self, step: int) -> None:
+        """After a resume: the Manager counts from the checkpoint's step."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def quorum(self) -> Quorum:
+        """Join this step's quorum (healing first when behind)."""
+        self._healed_at = None
+        self.manager.start_quorum()
+        rank = self.manager.participating_rank()
+        return Quorum(participant=rank if rank is not None else 0,
+                      participants=max(1, self.manager.num_participants()),
+                      step=self.manager.current_step(), healed=self._healed_at is not None)
+
+    def sum(self, flat: torch.Tensor) -> None:
+        """Sum ``flat`` over the quorum's groups, in place (zeros after a failure, which
+        :meth:`commit` then refuses)."""
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+
+    def commit(self) -> bool:
+        """Whether this step may be applied: nothing failed here or in the all-reduce."""
+        return self.manager.should_commit()
+
+    def failure(self) -> str | None:
+        """Why this step failed here, in one line (gloo's error without its advice)."""
+        error = self.manager.errored()
+        if error is None:
+            return None
+        text = str(getattr(error, "original_exception", error)).strip()
+        text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's [source file:line]
+        return text.split(". This is typically")[0].splitlines()[0]
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _quiet_heal_server(manager) -> None:
+    """torchft's heal server logs every request to stderr like a web server; a heal is
+    said once by the loop instead."""
+    server = getattr(getattr(manager, "_checkpoint_transport", None), "_server", None)
+    handler = getattr(server, "RequestHandlerClass", None)
+    if handler is not None:
+        handler.log_message = lambda *args, **kwargs: None
+
+
+def _group_store(env: WorkerIdentity) -> tuple[str, int, TCPStore | None]:
+    """The group's TCP store: torchrun's (MASTER_ADDR:MASTER_PORT), else, for a group of
+    one process started without torchrun, one of its own."""
+    if env.master_addr and env.master_port:
+        return env.master_addr, int(env.master_port), None
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return "127.0.0.1", store.port, store

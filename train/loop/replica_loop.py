@@ -1,0 +1,224 @@
+"""The training loop of replica groups (``distributed.fault_tolerance: replicas``): each
+step a transaction over a fixed logical batch.
+
+A step: join the quorum (a group that restarted heals from a live peer first) -> compute
+this group's slots of the fixed global batch (:mod:`train.distributed.replica_slots`;
+survivors of a loss compute the lost slots too, a spare beyond the slots computes none)
+-> one all-reduce (SUM) across the groups of the gradients, the loss, the stop flag and
+who computed each slot -> commit, or not: a step that failed anywhere this group saw is
+not applied, and the next quorum trains the same samples again. Gradients are scaled
+by ``1 / global_batch_size`` before the sum, so the update is that of the fault-free run
+whichever groups computed it.
+
+Committed steps are written to ``RUN_DIR/ledger.jsonl`` (:mod:`train.observe.ledger`)
+and checkpoints by the step's first participating group; replica group 0's rank 0 logs
+the metrics and writes the run's files. Inside a group: one process, or DDP.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from train.checkpoint.policy import Cadence
+from train.checkpoint.session import save_checkpoint
+from train.checkpoint.state import TrainState
+from train.core.errors import EXIT_OK, EXIT_PEER_STOPPED, EXIT_STOPPED_BY_SIGNAL
+from train.data.order import GlobalOrder
+from train.distributed.replica_group import Quorum, ReplicaGroup
+from train.distributed.replica_slots import rank_span, slot_span, slots_of
+from train.guards.divergence import Guard
+from train.guards.stopping import StopFlag
+from train.guards.watchdog import CHECKPOINT, EVALUATION, Watchdog
+from train.loop.components import Components, train_order
+from train.loop.steps import finish, gradient_sync, log_eval, optimizer_step
+from train.observe.ledger import Entry, Ledger, ledger_path
+from train.observe.metrics import MetricsLogger
+
+log = logging.getLogger("train")
+
+# The values summed with the gradients after them: the loss summed over the batch's
+# samples, the stop flag, then one per slot: 1 + the id of the group that computed it.
+LOSS, STOP, OWNERS = 0, 1, 2
+
+
+def heal_state(c: Components, state: TrainState):
+    """What a group that restarted receives from a live peer, and how it takes it in."""
+    def save() -> dict[str, Any]:
+        return {"model": c.module.state_dict(), "optimizer": c.optimizer.state_dict(),
+                "scheduler": c.scheduler.state_dict(),
+                "scaler": c.scaler.state_dict() if c.scaler else None,
+                "progress": state.state_dict()}
+
+    def load(saved: dict[str, Any]) -> None:
+        c.module.load_state_dict(saved["model"])
+        c.optimizer.load_state_dict(saved["optimizer"])
+        c.scheduler.load_state_dict(saved["scheduler"])
+        if c.scaler and saved["scaler"] is not None:
+            c.scaler.load_state_dict(saved["scaler"])
+        state.load_state_dict(saved["progress"], c.cfg.train.global_batch_size)
+        log.info("replica group %d healed from a live peer at step %d",
+                 c.env.replica_group or 0, state.step)
+    return save, load
+
+
+def compute_slots(c: Components, order: GlobalOrder, first: int, slots: list[int]) -> float:
+    """Forward and backward over this rank's part of ``slots``; the gradients hold the
+    sum of its samples' losses / global batch (DDP inside the group averages its ranks:
+    so each rank's loss is scaled by the group's size). Returns the summed loss."""
+    cfg, env = c.cfg, c.env
+    g, replicas = cfg.train.global_batch_size, cfg.distributed.replicas
+    parts = []
+    for slot in slots:
+        lo, hi = rank_span(slot_span(first, g, replicas, slot), env.rank, env.world_size)
+        indices = order.take(lo, hi - lo)
+        parts += [indices[i: i + c.micro] for i in range(0, len(indices), c.micro)]
+    total = 0.0
+    for i, chunk in enumerate(parts):
+        x, y = c.data.train.__getitems__(chunk)
+        x, y = x.to(c.device, non_blocking=True), y.to(c.device, non_blocking=True)
+        with gradient_sync(c.model, enabled=i == len(parts) - 1):
+            with c.autocast():
+                loss = c.objective(c.model, x, y)[0]
+            scaled = loss * (len(chunk) * env.world_size / g)
+            (c.scaler.scale(scaled) if c.scaler else scaled).backward()
+        total += float(loss.detach()) * len(chunk)
+    return total
+
+
+def sum_across_groups(c: Components, group: ReplicaGroup, extras: list[float]) -> torch.Tensor:
+    """One all-reduce of every gradient and ``extras``; the summed gradients are written
+    back. Returns the summed extras."""
+    params = [p for p in c.model.parameters() if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1).float() for g in grads]
+                     + [torch.tensor(extras, dtype=torch.float32, device=c.device)])
+    group.sum(flat)
+    offset = 0
+    for p, g in zip(params, grads, strict=True):
+        p.grad = flat[offset: offset + g.numel()].view_as(g).to(g.dtype)
+        offset += g.numel()
+    return flat[offset:].cpu()
+
+
+def record(ledger: Ledger | None, quorum: Quorum, step: int, first: int, c: Components,
+           owners: torch.Tensor, durable: bool) -> None:
+    """The committed step in the ledger; written when this group is the step's writer."""
+    if ledger is None:
+        return
+    g, replicas = c.cfg.train.global_batch_size, c.cfg.distributed.replicas
+    ledger.committed(Entry(step, [list(slot_span(first, g, replicas, s)) for s in range(replicas)],
+                           [round(float(o)) - 1 for o in owners]))
+    if quorum.participant == 0:
+        ledger.write(durable=durable)
+    else:
+        ledger.step_down()
+
+
+def first_quorum(group: ReplicaGroup, expected: int, wait_s: float) -> Quorum:
+    """The first step's quorum, once every group started with the job is in it (bounded
+    by ``wait_s``: a group that comes later joins a later step and heals)."""
+    deadline = time.monotonic() + wait_s
+    quorum = group.quorum()
+    if quorum.participants < expected:
+        log.info("waiting up to %.0f s for %d replica groups (%d there)", wait_s, expected,
+                 quorum.participants)
+    while quorum.participants < expected and time.monotonic() < deadline:
+        time.sleep(0.5)
+        quorum = group.quorum()
+    return quorum
+
+
+def run_replica_loop(c: Components, state: TrainState, stop: StopFlag,
+                     metrics: MetricsLogger | None, guard: Guard, watchdog: Watchdog,
+                     group: ReplicaGroup, ledger: Ledger | None) -> int:
+    """Train to train.max_steps or to a stop any group asked for."""
+    cfg = c.cfg
+    g, replicas = cfg.train.global_batch_size, cfg.distributed.replicas
+    order, cadence = train_order(c), Cadence.from_config(cfg)
+    group.start_at(state.step)
+    pending = first_quorum(group, c.env.replica_groups or replicas,
+                           cfg.distributed.replica_timeout_s)
+    if ledger is not None and pending.participant == 0 and not pending.healed:
+        ledger.restart_at(state.step)  # no live group ahead: the steps after are redone
+    while state.step < cfg.train.max_steps:
+        watchdog.pet(state.step)
+        started = time.perf_counter()
+        quorum, pending = pending or group.quorum(), None
+        first = state.samples_consumed
+        mine = slots_of(quorum.participant, quorum.participants, replicas)
+        loss_sum = compute_slots(c, order, first, mine)
+        owners = [group.group_id + 1.0 if s in mine else 0.0 for s in range(replicas)]
+        summed = sum_across_groups(c, group, [loss_sum, float(stop.requested), *owners])
+        if not group.commit():
+            log.warning("step %d not committed (%s); trained again with the next quorum",
+                        state.step + 1, group.failure() or "a group failed")
+            c.optimizer.zero_grad(set_to_none=True)
+            continue
+        step = state.step + 1
+        lr = c.scheduler.get_last_lr()[0]
+        norm, applied = optimizer_step(c, guard, step)
+        state.advance(g)
+        last = step == cfg.train.max_steps
+        stopping = bool(summed[STOP] > 0) and not last
+        how = cadence.due(step, stopping or last)
+        record(ledger, quorum, step, first, c, summed[OWNERS:], durable=how is not None)
+        log_step(c, metrics, guard, step, {"loss": float(summed[LOSS]) / g, "lr": lr,
+                                           "grad_norm": norm},
+                 time.perf_counter() - started, applied)
+        every_eval = cfg.train.eval_every_steps
+        if every_eval and step % every_eval == 0 and not last:  # every group: in step
+            with watchdog.watching(EVALUATION, step):
+                log_eval(c, metrics, step, watchdog.progress)
+        if how is not None and quorum.participant == 0:  # one group writes it
+            with watchdog.watching(CHECKPOINT, step):
+                save_checkpoint(c, state, guard, watchdog, background=how == "background")
+        if stopping:
+            return stopped(step, stop, watchdog)
+    with watchdog.watching(EVALUATION, state.step):
+        final = finish(c, metrics, state.step, watchdog.progress)
+    watchdog.pause()
+    if metrics is not None:
+        metrics.close(final)
+    return EXIT_OK
+
+
+def stopped(step: int, stop: StopFlag, watchdog: Watchdog) -> int:
+    """The exit code of a stop every group agreed on at ``step``."""
+    watchdog.pause()  # what follows has its own bounds
+    if not stop.requested:
+        log.info("stopped at step %d: another replica group was told to stop", step)
+        return EXIT_PEER_STOPPED
+    log.warning("stopped at step %d by a signal; rerun the same command to resume", step)
+    return EXIT_STOPPED_BY_SIGNAL
+
+
+def log_step(c: Components, metrics: MetricsLogger | None, guard: Guard, step: int,
+             values: dict[str, float], step_time: float, applied: bool) -> None:
+    """The step's line and metrics, by replica group 0's rank 0 (every group's values are
+    the same: the loss was summed across them)."""
+    cfg = c.cfg
+    if metrics is not None and metrics.per_step:
+        metrics.step(step)
+    if not (step % cfg.logging.every_steps == 0 or step in (1, cfg.train.max_steps)):
+        return
+    guard.loss(step, values["loss"], applied)
+    if metrics is not None:
+        values["throughput"] = cfg.train.global_batch_size * max(1, c.data.tokens_per_sample) \
+            / step_time
+        metrics.log(step, values, step_time=step_time, ranks=None)
+
+
+def run_replicas(c: Components, state: TrainState, stop: StopFlag,
+                 metrics: MetricsLogger | None, guard: Guard, watchdog: Watchdog) -> int:
+    """This group's seat (a torchft Manager) for the run, then the loop."""
+    save, load = heal_state(c, state)
+    group = ReplicaGroup(c.cfg, c.env, c.device, save, load)
+    ledger = Ledger(ledger_path(c.run_dir)) if c.env.is_main else None
+    try:
+        return run_replica_loop(c, state, stop, metrics, guard, watchdog, group, ledger)
+    finally:
+        group.close()
