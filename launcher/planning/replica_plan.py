@@ -62,7 +62,7 @@ class ReplicaGroups:
                  f"RDZV_PORT: free ports on {HOST}, picked at each start",
                  *(f"export {k}={shlex.quote(v)}" for k, v in shared.items()),
                  shell(self.lighthouse) + " &"]
-        for g, (argv, env) in enumerate(zip(self.argvs, self.envs)):
+        for g, (argv, env) in enumerate(zip(self.argvs, self.envs, strict=True)):
             kind = "replica" if g < self.replicas else "spare"
             lines.append(f"# group {g} ({kind})")
             lines += [f"{k}={quote(v)} \\" for k, v in env.items()]

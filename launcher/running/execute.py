@@ -127,7 +127,8 @@ def _announce(p: Prepared, log: Callable[[str], None], *, verbose: bool) -> None
 def _supervise(p: Prepared, log: Callable[[str], None], lock: RunLock | None,
                signals: Forwarder, *, verbose: bool) -> Outcome:
     """Wait for the rendezvous host, then run the plan under :mod:`launcher.running.supervise`
-    (:mod:`launcher.running.replica_groups` for replica groups); with the run-directory lock (``train``), stop when the lock is lost."""
+    (:mod:`launcher.running.replica_groups` for replica groups); with the run-directory
+    lock (``train``), stop when the lock is lost."""
     from launcher.running import replica_groups, supervise
     from train.core.config import to_yaml
     plan, cfg = p.plan, p.cfg

@@ -2,8 +2,8 @@
 
 ``train``, ``launch``, ``doctor`` and ``--dry-run`` all go through :func:`prepare`:
 read the environment -> load and check the config -> detect GPUs -> the torch build
--> the launch plan -> torchft (``fault_tolerance: replicas``) -> the output folder -> the object store (``checkpoint.remote``)
--> /dev/shm. Each stage adds
+-> the launch plan -> torchft (``fault_tolerance: replicas``) -> the output folder -> the
+object store (``checkpoint.remote``) -> /dev/shm. Each stage adds
 :class:`~launcher.detection.hardware.Finding` records. ``doctor`` collects every finding and
 reports them; the other commands stop at the first failure, raised as the one-line
 error of its exit code (2 bad input, 3 cannot run here). So the commands cannot drift

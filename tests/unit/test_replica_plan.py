@@ -64,7 +64,7 @@ def test_two_replicas_and_a_spare_are_three_torchruns_after_a_lighthouse(config,
     # one process per group still runs torchrun: it restarts the group's worker
     assert p.plan.mode == "torchrun" and p.plan.world_sizes == (2,)
     assert groups.lighthouse[:3] == (LIGHTHOUSE, "--bind", "127.0.0.1:${LIGHTHOUSE_PORT}")
-    for g, (argv, env) in enumerate(zip(groups.argvs, groups.envs)):
+    for g, (argv, env) in enumerate(zip(groups.argvs, groups.envs, strict=True)):
         assert env == {GROUP_VAR: str(g), GROUPS_VAR: "3", ADDR_VAR: "127.0.0.1",
                        LIGHTHOUSE_VAR: "http://127.0.0.1:${LIGHTHOUSE_PORT}"}
         text = " ".join(argv)
@@ -117,7 +117,7 @@ def test_several_nodes_are_exit_3_for_now(config, torchft_here):
         p = prepare(command, config, env=env)
         line = p.one_line() if isinstance(p, UserError) else \
             "error: " + next(f.message for f in p.findings if f.level == "fail")
-        assert (p.exit_code if isinstance(p, UserError) else p.exit_code) == 3
+        assert p.exit_code == 3
         assert "runs its replica groups on one machine for now" in line
         assert "distributed.fault_tolerance=restart" in line and "\n" not in line
 
