@@ -2,7 +2,8 @@
 under ``entrypoint.py launch`` in 2 groups and a spare, each group one torchrun, all
 meeting torchft's real Lighthouse. A worker killed in one group is restarted by that
 group's torchrun while the others keep their processes; a killed Lighthouse is one line
-and everything starts again. The plan's side: tests/unit/test_replica_plan.py.
+and everything starts again; SIGTERM stops every group (143). The plan's side:
+tests/unit/test_replica_plan.py.
 
 Each worker writes ``worker-GROUP-PID.txt`` (its pid and variables) once the
 Lighthouse's port answered, then waits for the test's ``go`` file and exits 0.
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from launcher.detection.torchft_tools import lighthouse_binary
+from tests.harness import procs
 from tests.harness.runs import ENTRY, clean_env, limit, wait_for
 
 pytestmark = pytest.mark.skipif(
@@ -132,3 +134,21 @@ def test_a_lost_lighthouse_is_one_line_and_every_group_starts_again(tmp_path):
     finally:
         text = finish(proc, out, err)
     assert proc.returncode == 0, text
+
+
+def test_sigterm_reaches_every_group_and_is_143(tmp_path):
+    proc, out, err = start(tmp_path)
+    try:
+        wait_for(lambda: all_started(out), 180, "3 groups' workers started")
+        below = procs.descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=limit(120))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = err.read_text()
+    assert proc.returncode == 143, text
+    assert text.strip().splitlines()[-1].startswith("stopped by SIGTERM")
+    # every group's processes and the Lighthouse ended with the launcher
+    wait_for(lambda: not any(procs.alive(p) for p in below), 30, "nothing left behind")
