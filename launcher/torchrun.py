@@ -67,6 +67,7 @@ from train.core.machine import binding
 from train.core.machine.host import exit_now
 from train.core.run import failure_log, protocol
 from train.core.run.identity import STATUS_DIR_VAR
+from train.core.run.replica_contract import GROUP_VAR
 
 
 def _quiet_cpp_warnings():
@@ -102,7 +103,9 @@ def _unique_node_ids() -> None:
 
 
 def _say(line: str) -> None:
-    print(f"torchrun: {line}", file=sys.stderr, flush=True)
+    group = os.environ.get(GROUP_VAR)  # one torchrun of several (replica groups)
+    who = f"torchrun (replica group {group})" if group else "torchrun"
+    print(f"{who}: {line}", file=sys.stderr, flush=True)
 
 
 def _bind_store_servers() -> None:
@@ -305,8 +308,7 @@ def main() -> int:
         torchrun_main()
     except SignalException as exc:
         name = signal.Signals(exc.sigval).name
-        print(f"torchrun: stopped by {name}; workers were told to checkpoint and exit",
-              file=sys.stderr, flush=True)
+        _say(f"stopped by {name}; workers were told to checkpoint and exit")
         return 128 + int(exc.sigval)
     except (RendezvousConnectionError, DistNetworkError, DistStoreError) as exc:
         print(f"torchrun: lost the rendezvous store ({_first_line(exc)}); workers were told "

@@ -22,6 +22,7 @@ from launcher import conventions
 from launcher.commands import packages
 from launcher.detection import rdma, system
 from launcher.detection.hardware import Finding, TorchBuild
+from launcher.planning.replica_plan import quote, shell
 from launcher.planning.variables import Environ
 from train.core.config import DistributedConfig
 from train.core.machine.host import read_build_manifest
@@ -164,7 +165,21 @@ def _plan_lines(p: dict | None) -> list[str]:
     return [f"plan       {p['mode']}: device={p['device']} backend={p['backend']} "
             f"nproc_per_node={p['nproc_per_node']} nnodes={p['nnodes'][0]}:"
             f"{p['nnodes'][1]} ({p['convention']})",
-            *(f"plan note  {n}" for n in p["notes"] if n.startswith("launch convention"))]
+            *(f"plan note  {n}" for n in p["notes"] if n.startswith("launch convention")),
+            *_replica_lines(p.get("replica_groups"))]
+
+
+def _replica_lines(r: dict | None) -> list[str]:
+    """fault_tolerance=replicas: the groups, the spares, the Lighthouse, each command."""
+    if not r:
+        return []
+    groups = r["replicas"] + r["spares"]
+    return [f"replicas   {r['replicas']} group(s) + {r['spares']} spare(s), one torchrun "
+            f"each; Lighthouse on 127.0.0.1 at a free port picked at each start: "
+            f"{shell(r['lighthouse'])}",
+            *(f"group {g}    {'replica' if g < r['replicas'] else 'spare'}: "
+              f"{' '.join(f'{k}={quote(v)}' for k, v in r['envs'][g].items())} "
+              f"{shell(r['argvs'][g])}" for g in range(groups))]
 
 
 def _slurm_lines(slurm: dict | None) -> list[str]:

@@ -40,3 +40,25 @@ def store_gone(store: str, wait_s: float, lost_times: int | None) -> Outcome:
                                     "wrote their checkpoint. Check the rendezvous Deployment "
                                     "and Service, then restart this pod: it resumes from the "
                                     "last checkpoint")
+
+
+def lighthouse_down(argv: str, why: str, log: str) -> Outcome:
+    """torchft's Lighthouse did not come up (replica groups): nothing was started."""
+    return Outcome(EXIT_TRAINING_FAILED, f"error: torchft's Lighthouse ({argv}) {why}; no "
+                                         f"replica group was started; its log: {log}")
+
+
+def lighthouse_lost(line: str, relaunches: int) -> Outcome:
+    """The Lighthouse was lost once more than ``distributed.max_restarts`` allows."""
+    return Outcome(EXIT_TRAINING_FAILED, f"error: training failed: {line}, after {relaunches} "
+                                         "relaunch(es) (distributed.max_restarts); the groups "
+                                         "wrote their checkpoint: rerun the same command to "
+                                         "resume")
+
+
+def group_ended(group: int, outcome: Outcome, max_restarts: int) -> str:
+    """One line for a replica group that ended otherwise than done, from its own outcome."""
+    why = (outcome.message or f"exit code {outcome.code}").removeprefix("error: ")
+    if outcome.code == EXIT_TRAINING_FAILED:
+        return f"replica group {group} gave up after {max_restarts} restart(s): {why}"
+    return f"replica group {group} ended with exit code {outcome.code}: {why}"

@@ -24,6 +24,7 @@ from launcher import conventions
 from launcher.conventions import Nodes
 from launcher.detection.compat import check_build
 from launcher.detection.hardware import Hardware, TorchBuild
+from launcher.planning.replica_plan import ReplicaGroups, check_one_machine, plan_groups
 from launcher.planning.variables import Environ
 from launcher.planning.worker_variables import WorkerVariables, direct_worker_identity
 from train.core.config import AUTO, Config, batch_split
@@ -72,6 +73,8 @@ class Plan:
     requeue_signal: int | None = None
     rdzv_host: str | None = None
     log_dir: str | None = None
+    # fault_tolerance=replicas: a Lighthouse and a torchrun per group (argv: group 0's)
+    replica_groups: ReplicaGroups | None = None
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
 
@@ -99,6 +102,8 @@ class Plan:
         lines += [f"# warning: {w}" for w in self.warnings]
         if self.rdzv_host:
             lines.append(f"# before starting: wait until {self.rdzv_host} resolves")
+        if self.replica_groups:  # several commands: the shared variables exported
+            return "\n".join(lines + self.replica_groups.render(self.env))
         lines += [f"{k}={shlex.quote(v)} \\" for k, v in self.env.items()]
         lines.append(shlex.join(self.argv))
         return "\n".join(lines)
@@ -179,6 +184,8 @@ def check_gpus_per_task(gpus: int, tasks_per_node: int) -> None:
 
 
 def world_sizes(cfg: Config, nodes: Nodes, nproc: int) -> tuple[int, ...]:
+    if cfg.distributed.fault_tolerance == "replicas":  # the logical world: every group's
+        return (cfg.distributed.replicas * nproc,)
     if runs_one_process(cfg.distributed.strategy):
         return (1,)
     return tuple(n * nproc for n in range(nodes.min, nodes.max + 1))
@@ -245,13 +252,14 @@ def worker_variables(cfg: Config, hw: Hardware, device: str, backend: str, nproc
 
 def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_path: str,
          overrides: list[str], python: str, app_root: str, master_port: int = 29500,
-         script: list[str] | None = None) -> Plan:
+         script: list[str] | None = None, lighthouse: str | None = None) -> Plan:
     """Decide everything about the launch; raise ConfigError (2) or CannotRunHere (3).
 
     script: ``launch``'s program instead of the trainer (``[path, args...]`` or
     ``["-m", module, args...]``); it runs under ``train.script``, which reports how
     it ended as a training worker does, and learns the plan's device and backend from
     TRAIN_DEVICE and TRAIN_BACKEND. The global batch is the trainer's business only.
+    lighthouse: torchft's Lighthouse binary as found here (fault_tolerance=replicas).
     """
     source = str(config_path)
     notes: list[str] = []
@@ -269,18 +277,22 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
         d.rdzv_join_timeout_s, d.rdzv_last_call_s, d.rdzv_keep_alive_s, expiry_attempts))
     notes.extend(nodes.notes)
     nproc = resolve_nproc(cfg, hw, device, nodes, source, notes)
+    replicas = cfg.distributed.fault_tolerance == "replicas"
+    if replicas:
+        check_one_machine(nodes)
+    local = nproc * (d.replicas + d.spares if replicas else 1)  # processes on this machine
     sizes = world_sizes(cfg, nodes, nproc)
     if script is None:
         tracker_config.check(cfg, source, environ.raw)
-        host = hw.memory_available // nproc if hw.memory_available else None
+        host = hw.memory_available // local if hw.memory_available else None
         check_batch_splits(cfg, sizes, nodes, nproc, source, host)
         check_model_memory(cfg, min(sizes), *_state_memory(cfg, hw, device, nproc, host),
                            gpu=device == "gpu")
     max_restarts = cfg.distributed.max_restarts if nodes.max_restarts is None \
         else nodes.max_restarts
     # one process: the launcher is its torchrun (one node alone, or one task per GPU)
-    direct = nproc == 1 and (nodes.alone or nodes.identity is not None)
-    variables = worker_variables(cfg, hw, device, backend, nproc, nodes, environ, app_root,
+    direct = nproc == 1 and (nodes.alone or nodes.identity is not None) and not replicas
+    variables = worker_variables(cfg, hw, device, backend, local, nodes, environ, app_root,
                                  direct, master_port, max_restarts)
     if script is None:
         worker = [WORKER_MODULE, source, *overrides, f"device={device}",
@@ -297,12 +309,14 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
         argv = [python, "-m", "launcher.torchrun", *nodes.args, "--nproc-per-node",
                 str(nproc), "--max-restarts", str(max_restarts), "--log-dir", log_dir,
                 "--tee", "3", "-m", *worker]
+    groups = plan_groups(cfg, argv, nodes.args, lighthouse) if replicas else None
     # The config's own warnings (values it adjusted) first: the launcher prints them
     # once, and the workers it starts leave them to it.
     warnings = config_warnings(cfg) + list(hw.warnings) + [f"kept {k}" for k in variables.kept]
     if device == "gpu" and backend == "gloo":
         warnings.append("distributed.backend=gloo on GPUs is much slower than nccl")
-    return Plan(mode="direct" if direct else "torchrun", argv=tuple(argv), env=variables.values,
+    return Plan(mode="direct" if direct else "torchrun",
+                argv=groups.argvs[0] if groups else tuple(argv), env=variables.values,
                 device=device, backend=backend, nproc_per_node=nproc,
                 nnodes=(nodes.min, nodes.max), world_sizes=sizes, max_restarts=max_restarts,
                 convention=nodes.convention, job=nodes.job, store=nodes.store,
@@ -316,5 +330,5 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
                 program="train" if script is None else "script",
                 requeue=nodes.requeue, requeue_signal=nodes.requeue_signal,
                 rdzv_host=nodes.host,
-                log_dir=log_dir,
+                log_dir=log_dir, replica_groups=groups,
                 notes=tuple(notes), warnings=tuple(warnings))

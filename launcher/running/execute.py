@@ -126,15 +126,18 @@ def _announce(p: Prepared, log: Callable[[str], None], *, verbose: bool) -> None
 
 def _supervise(p: Prepared, log: Callable[[str], None], lock: RunLock | None,
                signals: Forwarder, *, verbose: bool) -> Outcome:
-    """Wait for the rendezvous host, then run the plan under :mod:`launcher.running.supervise`;
-    with the run-directory lock (``train``), stop when the lock is lost."""
-    from launcher.running import supervise
+    """Wait for the rendezvous host, then run the plan under :mod:`launcher.running.supervise`
+    (:mod:`launcher.running.replica_groups` for replica groups); with the run-directory
+    lock (``train``), stop when the lock is lost."""
+    from launcher.running import replica_groups, supervise
     from train.core.config import to_yaml
     plan, cfg = p.plan, p.cfg
-    log("run " + shlex.join(plan.argv))
+    if not plan.replica_groups:  # replica groups: each command said as it starts
+        log("run " + shlex.join(plan.argv))
     if plan.rdzv_host:
         system.wait_for_host(plan.rdzv_host, p.env.dns_wait_s, log)
-    return supervise.run(plan, p.env.raw, log,
+    run = replica_groups.run if plan.replica_groups else supervise.run
+    return run(plan, p.env.raw, log,
                          keep_fds=(lock.fd,) if lock is not None and lock.fd else (),
                          verbose=verbose,
                          config_text=to_yaml(cfg) if plan.program == "train" else None,

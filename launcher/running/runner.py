@@ -2,8 +2,8 @@
 
 ``train``, ``launch``, ``doctor`` and ``--dry-run`` all go through :func:`prepare`:
 read the environment -> load and check the config -> detect GPUs -> the torch build
--> the launch plan -> the output folder -> the object store (``checkpoint.remote``)
--> /dev/shm. Each stage adds
+-> the launch plan -> torchft (``fault_tolerance: replicas``) -> the output folder -> the
+object store (``checkpoint.remote``) -> /dev/shm. Each stage adds
 :class:`~launcher.detection.hardware.Finding` records. ``doctor`` collects every finding and
 reports them; the other commands stop at the first failure, raised as the one-line
 error of its exit code (2 bad input, 3 cannot run here). So the commands cannot drift
@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from launcher.detection import system
+from launcher.detection import system, torchft_tools
 from launcher.detection.compat import check_build, install_fix
 from launcher.detection.detect import detect, torch_build, torch_build_on_disk
 from launcher.detection.hardware import Finding, Hardware, TorchBuild
@@ -50,6 +50,7 @@ def prepare(request: Request, env: Environ | None = None, *, hardware: Hardware 
     _hardware(p, hardware)
     _torch(p, tb)
     _plan(p, master_port)
+    _fault_tolerance(p)
     _output(p)
     _remote(p)
     _shm(p)
@@ -186,14 +187,29 @@ def _plan(p: Prepared, master_port: int | None) -> None:
                            app_root=APP_ROOT,
                            master_port=system.free_port() if master_port is None
                            else master_port,
-                           script=list(r.script) if r.command == "launch" else None)
+                           script=list(r.script) if r.command == "launch" else None,
+                           lighthouse=torchft_tools.lighthouse_binary() if _replicas(p) else None)
     except UserError as exc:
         _fail(p, exc, "plan")
         return
     q = p.plan
     _add(p, [Finding("ok", "plan", f"{r.command if r.command != 'doctor' else 'train'} would "
                      f"run {q.nproc_per_node} process(es) per node on {q.device} with "
-                     f"{q.backend}, nodes {q.nnodes[0]}:{q.nnodes[1]} ({q.convention})")])
+                     f"{q.backend}, nodes {q.nnodes[0]}:{q.nnodes[1]} ({q.convention})"
+                     + (f", in each of {q.replica_groups.replicas} replica group(s) and "
+                        f"{q.replica_groups.spares} spare(s)" if q.replica_groups else ""))])
+
+
+def _replicas(p: Prepared) -> bool:
+    return p.cfg is not None and p.cfg.distributed.fault_tolerance == "replicas"
+
+
+def _fault_tolerance(p: Prepared) -> None:
+    """Replica groups need torchft: its package for the workers, its Lighthouse binary
+    for the launcher (exit 3 naming the install otherwise)."""
+    if _replicas(p):
+        _add(p, torchft_tools.check(torchft_tools.lighthouse_binary(),
+                                    torchft_tools.torchft_found()))
 
 
 def _output(p: Prepared) -> None:

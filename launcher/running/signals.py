@@ -20,6 +20,7 @@ class Forwarder:
 
     def __init__(self, requeue_signal: int | None = None) -> None:
         self.proc: subprocess.Popen | None = None
+        self.others: list[subprocess.Popen] = []  # more children at once (replica groups)
         self.received: list[int] = []
         self.requeue_signal = requeue_signal
         self._old: dict[int, object] = {}
@@ -38,8 +39,9 @@ class Forwarder:
 
     def _handle(self, signum: int, frame: object) -> None:
         self.received.append(signum)
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(self._to_child(signum))
+        for proc in (self.proc, *self.others):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(self._to_child(signum))
 
     def _to_child(self, signum: int) -> int:
         return signal.SIGTERM if signum == self.requeue_signal else signum
@@ -47,4 +49,10 @@ class Forwarder:
     def attach(self, proc: subprocess.Popen) -> None:
         self.proc = proc
         for sig in self.received:  # arrived while the child was starting
+            proc.send_signal(self._to_child(sig))
+
+    def attach_another(self, proc: subprocess.Popen) -> None:
+        """One more child that gets the signals too (each replica group's torchrun)."""
+        self.others.append(proc)
+        for sig in self.received:
             proc.send_signal(self._to_child(sig))

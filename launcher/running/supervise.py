@@ -58,7 +58,7 @@ def read_reports(folder: Path) -> list[Report]:
     return protocol.latest_round(protocol.read_all(folder))
 
 
-def _child_setup(launcher_pid: int, ignored: int | None = None) -> Callable[[], None]:
+def child_setup(launcher_pid: int, ignored: int | None = None) -> Callable[[], None]:
     """Runs in the child between fork and exec: it gets SIGTERM when the launcher dies,
     even by kill -9, and then checkpoints and stops like on any SIGTERM (torchrun passes
     it on to the workers), instead of training on unsupervised. ``ignored``: a signal
@@ -206,7 +206,7 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
             env = {**env, LOCAL_ID_VAR: str(local_id)}
         proc = subprocess.Popen(list(plan.argv), env=env, start_new_session=True,
                                 pass_fds=keep_fds,
-                                preexec_fn=_child_setup(os.getpid(), plan.requeue_signal))
+                                preexec_fn=child_setup(os.getpid(), plan.requeue_signal))
         forwarder.attach(proc)
         liveness.start(Child(proc.pid, local_id,
                              lambda what, then: stop_workers(proc.pid, what, then, log,

@@ -1,0 +1,44 @@
+"""How a job of replica groups ends, from each group's own outcome
+(launcher/running/replica_groups.py): done when one group finished, 143 after a stop,
+else the first failure with its group named; a group that ended otherwise is one line.
+The groups running for real: tests/e2e/test_replica_launch.py."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from launcher.endings import verdicts
+from launcher.endings.outcome import Outcome
+from launcher.running.replica_groups import Group, _combine
+
+FAILED = Outcome(1, "error: training failed: rank 0: RuntimeError: boom; details in its log x")
+STOPPED = Outcome(143, "stopped by SIGTERM; rerun the same command to resume from the last "
+                       "checkpoint")
+
+
+def groups(*outcomes: Outcome) -> list[Group]:
+    return [Group(i, Path("."), None, o, ended_at=10.0 - i) for i, o in enumerate(outcomes)]
+
+
+def test_one_group_finished_is_done():
+    assert _combine(None, groups(FAILED, Outcome(0), Outcome(0)), []) == Outcome(0)
+
+
+def test_a_stop_is_143():
+    assert _combine(None, groups(STOPPED, STOPPED), [signal.SIGTERM]) == STOPPED
+
+
+def test_no_group_finished_is_the_first_failure_naming_its_group():
+    # group 1 ended first (ended_at 9.0 < 10.0)
+    ended = _combine(None, groups(Outcome(4, "error: diverged"), FAILED), [])
+    assert ended.code == 1
+    assert ended.message.startswith("error: replica group 1: training failed: rank 0: ")
+
+
+def test_a_group_that_ended_otherwise_is_one_line():
+    assert verdicts.group_ended(1, FAILED, 3) == (
+        "replica group 1 gave up after 3 restart(s): training failed: rank 0: RuntimeError: "
+        "boom; details in its log x")
+    assert verdicts.group_ended(2, Outcome(4, "error: diverged at step 3"), 3) == \
+        "replica group 2 ended with exit code 4: diverged at step 3"
