@@ -2,9 +2,11 @@
 
 Reports what was detected (GPUs with vendor, name, memory, UUID, visibility; driver
 vs the image's torch build), the plan a ``train`` would make (device, backend,
-processes, nodes), /dev/shm, the output folder, network interfaces, the rendezvous
-host's resolution, the image's build manifest and the Python packages (a version
-moved from its lock, a project module hiding a package: :mod:`launcher.commands.packages`).
+processes, nodes), a token dataset's size, order and fetch per epoch
+(:mod:`train.core.datasets.footprint`), /dev/shm, the output folder, network
+interfaces, the rendezvous host's resolution, the image's build manifest and the Python
+packages (a version moved from its lock, a project module hiding a package:
+:mod:`launcher.commands.packages`).
 Exits 0 when training would start, 2 for an invalid config or environment, 3 when this
 machine/image cannot run it. ``--comm`` adds the preflight check across the local
 processes/GPUs: a timed matmul on each, a timed all-reduce among them
@@ -41,7 +43,8 @@ def gather(env: Environ, config_path: str | None, overrides: list[str]) -> dict:
     report: dict[str, Any] = {"torch": p.torch.to_dict(), "hardware": p.hardware.to_dict(),
                               "visibility": env.visibility.as_dict(),
                               "convention": conventions.detect(env).NAME if p.cfg else None,
-                              "plan": p.plan.to_dict() if p.plan else None}
+                              "plan": p.plan.to_dict() if p.plan else None,
+                              "data": p.data}
     if p.plan and p.plan.rdzv_host:
         host = p.plan.rdzv_host
         addrs = system.resolve(host)
@@ -126,6 +129,7 @@ def render(report: dict) -> str:
              _visibility_line(report["visibility"]),
              f"cpus       {hw['cpus']}",
              *_plan_lines(report.get("plan")),
+             *(f"data       {line}" for line in (report.get("data") or {}).get("lines", [])),
              *_slurm_lines(report.get("slurm")),
              _network_line(report["network"]),
              f"rdma       {rdma.line(report['rdma'])}",

@@ -90,9 +90,9 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
-    def render(self) -> str:
-        """What ``--dry-run`` prints: the decisions as comments, then a command a shell can
-        run as it is."""
+    def render(self, data: list[str] = ()) -> str:
+        """What ``--dry-run`` prints: the decisions (and ``data``: lines about the dataset)
+        as comments, then a command a shell can run as it is."""
         lines = ["# launch plan (dry run: nothing was started)",
                  f"# mode={self.mode} device={self.device} backend={self.backend} "
                  f"nproc_per_node={self.nproc_per_node} nnodes={self.nnodes[0]}:"
@@ -100,6 +100,7 @@ class Plan:
                  f"max_restarts={self.max_restarts} convention={self.convention}"]
         lines += [f"# note: {n}" for n in self.notes]
         lines += [f"# warning: {w}" for w in self.warnings]
+        lines += [f"# data: {line}" for line in data]
         if self.rdzv_host:
             lines.append(f"# before starting: wait until {self.rdzv_host} resolves")
         if self.replica_groups:  # several commands: the shared variables exported

@@ -44,6 +44,7 @@ class Prepared:
     torch: TorchBuild = field(default_factory=TorchBuild)
     plan: Plan | None = None
     findings: list[Finding] = field(default_factory=list)
+    data: dict | None = None         # data.kind tokens: its size and fetch (doctor, dry run)
 
     @property
     def exit_code(self) -> int:

@@ -51,6 +51,7 @@ def prepare(request: Request, env: Environ | None = None, *, hardware: Hardware 
     _torch(p, tb)
     _plan(p, master_port)
     _fault_tolerance(p)
+    _data(p)
     _output(p)
     _remote(p)
     _shm(p)
@@ -212,6 +213,22 @@ def _fault_tolerance(p: Prepared) -> None:
                                     torchft_tools.torchft_found()))
 
 
+def _data(p: Prepared) -> None:
+    """data.kind tokens, for doctor and a dry run: the dataset's size, its order and what
+    reading it fetches per epoch and node (a training launch skips it: one listing the
+    less)."""
+    if p.cfg is None or p.cfg.data.kind != "tokens" or not (p.request.collects or
+                                                            p.request.dry_run):
+        return
+    from train.core.datasets import footprint, tokenfiles
+    try:
+        files = tokenfiles.resolve(p.cfg.data.path, p.request.config or "<defaults>")
+    except UserError:
+        return  # the config's own check said why
+    p.data = footprint.describe(p.cfg, files, p.plan.nnodes[0] if p.plan else 1)
+    p.data["lines"] = footprint.lines(p.data)
+
+
 def _output(p: Prepared) -> None:
     if p.cfg is None:
         return
@@ -264,7 +281,7 @@ def run(request: Request, log: Callable[[str], None], *, verbose: bool = False) 
     """prepare, then print the plan (a dry run) or execute it."""
     prepared = prepare(request)
     if request.dry_run:
-        print(prepared.plan.render())
+        print(prepared.plan.render((prepared.data or {}).get("lines", [])))
         return 0
     from launcher.running.execute import execute
     return execute(prepared, log, verbose=verbose)

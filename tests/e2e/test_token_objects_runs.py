@@ -1,7 +1,8 @@
 """Token and text files in object storage, whole runs: two processes started by the
 launcher read their shards from a real S3 server (SeaweedFS on 127.0.0.1) and train with
 the losses of one process reading the same files from the local disk (whose launcher
-kept its scan of the files' ids in the run directory); a text run from objects has the
+kept its scan of the files' ids in the run directory), their metrics counting each
+object's bytes once (``data/fetched_bytes``); a text run from objects has the
 losses of the same run from local files; an object replaced mid-run stops it with one
 line and exit 2, and the next start refuses to resume on the changed data. In process,
 and one process from the store resumed: tests/unit/test_token_objects.py,
@@ -20,9 +21,20 @@ import time
 import pytest
 
 from tests.harness import s3server
-from tests.harness.runs import ENTRY, ROOT, TINY_GPT, entry, limit, losses, merge, write_config
+from tests.harness.runs import (
+    ENTRY,
+    ROOT,
+    TINY_GPT,
+    entry,
+    limit,
+    losses,
+    merge,
+    read_metrics,
+    write_config,
+)
 from tests.unit.test_text_objects import text_files
 from tests.unit.test_token_shards import token_files
+from tests.unit.test_training import tensorboard_run
 
 pytestmark = pytest.mark.skipif(s3server.missing() is not None,
                                 reason=str(s3server.missing()))
@@ -59,6 +71,24 @@ def test_two_processes_from_objects_train_as_one_from_local_files(tmp_path, shuf
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     for step in ref:  # the same samples; the reduction order of two processes differs
         assert math.isclose(ref[step], got[step], rel_tol=1e-5), (step, ref[step], got[step])
+    fetched_as_the_cache_holds(tmp_path, paths)
+
+
+def fetched_as_the_cache_holds(tmp_path, paths) -> None:
+    """data/fetched_bytes at every logging step, growing to the bytes of the objects the
+    node's cache holds (each fetched once by one of the two processes), in TensorBoard
+    too; data/wait_s everywhere; no fetched bytes for local files."""
+    rows = {n: [r for r in read_metrics(tmp_path / "runs" / n) if "loss" in r]
+            for n in ("local", "remote")}
+    assert all(r["data/wait_s"] >= 0 for n in rows for r in rows[n])
+    assert not any("data/fetched_bytes" in r for r in rows["local"])
+    fetched = [r["data/fetched_bytes"] for r in rows["remote"]]
+    held = sum(p.stat().st_size for p in (tmp_path / "cache").iterdir()
+               if not p.name.startswith("."))
+    assert fetched == sorted(fetched) and len(fetched) == STEPS, fetched
+    assert fetched[-1] == held == sum(p.stat().st_size for p in paths), (fetched, held)
+    board = tensorboard_run(tmp_path / "runs" / "remote" / "tb" / "train")
+    assert [e.value for e in board.Scalars("perf/data_fetched_bytes")] == fetched
 
 
 def test_a_text_run_from_objects_has_the_losses_of_the_run_from_local_files(s3_server,

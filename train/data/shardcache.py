@@ -35,7 +35,7 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from train.core.datasets.tokenfiles import TokenFile
@@ -60,6 +60,33 @@ class DamagedInTransit(OSError):
 # What the user can do about data that changed under a run.
 CHANGED = ("; a run trains on the data it started with: put the object back as it was, or "
            "start a new run (another run.name) on the new data")
+
+
+# Bytes of objects fetched whole by this process and the DataLoader workers it forks after
+# count_fetches(): an integer in shared memory, so a worker's fetches count in its rank's
+# total (None: not counting; a worker started by spawn inherits none and counts nothing).
+_fetched = None
+
+
+def count_fetches() -> Callable[[], int]:
+    """Count from now on the bytes this process, and the workers it forks later, fetch
+    from the store (the metric ``data/fetched_bytes``); returns the count's reader."""
+    global _fetched
+    if _fetched is None:
+        import multiprocessing  # here: 20 ms, for runs that read objects only
+        _fetched = multiprocessing.Value("q", 0)
+    return fetched_bytes
+
+
+def fetched_bytes() -> int:
+    """Bytes fetched since :func:`count_fetches` (0 before)."""
+    return 0 if _fetched is None else _fetched.value
+
+
+def _counted(size: int) -> None:
+    if _fetched is not None:
+        with _fetched.get_lock():  # a process-shared semaphore: a fork cannot strand it
+            _fetched.value += size
 
 
 def default_folder() -> Path:
@@ -162,6 +189,7 @@ class ShardCache:
                                         f"{said(exc)}") from None
                 log.warning("fetching %s: %s; trying again", f.name, said(exc))
                 time.sleep(attempt)
+        _counted(size)
         log.info("fetched %s (%d bytes) into %s", f.name, size, self.folder)
 
     def _fetch_once(self, f: TokenFile, path: Path) -> int:

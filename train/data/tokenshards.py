@@ -27,15 +27,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from train.core.datasets.footprint import windows_in
 from train.core.datasets.tokenfiles import TokenFile
 from train.core.errors import BadData
 from train.data.order import BlockOrder
 from train.data.shardcache import ShardCache
-
-
-def windows_in(f: TokenFile, length: int) -> int:
-    return max(0, (f.size // 2 - 1) // length)
-
 
 # How often the read-ahead of data.shuffle: blocks looks whether training reached the
 # group before the one it fetches next

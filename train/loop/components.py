@@ -9,6 +9,7 @@ loop. Progress lives in :class:`train.checkpoint.state.TrainState`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from train.checkpoint.state import TrainState
 from train.core.config import AUTO, Config, batch_split
 from train.core.config import tracking as tracker_config
 from train.core.config.checks import check_batch_memory
+from train.core.datasets.tokenfiles import is_remote
 from train.core.errors import CannotRunHere
 from train.core.machine.host import OUTPUT_DIR_FIX, available_memory, output_dir_problem
 from train.core.nodes.verdict import Verdict
@@ -31,6 +33,7 @@ from train.core.storage import s3
 from train.data.builders import DataBundle, build_data
 from train.data.loader import make_loader
 from train.data.order import BlockOrder, GlobalOrder, RankBatchSampler
+from train.data.shardcache import count_fetches
 from train.distributed import ranks
 from train.distributed.parallel import apply_activation_checkpointing, check_placement, parallelize
 from train.distributed.precision import autocast, grad_scaler
@@ -62,6 +65,8 @@ class Components:
     objective: losses.Objective  # the model's forward and train.loss, for one batch
     # the preflight's link times, (node, peer node) -> ms: a two-node job's link baseline
     preflight_links: dict[tuple[int, int], float] | None = None
+    # this rank's count of bytes fetched from object storage (None: data read from elsewhere)
+    fetched: Callable[[], int] | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -122,6 +127,9 @@ def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> C
     ranks.set_deterministic(cfg.deterministic)
     ranks.seed_everything(cfg.seed, env.rank)
     objective = losses.Objective(cfg.train.loss, source)
+    # objects, or your code's train.data.remote: counted from before the first fetch
+    fetched = count_fetches() if cfg.data.kind == "custom" or is_remote(cfg.data.path) \
+        else None
     data = build_data(cfg, source)
     module = build_model(cfg.model, input_shape=data.input_shape, num_classes=data.num_classes,
                          source=source)
@@ -146,7 +154,7 @@ def build(cfg: Config, env: WorkerIdentity, source: str, placed: Placement) -> C
     checkpointer = build_checkpointer(cfg, env, nodes)
     return Components(cfg, source, env, device, data, model, module, optimizer, scheduler,
                       grad_scaler(device.type, cfg.precision), micro, accum, checkpointer,
-                      formats.for_config(cfg), objective)
+                      formats.for_config(cfg), objective, fetched=fetched)
 
 
 def _one_sample(data: DataBundle, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

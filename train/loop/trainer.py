@@ -104,7 +104,8 @@ def train_steps(c: Components, state: TrainState, stop: StopFlag,
     every_log, every_eval = cfg.logging.every_steps, cfg.train.eval_every_steps
     cadence = Cadence.from_config(cfg)
     samples_per_step = cfg.train.global_batch_size * max(1, c.data.tokens_per_sample)
-    intervals = Intervals(cfg, env, c.device, state.step, c.model, c.preflight_links)
+    intervals = Intervals(cfg, env, c.device, state.step, c.model, c.preflight_links,
+                          c.fetched)
     while state.step < cfg.train.max_steps:
         watchdog.pet(state.step)
         loss = train_step(c, batches, intervals.phases)
@@ -124,7 +125,7 @@ def train_steps(c: Components, state: TrainState, stop: StopFlag,
             if env.is_main:
                 values = {"loss": loss_value, "lr": lr, "grad_norm": norm}
                 values["throughput"] = samples_per_step / step_time
-                values.update(gpu_memory_stats(c.device))
+                values.update(gpu_memory_stats(c.device) | intervals.data)
                 metrics.log(step, values, step_time=step_time,
                             ranks=intervals.judge.worst if env.distributed else None)
                 for finding in named:  # stragglers and slow links

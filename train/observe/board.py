@@ -5,7 +5,8 @@ tag, and it orders the groups of cards (the part of a tag before ``/``) by name.
 the run writes two TensorBoard runs, ``tb/train`` and ``tb/val``, both with the tag
 ``loss``: one chart, train and validation together, in the first group. What follows
 sorts after it: ``optim/`` (lr, grad_norm), ``perf/`` (throughput, step time, GPU
-memory), ``score/`` (validation accuracy). ``metrics.jsonl`` keeps its own key names.
+memory, the wait for data and the bytes fetched), ``score/`` (validation accuracy).
+``metrics.jsonl`` keeps its own key names.
 
 HParams: torch's ``add_hparams`` writes its metric as an extra scalar at step 0 (a
 lone dot on a chart of its own) and stores booleans as numbers (its ``int`` branch
@@ -25,7 +26,8 @@ from typing import Any
 TRAIN_TAGS = {"loss": "loss", "lr": "optim/lr", "grad_norm": "optim/grad_norm",
               "throughput": "perf/throughput", "step_time_s": "perf/step_time_s",
               "gpu/peak_allocated_gb": "perf/gpu_peak_allocated_gb",
-              "gpu/reserved_gb": "perf/gpu_reserved_gb"}
+              "gpu/reserved_gb": "perf/gpu_reserved_gb", "data/wait_s": "perf/data_wait_s",
+              "data/fetched_bytes": "perf/data_fetched_bytes"}
 VAL_TAGS = {"val/loss": "loss", "val/accuracy": "score/accuracy"}
 # HParams columns: what tells runs apart first, then everything else in config order.
 HPARAM_ORDER = ("model.", "optim.", "train.global_batch_size", "train.micro_batch_size",

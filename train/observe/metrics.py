@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("train")
 SLOWEST_RANK = "ranks/slowest_ratio"
+FILES_ONLY = "data/"  # the data's wait and bytes fetched: files and trackers, not the console
 
 
 def truncate_jsonl(path: Path, keep_through_step: int) -> None:
@@ -88,7 +89,8 @@ class MetricsLogger:
         if self.tb:
             self.tb.log_train(step, recorded)
         self.trackers.log(step, recorded)
-        self.console.row(step, values, step_time)
+        self.console.row(step, {k: v for k, v in values.items() if not k.startswith(FILES_ONLY)},
+                         step_time)
 
     def named(self, finding: Finding | LinkFinding) -> None:
         """A rank or a node's link named slow (or keeping pace again): the console,
