@@ -151,7 +151,9 @@ def _start_lighthouse(plan: Plan, keep_fds: tuple[int, ...], log: Log) -> Lighth
     argv = fill(plan.replica_groups.lighthouse, LIGHTHOUSE_PORT=port)
     path = _log_path(plan)
     with path.open("ab") as out:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
+        # at INFO it writes lines for every quorum of every step (RUST_LOG=info: to see them)
+        env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, env=env,
                                 stderr=subprocess.STDOUT, start_new_session=True,
                                 preexec_fn=child_setup(os.getpid(), plan.requeue_signal))
     log(f"run {shell(argv)} (the Lighthouse, pid {proc.pid}; its log {path})")
