@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,31 @@ def test_a_killed_worker_costs_no_restart_of_the_others_and_no_sample(tmp_path, 
     assert all(torch.equal(mine[k], reference[k]) for k in reference)
     result = json.loads((run_dir / "result.json").read_text())
     assert result == json.loads((fault_free / "result.json").read_text())
+
+
+def test_a_stop_by_signal_checkpoints_once_and_the_rerun_ends_as_the_fault_free_run(
+        tmp_path, fault_free):
+    """SIGTERM reaches every group; they agree on the step to stop at through the step's
+    all-reduce, one group writes the checkpoint, every group exits 143. The same command
+    again resumes there, continues the ledger, and ends with the fault-free weights."""
+    cfg = config(tmp_path, "stopped")
+    run_dir = tmp_path / "runs" / "stopped"
+    proc, err = start(cfg, "distributed.spares=1")
+    try:
+        wait_for(lambda: ledger_lines(run_dir) >= 20, limit(300), "20 committed steps")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=limit(300)) == 143, err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stopped_at = [e.step for e in read(run_dir / "ledger.jsonl")][-1]
+    assert stopped_at < STEPS
+    assert (run_dir / "checkpoints" / f"step-{stopped_at}" / "checksums.json").is_file()
+    again, err = start(cfg, "distributed.spares=1")
+    assert again.wait(timeout=limit(600)) == 0, err.read_text()
+    assert f"at step {stopped_at}" in err.read_text()
+    entries = read(run_dir / "ledger.jsonl")
+    assert [e.step for e in entries] == list(range(1, STEPS + 1))
+    assert check_exactly_once(entries) == []
+    mine, reference = final_weights(run_dir), final_weights(fault_free)
+    assert all(torch.equal(mine[k], reference[k]) for k in reference)

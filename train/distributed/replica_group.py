@@ -87,7 +87,8 @@ class ReplicaGroup:
             connect_timeout=timedelta(seconds=t.manager_s),
             rank=env.rank, world_size=env.world_size, store_addr=addr, store_port=port,
             lighthouse_addr=env.lighthouse, replica_id=f"group_{self.group_id}",
-            hostname=env.replica_addr or "127.0.0.1")
+            hostname=env.replica_addr or "127.0.0.1",
+            checkpoint_transport=_weights_only_transport(timedelta(seconds=t.manager_s)))
         _quiet_heal_server(self.manager)
 
     def _loader(self, load: Callable[[dict[str, Any]], None]):
@@ -129,6 +130,24 @@ class ReplicaGroup:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def _weights_only_transport(timeout: timedelta):
+    """torchft's HTTP heal transport, reading what a peer sends as the project reads a
+    checkpoint: ``weights_only`` (tensors and plain values; torchft's own unpickles
+    anything, so any process that reached the heal port could run code here)."""
+    import urllib.request
+
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class WeightsOnlyHTTPTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
 
 
 def _quiet_heal_server(manager) -> None:
