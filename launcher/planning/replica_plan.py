@@ -102,9 +102,11 @@ def check_one_machine(nodes: Nodes) -> None:
 
 
 def rdzv_args(group: int) -> tuple[str, ...]:
-    """A group's own rendezvous: c10d on 127.0.0.1 at a free port, one node."""
+    """A group's own rendezvous: c10d on 127.0.0.1 at a free port, one node; and its
+    role, which torchrun puts before each line of its workers (``[group1-rank0]:``)."""
     return ("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{HOST}:{RDZV_PORT}",
-            "--rdzv-id", f"replica-group-{group}", "--nnodes", "1", "--local-addr", HOST)
+            "--rdzv-id", f"replica-group-{group}", "--nnodes", "1", "--local-addr", HOST,
+            "--role", f"group{group}-rank")
 
 
 def plan_groups(cfg: Config, argv: list[str], standalone: tuple[str, ...],

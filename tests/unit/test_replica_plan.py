@@ -70,7 +70,8 @@ def test_two_replicas_and_a_spare_are_three_torchruns_after_a_lighthouse(config,
         text = " ".join(argv)
         assert "-m launcher.torchrun --rdzv-backend c10d --rdzv-endpoint " \
                f"127.0.0.1:${{RDZV_PORT}} --rdzv-id replica-group-{g} --nnodes 1 " \
-               "--local-addr 127.0.0.1 --nproc-per-node 1 --max-restarts 2" in text
+               f"--local-addr 127.0.0.1 --role group{g}-rank --nproc-per-node 1 " \
+               "--max-restarts 2" in text
         assert "--standalone" not in argv and argv[-2:] == ("device=cpu",
                                                             "distributed.backend=gloo")
     # the threads are shared by every group's processes: 8 CPUs, 3 processes

@@ -64,11 +64,20 @@ def start_logging(c: Components, state: TrainState, shutdown: Shutdown) -> Metri
                     explicit_code_version=c.env.code_version,
                     user_code=usercode.imported_files())
     unit = "tokens" if c.data.tokens_per_sample else "samples"
-    log.info("model %s: %s parameters | data %s | world size %d | micro-batch %d x %d "
+    log.info("model %s: %s parameters | data %s | world size %s | micro-batch %d x %d "
              "accumulation | device %s | precision %s | %d CPU thread(s)", c.cfg.model.kind,
-             f"{count_parameters(c.module):,}", c.data.description, c.env.world_size, c.micro,
+             f"{count_parameters(c.module):,}", c.data.description, world_text(c), c.micro,
              c.accum, c.device, c.cfg.precision, torch.get_num_threads())
     return MetricsLogger(c.cfg, c.run_dir, state.step, throughput_unit=unit, shutdown=shutdown)
+
+
+def world_text(c: Components) -> str:
+    """The world size, and with replica groups how many share each batch."""
+    d = c.cfg.distributed
+    if d.fault_tolerance != "replicas":
+        return str(c.env.world_size)
+    spares = f" + {d.spares} spare(s)" if d.spares else ""
+    return f"{c.env.world_size} in each of {d.replicas} replica groups{spares}"
 
 
 def checkpoint_bytes(c: Components) -> int:
