@@ -254,13 +254,20 @@ def _combine(plan: Plan, groups: list[Group], signals: list[int]) -> Outcome:
                    first.outcome.unfit_hosts)
 
 
+# How long the groups get to stop once the Lighthouse is lost.
+LOST_LIGHTHOUSE_STOP_S = 15.0
+
+
 def _lost(plan: Plan, groups: list[Group], lighthouse: Lighthouse, rc: int, log: Log) -> str:
     """The Lighthouse exited while groups ran: one line, then every group stops."""
     running = [g for g in groups if g.proc.poll() is None]
     line = (f"the Lighthouse (pid {lighthouse.proc.pid}, {lighthouse.address}) exited with "
             f"code {rc} while {len(running)} replica group(s) ran")
-    log(f"{line}; stopping every group (they write their checkpoint)")
-    grace = float(plan.env.get(SHUTDOWN_TIMEOUT_VAR, "25")) + 5.0
+    # Without it no group gets a quorum, so none can agree on a step to checkpoint at;
+    # a step in flight may still end, the rest waits for nothing: a short bound.
+    grace = min(float(plan.env.get(SHUTDOWN_TIMEOUT_VAR, "25")) + 5.0, LOST_LIGHTHOUSE_STOP_S)
+    log(f"{line}; stopping every group (killed after {grace:.0f} s) to start again from "
+        "the last checkpoint")
     _stop_groups(running, grace, log)
     return line
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -139,6 +140,63 @@ def test_a_stop_by_signal_checkpoints_once_and_the_rerun_ends_as_the_fault_free_
     again, err = start(cfg, "distributed.spares=1")
     assert again.wait(timeout=limit(600)) == 0, err.read_text()
     assert f"at step {stopped_at}" in err.read_text()
+    entries = read(run_dir / "ledger.jsonl")
+    assert [e.step for e in entries] == list(range(1, STEPS + 1))
+    assert check_exactly_once(entries) == []
+    mine, reference = final_weights(run_dir), final_weights(fault_free)
+    assert all(torch.equal(mine[k], reference[k]) for k in reference)
+
+
+def test_a_frozen_group_is_left_behind_and_heals_when_it_thaws(tmp_path, fault_free):
+    """SIGSTOP of group 1's worker: the others' all-reduce times out
+    (distributed.replica_timeout_s), the Lighthouse stops hearing it, and the spare takes
+    its slot; SIGCONT: it finds its step failed, heals from a live group and trains on,
+    in the same process. Nobody restarted; nothing lost."""
+    cfg = config(tmp_path, "frozen")
+    run_dir = tmp_path / "runs" / "frozen"
+    proc, err = start(cfg, "distributed.spares=1", "distributed.replica_timeout_s=5")
+    try:
+        wait_for(lambda: ledger_lines(run_dir) >= 20, limit(300), "20 committed steps")
+        before = workers(proc.pid)
+        subprocess.run(["kill", "-STOP", str(before[1])], check=True)
+        at_stop = ledger_lines(run_dir)
+        try:
+            wait_for(lambda: ledger_lines(run_dir) >= at_stop + 20, limit(300),
+                     "20 committed steps without group 1")
+        finally:
+            subprocess.run(["kill", "-CONT", str(before[1])], check=True)
+        assert proc.wait(timeout=limit(600)) == 0, err.read_text()
+        assert "replica group 1 healed from a live peer" in err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "restarting the workers" not in err.read_text()
+    entries = read(run_dir / "ledger.jsonl")
+    assert check_exactly_once(entries) == [] and entries[-1].step == STEPS
+    assert (0, 2) in {tuple(e.replicas) for e in entries}
+    mine, reference = final_weights(run_dir), final_weights(fault_free)
+    assert all(torch.equal(mine[k], reference[k]) for k in reference)
+
+
+def test_a_lost_lighthouse_falls_back_to_the_last_checkpoint(tmp_path, fault_free):
+    """kill -9 of the Lighthouse: one line names it, every group stops and starts again
+    with a new one from the last sealed checkpoint; the ledger drops the steps trained
+    again, and the run ends as the fault-free one."""
+    cfg = config(tmp_path, "lost")
+    run_dir = tmp_path / "runs" / "lost"
+    proc, err = start(cfg, "distributed.spares=1")
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "step-500" / "checksums.json").exists(),
+                 limit(300), "the checkpoint of step 500")
+        lighthouse = int(re.search(r"\(the Lighthouse, pid (\d+);", err.read_text())[1])
+        subprocess.run(["kill", "-9", str(lighthouse)], check=True)
+        assert proc.wait(timeout=limit(600)) == 0, err.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = err.read_text()
+    assert len([ln for ln in text.splitlines() if f"the Lighthouse (pid {lighthouse}," in ln]) == 1
+    assert re.search(r"resumed from \S+/step-(500|1000) ", text), text[-3000:]
     entries = read(run_dir / "ledger.jsonl")
     assert [e.step for e in entries] == list(range(1, STEPS + 1))
     assert check_exactly_once(entries) == []

@@ -47,8 +47,9 @@ class Quorum:
     healed: bool        # this group received its state from a peer for it
 
 
-# torchft's loggers: a line per quorum, commit and heal at INFO is too much for a console;
-# what matters (a step not committed, a heal) the loop says in its own words.
+# torchft's loggers: a line per quorum, commit and heal at INFO, and a traceback at ERROR
+# for every failed all-reduce; what matters (a step not committed and why, a heal) the
+# loop says in one line of its own.
 TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 
 
@@ -56,7 +57,7 @@ def _torchft():
     # its Rust side (Lighthouse client, Manager server) logs through RUST_LOG
     os.environ.setdefault("RUST_LOG", "warn")
     for name in TORCHFT_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     # a heal's tensors arrive in a read-only buffer that torch copies from
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     try:
