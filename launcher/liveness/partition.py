@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -180,7 +181,8 @@ class PartitionWatch:
     def _mine(self, r: Round) -> tuple[NodeWait | None, int]:
         if not r.complete or len(r.members) < 2:
             return None, 0
-        reports = latest_round(read_all(self.folder))
+        # a rank killed while it waited (a lost node's restart) left its report behind
+        reports = [r for r in latest_round(read_all(self.folder)) if _alive(r.pid)]
         restart = reports[0].restart if reports else 0
         return local_wait(reports, self.nproc, r.number, time.time()), restart
 
@@ -208,3 +210,13 @@ class PartitionWatch:
             return printable(str(data["line"]), 600) if same else None
         except (ValueError, TypeError, KeyError):
             return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's: it exists
+    return True

@@ -195,3 +195,27 @@ def test_the_watchdog_reports_a_wait_in_a_collective_and_ends_with_the_launchers
     assert ended.hung == protocol.WAITS_FOR_RANKS and ended.error.startswith("lost contact")
     assert [json.loads(line)["error"] for line in
             (tmp_path / protocol.FAILURES).read_text().splitlines()] == [ended.error]
+
+
+def test_a_rank_killed_while_it_waited_is_no_wait_of_its_node(tmp_path):
+    """Its report stays behind (a lost node's restart killed it): the node computes or
+    restarts, and publishes nothing."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    folder = tmp_path / "a"
+    folder.mkdir()
+    protocol.write(folder, _report(0, since=time.time() - 40))
+    protocol.write(folder, _report(1, since=time.time() - 40, pid=int(dead.stdout)))
+    store = FakeStore()
+    watch = PartitionWatch("job", "100#7", str(folder), 2, print)
+    assert watch.look(store, Round(4, True, False, None, members={A: 0, B: 1})) is None
+    assert not store.data
+
+
+def test_once_a_rank_said_how_it_ended_no_wait_replaces_that_report(tmp_path):
+    reporter = Reporter(WorkerIdentity(rank=0, status_dir=str(tmp_path)))
+    reporter.waiting(22, Waiting("in step 23", NOW, 0.5))
+    reporter.ended(1, "RuntimeError: timed out")
+    reporter.waiting(22, None)  # the watchdog's thread, a moment late
+    [report] = protocol.read_all(tmp_path)
+    assert report.exit_code == 1 and report.error == "RuntimeError: timed out"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,9 @@ class Reporter:
         self.unfit_hosts: list[str] | None = None  # set when a check found them
         self.details: str | None = None  # where its failure went (train.core.run.failure_log)
         self.only_local: str | None = None  # the line of a final checkpoint not uploaded
+        # The hang watchdog's thread reports waits; once the process said how it ended,
+        # none may replace that report.
+        self._lock, self._ended = threading.Lock(), False
 
     @classmethod
     def from_environ(cls, kind: str = RANK) -> Reporter:
@@ -112,7 +116,9 @@ class Reporter:
                              checkpoint=self.newest_checkpoint(),
                              unfit_hosts=self.unfit_hosts, details=self.details,
                              only_local=self.only_local)
-        write(self.folder, report)
+        with self._lock:
+            self._ended = True
+            write(self.folder, report)
         if exit_code == EXIT_TRAINING_FAILED and repeated is None:
             record_failure(self.folder, report)
         return report
@@ -122,12 +128,16 @@ class Reporter:
         same checkpoint is not restarted again and again."""
         report = self.report(exit_code=EXIT_TRAINING_FAILED, error=error, stage=TRAINING,
                              step=step, hung=waits, checkpoint=self.newest_checkpoint())
-        write(self.folder, report)
+        with self._lock:
+            self._ended = True
+            write(self.folder, report)
         record_failure(self.folder, report)
 
     def waiting(self, step: int, waiting: Waiting | None) -> None:
         """In a collective for a while (the hang watchdog saw it), or no longer (None)."""
-        write(self.folder, self.report(stage=TRAINING, step=step, waiting=waiting))
+        with self._lock:
+            if not self._ended:
+                write(self.folder, self.report(stage=TRAINING, step=step, waiting=waiting))
 
     def verdict(self, phase: str) -> str | None:
         """The launcher's line when it judged this attempt's wait ``phase`` (every node's
