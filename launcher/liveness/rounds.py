@@ -5,8 +5,9 @@ launcher logs one line per round (members, who joined or left, what it waits for
 until when) and a periodic "still waiting" line while a round is blocked. It tells a
 vanished member (stopped keep-alives, a pulse that completes no handshake:
 :mod:`launcher.liveness.pulse`) from a starved one, and notices when this node was left
-out of a newer round. The standalone store's own log of the same rounds is
-:func:`launcher.commands.rendezvous.watch`.
+out of a newer round, and has :mod:`launcher.liveness.partition` name nodes whose ranks
+all wait for each other while they still reach the store (a partition). The standalone
+store's own log of the same rounds is :func:`launcher.commands.rendezvous.watch`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from launcher.liveness.partition import PartitionWatch
 from launcher.liveness.pulse import REPROBE_S, Pulse, answers, member_parts, pulse_key
 from launcher.liveness.rdzv_state import (
     PREFIX,
@@ -52,7 +54,8 @@ class RoundWatcher(threading.Thread):
     The other side of that: a node that was cut off sees, once it reaches the store
     again, a newer round without itself (``me``: the end of its own member name,
     ":pid#local-id"). Its workers still wait in the old world's collective, until its
-    timeout; ``on_left_out`` (given the round) stops them, and torchrun joins again."""
+    timeout; ``on_left_out`` (given the round) stops them, and torchrun joins again.
+    Nodes that lost each other but reach the store: ``partition`` looks at each poll."""
 
     def __init__(self, endpoint: str, run_id: str, nnodes: tuple[int, int],
                  join_timeout_s: int, log: Callable[[str], None], poll_s: float = 0.5,
@@ -60,7 +63,8 @@ class RoundWatcher(threading.Thread):
                  on_lost: Callable[[list[str], str], None] | None = None,
                  me: str | None = None,
                  on_left_out: Callable[[int], None] | None = None,
-                 silence_s: float | None = None, pulse: Pulse | None = None) -> None:
+                 silence_s: float | None = None, pulse: Pulse | None = None,
+                 partition: PartitionWatch | None = None) -> None:
         super().__init__(name="rendezvous-watch", daemon=True)
         self.endpoint, self.key, self.run_id = endpoint, PREFIX + run_id, run_id
         self.nnodes, self.join_timeout_s, self.log = nnodes, join_timeout_s, log
@@ -69,6 +73,7 @@ class RoundWatcher(threading.Thread):
         self.me, self.on_left_out = me, on_left_out
         self.silence_s = lost_after_s if silence_s is None else max(silence_s, lost_after_s)
         self.pulse, self.published = pulse, False
+        self.partition = partition  # every node's ranks waiting for the others, named
         self.starved_said: set[tuple[int, str]] = set()
         self.answered: dict[str, float] = {}  # member -> when its pulse last answered
         self.store = None
@@ -98,6 +103,8 @@ class RoundWatcher(threading.Thread):
                 self._publish(store)
                 if store.check([self.key]):
                     self.observe(read_round(store.get(self.key)))
+                if self.partition is not None and self.last is not None:
+                    self.partition.look(store, self.last)
             except Exception:
                 # The watcher's loop is a thread of the launcher: one look that fails (the
                 # store going away mid-call, a callback stopping the workers) must not end

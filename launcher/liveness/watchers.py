@@ -5,8 +5,9 @@ A run gets the watchers its plan names (:attr:`launcher.planning.plan.Plan.liven
 - ``rounds``, an elastic job with a rendezvous store: this node's pulse socket
   (:mod:`launcher.liveness.pulse`) and the round watcher
   (:class:`~launcher.liveness.rounds.RoundWatcher`), which stops this node's workers when
-  a member vanished or when this node was left out of a newer round, and tells the
-  supervisor when the store stopped answering while no worker runs;
+  a member vanished or when this node was left out of a newer round, names every node's
+  ranks waiting for each other (a partition: :mod:`launcher.liveness.partition`), and
+  tells the supervisor when the store stopped answering while no worker runs;
 - ``heartbeat``, a static job: the launchers beat at the rank-0 node
   (:class:`~launcher.liveness.heartbeat.PeerHeartbeat`), which stops this node's workers
   when a node is lost and names it once the workers ended.
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from launcher.liveness.heartbeat import PeerHeartbeat
 from launcher.liveness.heartbeat_wire import listen, resolve
+from launcher.liveness.partition import PartitionWatch
 from launcher.liveness.pulse import Pulse
 from launcher.liveness.rounds import RoundWatcher
 
@@ -46,6 +48,7 @@ class Child:
     local_id: int                                # its rendezvous identity (launcher.torchrun)
     stop_workers: Callable[[str, str], None]     # (what happened, what follows): no checkpoint
     workers_alive: Callable[[], bool]
+    status_dir: str | None = None                # where its workers report (the protocol)
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ class Rounds:
                 "so that the job meets again without it"),
             me=f":{child.pid}#{child.local_id}",
             on_left_out=lambda number: self._rejoin(child, number),
-            silence_s=plan.silence_s, pulse=self.pulse)
+            silence_s=plan.silence_s, pulse=self.pulse, partition=self._partition(child))
         self.watcher.start()
 
     def lost(self, rc: int | None, signalled: bool) -> Loss | None:
@@ -113,6 +116,14 @@ class Rounds:
         _stop_thread(self.watcher)
         if self.pulse is not None:
             self.pulse.close()
+
+    def _partition(self, child: Child) -> PartitionWatch | None:
+        """Several nodes training: name their ranks waiting for each other (a partition)."""
+        plan = self.plan
+        if plan.nnodes[1] < 2 or not child.status_dir or plan.program != "train":
+            return None
+        return PartitionWatch(plan.job, f"{child.pid}#{child.local_id}", child.status_dir,
+                              plan.nproc_per_node, self.log)
 
     def _pulse(self) -> Pulse | None:
         """This node's pulse, at the address its peers know it by."""

@@ -211,7 +211,7 @@ def _start_and_wait(plan: Plan, env: dict, keep_fds: tuple[int, ...],
         liveness.start(Child(proc.pid, local_id,
                              lambda what, then: stop_workers(proc.pid, what, then, log,
                                                              env.get(STATUS_DIR_VAR)),
-                             lambda: workers_alive(proc.pid)))
+                             lambda: workers_alive(proc.pid), env.get(STATUS_DIR_VAR)))
         rc, reason = _wait(proc, liveness, log, abort)
         forwarder.proc = None
         if reason:

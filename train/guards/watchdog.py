@@ -52,6 +52,7 @@ from train.core.run.protocol import (
     WAITS_FOR_LOADER,
     WAITS_FOR_RANKS,
     Reporter,
+    Waiting,
 )
 
 STEPS_OF_SILENCE = 20
@@ -65,6 +66,7 @@ BEFORE_COLLECTIVES = 0.8
 SLOW_DISK_BYTES_S = 50e6
 CHECKPOINTS_OF_SILENCE = 3
 PROGRESS_EVERY_S = 1.0  # a small file replaced by rename: nothing measurable per step
+WAIT_SEEN_S = 2.0  # silent this long and found in a collective: reported as waiting
 BACKSTOP_S = 5
 REARM_SHARE = 0.05  # faulthandler's backstop is re-armed this far into the limit
 # Frames that mean "waiting for the other ranks": collectives, and backward, where DDP's
@@ -152,6 +154,9 @@ class Watchdog:
         self.last: float | None = None   # the last sign of progress, None while paused
         self.step, self.phase = 0, STEP
         self.writer: WriterWatch | None = None  # a background checkpoint in flight
+        self.step_s: float | None = None  # the agreed step time, once known
+        self.wait: Waiting | None = None  # the wait in a collective reported, if any
+        self.wait_of: float | None = None  # the silence (its `last`) that wait belongs to
         self._thread: threading.Thread | None = None
 
     def pet(self, step: int = 0) -> None:
@@ -196,6 +201,7 @@ class Watchdog:
         """The step time every rank agrees on (an all-reduced mean): a step silent for
         STEPS_OF_SILENCE of them is a hang, however long distributed.timeout_s is."""
         self.limit = min(self.cap, max(FLOOR_S, STEPS_OF_SILENCE * step_time_s))
+        self.step_s = step_time_s
 
     def checkpoint_limit(self) -> float:
         """A checkpoint's parts may take longer than a step: its state written slowly,
@@ -248,9 +254,28 @@ class Watchdog:
             last = self.last
             if last is not None and time.monotonic() - last > self.watched:
                 self._hung(time.monotonic() - last)
+            if self.reporter is not None:
+                self._watch_wait(last)
             writer = self.writer
             if writer is not None and time.monotonic() - writer.last > writer.limit:
                 self._writer_hung(writer, time.monotonic() - writer.last)
+
+    def _watch_wait(self, last: float | None) -> None:
+        """Report a wait in a collective (its phase, since when) while it lasts, so that the
+        launcher can tell when every node waits for the others (a partition); end it as
+        hung with the launcher's line once it judged so (launcher.liveness.partition)."""
+        waiting = last is not None and time.monotonic() - last > WAIT_SEEN_S and \
+            where(sys._current_frames().get(threading.main_thread().ident))[0] == \
+            WAITS_FOR_RANKS
+        if waiting and (self.wait is None or self.wait_of != last):
+            self.wait = Waiting(_phase_words(self.phase, self.step), time.time(), self.step_s)
+            self.wait_of = last
+            self.reporter.waiting(self.step, self.wait)
+        elif not waiting and self.wait is not None:
+            self.wait = None
+            self.reporter.waiting(self.step, None)
+        if self.wait is not None and (line := self.reporter.verdict(self.wait.phase)):
+            self._end(self.step, WAITS_FOR_RANKS, line)
 
     def _hung(self, silent_s: float) -> None:
         frame = sys._current_frames().get(threading.main_thread().ident)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from train.core.run.reports import (  # the records, used by every side under th
     Failure,
     Probe,
     Report,
+    Waiting,
     culprit,
     restart_can_help,
 )
@@ -57,12 +59,15 @@ from train.core.run.reports import (  # the records, used by every side under th
 FAILURES = "failures.jsonl"
 ATTEMPTS = "attempts.jsonl"
 CONFIG_SNAPSHOT = "validated-config.yaml"
+# The other way, from the launcher to its workers: its verdict on a wait every node of the
+# job shares (launcher.liveness.partition), which the waiting ranks' watchdogs end with.
+VERDICT = "wait-verdict.json"
 
 __all__ = ["ATTEMPTS", "COMM", "CONFIG_SNAPSHOT", "FAILURES", "RANK", "STUCK_IN_OWN_CODE",
            "TRAINING", "WAITS_FOR_LOADER", "WAITS_FOR_RANKS", "Attempt", "Exit", "Failure",
-           "Probe", "Report", "Reporter", "attempts", "culprit", "failures", "last_attempt",
+           "Probe", "Report", "Reporter", "VERDICT", "Waiting", "attempts", "culprit", "failures", "last_attempt",
            "latest_round", "read_all", "record_attempt", "record_failure", "restart_can_help",
-           "write"]
+           "write", "write_verdict"]
 
 
 class Reporter:
@@ -80,6 +85,9 @@ class Reporter:
         self.unfit_hosts: list[str] | None = None  # set when a check found them
         self.details: str | None = None  # where its failure went (train.core.run.failure_log)
         self.only_local: str | None = None  # the line of a final checkpoint not uploaded
+        # The hang watchdog's thread reports waits; once the process said how it ended,
+        # none may replace that report.
+        self._lock, self._ended = threading.Lock(), False
 
     @classmethod
     def from_environ(cls, kind: str = RANK) -> Reporter:
@@ -108,7 +116,9 @@ class Reporter:
                              checkpoint=self.newest_checkpoint(),
                              unfit_hosts=self.unfit_hosts, details=self.details,
                              only_local=self.only_local)
-        write(self.folder, report)
+        with self._lock:
+            self._ended = True
+            write(self.folder, report)
         if exit_code == EXIT_TRAINING_FAILED and repeated is None:
             record_failure(self.folder, report)
         return report
@@ -118,8 +128,31 @@ class Reporter:
         same checkpoint is not restarted again and again."""
         report = self.report(exit_code=EXIT_TRAINING_FAILED, error=error, stage=TRAINING,
                              step=step, hung=waits, checkpoint=self.newest_checkpoint())
-        write(self.folder, report)
+        with self._lock:
+            self._ended = True
+            write(self.folder, report)
         record_failure(self.folder, report)
+
+    def waiting(self, step: int, waiting: Waiting | None) -> None:
+        """In a collective for a while (the hang watchdog saw it), or no longer (None)."""
+        with self._lock:
+            if not self._ended:
+                write(self.folder, self.report(stage=TRAINING, step=step, waiting=waiting))
+
+    def verdict(self, phase: str) -> str | None:
+        """The launcher's line when it judged this attempt's wait ``phase`` (every node's
+        ranks waiting there: a partition); None otherwise."""
+        if not self.folder:
+            return None
+        try:
+            data = json.loads((Path(self.folder) / VERDICT).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("restart") != self.ident.restart_count or \
+                data.get("phase") != phase:
+            return None
+        line = data.get("line")
+        return line if isinstance(line, str) else None
 
     def stage(self, stage: str, error: str | None = None, probe: Probe | None = None) -> None:
         """A probe's progress (``doctor --comm``)."""
@@ -159,6 +192,18 @@ def write(folder: str | Path | None, report: Report) -> None:
         write_json_atomic(report.path_in(folder), dataclasses.asdict(report), durable=False)
     except OSError:
         pass  # reporting must never turn a result into a crash
+
+
+def write_verdict(folder: str | Path | None, restart: int, phase: str, line: str) -> None:
+    """The launcher's verdict on its workers' wait ``phase`` in attempt ``restart``: each
+    rank still waiting there ends as hung with ``line`` (:meth:`Reporter.verdict`)."""
+    if not folder:
+        return
+    try:
+        write_json_atomic(Path(folder) / VERDICT,
+                          {"restart": restart, "phase": phase, "line": line}, durable=False)
+    except OSError:
+        pass  # the hang watchdog's own limit still ends the wait
 
 
 def record_failure(folder: str | Path | None, report: Report) -> None:

@@ -103,6 +103,17 @@ class Probe:
     check_s: float | None = None       # the whole check
 
 
+@dataclass(frozen=True)
+class Waiting:
+    """A training rank waiting for the other ranks in a collective (its hang watchdog saw
+    it there, :mod:`train.guards.watchdog`), since ``since`` (this host's wall clock): what
+    the launcher publishes for its node so that a partition between nodes is named
+    (:mod:`launcher.liveness.partition`)."""
+    phase: str                          # "in step 23", "in the checkpoint of step 20", ...
+    since: float
+    step_s: float | None = None         # the agreed step time (None before the first)
+
+
 @dataclass
 class Report:
     rank: int
@@ -121,6 +132,7 @@ class Report:
     checkpoint: str | None = None       # the run's newest checkpoint when it ended
     unfit_hosts: list[str] | None = None  # hosts a check found unfit (preflight: fail)
     only_local: str | None = None       # finished, the final checkpoint not in the store
+    waiting: Waiting | None = None      # in a collective for a while (set while it lasts)
     pid: int = field(default_factory=os.getpid)
     time: float = field(default_factory=time.time)
 
@@ -161,4 +173,6 @@ class Report:
             known["repeated"] = Failure(**known["repeated"])
         if isinstance(known.get("probe"), dict):
             known["probe"] = Probe(**known["probe"])
+        if isinstance(known.get("waiting"), dict):
+            known["waiting"] = Waiting(**known["waiting"])
         return cls(**known)
