@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     reference = (before + after) / 2
     print(f"throughput, 2 groups + spare, kill -9 every {FAULT_EVERY_S} s for "
           f"{args.minutes:g} min: {faulty:.1f} steps/s, {faulty / reference:.2f} x the "
-          f"fault-free {reference:.1f} (before {before:.1f}, after {after:.1f}); the restart "
+          f"fault-free {reference:.1f} (before {before:.1f}: {faulty / before:.2f}, after "
+          f"{after:.1f}: {faulty / after:.2f}); the restart "
           f"would lose {base:.1f} s of each {FAULT_EVERY_S} s: ~{1 - base / FAULT_EVERY_S:.2f}"
           " (estimated from (d), not measured)")
     return 0
