@@ -152,7 +152,8 @@ class ReplicaRun:
 
 @dataclass(frozen=True)
 class Fault:
-    next_step_s: float  # the signal -> the next committed step
+    next_step_s: float  # the signal -> the next committed step the fault held up
+    in_flight: int      # steps group 1 had computed before the signal, committed meanwhile
     back_s: float       # the signal -> a committed step computed by the victim's group
     before: dict[int, int]
     after: dict[int, int]
@@ -170,15 +171,29 @@ def fault(run: ReplicaRun, signum: int, timeout: float = 180) -> Fault:
     start = time.monotonic()
     os.kill(victim, signum)
     try:
-        run.ledger.wait(lambda n: n > count, timeout, "committed step after the fault")
+        held = held_up(run, count, victim, signum == signal.SIGSTOP, timeout)
     finally:
         if signum == signal.SIGSTOP:
             os.kill(victim, signal.SIGCONT)
-    next_step = run.ledger.seen[count] - start
     back = rejoined(run, victim, signum == signal.SIGSTOP, timeout)
     more = len(run.ledger.groups) + 20
     run.ledger.wait(lambda n: n >= more, timeout, "20 more steps")
-    return Fault(next_step, back - start, before, run.workers(), level)
+    return Fault(run.ledger.seen[held] - start, held - count, back - start, before,
+                 run.workers(), level)
+
+
+def held_up(run: ReplicaRun, count: int, victim: int, stopped: bool, timeout: float) -> int:
+    """The index of the first step committed after the fault that it held up: one that
+    group 1 did not compute, or (a kill) computed by its new worker. A step whose
+    all-reduce group 1 had already joined when the signal came commits anyway, at once:
+    it is skipped (a stopped worker, or a killed one not yet replaced, computes none)."""
+    i = count
+    while True:
+        run.ledger.wait(lambda n, i=i: n > i, timeout, "committed step after the fault")
+        if VICTIM not in run.ledger.groups[i] or \
+                (not stopped and run.workers().get(VICTIM, victim) != victim):
+            return i
+        i += 1
 
 
 def rejoined(run: ReplicaRun, victim: int, resumed: bool, timeout: float) -> float:
@@ -207,7 +222,8 @@ def faults(work: Path, label: str, spares: int, signum: int, n: int) -> list[Fau
             if i:  # group 1 back for 50 steps in a row
                 run.steady()
             out.append(f := fault(run, signum))
-            print(f"({label}) fault {i + 1}: next step {f.next_step_s:.2f} s, group "
+            skipped = f" ({f.in_flight} step in flight committed first)" if f.in_flight else ""
+            print(f"({label}) fault {i + 1}: next step {f.next_step_s:.2f} s{skipped}, group "
                   f"{VICTIM} trains again {f.back_s:.2f} s; survivors' pids "
                   f"{_pids(f)} (load {f.load})", flush=True)
             time.sleep(2)
