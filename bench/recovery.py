@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.harness import netns
@@ -50,8 +51,11 @@ def first(nodes: list[Process], pattern: str, timeout: float = 240) -> Process:
         time.sleep(0.05)
 
 
-def single_node(work: Path) -> float:
-    node = Process("single", [sys.executable, ENTRY, "train", *SMALL_JOB,
+def single_node(work: Path, job: Sequence[str] = tuple(SMALL_JOB)) -> float:
+    """Seconds from kill -9 of one of 2 workers to the first step after the restart
+    (``job``: the arguments of ``entrypoint.py train``; a checkpoint before step 30, a
+    line per step)."""
+    node = Process("single", [sys.executable, ENTRY, "train", *job,
                               "distributed.nproc_per_node=2", f"output.dir={work / 'runs'}"],
                    clean_env(), work).start()
     try:

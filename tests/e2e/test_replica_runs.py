@@ -56,17 +56,6 @@ def start(cfg: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
     return proc, err
 
 
-def workers(launcher: int) -> dict[int, int]:
-    """Replica group -> the pid of its training worker, below the launcher."""
-    found = {}
-    for pid in procs.pids():
-        env = procs.environ(pid)
-        if "REPLICA_GROUP_ID" in env and "train.worker" in procs.cmdline(pid) and \
-                procs.below(pid, launcher):
-            found[int(env["REPLICA_GROUP_ID"])] = pid
-    return found
-
-
 def ledger_lines(run_dir: Path) -> int:
     return len(read(run_dir / "ledger.jsonl"))
 
@@ -93,13 +82,13 @@ def test_a_killed_worker_costs_no_restart_of_the_others_and_no_sample(tmp_path, 
     proc, err = start(cfg, f"distributed.spares={spares}")
     try:
         wait_for(lambda: ledger_lines(run_dir) >= 20, limit(300), "20 committed steps")
-        before = workers(proc.pid)
+        before = procs.replica_workers(proc.pid)
         assert sorted(before) == list(range(2 + spares))
         subprocess.run(["kill", "-9", str(before[1])], check=True)
         at_kill = ledger_lines(run_dir)
         wait_for(lambda: ledger_lines(run_dir) >= at_kill + 20, limit(300),
                  "20 more committed steps after the kill")
-        after = workers(proc.pid)
+        after = procs.replica_workers(proc.pid)
         survivors = [g for g in before if g != 1]
         assert all(after.get(g) == before[g] for g in survivors), (before, after)
         assert proc.wait(timeout=limit(600)) == 0, err.read_text()
@@ -157,7 +146,7 @@ def test_a_frozen_group_is_left_behind_and_heals_when_it_thaws(tmp_path, fault_f
     proc, err = start(cfg, "distributed.spares=1", "distributed.replica_timeout_s=5")
     try:
         wait_for(lambda: ledger_lines(run_dir) >= 20, limit(300), "20 committed steps")
-        before = workers(proc.pid)
+        before = procs.replica_workers(proc.pid)
         subprocess.run(["kill", "-STOP", str(before[1])], check=True)
         at_stop = ledger_lines(run_dir)
         try:

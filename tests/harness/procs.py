@@ -106,3 +106,15 @@ def worker_of_rank(launcher: int, rank: str, module: str = "train.worker") -> in
                 below(pid, launcher):
             return pid
     raise AssertionError(f"no worker of rank {rank} below {launcher}")
+
+
+def replica_workers(launcher: int, module: str = "train.worker") -> dict[int, int]:
+    """Replica group -> the pid of its worker (rank 0 of the group), below the launcher
+    (``distributed.fault_tolerance: replicas``)."""
+    found = {}
+    for pid in pids():
+        env = environ(pid)
+        if "REPLICA_GROUP_ID" in env and env.get("RANK", "0") == "0" and \
+                module in cmdline(pid) and below(pid, launcher):
+            found[int(env["REPLICA_GROUP_ID"])] = pid
+    return found

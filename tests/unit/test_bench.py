@@ -1,5 +1,6 @@
 """The benchmarks' own arithmetic: bench/throughput.py's model FLOPs per token against
-torch's FLOP counter on a real forward and backward, and its GPU peak lookup."""
+torch's FLOP counter on a real forward and backward, and its GPU peak lookup;
+bench/replicas.py's p95 and its reading of a ledger as it grows."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench import oversubscribe, throughput
+from bench import oversubscribe, replicas, throughput
 from tests.harness.runs import ROOT
 from train.core.config import load_config
 from train.models import build_model
@@ -53,3 +54,38 @@ def test_oversubscribe_counts_a_step_only_inside_one_phase_and_the_fair_ratio():
     assert run.fair(cpus=2) == 2.5 and run.ratio() == pytest.approx(2.75)
     busy = oversubscribe.Run(runnable={False: [20, 20], True: [23, 23]})
     assert busy.fair(cpus=2) == pytest.approx(23 / 20)  # "alone" was not idle
+
+
+def test_p95_is_the_nearest_rank():
+    assert replicas.p95([3.0, 1.0, 2.0, 5.0, 4.0]) == 5.0  # of 5: the largest
+    assert replicas.p95([float(i) for i in range(1, 21)]) == 19.0
+    assert replicas.p95([float(i) for i in range(1, 101)]) == 95.0
+    assert replicas.p95([7.0]) == 7.0
+
+
+def _line(step: int, groups: list[int]) -> bytes:
+    return (f'{{"step": {step}, "samples": [[0, 8], [8, 16]], "replicas": {groups}}}\n'
+            ).encode()
+
+
+def test_the_ledger_watch_counts_whole_lines_and_keeps_when_it_saw_each(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    watch = replicas.LedgerWatch(path)
+    assert watch.poll() == 0  # no file yet
+    path.write_bytes(_line(1, [0, 1]) + _line(2, [0, 2])[:10])  # the second one torn
+    assert watch.poll() == 1 and watch.groups == [(0, 1)]
+    first = watch.seen[0]
+    with open(path, "ab") as f:
+        f.write(_line(2, [0, 2])[10:] + _line(3, [0, 0]))
+    assert watch.poll() == 3 and watch.groups == [(0, 1), (0, 2), (0, 0)]
+    assert watch.seen[0] == first <= watch.seen[1] == watch.seen[2]
+    # replaced by a new file (a new writer dropped a torn line: write_atomic); the old
+    # one held open, so that the new one cannot reuse its inode
+    with open(path, "rb"):
+        new = tmp_path / "ledger.tmp"
+        new.write_bytes(b"".join(_line(i, [0, 1]) for i in range(1, 5)))
+        new.replace(path)
+        assert watch.poll() == 4 and watch.groups[-1] == (0, 1)
+    assert watch.seen[0] == first and watch.seen[3] >= watch.seen[2]
+    path.write_bytes(_line(1, [0, 1]))  # rewritten in place, shorter
+    assert watch.poll() == 1 and watch.seen == [first]

@@ -139,7 +139,7 @@ def test_each_node_publishes_its_wait_names_the_partition_and_hands_it_to_its_ra
     now = time.time()
     folders = [_node(tmp_path, "a", (0, 1), now - 40), _node(tmp_path, "b", (2, 3), now - 10)]
     watches = [PartitionWatch("job", member.rsplit(":", 1)[1], str(folder), 2, lines.append)
-               for member, folder in zip((A, B), folders)]
+               for member, folder in zip((A, B), folders, strict=True)]
     assert watches[0].look(store, r) is None  # B's ranks have not waited long enough
     assert wait_key("job", "100#7") in store.data and wait_key("job", "200#9") not in store.data
     for rank in (2, 3):

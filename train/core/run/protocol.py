@@ -63,11 +63,36 @@ CONFIG_SNAPSHOT = "validated-config.yaml"
 # job shares (launcher.liveness.partition), which the waiting ranks' watchdogs end with.
 VERDICT = "wait-verdict.json"
 
-__all__ = ["ATTEMPTS", "COMM", "CONFIG_SNAPSHOT", "FAILURES", "RANK", "STUCK_IN_OWN_CODE",
-           "TRAINING", "WAITS_FOR_LOADER", "WAITS_FOR_RANKS", "Attempt", "Exit", "Failure",
-           "Probe", "Report", "Reporter", "VERDICT", "Waiting", "attempts", "culprit", "failures", "last_attempt",
-           "latest_round", "read_all", "record_attempt", "record_failure", "restart_can_help",
-           "write", "write_verdict"]
+__all__ = [
+    "ATTEMPTS",
+    "COMM",
+    "CONFIG_SNAPSHOT",
+    "FAILURES",
+    "RANK",
+    "STUCK_IN_OWN_CODE",
+    "TRAINING",
+    "VERDICT",
+    "WAITS_FOR_LOADER",
+    "WAITS_FOR_RANKS",
+    "Attempt",
+    "Exit",
+    "Failure",
+    "Probe",
+    "Report",
+    "Reporter",
+    "Waiting",
+    "attempts",
+    "culprit",
+    "failures",
+    "last_attempt",
+    "latest_round",
+    "read_all",
+    "record_attempt",
+    "record_failure",
+    "restart_can_help",
+    "write",
+    "write_verdict",
+]
 
 
 class Reporter:
