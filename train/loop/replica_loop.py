@@ -27,6 +27,7 @@ from train.checkpoint.policy import Cadence
 from train.checkpoint.session import save_checkpoint
 from train.checkpoint.state import TrainState
 from train.core.errors import EXIT_OK, EXIT_PEER_STOPPED, EXIT_STOPPED_BY_SIGNAL
+from train.core.files import finished_step
 from train.data.order import GlobalOrder
 from train.distributed.replica_group import Quorum, ReplicaGroup
 from train.distributed.replica_slots import rank_span, slot_span, slots_of
@@ -132,58 +133,107 @@ def first_quorum(group: ReplicaGroup, expected: int, wait_s: float) -> Quorum:
     return quorum
 
 
-def run_replica_loop(c: Components, state: TrainState, stop: StopFlag,
-                     metrics: MetricsLogger | None, guard: Guard, watchdog: Watchdog,
-                     group: ReplicaGroup, ledger: Ledger | None) -> int:
-    """Train to train.max_steps or to a stop any group asked for."""
-    cfg = c.cfg
-    g, replicas = cfg.train.global_batch_size, cfg.distributed.replicas
-    order, cadence = train_order(c), Cadence.from_config(cfg)
-    group.start_at(state.step)
-    pending = first_quorum(group, c.env.replica_groups or replicas,
-                           cfg.distributed.replica_timeout_s)
-    if ledger is not None and pending.participant == 0 and not pending.healed:
-        ledger.restart_at(state.step)  # no live group ahead: the steps after are redone
-    while state.step < cfg.train.max_steps:
-        watchdog.pet(state.step)
-        started = time.perf_counter()
-        quorum, pending = pending or group.quorum(), None
-        first = state.samples_consumed
+class ReplicaLoop:
+    """Train to train.max_steps or to a stop any group asked for: one attempt at a step
+    after another, each committed everywhere it did not fail, or tried again."""
+
+    def __init__(self, c: Components, state: TrainState, stop: StopFlag,
+                 metrics: MetricsLogger | None, guard: Guard, watchdog: Watchdog,
+                 group: ReplicaGroup, ledger: Ledger | None):
+        self.c, self.state, self.stop, self.metrics = c, state, stop, metrics
+        self.guard, self.watchdog, self.group, self.ledger = guard, watchdog, group, ledger
+        self.order, self.cadence = train_order(c), Cadence.from_config(c.cfg)
+        self.expected = c.env.replica_groups or c.cfg.distributed.replicas
+
+    def run(self) -> int:
+        c, state = self.c, self.state
+        self.group.start_at(state.step)
+        pending = first_quorum(self.group, self.expected, c.cfg.distributed.replica_timeout_s)
+        if self.ledger is not None and pending.participant == 0 and not pending.healed:
+            self.ledger.restart_at(state.step)  # no live group ahead: those after are redone
+        seen = pending.participants
+        while state.step < c.cfg.train.max_steps:
+            self.watchdog.pet(state.step)
+            quorum, pending = pending or self.group.quorum(), None
+            seen = say_membership(c, quorum, self.expected, seen)
+            if finished_without_us(c, quorum, self.expected):
+                return EXIT_OK
+            code = self.attempt(quorum)
+            if code is not None:
+                return code
+        with self.watchdog.watching(EVALUATION, state.step):
+            final = finish(c, self.metrics, state.step, self.watchdog.progress)
+        self.watchdog.pause()
+        if self.metrics is not None:
+            self.metrics.close(final)
+        return EXIT_OK
+
+    def attempt(self, quorum: Quorum) -> int | None:
+        """Compute this group's slots, sum across the groups, commit or not. An exit code
+        when the run stops after this step."""
+        c, started = self.c, time.perf_counter()
+        replicas = c.cfg.distributed.replicas
+        first = self.state.samples_consumed
         mine = slots_of(quorum.participant, quorum.participants, replicas)
-        loss_sum = compute_slots(c, order, first, mine)
-        owners = [group.group_id + 1.0 if s in mine else 0.0 for s in range(replicas)]
-        summed = sum_across_groups(c, group, [loss_sum, float(stop.requested), *owners])
-        if not group.commit():
+        loss_sum = compute_slots(c, self.order, first, mine)
+        owners = [self.group.group_id + 1.0 if s in mine else 0.0 for s in range(replicas)]
+        summed = sum_across_groups(c, self.group,
+                                   [loss_sum, float(self.stop.requested), *owners])
+        if not self.group.commit():
             log.warning("step %d not committed (%s); trained again with the next quorum",
-                        state.step + 1, group.failure() or "a group failed")
+                        self.state.step + 1, self.group.failure() or "a group failed")
             c.optimizer.zero_grad(set_to_none=True)
-            continue
+            return None
+        return self.committed(quorum, first, summed, started)
+
+    def committed(self, quorum: Quorum, first: int, summed: torch.Tensor,
+                  started: float) -> int | None:
+        """Apply the step everywhere it committed: update, ledger, logs, evaluation,
+        checkpoint (by the step's first group), and the agreed stop."""
+        c, state, watchdog = self.c, self.state, self.watchdog
+        cfg = c.cfg
         step = state.step + 1
         lr = c.scheduler.get_last_lr()[0]
-        norm, applied = optimizer_step(c, guard, step)
-        state.advance(g)
+        norm, applied = optimizer_step(c, self.guard, step)
+        state.advance(cfg.train.global_batch_size)
         last = step == cfg.train.max_steps
         stopping = bool(summed[STOP] > 0) and not last
-        how = cadence.due(step, stopping or last)
-        record(ledger, quorum, step, first, c, summed[OWNERS:], durable=how is not None)
-        log_step(c, metrics, guard, step, {"loss": float(summed[LOSS]) / g, "lr": lr,
-                                           "grad_norm": norm},
-                 time.perf_counter() - started, applied)
+        how = self.cadence.due(step, stopping or last)
+        record(self.ledger, quorum, step, first, c, summed[OWNERS:], durable=how is not None)
+        log_step(c, self.metrics, self.guard, step,
+                 {"loss": float(summed[LOSS]) / cfg.train.global_batch_size, "lr": lr,
+                  "grad_norm": norm}, time.perf_counter() - started, applied)
         every_eval = cfg.train.eval_every_steps
         if every_eval and step % every_eval == 0 and not last:  # every group: in step
             with watchdog.watching(EVALUATION, step):
-                log_eval(c, metrics, step, watchdog.progress)
+                log_eval(c, self.metrics, step, watchdog.progress)
         if how is not None and quorum.participant == 0:  # one group writes it
             with watchdog.watching(CHECKPOINT, step):
-                save_checkpoint(c, state, guard, watchdog, background=how == "background")
-        if stopping:
-            return stopped(step, stop, watchdog)
-    with watchdog.watching(EVALUATION, state.step):
-        final = finish(c, metrics, state.step, watchdog.progress)
-    watchdog.pause()
-    if metrics is not None:
-        metrics.close(final)
-    return EXIT_OK
+                save_checkpoint(c, state, self.guard, watchdog, background=how == "background")
+        return stopped(step, self.stop, watchdog) if stopping else None
+
+
+def finished_without_us(c: Components, quorum: Quorum, expected: int) -> bool:
+    """Alone in the quorum after the other groups finished the run (this group thawed or
+    restarted too late): it must not train the run's end again on its own."""
+    if quorum.participants == 1 < expected and \
+            finished_step(c.run_dir, c.cfg.train.max_steps) is not None:
+        log.info("the other replica groups finished the run; nothing left to do here")
+        return True
+    return False
+
+
+def say_membership(c: Components, quorum: Quorum, expected: int, seen: int) -> int:
+    """One line when the number of groups in the quorum changes (a group lost, a spare
+    or a restarted group back), from the step's writer; returns the new number."""
+    if quorum.participants != seen and quorum.participant == 0 and c.env.is_main:
+        step = quorum.step + 1
+        if quorum.participants < expected:
+            log.warning("step %d: %d of %d replica groups in the quorum (the others heal and "
+                        "join when they are back)", step, quorum.participants, expected)
+        else:
+            log.info("step %d: all %d replica groups in the quorum again", step, expected)
+    return quorum.participants
 
 
 def stopped(step: int, stop: StopFlag, watchdog: Watchdog) -> int:
@@ -219,6 +269,6 @@ def run_replicas(c: Components, state: TrainState, stop: StopFlag,
     group = ReplicaGroup(c.cfg, c.env, c.device, save, load)
     ledger = Ledger(ledger_path(c.run_dir)) if c.env.is_main else None
     try:
-        return run_replica_loop(c, state, stop, metrics, guard, watchdog, group, ledger)
+        return ReplicaLoop(c, state, stop, metrics, guard, watchdog, group, ledger).run()
     finally:
         group.close()
