@@ -121,13 +121,16 @@ def record(ledger: Ledger | None, quorum: Quorum, step: int, first: int, c: Comp
 
 def first_quorum(group: ReplicaGroup, expected: int, wait_s: float) -> Quorum:
     """The first step's quorum, once every group started with the job is in it (bounded
-    by ``wait_s``: a group that comes later joins a later step and heals)."""
+    by ``wait_s``: a group that comes later joins a later step and heals). A group that
+    heals in it joins a job that trains already: it must not wait, since the others
+    count it in their quorum and their all-reduce would wait for it."""
     deadline = time.monotonic() + wait_s
     quorum = group.quorum()
-    if quorum.participants < expected:
+    if quorum.participants < expected and not quorum.healed and wait_s > 0:
         log.info("waiting up to %.0f s for %d replica groups (%d there)", wait_s, expected,
                  quorum.participants)
-    while quorum.participants < expected and time.monotonic() < deadline:
+    while quorum.participants < expected and not quorum.healed and \
+            time.monotonic() < deadline:
         time.sleep(0.5)
         quorum = group.quorum()
     return quorum
@@ -148,7 +151,9 @@ class ReplicaLoop:
     def run(self) -> int:
         c, state = self.c, self.state
         self.group.start_at(state.step)
-        pending = first_quorum(self.group, self.expected, c.cfg.distributed.replica_timeout_s)
+        # a group torchrun restarted joins a job that trains already: no wait for the rest
+        wait = 0.0 if c.env.restart_count else c.cfg.distributed.replica_timeout_s
+        pending = first_quorum(self.group, self.expected, wait)
         if self.ledger is not None and pending.participant == 0 and not pending.healed:
             self.ledger.restart_at(state.step)  # no live group ahead: those after are redone
         seen = pending.participants
