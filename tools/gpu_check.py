@@ -203,6 +203,10 @@ def _ranks(ctx: Context) -> int:
     return 2 if ctx.force_cpu else ctx.gpus
 
 
+def _has_torchft(ctx: Context) -> bool:
+    return (Path(ctx.python).parent / "torchft_lighthouse").exists()
+
+
 def _offload(ctx: Context) -> list[str]:
     return [] if ctx.force_cpu else ["memory.cpu_offload=true"]  # needs an accelerator
 
@@ -222,6 +226,14 @@ GPU_STAGES: tuple[Stage, ...] = (
                                         f"train.max_steps={6 if c.force_cpu else 30}"),
           lambda c, out: f"{_ranks(c)} processes: {loss_note(c.metrics('ddp'))}",
           when=lambda c: _ranks(c) >= 2, must_say=r"world size [2-9]|world size \d\d"),
+    # replica groups on GPUs: each group its own devices (never a shared one), torchft's
+    # NCCL process group across them; where torchft is installed beside the Python
+    Stage("replicas", 120, lambda c: c.train("replicas", "distributed.fault_tolerance=replicas",
+                                             "distributed.replicas=2", "train.max_steps=30",
+                                             "checkpoint.every_steps=10"),
+          lambda c, out: f"2 replica groups: {loss_note(c.metrics('replicas'))}",
+          when=lambda c: _ranks(c) >= 2 and _has_torchft(c),
+          must_say=r"in each of 2 replica groups"),
     Stage("tests", 240, lambda c: [c.python, "-m", "pytest", "-q", "-m", "gpu", "-p",
                                    "no:cacheprovider", str(ROOT / "tests")],
           lambda c, out: f"gpu-marked tests: {pytest_note(out)}"),

@@ -24,7 +24,12 @@ from launcher import conventions
 from launcher.conventions import Nodes
 from launcher.detection.compat import check_build
 from launcher.detection.hardware import Hardware, TorchBuild
-from launcher.planning.replica_plan import ReplicaGroups, check_one_machine, plan_groups
+from launcher.planning.replica_plan import (
+    ReplicaGroups,
+    check_one_machine,
+    plan_groups,
+    processes_per_group,
+)
 from launcher.planning.variables import Environ
 from launcher.planning.worker_variables import WorkerVariables, direct_worker_identity
 from train.core.config import AUTO, Config, batch_split
@@ -251,6 +256,14 @@ def worker_variables(cfg: Config, hw: Hardware, device: str, backend: str, nproc
     return v
 
 
+def _per_group(cfg: Config, nodes: Nodes, nproc: int, gpus: int, device: str) -> int:
+    """Replica groups: one machine, its GPUs split among the groups (else ``nproc``)."""
+    if cfg.distributed.fault_tolerance != "replicas":
+        return nproc
+    check_one_machine(nodes)
+    return processes_per_group(cfg, nproc, gpus, device)
+
+
 def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_path: str,
          overrides: list[str], python: str, app_root: str, master_port: int = 29500,
          script: list[str] | None = None, lighthouse: str | None = None) -> Plan:
@@ -279,8 +292,7 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     notes.extend(nodes.notes)
     nproc = resolve_nproc(cfg, hw, device, nodes, source, notes)
     replicas = cfg.distributed.fault_tolerance == "replicas"
-    if replicas:
-        check_one_machine(nodes)
+    nproc = _per_group(cfg, nodes, nproc, len(hw.gpus), device)
     local = nproc * (d.replicas + d.spares if replicas else 1)  # processes on this machine
     sizes = world_sizes(cfg, nodes, nproc)
     if script is None:
@@ -310,7 +322,8 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
         argv = [python, "-m", "launcher.torchrun", *nodes.args, "--nproc-per-node",
                 str(nproc), "--max-restarts", str(max_restarts), "--log-dir", log_dir,
                 "--tee", "3", "-m", *worker]
-    groups = plan_groups(cfg, argv, nodes.args, lighthouse) if replicas else None
+    groups = plan_groups(cfg, argv, nodes.args, lighthouse,
+                         gpu_share=nproc * (device == "gpu")) if replicas else None
     # The config's own warnings (values it adjusted) first: the launcher prints them
     # once, and the workers it starts leave them to it.
     warnings = config_warnings(cfg) + list(hw.warnings) + [f"kept {k}" for k in variables.kept]

@@ -18,10 +18,11 @@ import shlex
 from dataclasses import dataclass
 
 from launcher.conventions.common import Nodes
-from train.core.config import Config
+from train.core.config import AUTO, Config
 from train.core.errors import CannotRunHere
 from train.core.run.replica_contract import (
     ADDR_VAR,
+    DEVICE_OFFSET_VAR,
     GROUP_VAR,
     GROUPS_VAR,
     LIGHTHOUSE_VAR,
@@ -109,17 +110,37 @@ def rdzv_args(group: int) -> tuple[str, ...]:
             "--role", f"group{group}-rank")
 
 
+def processes_per_group(cfg: Config, nproc: int, gpus: int, device: str) -> int:
+    """On GPUs the groups split this machine's devices, one process each: auto gives
+    every group an equal share (the rest stay idle); more than there are is exit 3."""
+    d = cfg.distributed
+    groups = d.replicas + d.spares
+    if device != "gpu":
+        return nproc
+    if d.nproc_per_node == AUTO:
+        nproc = gpus // groups
+    if nproc < 1 or nproc * groups > gpus:
+        need = max(nproc, 1) * groups
+        raise CannotRunHere(f"{groups} replica groups (distributed.replicas + spares) of "
+                            f"{max(nproc, 1)} process(es) need {need} GPUs, one each; {gpus} "
+                            "usable here: fewer groups, a smaller distributed.nproc_per_node, "
+                            "or device=cpu")
+    return nproc
+
+
 def plan_groups(cfg: Config, argv: list[str], standalone: tuple[str, ...],
-                lighthouse: str | None) -> ReplicaGroups:
+                lighthouse: str | None, gpu_share: int = 0) -> ReplicaGroups:
     """Each group's command: ``argv`` (one node's torchrun, as the plan builds it) with
-    its rendezvous flags ``standalone`` replaced by the group's own."""
+    its rendezvous flags ``standalone`` replaced by the group's own. ``gpu_share``: the
+    GPUs each group takes (0 on the CPU), from its first device on."""
     d = cfg.distributed
     at = next(i for i in range(len(argv)) if tuple(argv[i:i + len(standalone)]) == standalone)
     groups = d.replicas + d.spares
     argvs = tuple((*argv[:at], *rdzv_args(g), *argv[at + len(standalone):])
                   for g in range(groups))
     envs = tuple({GROUP_VAR: str(g), GROUPS_VAR: str(groups),
-                  LIGHTHOUSE_VAR: f"http://{HOST}:{LIGHTHOUSE_PORT}", ADDR_VAR: HOST}
+                  LIGHTHOUSE_VAR: f"http://{HOST}:{LIGHTHOUSE_PORT}", ADDR_VAR: HOST,
+                  **({DEVICE_OFFSET_VAR: str(g * gpu_share)} if gpu_share else {})}
                  for g in range(groups))
     bind = f"{HOST}:{LIGHTHOUSE_PORT}"
     return ReplicaGroups(d.replicas, d.spares,

@@ -15,14 +15,28 @@ import yaml
 
 from launcher.commands import doctor
 from launcher.detection import torchft_tools
-from launcher.detection.hardware import Hardware, TorchBuild
+from launcher.detection.hardware import Gpu, Hardware, TorchBuild
 from launcher.planning import environ
 from launcher.planning.replica_plan import fill
 from launcher.running import runner
 from train.core.errors import UserError
-from train.core.run.replica_contract import ADDR_VAR, GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR
+from train.core.run.replica_contract import (
+    ADDR_VAR,
+    DEVICE_OFFSET_VAR,
+    GROUP_VAR,
+    GROUPS_VAR,
+    LIGHTHOUSE_VAR,
+)
 
 CPU_TORCH = TorchBuild(version="2.13.0+cpu", gloo=True)
+CUDA_TORCH = TorchBuild(version="2.13.0+cu130", cuda="13.0", nccl=True, gloo=True,
+                        arch_list=("sm_90",))
+
+
+def gpus(n: int) -> Hardware:
+    return Hardware(vendor="nvidia", source="test", listed=n, cpus=32,
+                    driver_version="580.65.06", cuda_driver_version="13.0",
+                    gpus=tuple(Gpu(index=i, name="G", arch="sm_90") for i in range(n)))
 LIGHTHOUSE = "/opt/venv/bin/torchft_lighthouse"
 REPLICAS = ("distributed.fault_tolerance=replicas",)
 
@@ -46,12 +60,14 @@ def torchft_here(monkeypatch):
 
 
 def prepare(command: str, config: str, *overrides: str, env: dict | None = None,
-            dry_run: bool = False) -> runner.Prepared | UserError:
+            dry_run: bool = False, hardware: Hardware | None = None,
+            tb: TorchBuild = CPU_TORCH) -> runner.Prepared | UserError:
     request = runner.Request(command, config, overrides=(*REPLICAS, *overrides),
                              dry_run=dry_run)
     try:
         return runner.prepare(request, environ.read({"PATH": "/usr/bin", **(env or {})}),
-                              hardware=Hardware(cpus=8), tb=CPU_TORCH, master_port=29511)
+                              hardware=hardware or Hardware(cpus=8), tb=tb,
+                              master_port=29511)
     except UserError as exc:
         return exc
 
@@ -158,3 +174,37 @@ def test_the_lighthouse_is_found_beside_the_interpreter_else_on_path(tmp_path):
     beside.chmod(beside.stat().st_mode | stat.S_IXUSR)
     assert torchft_tools.lighthouse_binary(str(venv / "python"), path=str(other)) == \
         str(beside)
+
+
+@pytest.mark.parametrize(("groups", "nproc", "share"), [
+    (("distributed.replicas=2",), (), 4),                            # auto: 8 GPUs / 2
+    (("distributed.replicas=2", "distributed.spares=1"), (), 2),     # 8 // 3, two idle
+    (("distributed.replicas=2",), ("distributed.nproc_per_node=3",), 3),
+])
+def test_on_gpus_the_groups_split_the_devices_never_sharing_one(config, torchft_here, groups,
+                                                                 nproc, share):
+    p = prepare("train", config, *groups, *nproc, "train.global_batch_size=48",
+                hardware=gpus(8), tb=CUDA_TORCH)
+    assert not isinstance(p, UserError), p
+    q = p.plan.replica_groups
+    assert p.plan.nproc_per_node == share
+    offsets = [int(env[DEVICE_OFFSET_VAR]) for env in q.envs]
+    assert offsets == [g * share for g in range(q.groups)]
+    devices = [o + r for o in offsets for r in range(share)]
+    assert len(set(devices)) == len(devices) and max(devices) < 8
+
+
+@pytest.mark.parametrize(("overrides", "need"), [
+    (("distributed.replicas=2", "distributed.spares=1"), 3),         # 3 groups, 2 GPUs
+    (("distributed.replicas=2", "distributed.nproc_per_node=2"), 4),  # 4 processes
+])
+def test_more_groups_than_gpus_is_exit_3_naming_the_count(config, torchft_here, overrides,
+                                                          need):
+    p = prepare("train", config, *overrides, hardware=gpus(2), tb=CUDA_TORCH)
+    assert isinstance(p, UserError) and p.exit_code == 3, p
+    assert f"need {need} GPUs, one each; 2 usable here" in p.one_line()
+
+
+def test_on_the_cpu_no_group_gets_a_device_offset(config, torchft_here):
+    p = prepare("train", config, "distributed.replicas=2")
+    assert all(DEVICE_OFFSET_VAR not in env for env in p.plan.replica_groups.envs)

@@ -34,7 +34,8 @@ def resolve_device(cfg: Config, env: WorkerIdentity) -> torch.device:
     if not torch.cuda.is_available():  # CUDA and ROCm builds both answer here
         raise CannotRunHere("device=gpu but this torch build sees no GPU; use device=cpu or "
                             "the CUDA/ROCm image with --gpus all (or /dev/kfd, /dev/dri)")
-    index = env.local_rank % torch.cuda.device_count()
+    # replica groups on one machine: each group's ranks start at its own device
+    index = (env.device_offset + env.local_rank) % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 

@@ -60,6 +60,7 @@ class WorkerIdentity:
     replica_groups: int | None = None    # NUM_REPLICA_GROUPS: the groups started
     lighthouse: str | None = None        # TORCHFT_LIGHTHOUSE: the job's Lighthouse
     replica_addr: str | None = None      # TRAIN_REPLICA_ADDR: where other groups reach us
+    device_offset: int = 0               # TRAIN_REPLICA_DEVICE_OFFSET: this group's first GPU
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> WorkerIdentity:
@@ -94,7 +95,8 @@ class WorkerIdentity:
                    replica_group=num(replica_contract.GROUP_VAR, None),
                    replica_groups=num(replica_contract.GROUPS_VAR, None),
                    lighthouse=text(replica_contract.LIGHTHOUSE_VAR),
-                   replica_addr=text(replica_contract.ADDR_VAR))
+                   replica_addr=text(replica_contract.ADDR_VAR),
+                   device_offset=num(replica_contract.DEVICE_OFFSET_VAR, 0) or 0)
 
     @property
     def distributed(self) -> bool:

@@ -29,6 +29,9 @@ GROUP_VAR = "REPLICA_GROUP_ID"        # 0 .. groups-1: this worker's group
 GROUPS_VAR = "NUM_REPLICA_GROUPS"     # the groups started: distributed.replicas + spares
 LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"  # http://HOST:PORT of the job's Lighthouse
 ADDR_VAR = "TRAIN_REPLICA_ADDR"       # the address other groups reach this group's node at
+# On GPUs the groups of one machine split its devices: group g's local rank r uses
+# device offset + r (offset = g x nproc_per_node), never another group's.
+DEVICE_OFFSET_VAR = "TRAIN_REPLICA_DEVICE_OFFSET"
 
 # How often the Lighthouse checks for a quorum while it waits for stragglers.
 QUORUM_TICK_MS = 100
