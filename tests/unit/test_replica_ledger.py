@@ -94,3 +94,21 @@ def test_the_check_names_samples_missing_or_trained_twice():
         "step 3 follows step 1", "step 3: positions 4..8 missing"]
     assert check_exactly_once([entry(1), Entry(2, [[2, 8]], [0])]) == [
         "step 2: positions 2..4 trained twice"]
+
+
+def test_a_step_only_the_peer_committed_reaches_the_ledger_through_the_heal(tmp_path):
+    """The writer's all-reduce failed at step 3 while its peer's went through: the peer
+    committed 3, the writer did not, healed from the peer, and writes on from step 4."""
+    path = tmp_path / "ledger.jsonl"
+    writer, peer = Ledger(path), Ledger(path)
+    for step in (1, 2):
+        writer.committed(entry(step))
+        peer.committed(entry(step))
+        writer.write()
+    peer.committed(entry(3))  # not the writer: it only remembers it
+    peer.step_down()
+    writer.adopt(peer.recent_entries())  # what the heal carries, as plain values
+    writer.committed(entry(4))
+    writer.write()
+    assert [e.step for e in read(path)] == [1, 2, 3, 4]
+    assert check_exactly_once(read(path)) == []

@@ -46,13 +46,16 @@ log = logging.getLogger("train")
 LOSS, STOP, OWNERS = 0, 1, 2
 
 
-def heal_state(c: Components, state: TrainState):
-    """What a group that restarted receives from a live peer, and how it takes it in."""
+def heal_state(c: Components, state: TrainState, ledger: Ledger | None):
+    """What a group behind the others receives from a live peer, and how it takes it in:
+    the training state, and the peer's recent ledger entries (a step the peer committed
+    and this group did not, when this group writes the ledger next, must get its line)."""
     def save() -> dict[str, Any]:
         return {"model": c.module.state_dict(), "optimizer": c.optimizer.state_dict(),
                 "scheduler": c.scheduler.state_dict(),
                 "scaler": c.scaler.state_dict() if c.scaler else None,
-                "progress": state.state_dict()}
+                "progress": state.state_dict(),
+                "ledger": ledger.recent_entries() if ledger is not None else []}
 
     def load(saved: dict[str, Any]) -> None:
         c.module.load_state_dict(saved["model"])
@@ -61,6 +64,8 @@ def heal_state(c: Components, state: TrainState):
         if c.scaler and saved["scaler"] is not None:
             c.scaler.load_state_dict(saved["scaler"])
         state.load_state_dict(saved["progress"], c.cfg.train.global_batch_size)
+        if ledger is not None:
+            ledger.adopt(saved["ledger"])
         log.info("replica group %d healed from a live peer at step %d",
                  c.env.replica_group or 0, state.step)
     return save, load
@@ -270,9 +275,9 @@ def log_step(c: Components, metrics: MetricsLogger | None, guard: Guard, step: i
 def run_replicas(c: Components, state: TrainState, stop: StopFlag,
                  metrics: MetricsLogger | None, guard: Guard, watchdog: Watchdog) -> int:
     """This group's seat (a torchft Manager) for the run, then the loop."""
-    save, load = heal_state(c, state)
-    group = ReplicaGroup(c.cfg, c.env, c.device, save, load)
     ledger = Ledger(ledger_path(c.run_dir)) if c.env.is_main else None
+    save, load = heal_state(c, state, ledger)
+    group = ReplicaGroup(c.cfg, c.env, c.device, save, load)
     try:
         return ReplicaLoop(c, state, stop, metrics, guard, watchdog, group, ledger).run()
     finally:

@@ -82,6 +82,22 @@ class Ledger:
     def committed(self, entry: Entry) -> None:
         self.recent.append(entry)
 
+    # What a heal carries: plain values only (it is read weights_only).
+    HEALED = 1000
+
+    def recent_entries(self) -> list[dict]:
+        """The newest committed steps, for a group that heals from this one."""
+        return [{"step": e.step, "samples": e.samples, "replicas": e.replicas}
+                for e in list(self.recent)[-self.HEALED:]]
+
+    def adopt(self, entries: list[dict]) -> None:
+        """A healed group's history is its peer's: the steps the peer committed that this
+        group did not (its own failed, the peer's went through) become its own."""
+        last = self.recent[-1].step if self.recent else -1
+        for raw in entries:
+            if int(raw["step"]) > last:
+                self.recent.append(Entry(int(raw["step"]), raw["samples"], raw["replicas"]))
+
     def restart_at(self, step: int) -> None:
         """A run restarted from the checkpoint of ``step``: the lines after it describe
         steps that are trained again, so they go."""
