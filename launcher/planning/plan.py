@@ -24,7 +24,12 @@ from launcher import conventions
 from launcher.conventions import Nodes
 from launcher.detection.compat import check_build
 from launcher.detection.hardware import Hardware, TorchBuild
-from launcher.planning.replica_plan import ReplicaGroups, check_one_machine, plan_groups
+from launcher.planning.replica_plan import (
+    ReplicaGroups,
+    groups_here,
+    nodes_for_groups,
+    plan_groups,
+)
 from launcher.planning.variables import Environ
 from launcher.planning.worker_variables import WorkerVariables, direct_worker_identity
 from train.core.config import AUTO, Config, batch_split
@@ -277,11 +282,10 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     nodes = conventions.resolve(environ, conventions.Timings(
         d.rdzv_join_timeout_s, d.rdzv_last_call_s, d.rdzv_keep_alive_s, expiry_attempts))
     notes.extend(nodes.notes)
-    nproc = resolve_nproc(cfg, hw, device, nodes, source, notes)
     replicas = cfg.distributed.fault_tolerance == "replicas"
-    if replicas:
-        check_one_machine(nodes)
-    local = nproc * (d.replicas + d.spares if replicas else 1)  # processes on this machine
+    nodes, node = nodes_for_groups(nodes, cfg, source)  # SLURM's: this node's group
+    nproc = resolve_nproc(cfg, hw, device, nodes, source, notes)
+    local = nproc * groups_here(cfg, node)  # processes on this machine
     sizes = world_sizes(cfg, nodes, nproc)
     if script is None:
         tracker_config.check(cfg, source, environ.raw)
@@ -310,7 +314,7 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
         argv = [python, "-m", "launcher.torchrun", *nodes.args, "--nproc-per-node",
                 str(nproc), "--max-restarts", str(max_restarts), "--log-dir", log_dir,
                 "--tee", "3", "-m", *worker]
-    groups = plan_groups(cfg, argv, nodes.args, lighthouse) if replicas else None
+    groups = plan_groups(cfg, argv, nodes.args, lighthouse, node) if replicas else None
     # The config's own warnings (values it adjusted) first: the launcher prints them
     # once, and the workers it starts leave them to it.
     warnings = config_warnings(cfg) + list(hw.warnings) + [f"kept {k}" for k in variables.kept]
