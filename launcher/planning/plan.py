@@ -281,9 +281,9 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
                           math.ceil(d.heartbeat_silence_s / d.rdzv_keep_alive_s))
     nodes = conventions.resolve(environ, conventions.Timings(
         d.rdzv_join_timeout_s, d.rdzv_last_call_s, d.rdzv_keep_alive_s, expiry_attempts))
-    notes.extend(nodes.notes)
     replicas = cfg.distributed.fault_tolerance == "replicas"
     nodes, node = nodes_for_groups(nodes, cfg, source)  # SLURM's: this node's group
+    notes.extend(nodes.notes)
     nproc = resolve_nproc(cfg, hw, device, nodes, source, notes)
     local = nproc * groups_here(cfg, node)  # processes on this machine
     sizes = world_sizes(cfg, nodes, nproc)

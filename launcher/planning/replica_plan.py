@@ -139,7 +139,11 @@ def nodes_for_groups(nodes: Nodes, cfg: Config, source: str
                           f"{d.spares} spare(s) (distributed.spares) are {d.replicas + d.spares}"
                           f" replica groups, one per node, but the SLURM step has "
                           f"{nodes.max} node(s); ask for as many nodes as groups")
-    return replace(nodes, min=1, max=1, heartbeat=None, static=False, host=None,
+    node, _, first, port = nodes.replica_node
+    notes = tuple(n.replace(f"rendezvous at {first}:{port}", f"this node runs replica group "
+                            f"{node} of {nodes.max}, the Lighthouse at {first}:{port}")
+                  for n in nodes.notes)
+    return replace(nodes, min=1, max=1, heartbeat=None, static=False, host=None, notes=notes,
                    store=None, max_restarts=None), nodes.replica_node
 
 

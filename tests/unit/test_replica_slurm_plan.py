@@ -46,6 +46,8 @@ def test_each_node_runs_its_own_group_under_a_torchrun_of_its_own(config, torchf
     assert groups.serve == (n == 0) and groups.at == f"gpu07:{PORT}"
     assert groups.lighthouse[:3] == (LIGHTHOUSE, "--bind", f"gpu07:{PORT}")
     assert p.plan.job == f"slurm-{JOB}.0"  # one lease for every node of the step
+    assert f"this node runs replica group {n} of 3, the Lighthouse at gpu07:{PORT}" in \
+        " ".join(p.plan.notes)
 
 
 def test_dry_run_says_which_group_and_whose_lighthouse(config, torchft_here):

@@ -1,0 +1,91 @@
+"""Replica groups on the real SLURM cluster (tests/harness/slurmcluster.py): an sbatch of
+2 nodes, one task per node (``srun --ntasks-per-node=1``), ``distributed.replicas=2``:
+each node's launcher runs one group (REPLICA_GROUP_ID = SLURM_NODEID), node 0's also
+the Lighthouse at node1's address. A worker of node 2's group killed with SIGKILL: its
+torchrun restarts it, it heals from node 1's group over the (virtual) network, and node
+1's worker trains on in the same process; the job completes, and ``ledger.jsonl`` lists
+every sample exactly once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import sys
+
+import pytest
+
+from launcher.detection.torchft_tools import lighthouse_binary
+from tests.harness.procs import cmdline, environ, pids
+from tests.harness.runs import ENTRY, NO_GPU, clean_env, limit, wait_for, write_config
+from tests.harness.slurmcluster import SlurmCluster
+from train.observe.ledger import check_exactly_once, read
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torchft") is None or lighthouse_binary() is None,
+    reason="needs torchft and its torchft_lighthouse (make ft)")
+
+STEPS = 600
+
+
+@pytest.fixture(scope="module")
+def cluster(slurm_cluster):
+    return slurm_cluster
+
+
+def workers(job: int) -> dict[int, int]:
+    """Replica group -> the pid of its worker, found by the variables slurm and the
+    launcher gave it."""
+    found = {}
+    for pid in pids():
+        env = environ(pid)
+        if env.get("SLURM_JOB_ID") == str(job) and "REPLICA_GROUP_ID" in env and \
+                "train.worker" in cmdline(pid):
+            found[int(env["REPLICA_GROUP_ID"])] = pid
+    return found
+
+
+def ledger_lines(run_dir) -> int:
+    return len(read(run_dir / "ledger.jsonl")) if (run_dir / "ledger.jsonl").exists() else 0
+
+
+def test_a_killed_worker_on_one_node_heals_while_the_other_node_trains_on(cluster: SlurmCluster):
+    name = "replicas"
+    cfg = write_config(cluster.work / f"{name}.yaml", {
+        "run": {"name": name}, "output": {"dir": str(cluster.work / "runs")},
+        "model": {"kind": "mlp"}, "data": {"kind": "synthetic"},
+        "train": {"max_steps": STEPS, "global_batch_size": 16},
+        "logging": {"every_steps": 200}, "checkpoint": {"every_steps": 200},
+        "distributed": {"fault_tolerance": "replicas", "replicas": 2, "max_restarts": 3}})
+    out = cluster.work / f"{name}.out"
+    script = cluster.work / f"{name}.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH -N2 --ntasks-per-node=1\n"
+                      f"#SBATCH -o {out}\nset -euo pipefail\n"
+                      f"srun --kill-on-bad-exit=0 {sys.executable} {ENTRY} train {cfg}\n")
+    env = {**clean_env(), **NO_GPU, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    job = cluster.sbatch(script, env=env)
+    run_dir = cluster.work / "runs" / name
+    try:
+        wait_for(lambda: ledger_lines(run_dir) >= 20, limit(300), "20 committed steps")
+        before = workers(job)
+        assert sorted(before) == [0, 1], before
+        assert environ(before[1]).get("SLURMD_NODENAME") == "node2"
+        os.kill(before[1], signal.SIGKILL)
+        at_kill = ledger_lines(run_dir)
+        wait_for(lambda: ledger_lines(run_dir) >= at_kill + 20, limit(300),
+                 "20 more committed steps after the kill")
+        after = workers(job)
+        assert after.get(0) == before[0], (before, after)
+        assert cluster.wait_job(job, limit(600)) == "COMPLETED", out.read_text()[-4000:]
+    finally:
+        if cluster.state(job) not in ("COMPLETED", "FAILED", "CANCELLED"):
+            cluster.scancel(job)
+    text = out.read_text()
+    assert "torchrun (replica group 1): rank 0 killed by SIGKILL" in text, text[-4000:]
+    assert "--bind node1:" in text and "(the Lighthouse, pid" in text, text[-4000:]
+    assert "waiting for node 0's Lighthouse at http://node1:" in text, text[-4000:]
+    assert "this node runs replica group 1 of 2" in text, text[-4000:]
+    entries = read(run_dir / "ledger.jsonl")
+    assert [e.step for e in entries] == list(range(1, STEPS + 1))
+    assert check_exactly_once(entries) == []
