@@ -8,15 +8,18 @@
 - On SLURM (one group per node): node 0's launcher starts it at the first node's
   address and the job's port (a port something else holds is exit 3, naming it); the
   other nodes' launchers wait for it, bounded (``distributed.rdzv_join_timeout_s``), and
-  watch it: lost when it refuses connections :data:`MISSES` times in a row.
+  watch it: lost when it refuses connections :data:`MISSES` times in a row. Node 0's
+  launcher keeps it, after its own group ended, while any group still beats.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +61,17 @@ class Lighthouse:
         self.checked = time.monotonic()
         self.misses = 0 if reachable(f"{self.host}:{self.port}") else self.misses + 1
         return "stopped accepting connections" if self.misses >= MISSES else None
+
+    def beating(self) -> int:
+        """How many groups' Managers it hears from now (its status page's count; 0 when
+        it does not answer)."""
+        try:
+            with urllib.request.urlopen(f"{self.address}/status", timeout=2.0) as page:
+                text = page.read().decode(errors="replace")
+        except (OSError, ValueError):
+            return 0
+        found = re.search(r"\[(\d+) heartbeating\]", text)
+        return int(found[1]) if found else 0
 
     def named(self) -> str:
         own = f"pid {self.proc.pid}, " if self.proc is not None else "node 0's, "

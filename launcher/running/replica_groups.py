@@ -19,8 +19,8 @@ Lighthouse, then one torchrun per group, supervised together.
 - On SLURM this launcher runs its node's group alone (node 0 also the Lighthouse).
   A lost Lighthouse is said on every node, which stops its group the same way and exits
   1 (a retry can fix it: resubmit, or ``scontrol requeue``): one node cannot start it
-  again for the others. Node 0 keeps it :data:`LINGER_S` after its own group finished,
-  for the other nodes' groups, which end at the same step.
+  again for the others. Node 0 keeps it, after its own group ended (finished or gave
+  up), while the other nodes' groups beat.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from train.core.run import protocol
 from train.core.run.identity import CONFIG_SNAPSHOT_VAR, RELAUNCH_VAR, STATUS_DIR_VAR
 from train.core.storage.credentials import redacted
 
-LINGER_S = 10.0   # SLURM: node 0's Lighthouse after its group finished
+LINGER_S = 3.0   # SLURM, node 0: its own group's heartbeat expires (2 s)
 POLL_S = 0.5
 Log = Callable[[str], None]
 
@@ -133,10 +133,23 @@ def _launch(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],
     finally:
         forwarder.others.clear()
         _stop_groups([g for g in groups if g.proc.poll() is None], 5.0, log)
-        if lighthouse.proc and plan.replica_groups.at and outcome[0] and not outcome[0].code:
-            log(f"keeping the Lighthouse up {LINGER_S:.0f} s for the other nodes' groups")
-            time.sleep(LINGER_S)
+        if plan.replica_groups.at and outcome[1] is None:
+            _serve_others(lighthouse, forwarder, log)
         beacon.end(lighthouse.proc, 5.0)
+
+
+def _serve_others(lighthouse: Lighthouse, forwarder: Forwarder, log: Log) -> None:
+    """SLURM's node 0, its own group ended: the Lighthouse stays while the other nodes'
+    groups beat (they may train on, or be finishing the same last step), until a
+    signal."""
+    if lighthouse.proc is None or lighthouse.proc.poll() is not None:
+        return
+    time.sleep(LINGER_S)  # this node's own Manager leaves the count
+    if lighthouse.beating() and not forwarder.received:
+        log("this node's replica group ended; keeping the Lighthouse up while the other "
+            "nodes' groups beat")
+    while lighthouse.beating() and not forwarder.received and lighthouse.proc.poll() is None:
+        time.sleep(1.0)
 
 
 def _free_port(used: set[int]) -> int:

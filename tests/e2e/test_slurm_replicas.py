@@ -4,7 +4,9 @@ each node's launcher runs one group (REPLICA_GROUP_ID = SLURM_NODEID), node 0's 
 the Lighthouse at node1's address. A worker of node 2's group killed with SIGKILL: its
 torchrun restarts it, it heals from node 1's group over the (virtual) network, and node
 1's worker trains on in the same process; the job completes, and ``ledger.jsonl`` lists
-every sample exactly once.
+every sample exactly once. A group that gives up (node 1's: no restarts left) ends its
+node's task only: node 2's group trains on to the end, under node 1's Lighthouse. A lost
+Lighthouse (kill -9 on node 1): one line on each node naming it, each exits 1.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import importlib.util
 import os
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 
 from launcher.detection.torchft_tools import lighthouse_binary
 from tests.harness.procs import cmdline, environ, pids
 from tests.harness.runs import ENTRY, NO_GPU, clean_env, limit, wait_for, write_config
-from tests.harness.slurmcluster import SlurmCluster
+from tests.harness.slurmcluster import FINISHED, SlurmCluster
 from train.observe.ledger import check_exactly_once, read
 
 pytestmark = pytest.mark.skipif(
@@ -50,8 +53,9 @@ def ledger_lines(run_dir) -> int:
     return len(read(run_dir / "ledger.jsonl")) if (run_dir / "ledger.jsonl").exists() else 0
 
 
-def test_a_killed_worker_on_one_node_heals_while_the_other_node_trains_on(cluster: SlurmCluster):
-    name = "replicas"
+def submit(cluster: SlurmCluster, name: str, *overrides: str) -> tuple[int, Path, Path]:
+    """A job of 2 nodes, one task per node, one replica group each: (its id, its output,
+    its run directory)."""
     cfg = write_config(cluster.work / f"{name}.yaml", {
         "run": {"name": name}, "output": {"dir": str(cluster.work / "runs")},
         "model": {"kind": "mlp"}, "data": {"kind": "synthetic"},
@@ -62,12 +66,23 @@ def test_a_killed_worker_on_one_node_heals_while_the_other_node_trains_on(cluste
     script = cluster.work / f"{name}.sbatch"
     script.write_text("#!/bin/bash\n#SBATCH -N2 --ntasks-per-node=1\n"
                       f"#SBATCH -o {out}\nset -euo pipefail\n"
-                      f"srun --kill-on-bad-exit=0 {sys.executable} {ENTRY} train {cfg}\n")
+                      f"srun --label --kill-on-bad-exit=0 {sys.executable} {ENTRY} train {cfg} "
+                      + " ".join(overrides) + "\n")
     env = {**clean_env(), **NO_GPU, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     job = cluster.sbatch(script, env=env)
     run_dir = cluster.work / "runs" / name
+    wait_for(lambda: ledger_lines(run_dir) >= 20, limit(300), "20 committed steps")
+    return job, out, run_dir
+
+
+def finished(cluster: SlurmCluster, job: int) -> None:
+    if cluster.state(job) not in FINISHED:
+        cluster.scancel(job)
+
+
+def test_a_killed_worker_on_one_node_heals_while_the_other_node_trains_on(cluster: SlurmCluster):
+    job, out, run_dir = submit(cluster, "replicas")
     try:
-        wait_for(lambda: ledger_lines(run_dir) >= 20, limit(300), "20 committed steps")
         before = workers(job)
         assert sorted(before) == [0, 1], before
         assert environ(before[1]).get("SLURMD_NODENAME") == "node2"
@@ -79,8 +94,7 @@ def test_a_killed_worker_on_one_node_heals_while_the_other_node_trains_on(cluste
         assert after.get(0) == before[0], (before, after)
         assert cluster.wait_job(job, limit(600)) == "COMPLETED", out.read_text()[-4000:]
     finally:
-        if cluster.state(job) not in ("COMPLETED", "FAILED", "CANCELLED"):
-            cluster.scancel(job)
+        finished(cluster, job)
     text = out.read_text()
     assert "torchrun (replica group 1): rank 0 killed by SIGKILL" in text, text[-4000:]
     assert "--bind node1:" in text and "(the Lighthouse, pid" in text, text[-4000:]
@@ -89,3 +103,40 @@ def test_a_killed_worker_on_one_node_heals_while_the_other_node_trains_on(cluste
     entries = read(run_dir / "ledger.jsonl")
     assert [e.step for e in entries] == list(range(1, STEPS + 1))
     assert check_exactly_once(entries) == []
+
+
+def test_node_1s_group_giving_up_leaves_node_2s_training_to_the_end(cluster: SlurmCluster):
+    job, out, run_dir = submit(cluster, "gave-up", "distributed.max_restarts=0")
+    try:
+        os.kill(workers(job)[0], signal.SIGKILL)
+        assert cluster.wait_job(job, limit(600)) == "FAILED", out.read_text()[-4000:]
+    finally:
+        finished(cluster, job)
+    text = out.read_text()
+    assert "0: entrypoint: replica group 0 gave up after 0 restart(s)" in text, text[-4000:]
+    assert "keeping the Lighthouse up while the other nodes' groups beat" in text
+    assert "task 0: Exited with exit code 1" in text and "task 1: Exited" not in text
+    entries = read(run_dir / "ledger.jsonl")
+    assert [e.step for e in entries] == list(range(1, STEPS + 1))
+    assert check_exactly_once(entries) == []
+
+
+def test_a_lost_lighthouse_is_one_line_on_each_node_and_each_exits_1(cluster: SlurmCluster):
+    job, out, run_dir = submit(cluster, "lost-lighthouse")
+    try:
+        found = [pid for pid in pids() if "torchft_lighthouse" in cmdline(pid)
+                 and environ(pid).get("SLURM_JOB_ID") == str(job)]
+        assert len(found) == 1, found
+        os.kill(found[0], signal.SIGKILL)
+        assert cluster.wait_job(job, limit(120)) == "FAILED", out.read_text()[-4000:]
+    finally:
+        finished(cluster, job)
+    text = out.read_text()
+    lines = [ln for ln in text.splitlines() if "error: training failed: the Lighthouse" in ln]
+    assert len(lines) == 2, text[-4000:]
+    assert any(f"(pid {found[0]}, http://node1:" in ln and "exited with code -9" in ln
+               for ln in lines), lines
+    assert any("(node 0's, http://node1:" in ln and "stopped accepting connections" in ln
+               for ln in lines), lines
+    assert "scontrol requeue" in lines[0]
+    assert "task 0: Exited with exit code 1" in text and "task 1: Exited with exit code 1" in text

@@ -12,11 +12,13 @@ import pytest
 
 from launcher.conventions import slurm
 from launcher.running import lighthouse
-from tests.unit.test_replica_plan import LIGHTHOUSE, config, prepare, torchft_here  # noqa: F401
+from tests.unit import test_replica_plan as one_machine
 from tests.unit.test_slurm_plan import step
 from train.core.errors import UserError
 from train.core.run.replica_contract import ADDR_VAR, GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR
 
+LIGHTHOUSE, prepare = one_machine.LIGHTHOUSE, one_machine.prepare
+config, torchft_here = one_machine.config, one_machine.torchft_here  # its fixtures
 JOB = "4242"
 PORT = slurm.PORT_BASE + 2 * (int(JOB) % slurm.PORT_SPAN)  # the job's port, as every node's
 
@@ -103,3 +105,28 @@ def test_another_nodes_lighthouse_is_lost_after_refusals_in_a_row(monkeypatch):
     seen = [far.gone() for _ in range(7)]
     assert seen[:6] == [None] * 6 and seen[6] == "stopped accepting connections"
     assert far.named() == f"the Lighthouse (node 0's, http://gpu07:{PORT})"
+
+
+def test_node_0_reads_how_many_groups_its_lighthouse_hears_from():
+    """The Lighthouse's status page, as torchft 0.2 writes it; 0 when it does not answer."""
+    import http.server
+    import threading
+
+    class Status(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"Next quorum status: New quorum not ready [0/0 participants "
+                             b"healthy][2 heartbeating][shrink_only=false]")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Status)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert lighthouse.Lighthouse(None, server.server_port).beating() == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert lighthouse.Lighthouse(None, server.server_port).beating() == 0
