@@ -130,3 +130,13 @@ def test_node_0_reads_how_many_groups_its_lighthouse_hears_from():
         server.shutdown()
         server.server_close()
     assert lighthouse.Lighthouse(None, server.server_port).beating() == 0
+
+
+def test_doctor_shows_this_nodes_group_and_whose_lighthouse(config, torchft_here):
+    from launcher.commands import doctor
+    for n, whose in ((0, "started here"), (1, "node 0's")):
+        d = prepare("doctor", config, env=step(2, 1, procid=n, job=JOB))
+        lines = doctor._plan_lines(d.plan.to_dict())
+        line = next(ln for ln in lines if ln.startswith("replicas "))
+        assert f"this node's: group {n}; Lighthouse at gpu07:{PORT}, {whose}" in line
+        assert any(ln.startswith(f"group {n}    replica: REPLICA_GROUP_ID={n}") for ln in lines)
