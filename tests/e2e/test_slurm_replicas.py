@@ -1,5 +1,6 @@
-"""Replica groups on the real SLURM cluster (tests/harness/slurmcluster.py): an sbatch of
-2 nodes, one task per node (``srun --ntasks-per-node=1``), ``distributed.replicas=2``:
+"""Replica groups on a real SLURM cluster (tests/harness/slurmcluster.py) of 3 nodes: an
+sbatch of 2 nodes, one task per node (``srun --ntasks-per-node=1``),
+``distributed.replicas=2`` (and of 3 with ``distributed.spares=1``):
 each node's launcher runs one group (REPLICA_GROUP_ID = SLURM_NODEID), node 0's also
 the Lighthouse at node1's address. A worker of node 2's group killed with SIGKILL: its
 torchrun restarts it, it heals from node 1's group over the (virtual) network, and node
@@ -22,7 +23,7 @@ import pytest
 from launcher.detection.torchft_tools import lighthouse_binary
 from tests.harness.procs import cmdline, environ, pids
 from tests.harness.runs import ENTRY, NO_GPU, clean_env, limit, wait_for, write_config
-from tests.harness.slurmcluster import FINISHED, SlurmCluster
+from tests.harness.slurmcluster import FINISHED, SlurmCluster, available
 from train.observe.ledger import check_exactly_once, read
 
 pytestmark = pytest.mark.skipif(
@@ -33,8 +34,13 @@ STEPS = 600
 
 
 @pytest.fixture(scope="module")
-def cluster(slurm_cluster):
-    return slurm_cluster
+def cluster(tmp_path_factory):
+    """Three nodes: jobs of two (node1, node2) and of three (a spare on node3)."""
+    why = available()
+    if why:
+        pytest.skip(f"a SLURM cluster on this machine needs slurm, munge and root: {why}")
+    with SlurmCluster(tmp_path_factory.mktemp("slurm3"), nodes=3, cpus_per_node=2) as c:
+        yield c
 
 
 def workers(job: int) -> dict[int, int]:
@@ -53,9 +59,10 @@ def ledger_lines(run_dir) -> int:
     return len(read(run_dir / "ledger.jsonl")) if (run_dir / "ledger.jsonl").exists() else 0
 
 
-def submit(cluster: SlurmCluster, name: str, *overrides: str) -> tuple[int, Path, Path]:
-    """A job of 2 nodes, one task per node, one replica group each: (its id, its output,
-    its run directory)."""
+def submit(cluster: SlurmCluster, name: str, *overrides: str, nodes: int = 2
+           ) -> tuple[int, Path, Path]:
+    """A job of ``nodes`` nodes (node1 first), one task per node, one replica group each:
+    (its id, its output, its run directory)."""
     cfg = write_config(cluster.work / f"{name}.yaml", {
         "run": {"name": name}, "output": {"dir": str(cluster.work / "runs")},
         "model": {"kind": "mlp"}, "data": {"kind": "synthetic"},
@@ -64,7 +71,7 @@ def submit(cluster: SlurmCluster, name: str, *overrides: str) -> tuple[int, Path
         "distributed": {"fault_tolerance": "replicas", "replicas": 2, "max_restarts": 3}})
     out = cluster.work / f"{name}.out"
     script = cluster.work / f"{name}.sbatch"
-    script.write_text("#!/bin/bash\n#SBATCH -N2 --ntasks-per-node=1\n"
+    script.write_text(f"#!/bin/bash\n#SBATCH -N{nodes} -w node[1-{nodes}] --ntasks-per-node=1\n"
                       f"#SBATCH -o {out}\nset -euo pipefail\n"
                       f"srun --label --kill-on-bad-exit=0 {sys.executable} {ENTRY} train {cfg} "
                       + " ".join(overrides) + "\n")
@@ -80,18 +87,21 @@ def finished(cluster: SlurmCluster, job: int) -> None:
         cluster.scancel(job)
 
 
-def test_a_killed_worker_on_one_node_heals_while_the_other_node_trains_on(cluster: SlurmCluster):
-    job, out, run_dir = submit(cluster, "replicas")
+@pytest.mark.parametrize("spares", [0, 1])
+def test_a_killed_worker_on_one_node_heals_while_the_others_train_on(cluster: SlurmCluster,
+                                                                     spares: int):
+    job, out, run_dir = submit(cluster, f"replicas-{spares}", f"distributed.spares={spares}",
+                               nodes=2 + spares)
     try:
         before = workers(job)
-        assert sorted(before) == [0, 1], before
+        assert sorted(before) == list(range(2 + spares)), before
         assert environ(before[1]).get("SLURMD_NODENAME") == "node2"
         os.kill(before[1], signal.SIGKILL)
         at_kill = ledger_lines(run_dir)
         wait_for(lambda: ledger_lines(run_dir) >= at_kill + 20, limit(300),
                  "20 more committed steps after the kill")
         after = workers(job)
-        assert after.get(0) == before[0], (before, after)
+        assert all(after.get(g) == before[g] for g in before if g != 1), (before, after)
         assert cluster.wait_job(job, limit(600)) == "COMPLETED", out.read_text()[-4000:]
     finally:
         finished(cluster, job)
@@ -99,10 +109,12 @@ def test_a_killed_worker_on_one_node_heals_while_the_other_node_trains_on(cluste
     assert "torchrun (replica group 1): rank 0 killed by SIGKILL" in text, text[-4000:]
     assert "--bind node1:" in text and "(the Lighthouse, pid" in text, text[-4000:]
     assert "waiting for node 0's Lighthouse at http://node1:" in text, text[-4000:]
-    assert "this node runs replica group 1 of 2" in text, text[-4000:]
+    assert f"this node runs replica group 1 of {2 + spares}" in text, text[-4000:]
     entries = read(run_dir / "ledger.jsonl")
     assert [e.step for e in entries] == list(range(1, STEPS + 1))
     assert check_exactly_once(entries) == []
+    if spares:  # the spare on node3 took the lost group's slot
+        assert (0, 2) in {tuple(e.replicas) for e in entries}
 
 
 def test_node_1s_group_giving_up_leaves_node_2s_training_to_the_end(cluster: SlurmCluster):
