@@ -58,7 +58,8 @@ E2E_LONGEST_FIRST = (
     "test_your_code_runs", "test_slow_nodes", "test_slow_link_midrun", "test_binding_runs",
     "test_install", "test_token_objects_runs", "test_entrypoint_runs", "test_grace",
     "test_restarts", "test_slurm_preflight", "test_tools_runs", "test_tokenize_runs",
-    "test_replica_runs", "test_replica_launch", "test_launcher_supervise_runs",
+    "test_replica_runs", "test_slurm_replicas", "test_replica_launch",
+    "test_launcher_supervise_runs",
     "test_run_lease_runs", "test_slurm_cluster",
 )
 

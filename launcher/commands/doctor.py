@@ -174,16 +174,23 @@ def _plan_lines(p: dict | None) -> list[str]:
 
 
 def _replica_lines(r: dict | None) -> list[str]:
-    """fault_tolerance=replicas: the groups, the spares, the Lighthouse, each command."""
+    """fault_tolerance=replicas: the groups, the spares, the Lighthouse, each command
+    (on SLURM: this node's group, and whose Lighthouse)."""
     if not r:
         return []
-    groups = r["replicas"] + r["spares"]
-    return [f"replicas   {r['replicas']} group(s) + {r['spares']} spare(s), one torchrun "
-            f"each; Lighthouse on 127.0.0.1 at a free port picked at each start: "
-            f"{shell(r['lighthouse'])}",
+    ids = r.get("ids") or range(r["replicas"] + r["spares"])
+    if r.get("at"):
+        where = (f"one per node, this node's: group {ids[0]}; Lighthouse at {r['at']}, "
+                 + (f"started here: {shell(r['lighthouse'])}" if r.get("serve")
+                    else "node 0's"))
+    else:
+        where = ("one torchrun each; Lighthouse on 127.0.0.1 at a free port picked at each "
+                 f"start: {shell(r['lighthouse'])}")
+    return [f"replicas   {r['replicas']} group(s) + {r['spares']} spare(s), {where}",
             *(f"group {g}    {'replica' if g < r['replicas'] else 'spare'}: "
-              f"{' '.join(f'{k}={quote(v)}' for k, v in r['envs'][g].items())} "
-              f"{shell(r['argvs'][g])}" for g in range(groups))]
+              f"{' '.join(f'{k}={quote(v)}' for k, v in env.items())} "
+              f"{shell(argv)}"
+              for g, argv, env in zip(ids, r["argvs"], r["envs"], strict=True))]
 
 
 def _slurm_lines(slurm: dict | None) -> list[str]:

@@ -75,6 +75,9 @@ class Nodes:
     tasks_per_node: int | None = None  # with identity: the workers on each node
     requeue: tuple[str, ...] | None = None  # the command that requeues the job, on the
     requeue_signal: int | None = None       # task that does it, after this signal's stop
+    # SLURM, one task per node on several: (this node's id, its host, the first host, the
+    # job's port), where replica groups find their Lighthouse (launcher.planning.replica_plan)
+    replica_node: tuple[int, str, str, int] | None = None
     notes: tuple[str, ...] = ()
 
 

@@ -56,6 +56,14 @@ def lighthouse_lost(line: str, relaunches: int) -> Outcome:
                                          "resume")
 
 
+def lighthouse_lost_on_nodes(line: str) -> Outcome:
+    """SLURM's replica groups lost node 0's Lighthouse: each node ends its group, exit 1
+    (a retry can fix it: the next incarnation starts it again)."""
+    return Outcome(EXIT_TRAINING_FAILED, f"error: training failed: {line}; resubmit the "
+                                         "job, or requeue it (scontrol requeue), to resume "
+                                         "from the last checkpoint")
+
+
 def group_ended(group: int, outcome: Outcome, max_restarts: int) -> str:
     """One line for a replica group that ended otherwise than done, from its own outcome."""
     why = (outcome.message or f"exit code {outcome.code}").removeprefix("error: ")

@@ -26,7 +26,8 @@ from launcher.detection.compat import check_build
 from launcher.detection.hardware import Hardware, TorchBuild
 from launcher.planning.replica_plan import (
     ReplicaGroups,
-    check_one_machine,
+    groups_here,
+    nodes_for_groups,
     plan_groups,
     processes_per_group,
 )
@@ -256,14 +257,6 @@ def worker_variables(cfg: Config, hw: Hardware, device: str, backend: str, nproc
     return v
 
 
-def _per_group(cfg: Config, nodes: Nodes, nproc: int, gpus: int, device: str) -> int:
-    """Replica groups: one machine, its GPUs split among the groups (else ``nproc``)."""
-    if cfg.distributed.fault_tolerance != "replicas":
-        return nproc
-    check_one_machine(nodes)
-    return processes_per_group(cfg, nproc, gpus, device)
-
-
 def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_path: str,
          overrides: list[str], python: str, app_root: str, master_port: int = 29500,
          script: list[str] | None = None, lighthouse: str | None = None) -> Plan:
@@ -289,11 +282,13 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
                           math.ceil(d.heartbeat_silence_s / d.rdzv_keep_alive_s))
     nodes = conventions.resolve(environ, conventions.Timings(
         d.rdzv_join_timeout_s, d.rdzv_last_call_s, d.rdzv_keep_alive_s, expiry_attempts))
+    replicas = cfg.distributed.fault_tolerance == "replicas"
+    nodes, node = nodes_for_groups(nodes, cfg, source)  # SLURM's: this node's group
     notes.extend(nodes.notes)
     nproc = resolve_nproc(cfg, hw, device, nodes, source, notes)
-    replicas = cfg.distributed.fault_tolerance == "replicas"
-    nproc = _per_group(cfg, nodes, nproc, len(hw.gpus), device)
-    local = nproc * (d.replicas + d.spares if replicas else 1)  # processes on this machine
+    nproc = processes_per_group(cfg, nproc, len(hw.gpus), device, groups_here(cfg, node)) \
+        if replicas else nproc
+    local = nproc * groups_here(cfg, node)  # processes on this machine
     sizes = world_sizes(cfg, nodes, nproc)
     if script is None:
         tracker_config.check(cfg, source, environ.raw)
@@ -322,7 +317,7 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
         argv = [python, "-m", "launcher.torchrun", *nodes.args, "--nproc-per-node",
                 str(nproc), "--max-restarts", str(max_restarts), "--log-dir", log_dir,
                 "--tee", "3", "-m", *worker]
-    groups = plan_groups(cfg, argv, nodes.args, lighthouse,
+    groups = plan_groups(cfg, argv, nodes.args, lighthouse, node,
                          gpu_share=nproc * (device == "gpu")) if replicas else None
     # The config's own warnings (values it adjusted) first: the launcher prints them
     # once, and the workers it starts leave them to it.

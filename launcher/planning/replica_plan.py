@@ -2,6 +2,13 @@
 machine: one torchft Lighthouse, then ``distributed.replicas`` + ``distributed.spares``
 groups, each ONE torchrun of ``nproc_per_node`` workers with a rendezvous of its own.
 
+On SLURM (one task per node, :func:`nodes_for_groups`) each node runs ONE group, its id
+the node's (``SLURM_NODEID``), under the same one-node torchrun; the allocation's nodes
+must be the groups. The Lighthouse runs on the first node, started by node 0's launcher
+at the job's port (``MASTER_PORT``, else derived from the job id:
+:func:`launcher.conventions.slurm._port`), which every node computes alone; the groups
+reach it, and each other, at the nodes' names in the node list.
+
 Pure, like :mod:`launcher.planning.plan`: the ports are free ones the supervisor
 (:mod:`launcher.running.replica_groups`) picks on 127.0.0.1 at each start, so the
 commands hold them as shell variables (``${LIGHTHOUSE_PORT}``, ``${RDZV_PORT}``), which
@@ -15,11 +22,11 @@ A group's workers learn their group and the Lighthouse from the variables of
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from launcher.conventions.common import Nodes
 from train.core.config import AUTO, Config
-from train.core.errors import CannotRunHere
+from train.core.errors import CannotRunHere, ConfigError
 from train.core.run.replica_contract import (
     ADDR_VAR,
     DEVICE_OFFSET_VAR,
@@ -44,26 +51,42 @@ class ReplicaGroups:
     lighthouse: tuple[str, ...]         # its argv, bound to 127.0.0.1:${LIGHTHOUSE_PORT}
     argvs: tuple[tuple[str, ...], ...]  # each group's torchrun, rendezvous at ${RDZV_PORT}
     envs: tuple[dict[str, str], ...]    # each group's own variables, on top of the plan's
+    ids: tuple[int, ...] = ()           # the groups started here (default: all of them)
+    # on SLURM: the first node's host:port, fixed; whether this node starts it (node 0)
+    at: str | None = None
+    serve: bool = True
 
     @property
     def groups(self) -> int:
         return self.replicas + self.spares
 
     @property
+    def here(self) -> tuple[int, ...]:
+        return self.ids or tuple(range(self.groups))
+
+    @property
     def address(self) -> str:
-        return f"http://{HOST}:{LIGHTHOUSE_PORT}"
+        return f"http://{self.at or f'{HOST}:{LIGHTHOUSE_PORT}'}"
 
     def render(self, shared: dict[str, str]) -> list[str]:
         """``--dry-run``'s lines for the groups, as a shell script: the variables every
         group gets (``shared``), the Lighthouse, then each group's torchrun."""
-        lines = [f"# replica groups: {self.replicas} + {self.spares} spare(s) = "
-                 f"{self.groups} torchrun(s) on this machine, started once the Lighthouse "
-                 "accepts connections; each restarts its own workers (--max-restarts)",
-                 f"# Lighthouse at {self.address}; LIGHTHOUSE_PORT and each group's "
-                 f"RDZV_PORT: free ports on {HOST}, picked at each start",
-                 *(f"export {k}={shlex.quote(v)}" for k, v in shared.items()),
-                 shell(self.lighthouse) + " &"]
-        for g, (argv, env) in enumerate(zip(self.argvs, self.envs, strict=True)):
+        if self.at:
+            where = (f"# replica group {self.here[0]} of {self.groups} on this node "
+                     f"({self.replicas} + {self.spares} spare(s), one per node)",
+                     f"# Lighthouse at {self.address}: " + ("started here" if self.serve
+                                                          else "node 0's, waited for"))
+        else:
+            where = (f"# replica groups: {self.replicas} + {self.spares} spare(s) = "
+                     f"{self.groups} torchrun(s) on this machine, started once the "
+                     "Lighthouse accepts connections; each restarts its own workers "
+                     "(--max-restarts)",
+                     f"# Lighthouse at {self.address}; LIGHTHOUSE_PORT and each group's "
+                     f"RDZV_PORT: free ports on {HOST}, picked at each start")
+        lines = [*where, *(f"export {k}={shlex.quote(v)}" for k, v in shared.items())]
+        if self.serve:
+            lines.append(shell(self.lighthouse) + " &")
+        for g, argv, env in zip(self.here, self.argvs, self.envs, strict=True):
             kind = "replica" if g < self.replicas else "spare"
             lines.append(f"# group {g} ({kind})")
             lines += [f"{k}={quote(v)} \\" for k, v in env.items()]
@@ -90,16 +113,39 @@ def fill(argv: tuple[str, ...], **ports: int) -> list[str]:
     return out
 
 
-def check_one_machine(nodes: Nodes) -> None:
-    """Replica groups run on one machine for now: a launch convention of a cluster
-    (torchrun's variables, an Indexed Job, SLURM, Kubeflow) is exit 3."""
-    if nodes.alone:
-        return
-    raise CannotRunHere(f"distributed.fault_tolerance=replicas runs its replica groups on "
-                        f"one machine for now, but this is a {nodes.convention} job of "
-                        f"{nodes.min}:{nodes.max} node(s); run it on one machine without "
-                        "the launch convention's variables, or use "
-                        "distributed.fault_tolerance=restart across nodes")
+def groups_here(cfg: Config, node: tuple | None) -> int:
+    """How many torchruns this machine runs: the groups, one per node on SLURM, else 1."""
+    d = cfg.distributed
+    return d.replicas + d.spares if d.fault_tolerance == "replicas" and not node else 1
+
+
+def nodes_for_groups(nodes: Nodes, cfg: Config, source: str
+                     ) -> tuple[Nodes, tuple[int, str, str, int] | None]:
+    """Where replica groups run (nodes, and SLURM's :attr:`Nodes.replica_node`, as they
+    are without them): one machine, or a SLURM step of one task per node, each node one
+    group under a torchrun of its own node (the nodes planned as one: no rendezvous,
+    heartbeat or restart limit across them). Any other launch convention of a cluster
+    is exit 3; nodes that are not the groups, exit 2."""
+    d = cfg.distributed
+    if d.fault_tolerance != "replicas" or nodes.alone:
+        return nodes, None
+    if nodes.replica_node is None:
+        raise CannotRunHere(f"distributed.fault_tolerance=replicas runs its replica groups "
+                            f"on one machine or on SLURM (one task per node), but this is a "
+                            f"{nodes.convention} job of {nodes.min}:{nodes.max} node(s); "
+                            "run it on one machine without the launch convention's "
+                            "variables, or use distributed.fault_tolerance=restart")
+    if nodes.max != d.replicas + d.spares:
+        raise ConfigError(source, "distributed.replicas", f"{d.replicas} replica(s) + "
+                          f"{d.spares} spare(s) (distributed.spares) are {d.replicas + d.spares}"
+                          f" replica groups, one per node, but the SLURM step has "
+                          f"{nodes.max} node(s); ask for as many nodes as groups")
+    node, _, first, port = nodes.replica_node
+    notes = tuple(n.replace(f"rendezvous at {first}:{port}", f"this node runs replica group "
+                            f"{node} of {nodes.max}, the Lighthouse at {first}:{port}")
+                  for n in nodes.notes)
+    return replace(nodes, min=1, max=1, heartbeat=None, static=False, host=None, notes=notes,
+                   store=None, max_restarts=None), nodes.replica_node
 
 
 def rdzv_args(group: int) -> tuple[str, ...]:
@@ -110,11 +156,11 @@ def rdzv_args(group: int) -> tuple[str, ...]:
             "--role", f"group{group}-rank")
 
 
-def processes_per_group(cfg: Config, nproc: int, gpus: int, device: str) -> int:
-    """On GPUs the groups split this machine's devices, one process each: auto gives
-    every group an equal share (the rest stay idle); more than there are is exit 3."""
+def processes_per_group(cfg: Config, nproc: int, gpus: int, device: str,
+                        groups: int) -> int:
+    """On GPUs the ``groups`` of this machine split its devices, one process each: auto
+    gives every group an equal share (the rest stay idle); more than there are is exit 3."""
     d = cfg.distributed
-    groups = d.replicas + d.spares
     if device != "gpu":
         return nproc
     if d.nproc_per_node == AUTO:
@@ -129,21 +175,25 @@ def processes_per_group(cfg: Config, nproc: int, gpus: int, device: str) -> int:
 
 
 def plan_groups(cfg: Config, argv: list[str], standalone: tuple[str, ...],
-                lighthouse: str | None, gpu_share: int = 0) -> ReplicaGroups:
+                lighthouse: str | None, node: tuple[int, str, str, int] | None = None,
+                gpu_share: int = 0) -> ReplicaGroups:
     """Each group's command: ``argv`` (one node's torchrun, as the plan builds it) with
-    its rendezvous flags ``standalone`` replaced by the group's own. ``gpu_share``: the
-    GPUs each group takes (0 on the CPU), from its first device on."""
+    its rendezvous flags ``standalone`` replaced by the group's own. ``node`` (SLURM:
+    this node's id and host, the first host, the job's port): this node's group alone,
+    the Lighthouse on the first host. ``gpu_share``: the GPUs each group of this machine
+    takes (0 on the CPU), from its first device on."""
     d = cfg.distributed
     at = next(i for i in range(len(argv)) if tuple(argv[i:i + len(standalone)]) == standalone)
     groups = d.replicas + d.spares
-    argvs = tuple((*argv[:at], *rdzv_args(g), *argv[at + len(standalone):])
-                  for g in range(groups))
-    envs = tuple({GROUP_VAR: str(g), GROUPS_VAR: str(groups),
-                  LIGHTHOUSE_VAR: f"http://{HOST}:{LIGHTHOUSE_PORT}", ADDR_VAR: HOST,
-                  **({DEVICE_OFFSET_VAR: str(g * gpu_share)} if gpu_share else {})}
-                 for g in range(groups))
-    bind = f"{HOST}:{LIGHTHOUSE_PORT}"
+    ids = (node[0],) if node else tuple(range(groups))
+    bind = f"{node[2]}:{node[3]}" if node else f"{HOST}:{LIGHTHOUSE_PORT}"
+    argvs = tuple((*argv[:at], *rdzv_args(g), *argv[at + len(standalone):]) for g in ids)
+    envs = tuple({GROUP_VAR: str(g), GROUPS_VAR: str(groups), LIGHTHOUSE_VAR: f"http://{bind}",
+                  ADDR_VAR: node[1] if node else HOST,
+                  **({DEVICE_OFFSET_VAR: str(i * gpu_share)} if gpu_share else {})}
+                 for i, g in enumerate(ids))
     return ReplicaGroups(d.replicas, d.spares,
                          tuple(lighthouse_argv(lighthouse or LIGHTHOUSE_BINARY, bind,
                                                Timeouts.of(d.replica_timeout_s))),
-                         argvs, envs)
+                         argvs, envs, ids=ids if node else (), at=bind if node else None,
+                         serve=node is None or node[0] == 0)

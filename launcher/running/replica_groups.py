@@ -1,11 +1,8 @@
 """Run replica groups (``distributed.fault_tolerance: replicas``) on one machine: the
 Lighthouse, then one torchrun per group, supervised together.
 
-- The Lighthouse (torchft's quorum service) starts first, on 127.0.0.1 at a free port,
-  in a session of its own with the launcher's parent-death signal, like every child
-  (:func:`launcher.running.supervise.child_setup`); its output goes to
-  ``RUN_DIR/logs/lighthouse.log``. The groups start once its port accepts connections
-  (at most :data:`LIGHTHOUSE_UP_S`).
+- The Lighthouse (torchft's quorum service) starts first (:mod:`launcher.running.
+  lighthouse`); the groups start once its port accepts connections.
 - Each group is one torchrun with its own rendezvous (127.0.0.1, a free port), its own
   workers' status folder (``TRAIN_STATUS_DIR``: the ranks of different groups number
   alike) and its own restarts (``--max-restarts``): a group restarts its workers while
@@ -19,6 +16,11 @@ Lighthouse, then one torchrun per group, supervised together.
   every group stops (SIGTERM: a checkpoint; then, bounded, SIGKILL) and the Lighthouse
   and the groups start again, resuming from the last checkpoint, at most
   ``distributed.max_restarts`` times.
+- On SLURM this launcher runs its node's group alone (node 0 also the Lighthouse).
+  A lost Lighthouse is said on every node, which stops its group the same way and exits
+  1 (a retry can fix it: resubmit, or ``scontrol requeue``): one node cannot start it
+  again for the others. Node 0 keeps it, after its own group ended (finished or gave
+  up), while the other nodes' groups beat.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from pathlib import Path
 from launcher.detection import system
 from launcher.endings import verdicts
 from launcher.endings.outcome import Outcome, classify
-from launcher.liveness.rounds import reachable
 from launcher.planning.plan import SHUTDOWN_TIMEOUT_VAR, Plan
-from launcher.planning.replica_plan import HOST, fill, shell
+from launcher.planning.replica_plan import fill, shell
+from launcher.running import lighthouse as beacon
+from launcher.running.lighthouse import Lighthouse
 from launcher.running.processes import kill_tree
 from launcher.running.signals import Forwarder
 from launcher.running.supervise import child_setup, read_reports
@@ -49,7 +52,7 @@ from train.core.run import protocol
 from train.core.run.identity import CONFIG_SNAPSHOT_VAR, RELAUNCH_VAR, STATUS_DIR_VAR
 from train.core.storage.credentials import redacted
 
-LIGHTHOUSE_UP_S = 30.0   # from its start until its port accepts connections
+LINGER_S = 3.0   # SLURM, node 0: its own group's heartbeat expires (2 s)
 POLL_S = 0.5
 Log = Callable[[str], None]
 
@@ -61,16 +64,6 @@ class Group:
     proc: subprocess.Popen
     outcome: Outcome | None = None    # once its torchrun has ended
     ended_at: float = 0.0
-
-
-@dataclass
-class Lighthouse:
-    proc: subprocess.Popen
-    port: int
-
-    @property
-    def address(self) -> str:
-        return f"http://{HOST}:{self.port}"
 
 
 def run(plan: Plan, base_env: Mapping[str, str], log: Log, keep_fds: tuple[int, ...] = (),
@@ -106,6 +99,8 @@ def _launches(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],
         outcome, lost = _launch(plan, env, folder, keep_fds, forwarder, log, verbose, abort)
         if lost is None:
             return outcome
+        if plan.replica_groups.at:  # SLURM: node 0 alone could not start it for all
+            return verdicts.lighthouse_lost_on_nodes(lost)
         if relaunches >= plan.max_restarts:
             return verdicts.lighthouse_lost(lost, relaunches)
         relaunches += 1
@@ -123,53 +118,38 @@ def _launch(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],
     if forwarder.received:
         return Outcome(EXIT_STOPPED_BY_SIGNAL, "stopped by a signal before training "
                                                "started"), None
-    lighthouse = _start_lighthouse(plan, keep_fds, log)
+    lighthouse = beacon.start(plan, keep_fds, log)
     if isinstance(lighthouse, Outcome):
         return lighthouse, None
     groups: list[Group] = []
+    outcome: tuple[Outcome | None, str | None] = (None, None)
     try:
         used = {lighthouse.port}
-        for g in range(plan.replica_groups.groups):
-            groups.append(_start_group(plan, env, folder, g, lighthouse, used, keep_fds,
+        for i, g in enumerate(plan.replica_groups.here):
+            groups.append(_start_group(plan, env, folder, i, g, lighthouse, used, keep_fds,
                                        forwarder, log, verbose))
-        return _watch(plan, groups, lighthouse, forwarder, log, abort)
+        outcome = _watch(plan, groups, lighthouse, forwarder, log, abort)
+        return outcome
     finally:
         forwarder.others.clear()
         _stop_groups([g for g in groups if g.proc.poll() is None], 5.0, log)
-        _end(lighthouse.proc, 5.0)
+        if plan.replica_groups.at and outcome[1] is None:
+            _serve_others(lighthouse, forwarder, log)
+        beacon.end(lighthouse.proc, 5.0)
 
 
-def _log_path(plan: Plan) -> Path:
-    folder = Path(plan.log_dir or ".")
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / "lighthouse.log"
-
-
-def _start_lighthouse(plan: Plan, keep_fds: tuple[int, ...], log: Log) -> Lighthouse | Outcome:
-    """Start it and wait, bounded, until its port accepts connections."""
-    port = system.free_port()
-    argv = fill(plan.replica_groups.lighthouse, LIGHTHOUSE_PORT=port)
-    path = _log_path(plan)
-    with path.open("ab") as out:
-        # at INFO it writes lines for every quorum of every step (RUST_LOG=info: to see them)
-        env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, env=env,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=child_setup(os.getpid(), plan.requeue_signal))
-    log(f"run {shell(argv)} (the Lighthouse, pid {proc.pid}; its log {path})")
-    deadline = time.monotonic() + LIGHTHOUSE_UP_S
-    while not reachable(f"{HOST}:{port}"):
-        rc = proc.poll()
-        if rc is not None:
-            return verdicts.lighthouse_down(shell(argv), f"exited with code {rc} before it "
-                                                         "accepted connections", str(path))
-        if time.monotonic() >= deadline:
-            _end(proc, 5.0)
-            return verdicts.lighthouse_down(shell(argv), f"did not accept connections on "
-                                                         f"{HOST}:{port} within "
-                                                         f"{LIGHTHOUSE_UP_S:.0f} s", str(path))
-        time.sleep(0.1)
-    return Lighthouse(proc, port)
+def _serve_others(lighthouse: Lighthouse, forwarder: Forwarder, log: Log) -> None:
+    """SLURM's node 0, its own group ended: the Lighthouse stays while the other nodes'
+    groups beat (they may train on, or be finishing the same last step), until a
+    signal."""
+    if lighthouse.proc is None or lighthouse.proc.poll() is not None:
+        return
+    time.sleep(LINGER_S)  # this node's own Manager leaves the count
+    if lighthouse.beating() and not forwarder.received:
+        log("this node's replica group ended; keeping the Lighthouse up while the other "
+            "nodes' groups beat")
+    while lighthouse.beating() and not forwarder.received and lighthouse.proc.poll() is None:
+        time.sleep(1.0)
 
 
 def _free_port(used: set[int]) -> int:
@@ -181,16 +161,17 @@ def _free_port(used: set[int]) -> int:
     return port
 
 
-def _start_group(plan: Plan, env: dict, folder: Path, g: int, lighthouse: Lighthouse,
+def _start_group(plan: Plan, env: dict, folder: Path, i: int, g: int, lighthouse: Lighthouse,
                  used: set[int], keep_fds: tuple[int, ...], forwarder: Forwarder, log: Log,
                  verbose: bool) -> Group:
-    """Group ``g``'s torchrun: its variables, its rendezvous port, its status folder."""
+    """Group ``g``'s torchrun (the ``i``-th here): its variables, its rendezvous port,
+    its status folder."""
     reports = folder / f"group-{g}"
     shutil.rmtree(reports, ignore_errors=True)  # a relaunch's groups start afresh
     reports.mkdir()
     ports = {"LIGHTHOUSE_PORT": lighthouse.port, "RDZV_PORT": _free_port(used)}
-    own = {k: fill((v,), **ports)[0] for k, v in plan.replica_groups.envs[g].items()}
-    argv = fill(plan.replica_groups.argvs[g], **ports)
+    own = {k: fill((v,), **ports)[0] for k, v in plan.replica_groups.envs[i].items()}
+    argv = fill(plan.replica_groups.argvs[i], **ports)
     proc = subprocess.Popen(argv, env={**env, **own, STATUS_DIR_VAR: str(reports)},
                             start_new_session=True, pass_fds=keep_fds,
                             preexec_fn=child_setup(os.getpid(), plan.requeue_signal))
@@ -216,9 +197,9 @@ def _watch(plan: Plan, groups: list[Group], lighthouse: Lighthouse, forwarder: F
             for g in groups:
                 kill_tree(g.proc.pid)
             return verdicts.lease_lost(reason), None
-        rc = lighthouse.proc.poll()
-        if rc is not None and not forwarder.received:
-            return None, _lost(plan, groups, lighthouse, rc, log)
+        why = lighthouse.gone() if not forwarder.received else None
+        if why:
+            return None, _lost(plan, groups, lighthouse, why, log)
         time.sleep(POLL_S)
 
 
@@ -258,16 +239,15 @@ def _combine(plan: Plan, groups: list[Group], signals: list[int]) -> Outcome:
 LOST_LIGHTHOUSE_STOP_S = 15.0
 
 
-def _lost(plan: Plan, groups: list[Group], lighthouse: Lighthouse, rc: int, log: Log) -> str:
-    """The Lighthouse exited while groups ran: one line, then every group stops."""
+def _lost(plan: Plan, groups: list[Group], lighthouse: Lighthouse, why: str, log: Log) -> str:
+    """The Lighthouse was lost while groups ran: one line, then every group stops."""
     running = [g for g in groups if g.proc.poll() is None]
-    line = (f"the Lighthouse (pid {lighthouse.proc.pid}, {lighthouse.address}) exited with "
-            f"code {rc} while {len(running)} replica group(s) ran")
+    line = f"{lighthouse.named()} {why} while {len(running)} replica group(s) ran"
     # Without it no group gets a quorum, so none can agree on a step to checkpoint at;
     # a step in flight may still end, the rest waits for nothing: a short bound.
     grace = min(float(plan.env.get(SHUTDOWN_TIMEOUT_VAR, "25")) + 5.0, LOST_LIGHTHOUSE_STOP_S)
-    log(f"{line}; stopping every group (killed after {grace:.0f} s) to start again from "
-        "the last checkpoint")
+    again = "to end" if plan.replica_groups.at else "to start again from the last checkpoint"
+    log(f"{line}; stopping every group (killed after {grace:.0f} s) {again}")
     _stop_groups(running, grace, log)
     return line
 
@@ -292,15 +272,3 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         proc.send_signal(sig)
     except ProcessLookupError:
         pass
-
-
-def _end(proc: subprocess.Popen, wait_s: float) -> None:
-    """Stop a server (the Lighthouse): SIGTERM, then SIGKILL after ``wait_s``."""
-    if proc.poll() is not None:
-        return
-    _signal(proc, signal.SIGTERM)
-    try:
-        proc.wait(timeout=wait_s)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        proc.wait()

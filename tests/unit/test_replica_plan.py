@@ -1,6 +1,7 @@
 """The launch plan of replica groups (``distributed.fault_tolerance: replicas``): the
 groups and spares, the Lighthouse, each group's torchrun with its own rendezvous, the
-logical world (replicas x nproc) for the batch split, one machine only, and torchft's
+logical world (replicas x nproc) for the batch split, one machine (or SLURM:
+tests/unit/test_replica_slurm_plan.py), and torchft's
 absence as a prepare stage (exit 3 naming the install). Made-up machines, as in
 tests/unit/test_runner.py; the groups running for real: tests/e2e/test_replica_launch.py.
 """
@@ -127,7 +128,7 @@ def test_the_batch_splits_over_every_groups_processes(config, torchft_here):
     assert "world size 5" in five.one_line()
 
 
-def test_several_nodes_are_exit_3_for_now(config, torchft_here):
+def test_several_nodes_outside_slurm_are_exit_3(config, torchft_here):
     env = {"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "n0",
            "PET_MASTER_PORT": "29500"}
     for command in ("train", "doctor"):
@@ -135,7 +136,7 @@ def test_several_nodes_are_exit_3_for_now(config, torchft_here):
         line = p.one_line() if isinstance(p, UserError) else \
             "error: " + next(f.message for f in p.findings if f.level == "fail")
         assert p.exit_code == 3
-        assert "runs its replica groups on one machine for now" in line
+        assert "on one machine or on SLURM (one task per node)" in line
         assert "distributed.fault_tolerance=restart" in line and "\n" not in line
 
 

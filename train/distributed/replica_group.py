@@ -163,8 +163,10 @@ def _quiet_heal_server(manager) -> None:
 def _group_store(env: WorkerIdentity) -> tuple[str, int, TCPStore | None]:
     """The group's TCP store: its process group's (rank 0's, at MASTER_ADDR:MASTER_PORT),
     else, for a group of one process (no process group, and the launcher keeps
-    torchrun's own store private), one of its own."""
+    torchrun's own store private), one of its own. Either listens on every interface:
+    its address is the one the other groups reach this node at (``TRAIN_REPLICA_ADDR``),
+    since the Manager advertises it for the cross-group process group's store."""
     if env.world_size > 1 and env.master_addr and env.master_port:
-        return env.master_addr, int(env.master_port), None
+        return env.replica_addr or env.master_addr, int(env.master_port), None
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    return "127.0.0.1", store.port, store
+    return env.replica_addr or "127.0.0.1", store.port, store
