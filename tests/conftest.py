@@ -50,7 +50,8 @@ def pytest_make_collect_report(collector):
 # running a long file while the others have nothing left. Every file is named (a static
 # test checks): a new one goes where its time puts it.
 E2E_LONGEST_FIRST = (
-    "test_vanish", "test_slurm", "test_k8s_sim_runs", "test_sharded_checkpoints",
+    "test_vanish", "test_slurm", "test_slurm_replicas", "test_k8s_sim_runs",
+    "test_replica_runs", "test_sharded_checkpoints",
     "test_hangs", "test_trackers_runs", "test_strategies_runs", "test_hf_models_runs",
     "test_training_runs", "test_credentials_runs", "test_object_storage_runs",
     "test_liveness", "test_safety_runs", "test_multinode_runs", "test_preflight_runs",
@@ -58,9 +59,8 @@ E2E_LONGEST_FIRST = (
     "test_your_code_runs", "test_slow_nodes", "test_slow_link_midrun", "test_binding_runs",
     "test_install", "test_token_objects_runs", "test_entrypoint_runs", "test_grace",
     "test_restarts", "test_slurm_preflight", "test_tools_runs", "test_tokenize_runs",
-    "test_replica_runs", "test_slurm_replicas", "test_replica_launch",
-    "test_launcher_supervise_runs",
-    "test_run_lease_runs", "test_slurm_cluster",
+    "test_replica_launch", "test_launcher_supervise_runs", "test_run_lease_runs",
+    "test_slurm_cluster",
 )
 
 
