@@ -5,6 +5,7 @@ tests/e2e/test_checkpoint_runs.py."""
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import shutil
@@ -156,6 +157,28 @@ def test_pruned_checkpoints_are_deleted_and_one_a_killed_process_left_goes_at_th
     assert [p.name for p in rundir.candidates(folder)] == ["step-3"]
     retention.remove_leftovers(ck.storage)
     assert sorted(p.name for p in folder.iterdir()) == ["step-3"]
+
+
+def test_a_disk_turned_read_only_after_a_seal_keeps_the_checkpoint_and_old_ones(
+        tmp_path, monkeypatch, caplog):
+    """The seal landed, then the disk refused renames and deletes: the save succeeds
+    (its checkpoint is whole), the old checkpoints stay, and no thread dies loudly."""
+    ck = _saver(tmp_path, keep_last=1)
+    ck.save(1, {"step": 1}, {})
+    real_replace = os.replace
+
+    def read_only_for_pruning(src, dst, *args, **kwargs):
+        if str(dst).endswith(retention.PRUNED):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(src))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", read_only_for_pruning)
+    ck.save(2, {"step": 2}, {})
+    ck.wait()
+    folder = tmp_path / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-1", "step-2"]
+    assert ck.newest_loadable(0)[1]["step"] == 2
+    assert "could not remove old checkpoints" in caplog.text and "Read-only" in caplog.text
 
 
 def test_saving_a_step_again_replaces_it_whole(tmp_path):

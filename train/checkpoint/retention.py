@@ -39,7 +39,17 @@ def _steps(storage: LocalStorage) -> list[tuple[int, str]]:
 
 def prune(storage: LocalStorage, keep_last: int) -> None:
     """Keep the newest ``keep_last`` checkpoints up to ``latest`` (always including it);
-    newer ones belong to an abandoned trajectory and are moved aside."""
+    newer ones belong to an abandoned trajectory and are moved aside. Runs after a
+    checkpoint is sealed, so a failure here (the disk turned read-only a moment after
+    the seal) costs only disk space: it is logged, and the next save reports the disk."""
+    try:
+        _prune(storage, keep_last)
+    except OSError as exc:
+        log.warning("could not remove old checkpoints from %s (%s); they stay until a "
+                    "later save can", storage.path(CHECKPOINTS), exc.strerror or exc)
+
+
+def _prune(storage: LocalStorage, keep_last: int) -> None:
     latest = rundir.latest_name(storage.path(CHECKPOINTS))
     if latest:
         set_aside_newer_than(storage, rundir.step_of(Path(latest)))
@@ -65,8 +75,12 @@ def settle(storage: LocalStorage) -> None:
 
 
 def _delete(storage: LocalStorage, names: list[str]) -> None:
-    for name in names:
-        storage.delete(name)
+    try:
+        for name in names:
+            storage.delete(name)
+    except OSError as exc:  # renamed already: no resume picks it up, the next start
+        # removes it
+        log.warning("could not delete the pruned %s (%s)", name, exc.strerror or exc)
 
 
 def remove_leftovers(storage: LocalStorage) -> None:
