@@ -101,7 +101,7 @@ def test_a_killed_worker_costs_no_restart_of_the_others_and_no_sample(tmp_path, 
     assert [e.step for e in entries] == list(range(1, STEPS + 1))
     assert check_exactly_once(entries) == []
     if spares:  # two groups of three live: a quorum at once, the spare in slot 1
-        assert (0, 2) in {tuple(e.replicas) for e in entries}
+        assert (1, 2) in {tuple(e.replicas) for e in entries}
     mine, reference = final_weights(run_dir), final_weights(fault_free)
     assert all(torch.equal(mine[k], reference[k]) for k in reference)
     result = json.loads((run_dir / "result.json").read_text())
@@ -136,35 +136,34 @@ def test_a_stop_by_signal_checkpoints_once_and_the_rerun_ends_as_the_fault_free_
     assert all(torch.equal(mine[k], reference[k]) for k in reference)
 
 
-@pytest.mark.xfail(reason="known bug, issue 45: after a thaw the ledger can hold a step twice "
-                          "(seen once in 3 runs); the next session fixes it", strict=False)
 def test_a_frozen_group_is_left_behind_and_heals_when_it_thaws(tmp_path, fault_free):
-    """SIGSTOP of group 1's worker: the others' all-reduce times out
-    (distributed.replica_timeout_s), the Lighthouse stops hearing it, and the spare takes
-    its slot; SIGCONT: it finds its step failed, heals from a live group and trains on,
-    in the same process. Nobody restarted; nothing lost."""
+    """SIGSTOP of group 0's worker (the ledger's writer): the others' all-reduce times
+    out (distributed.replica_timeout_s), the Lighthouse stops hearing it, the spare takes
+    its slot and group 1 writes the ledger; SIGCONT: group 0 finds its step failed, heals
+    from a live group and trains on, in the same process, writing the ledger again.
+    Nobody restarted; nothing lost or written twice."""
     cfg = config(tmp_path, "frozen")
     run_dir = tmp_path / "runs" / "frozen"
     proc, err = start(cfg, "distributed.spares=1", "distributed.replica_timeout_s=5")
     try:
         wait_for(lambda: ledger_lines(run_dir) >= 20, limit(300), "20 committed steps")
         before = procs.replica_workers(proc.pid)
-        subprocess.run(["kill", "-STOP", str(before[1])], check=True)
+        subprocess.run(["kill", "-STOP", str(before[0])], check=True)
         at_stop = ledger_lines(run_dir)
         try:
             wait_for(lambda: ledger_lines(run_dir) >= at_stop + 20, limit(300),
                      "20 committed steps without group 1")
         finally:
-            subprocess.run(["kill", "-CONT", str(before[1])], check=True)
+            subprocess.run(["kill", "-CONT", str(before[0])], check=True)
         assert proc.wait(timeout=limit(600)) == 0, err.read_text()
-        assert "replica group 1 healed from a live peer" in err.read_text()
+        assert "replica group 0 healed from a live peer" in err.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
     assert "restarting the workers" not in err.read_text()
     entries = read(run_dir / "ledger.jsonl")
     assert check_exactly_once(entries) == [] and entries[-1].step == STEPS
-    assert (0, 2) in {tuple(e.replicas) for e in entries}
+    assert (1, 2) in {tuple(e.replicas) for e in entries}
     mine, reference = final_weights(run_dir), final_weights(fault_free)
     assert all(torch.equal(mine[k], reference[k]) for k in reference)
 

@@ -112,3 +112,23 @@ def test_a_step_only_the_peer_committed_reaches_the_ledger_through_the_heal(tmp_
     writer.write()
     assert [e.step for e in read(path)] == [1, 2, 3, 4]
     assert check_exactly_once(read(path)) == []
+
+
+def test_a_writer_left_out_of_a_step_does_not_write_it_again_when_back(tmp_path):
+    """The writer (group 0) was still saving a checkpoint when the next quorum formed
+    without it: group 1 trained and wrote step 3. Group 0 heals (adopting step 3) and is
+    the writer again: the file holds step 3 once."""
+    path = tmp_path / "ledger.jsonl"
+    group0, group1 = Ledger(path), Ledger(path)
+    for step in (1, 2):
+        group0.committed(entry(step))
+        group1.committed(entry(step))
+        group0.write(durable=True)
+        group1.step_down()
+    group1.committed(entry(3))
+    group1.write()  # the first participant of step 3's quorum
+    group0.adopt(group1.recent_entries())
+    group0.committed(entry(4))
+    group0.write()
+    assert [e.step for e in read(path)] == [1, 2, 3, 4]
+    assert check_exactly_once(read(path)) == []

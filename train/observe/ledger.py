@@ -57,6 +57,13 @@ def read(path: Path) -> list[Entry]:
     return out
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def _torn(path: Path) -> bool:
     """The file ends inside a line (its writer was killed while writing it)."""
     try:
@@ -78,6 +85,7 @@ class Ledger:
         self.path = Path(path)
         self.recent: deque[Entry] = deque(maxlen=keep)  # committed here, maybe not written
         self._written: int | None = None  # the file's last step, while we are the writer
+        self._size = 0  # the file's size after our last write: another writer changes it
 
     def committed(self, entry: Entry) -> None:
         self.recent.append(entry)
@@ -105,11 +113,14 @@ class Ledger:
         if self.path.exists():
             write_atomic(self.path, "".join(e.line() for e in kept))
         self._written = kept[-1].step if kept else None
+        self._size = _size(self.path)
 
     def write(self, *, durable: bool = False) -> None:
         """As the writer: append the committed steps the file lacks. ``durable``: fsync
-        too (before a checkpoint that covers them is sealed)."""
-        if self._written is None:
+        too (before a checkpoint that covers them is sealed). The file is read again
+        whenever it changed since this writer's last line: a group that was left out of
+        some quorums (slow, or healing) may have missed steps another writer wrote."""
+        if self._written is None or _size(self.path) != self._size:
             entries = read(self.path)
             if _torn(self.path):  # a line appended now would join the torn piece
                 write_atomic(self.path, "".join(e.line() for e in entries))
@@ -120,6 +131,7 @@ class Ledger:
                 for entry in missing:
                     f.write(entry.line())  # line-buffered: one write() per line
                     self._written = entry.step
+        self._size = _size(self.path)
         if durable and self.path.exists():
             fsync_file(self.path)
 
