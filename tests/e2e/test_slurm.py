@@ -202,9 +202,12 @@ def test_the_template_requeues_itself_on_its_signal_and_finishes(cluster, refere
     assert steps_logged(run) == list(range(1, STEPS + 1)), "each step trained once"
     assert_same_losses(losses(run), reference, rel=1e-6)
     assert resumed.count("requeueing the job") == 1
-    # the earlier incarnation's lease is taken, not waited for
+    # the earlier incarnation's lease is taken, not waited for; only a process of it
+    # still exiting on this node (SLURM counts the job ended before every process is
+    # gone, which takes a while on a busy machine) is waited for
     assert "an earlier incarnation of this job" in resumed, resumed[-3000:]
-    assert "waiting up to" not in resumed, resumed[-3000:]
+    waits = [line for line in resumed.splitlines() if "waiting up to" in line]
+    assert all("a process of it on this host is still running" in w for w in waits), waits
     print(f"requeue signal -> the next incarnation resumed: {first_step:.1f} s")
 
 

@@ -154,6 +154,23 @@ def test_a_requeued_slurm_job_takes_its_earlier_incarnations_lease_at_once(tmp_p
         lock.release()
 
 
+
+def test_a_requeued_job_waits_only_while_its_earlier_incarnation_still_runs_here(tmp_path):
+    """The earlier incarnation's process on this host has not exited yet (SLURM counts a
+    job ended before all its processes are gone): the next one waits for it, saying so,
+    and takes the lease over as soon as it is gone, not when the lease expires."""
+    run = tmp_path / "run"
+    other = holder(run, "slurm-77.0")
+    said: list[str] = []
+    times = runlock.LeaseTimes(renew_s=10, expiry_s=600, wait_s=limit(60))
+    threading.Timer(1.0, stop, [other]).start()
+    lock = runlock.acquire(run, "slurm-77.0-requeue1", times, log=said.append,
+                           ended=earlier_incarnation("slurm-77.0-requeue1"))
+    lock.release()
+    assert said[0].startswith("waiting up to") and \
+        said[0].endswith("; a process of it on this host is still running)"), said
+    assert said[-1].endswith("; an earlier incarnation of this job)"), said
+
 STARTER = """import sys, time
 from pathlib import Path
 from train.core.run import runlock

@@ -167,7 +167,8 @@ def acquire(run_dir: Path, job: str | None = None, times: LeaseTimes = DEFAULT_T
                              "run.name")
         if log and now - said >= 15:
             log(f"waiting up to {deadline - now:.0f} s for the run directory {run_dir}: in use "
-                f"by job {holder.get('job')} ({who(holder)}; {age(holder)})")
+                f"by job {holder.get('job')} ({who(holder)}; {age(holder)}"
+                f"{'; a process of it on this host is still running' if fd is None else ''})")
             said = now
         time.sleep(min(1.0, times.renew_s / 2))
         if fd is None:
