@@ -36,7 +36,8 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchft") is None or lighthouse_binary() is None,
     reason="needs torchft and its torchft_lighthouse (make ft)")
 
-STEPS = 1500  # long enough that a kill at step 20 lands mid-run on any machine
+STEPS = 1000  # long enough that a kill at step 20 lands mid-run on any machine
+EVERY = 250  # checkpoints and log lines
 
 
 def config(tmp_path: Path, name: str) -> Path:
@@ -44,7 +45,7 @@ def config(tmp_path: Path, name: str) -> Path:
         "run": {"name": name}, "output": {"dir": str(tmp_path / "runs")},
         "model": {"kind": "mlp"}, "data": {"kind": "synthetic"},
         "train": {"max_steps": STEPS, "global_batch_size": 16},
-        "logging": {"every_steps": 500}, "checkpoint": {"every_steps": 500},
+        "logging": {"every_steps": EVERY}, "checkpoint": {"every_steps": EVERY},
         "distributed": {"fault_tolerance": "replicas", "replicas": 2, "max_restarts": 3}})
 
 
@@ -176,8 +177,8 @@ def test_a_lost_lighthouse_falls_back_to_the_last_checkpoint(tmp_path, fault_fre
     run_dir = tmp_path / "runs" / "lost"
     proc, err = start(cfg, "distributed.spares=1")
     try:
-        wait_for(lambda: (run_dir / "checkpoints" / "step-500" / "checksums.json").exists(),
-                 limit(300), "the checkpoint of step 500")
+        first = run_dir / "checkpoints" / f"step-{EVERY}" / "checksums.json"
+        wait_for(first.exists, limit(300), f"the checkpoint of step {EVERY}")
         lighthouse = int(re.search(r"\(the Lighthouse, pid (\d+);", err.read_text())[1])
         subprocess.run(["kill", "-9", str(lighthouse)], check=True)
         assert proc.wait(timeout=limit(600)) == 0, err.read_text()
@@ -186,7 +187,8 @@ def test_a_lost_lighthouse_falls_back_to_the_last_checkpoint(tmp_path, fault_fre
             proc.kill()
     text = err.read_text()
     assert len([ln for ln in text.splitlines() if f"the Lighthouse (pid {lighthouse}," in ln]) == 1
-    assert re.search(r"resumed from \S+/step-(500|1000) ", text), text[-3000:]
+    assert re.search(rf"resumed from \S+/step-({EVERY}|{2 * EVERY}|{3 * EVERY}) ", text), \
+        text[-3000:]
     entries = read(run_dir / "ledger.jsonl")
     assert [e.step for e in entries] == list(range(1, STEPS + 1))
     assert check_exactly_once(entries) == []
