@@ -144,13 +144,23 @@ def net(tmp_path):
 
 @pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory):
-    """A real SLURM cluster (tests/harness/slurmcluster.py), one per test module; a skip
-    saying why where this machine cannot run one."""
+    """A real SLURM cluster (tests/harness/slurmcluster.py) of two nodes, one per test
+    module; a skip saying why where this machine cannot run one."""
+    yield from _slurm_cluster(tmp_path_factory, nodes=2)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster3(tmp_path_factory):
+    """The same of three nodes (jobs of two, and a third node to leave out or to spare)."""
+    yield from _slurm_cluster(tmp_path_factory, nodes=3)
+
+
+def _slurm_cluster(tmp_path_factory, nodes: int):
     from tests.harness import slurmcluster
     why = slurmcluster.available()
     if why:
         pytest.skip(f"a SLURM cluster on this machine needs slurm, munge and root: {why}")
-    with slurmcluster.SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2,
+    with slurmcluster.SlurmCluster(tmp_path_factory.mktemp(f"slurm{nodes}"), nodes=nodes,
                                    cpus_per_node=2) as cluster:
         yield cluster
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from tests.harness.runs import ENTRY, NO_GPU, TINY_MLP, clean_env, merge, write_config
-from tests.harness.slurmcluster import SlurmCluster, available, wait_for_text
+from tests.harness.slurmcluster import wait_for_text
 
 BAD_HOST = "node2"
 FAULTY = f'''
@@ -34,12 +34,8 @@ def build(inputs, outputs, width):
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    why = available()
-    if why:
-        pytest.skip(f"a SLURM cluster on this machine needs slurm, munge and root: {why}")
-    with SlurmCluster(tmp_path_factory.mktemp("slurm3"), nodes=3, cpus_per_node=2) as c:
-        yield c
+def cluster(slurm_cluster3):
+    return slurm_cluster3
 
 
 def test_a_node_failing_the_preflight_check_is_left_out_of_the_requeued_job(cluster):

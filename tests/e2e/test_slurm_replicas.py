@@ -23,7 +23,7 @@ import pytest
 from launcher.detection.torchft_tools import lighthouse_binary
 from tests.harness.procs import cmdline, environ, pids
 from tests.harness.runs import ENTRY, NO_GPU, clean_env, limit, wait_for, write_config
-from tests.harness.slurmcluster import FINISHED, SlurmCluster, available
+from tests.harness.slurmcluster import FINISHED, SlurmCluster
 from train.observe.ledger import check_exactly_once, read
 
 pytestmark = pytest.mark.skipif(
@@ -34,13 +34,8 @@ STEPS = 600
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """Three nodes: jobs of two (node1, node2) and of three (a spare on node3)."""
-    why = available()
-    if why:
-        pytest.skip(f"a SLURM cluster on this machine needs slurm, munge and root: {why}")
-    with SlurmCluster(tmp_path_factory.mktemp("slurm3"), nodes=3, cpus_per_node=2) as c:
-        yield c
+def cluster(slurm_cluster3):
+    return slurm_cluster3
 
 
 def workers(job: int) -> dict[int, int]:
