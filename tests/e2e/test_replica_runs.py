@@ -106,6 +106,7 @@ def test_a_killed_worker_costs_no_restart_of_the_others_and_no_sample(tmp_path, 
             proc.kill()
     text = err.read_text()
     assert "torchrun (replica group 1): rank 0 killed by SIGKILL" in text, text
+    assert f"of {2 + spares} replica groups in the quorum, without replica group 1 " in text
     entries = read(run_dir / "ledger.jsonl")
     assert [e.step for e in entries] == list(range(1, STEPS + 1))
     assert check_exactly_once(entries) == []

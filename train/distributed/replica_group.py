@@ -45,6 +45,7 @@ class Quorum:
     participants: int   # groups in the quorum
     step: int           # the step the quorum trains (after a heal: the peers')
     healed: bool        # this group received its state from a peer for it
+    members: tuple[int, ...] = ()  # the replica group ids in it, in participant order
 
 
 # torchft's loggers: a line per quorum, commit and heal at INFO, and a traceback at ERROR
@@ -91,6 +92,8 @@ class ReplicaGroup:
             hostname=env.replica_addr or "127.0.0.1",
             checkpoint_transport=_weights_only_transport(timedelta(seconds=t.manager_s)))
         _quiet_heal_server(self.manager)
+        self._quorums = _RecordingClient(self.manager._client)
+        self.manager._client = self._quorums
 
     def _loader(self, load: Callable[[dict[str, Any]], None]):
         def heal(state: dict[str, Any]) -> None:
@@ -109,7 +112,8 @@ class ReplicaGroup:
         rank = self.manager.participating_rank()
         return Quorum(participant=rank if rank is not None else 0,
                       participants=max(1, self.manager.num_participants()),
-                      step=self.manager.current_step(), healed=self._healed_at is not None)
+                      step=self.manager.current_step(), healed=self._healed_at is not None,
+                      members=self._quorums.members())
 
     def sum(self, flat: torch.Tensor) -> None:
         """Sum ``flat`` over the quorum's groups, in place (zeros after a failure, which
@@ -131,6 +135,29 @@ class ReplicaGroup:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class _RecordingClient:
+    """The Manager's client of its quorum server, keeping the last quorum's replica ids
+    (the Manager uses them and drops them): which groups a quorum has, to name those it
+    lacks."""
+
+    def __init__(self, client: Any):
+        self._client = client
+        self._last: Any = None
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self._last = self._client._quorum(*args, **kwargs)
+        return self._last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def members(self) -> tuple[int, ...]:
+        """The group ids of the last quorum (a replica id is ``group_G:<uuid>``)."""
+        ids = getattr(self._last, "replica_ids", None) or []
+        found = (re.search(r"group_(\d+)", i) for i in ids)
+        return tuple(int(m[1]) for m in found if m)
 
 
 def _weights_only_transport(timeout: timedelta):

@@ -159,6 +159,7 @@ class ReplicaLoop:
         # a group torchrun restarted joins a job that trains already: no wait for the rest
         wait = 0.0 if c.env.restart_count else c.cfg.distributed.replica_timeout_s
         pending = first_quorum(self.group, self.expected, wait)
+        say_absent(c, pending, self.expected, wait)
         if self.ledger is not None and pending.participant == 0 and not pending.healed:
             self.ledger.restart_at(state.step)  # no live group ahead: those after are redone
         seen = pending.participants
@@ -239,11 +240,32 @@ def say_membership(c: Components, quorum: Quorum, expected: int, seen: int) -> i
     if quorum.participants != seen and quorum.participant == 0 and c.env.is_main:
         step = quorum.step + 1
         if quorum.participants < expected:
-            log.warning("step %d: %d of %d replica groups in the quorum (the others heal and "
-                        "join when they are back)", step, quorum.participants, expected)
+            log.warning("step %d: %d of %d replica groups in the quorum, without %s (they "
+                        "heal and join when they are back)", step, quorum.participants,
+                        expected, absent(quorum, expected))
         else:
             log.info("step %d: all %d replica groups in the quorum again", step, expected)
     return quorum.participants
+
+
+def say_absent(c: Components, quorum: Quorum, expected: int, waited_s: float) -> None:
+    """After the first step's wait: which groups started with the job never came (a spare
+    whose node never started, a group stuck before its first step), from the writer."""
+    if quorum.participants >= expected or quorum.healed or waited_s <= 0 or \
+            quorum.participant != 0 or not c.env.is_main:
+        return
+    log.warning("%s did not join within %.0f s (distributed.replica_timeout_s); training "
+                "with %d of %d replica groups (one that comes later heals and joins)",
+                absent(quorum, expected), waited_s, quorum.participants, expected)
+
+
+def absent(quorum: Quorum, expected: int) -> str:
+    """The groups of the job not in ``quorum``, in words."""
+    missing = [g for g in range(expected) if g not in quorum.members]
+    if not quorum.members or not missing:
+        return f"{expected - quorum.participants} replica group(s)"
+    return ("replica group " if len(missing) == 1 else "replica groups ") + \
+        ", ".join(map(str, missing))
 
 
 def stopped(step: int, stop: StopFlag, watchdog: Watchdog) -> int:
