@@ -46,6 +46,7 @@ class Quorum:
     step: int           # the step the quorum trains (after a heal: the peers')
     healed: bool        # this group received its state from a peer for it
     members: tuple[int, ...] = ()  # the replica group ids in it, in participant order
+    quorum_id: int = -1  # the Lighthouse's: changes whenever the membership changed
 
 
 # torchft's loggers: a line per quorum, commit and heal at INFO, and a traceback at ERROR
@@ -113,7 +114,7 @@ class ReplicaGroup:
         return Quorum(participant=rank if rank is not None else 0,
                       participants=max(1, self.manager.num_participants()),
                       step=self.manager.current_step(), healed=self._healed_at is not None,
-                      members=self._quorums.members())
+                      members=self._quorums.members(), quorum_id=self._quorums.quorum_id())
 
     def sum(self, flat: torch.Tensor) -> None:
         """Sum ``flat`` over the quorum's groups, in place (zeros after a failure, which
@@ -152,6 +153,9 @@ class _RecordingClient:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+    def quorum_id(self) -> int:
+        return int(getattr(self._last, "quorum_id", -1))
 
     def members(self) -> tuple[int, ...]:
         """The group ids of the last quorum (a replica id is ``group_G:<uuid>``)."""

@@ -27,7 +27,6 @@ from train.checkpoint.policy import Cadence
 from train.checkpoint.session import save_checkpoint
 from train.checkpoint.state import TrainState
 from train.core.errors import EXIT_OK, EXIT_PEER_STOPPED, EXIT_STOPPED_BY_SIGNAL
-from train.core.files import finished_step
 from train.data.order import GlobalOrder
 from train.distributed.replica_group import Quorum, ReplicaGroup
 from train.distributed.replica_slots import rank_span, slot_span, slots_of
@@ -35,6 +34,14 @@ from train.guards.divergence import Guard
 from train.guards.stopping import StopFlag
 from train.guards.watchdog import CHECKPOINT, EVALUATION, Watchdog
 from train.loop.components import Components, train_order
+from train.loop.replica_quorum import (
+    finished_without_us,
+    first_quorum,
+    joins_running,
+    rejoin,
+    say_absent,
+    say_membership,
+)
 from train.loop.steps import finish, gradient_sync, log_eval, optimizer_step
 from train.observe.ledger import Entry, Ledger, ledger_path
 from train.observe.metrics import MetricsLogger
@@ -124,23 +131,6 @@ def record(ledger: Ledger | None, quorum: Quorum, step: int, first: int, c: Comp
         ledger.step_down()
 
 
-def first_quorum(group: ReplicaGroup, expected: int, wait_s: float) -> Quorum:
-    """The first step's quorum, once every group started with the job is in it (bounded
-    by ``wait_s``: a group that comes later joins a later step and heals). A group that
-    heals in it joins a job that trains already: it must not wait, since the others
-    count it in their quorum and their all-reduce would wait for it."""
-    deadline = time.monotonic() + wait_s
-    quorum = group.quorum()
-    if quorum.participants < expected and not quorum.healed and wait_s > 0:
-        log.info("waiting up to %.0f s for %d replica groups (%d there)", wait_s, expected,
-                 quorum.participants)
-    while quorum.participants < expected and not quorum.healed and \
-            time.monotonic() < deadline:
-        time.sleep(0.5)
-        quorum = group.quorum()
-    return quorum
-
-
 class ReplicaLoop:
     """Train to train.max_steps or to a stop any group asked for: one attempt at a step
     after another, each committed everywhere it did not fail, or tried again."""
@@ -156,11 +146,16 @@ class ReplicaLoop:
     def run(self) -> int:
         c, state = self.c, self.state
         self.group.start_at(state.step)
-        # a group torchrun restarted joins a job that trains already: no wait for the rest
-        wait = 0.0 if c.env.restart_count else c.cfg.distributed.replica_timeout_s
-        pending = first_quorum(self.group, self.expected, wait)
-        say_absent(c, pending, self.expected, wait)
-        if self.ledger is not None and pending.participant == 0 and not pending.healed:
+        start, wait = state.step, c.cfg.distributed.replica_timeout_s
+        if c.env.restart_count:  # torchrun restarted this group alone: the others train on
+            pending = rejoin(self.group, c, self.expected, wait)
+        else:
+            pending = first_quorum(self.group, self.expected, wait, start)
+            say_absent(c, pending, self.expected, wait, start)
+        if finished_without_us(c, pending, self.expected):
+            return EXIT_OK  # before the ledger: its lines are the finished run's
+        if self.ledger is not None and pending.participant == 0 and \
+                not joins_running(pending, start):
             self.ledger.restart_at(state.step)  # no live group ahead: those after are redone
         seen = pending.participants
         while state.step < c.cfg.train.max_steps:
@@ -222,50 +217,6 @@ class ReplicaLoop:
             with watchdog.watching(CHECKPOINT, step):
                 save_checkpoint(c, state, self.guard, watchdog, background=how == "background")
         return stopped(step, self.stop, watchdog) if stopping else None
-
-
-def finished_without_us(c: Components, quorum: Quorum, expected: int) -> bool:
-    """Alone in the quorum after the other groups finished the run (this group thawed or
-    restarted too late): it must not train the run's end again on its own."""
-    if quorum.participants == 1 < expected and \
-            finished_step(c.run_dir, c.cfg.train.max_steps) is not None:
-        log.info("the other replica groups finished the run; nothing left to do here")
-        return True
-    return False
-
-
-def say_membership(c: Components, quorum: Quorum, expected: int, seen: int) -> int:
-    """One line when the number of groups in the quorum changes (a group lost, a spare
-    or a restarted group back), from the step's writer; returns the new number."""
-    if quorum.participants != seen and quorum.participant == 0 and c.env.is_main:
-        step = quorum.step + 1
-        if quorum.participants < expected:
-            log.warning("step %d: %d of %d replica groups in the quorum, without %s (they "
-                        "heal and join when they are back)", step, quorum.participants,
-                        expected, absent(quorum, expected))
-        else:
-            log.info("step %d: all %d replica groups in the quorum again", step, expected)
-    return quorum.participants
-
-
-def say_absent(c: Components, quorum: Quorum, expected: int, waited_s: float) -> None:
-    """After the first step's wait: which groups started with the job never came (a spare
-    whose node never started, a group stuck before its first step), from the writer."""
-    if quorum.participants >= expected or quorum.healed or waited_s <= 0 or \
-            quorum.participant != 0 or not c.env.is_main:
-        return
-    log.warning("%s did not join within %.0f s (distributed.replica_timeout_s); training "
-                "with %d of %d replica groups (one that comes later heals and joins)",
-                absent(quorum, expected), waited_s, quorum.participants, expected)
-
-
-def absent(quorum: Quorum, expected: int) -> str:
-    """The groups of the job not in ``quorum``, in words."""
-    missing = [g for g in range(expected) if g not in quorum.members]
-    if not quorum.members or not missing:
-        return f"{expected - quorum.participants} replica group(s)"
-    return ("replica group " if len(missing) == 1 else "replica groups ") + \
-        ", ".join(map(str, missing))
 
 
 def stopped(step: int, stop: StopFlag, watchdog: Watchdog) -> int:
