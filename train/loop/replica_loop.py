@@ -148,7 +148,7 @@ class ReplicaLoop:
         self.group.start_at(state.step)
         start, wait = state.step, c.cfg.distributed.replica_timeout_s
         if c.env.restart_count:  # torchrun restarted this group alone: the others train on
-            pending = rejoin(self.group, c, self.expected, wait)
+            pending = rejoin(self.group, self.expected, wait)
         else:
             pending = first_quorum(self.group, self.expected, wait, start)
             say_absent(c, pending, self.expected, wait, start)

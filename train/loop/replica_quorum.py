@@ -41,21 +41,21 @@ def first_quorum(group: ReplicaGroup, expected: int, wait_s: float, start: int) 
     return quorum
 
 
-def rejoin(group: ReplicaGroup, c: Components, expected: int, wait_s: float) -> Quorum:
+def rejoin(group: ReplicaGroup, expected: int, wait_s: float) -> Quorum:
     """The first quorum of a group torchrun restarted. The other groups train on, but may
     be a moment away from the quorum (saving a checkpoint, evaluating, finishing the
-    run): alone in it, the group asks again, up to ``wait_s``, before it takes itself for
-    the last one left and trains on from its checkpoint (rewriting the ledger's lines
+    run): alone in it, the group asks again, up to ``wait_s`` (in the Lighthouse's
+    rounds: every rank of the group stops asking at the same one), before it takes itself
+    for the last one left and trains on from its checkpoint (rewriting the ledger's lines
     after it). It must not wait once it is with others: they count it in this step."""
-    deadline = time.monotonic() + wait_s
     quorum = group.quorum()
     if quorum.participants == 1 < expected:
         log.info("restarted alone in the quorum: waiting up to %.0f s for the other replica "
                  "groups", wait_s)
-    while quorum.participants == 1 < expected and time.monotonic() < deadline and \
-            finished_step(c.run_dir, c.cfg.train.max_steps) is None:
+    rounds = math.ceil(wait_s * 1000 / QUORUM_TICK_MS)
+    while quorum.participants == 1 < expected and rounds > 0:
         time.sleep(QUORUM_TICK_MS / 1000)
-        quorum = group.quorum()
+        quorum, rounds = group.quorum(), rounds - 1
     return quorum
 
 
