@@ -153,9 +153,9 @@ def joined_late(quorum: Quorum) -> bool:
     """Healed to a step the others trained: the same answer on every rank of a group.
     A heal at step 0 is not (torchft's ``init_sync`` makes rank r of each group take the
     state of the group at position r mod n of the quorum, so some ranks of a group heal
-    and others not; seen with groups of 2), and says nothing: no group has trained yet. Ranks of a group answering
-    differently would call the quorum a different number of times, and wait for each
-    other in it until its timeout."""
+    and others not; seen with groups of 2), and says nothing: no group has trained yet.
+    Ranks of a group answering differently would call the quorum a different number of
+    times, and wait for each other in it until its timeout."""
     return quorum.healed and quorum.step > 0
 
 
