@@ -18,6 +18,7 @@ savers   fp16 + GradScaler, activation checkpointing, micro_batch_size=auto
 fsdp     FSDP2 on one GPU with CPU offload and bf16 params (sharded checkpoints)
 dcp      the fsdp run resumed from its sharded checkpoint, saving in the background
 dp       DataParallel with bf16 (autocast inside the replicas' forward)
+replicas 2 replica groups (torchft), one GPU each, DDP; ``replicas_fsdp``: FSDP in each
 compile  torch.compile on the GPU (inductor + triton), 30 steps
 speed    ``python -m bench.throughput``: gpt-small's tokens/s, MFU and peak memory in the
          trainer and in a plain loop, one GPU and all local GPUs (the figures docs
@@ -232,6 +233,17 @@ GPU_STAGES: tuple[Stage, ...] = (
                                              "distributed.replicas=2", "train.max_steps=30",
                                              "checkpoint.every_steps=10"),
           lambda c, out: f"2 replica groups: {loss_note(c.metrics('replicas'))}",
+          when=lambda c: _ranks(c) >= 2 and _has_torchft(c),
+          must_say=r"in each of 2 replica groups"),
+    # the same with FSDP in each group (one process a group: its shards are whole tensors;
+    # the shard sums and heals of groups of several processes: tests/e2e, on the CPU)
+    Stage("replicas_fsdp", 120, lambda c: c.train("replicas_fsdp",
+                                                  "distributed.fault_tolerance=replicas",
+                                                  "distributed.replicas=2",
+                                                  "distributed.strategy=fsdp",
+                                                  "train.max_steps=30",
+                                                  "checkpoint.every_steps=10"),
+          lambda c, out: f"2 fsdp replica groups: {loss_note(c.metrics('replicas_fsdp'))}",
           when=lambda c: _ranks(c) >= 2 and _has_torchft(c),
           must_say=r"in each of 2 replica groups"),
     Stage("tests", 240, lambda c: [c.python, "-m", "pytest", "-q", "-m", "gpu", "-p",

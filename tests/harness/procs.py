@@ -118,3 +118,14 @@ def replica_workers(launcher: int, module: str = "train.worker") -> dict[int, in
                 module in cmdline(pid) and below(pid, launcher):
             found[int(env["REPLICA_GROUP_ID"])] = pid
     return found
+
+
+def replica_ranks(launcher: int, module: str = "train.worker") -> dict[tuple[int, int], int]:
+    """(replica group, rank in it) -> the pid of that worker, for every worker below the
+    launcher (groups of several processes)."""
+    found = {}
+    for pid in pids():
+        env = environ(pid)
+        if "REPLICA_GROUP_ID" in env and module in cmdline(pid) and below(pid, launcher):
+            found[(int(env["REPLICA_GROUP_ID"]), int(env.get("RANK", "0")))] = pid
+    return found

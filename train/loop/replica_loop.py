@@ -12,7 +12,8 @@ whichever groups computed it.
 
 Committed steps are written to ``RUN_DIR/ledger.jsonl`` (:mod:`train.observe.ledger`)
 and checkpoints by the step's first participating group; replica group 0's rank 0 logs
-the metrics and writes the run's files. Inside a group: one process, or DDP.
+the metrics and writes the run's files. Inside a group: one process, DDP, or FSDP (each
+rank's shards summed with the same rank of the other groups).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from train.checkpoint.state import TrainState
 from train.core.errors import EXIT_OK, EXIT_PEER_STOPPED, EXIT_STOPPED_BY_SIGNAL
 from train.data.order import GlobalOrder
 from train.distributed.replica_group import Quorum, ReplicaGroup
+from train.distributed.replica_shards import local_grads, model_state, optimizer_state, portable
 from train.distributed.replica_slots import rank_span, slot_span, slots_of
 from train.guards.divergence import Guard
 from train.guards.stopping import StopFlag
@@ -58,30 +60,34 @@ def heal_state(c: Components, state: TrainState, ledger: Ledger | None):
     the training state, and the peer's recent ledger entries (a step the peer committed
     and this group did not, when this group writes the ledger next, must get its line)."""
     def save() -> dict[str, Any]:
-        return {"model": c.module.state_dict(), "optimizer": c.optimizer.state_dict(),
+        # under FSDP: this rank's shards, which the same rank of the healing group takes
+        return {"model": portable(c.module.state_dict()),
+                "optimizer": portable(c.optimizer.state_dict()),
                 "scheduler": c.scheduler.state_dict(),
                 "scaler": c.scaler.state_dict() if c.scaler else None,
                 "progress": state.state_dict(),
                 "ledger": ledger.recent_entries() if ledger is not None else []}
 
     def load(saved: dict[str, Any]) -> None:
-        c.module.load_state_dict(saved["model"])
-        c.optimizer.load_state_dict(saved["optimizer"])
+        c.module.load_state_dict(model_state(saved["model"], c.module))
+        c.optimizer.load_state_dict(optimizer_state(saved["optimizer"], c.optimizer))
         c.scheduler.load_state_dict(saved["scheduler"])
         if c.scaler and saved["scaler"] is not None:
             c.scaler.load_state_dict(saved["scaler"])
         state.load_state_dict(saved["progress"], c.cfg.train.global_batch_size)
         if ledger is not None:
             ledger.adopt(saved["ledger"])
-        log.info("replica group %d healed from a live peer at step %d",
-                 c.env.replica_group or 0, state.step)
+        # at step 0, torchft's start-up sync of groups that start equal: not worth a line
+        log.log(logging.INFO if state.step else logging.DEBUG,
+                "replica group %d healed from a live peer at step %d",
+                c.env.replica_group or 0, state.step)
     return save, load
 
 
 def compute_slots(c: Components, order: GlobalOrder, first: int, slots: list[int]) -> float:
     """Forward and backward over this rank's part of ``slots``; the gradients hold the
-    sum of its samples' losses / global batch (DDP inside the group averages its ranks:
-    so each rank's loss is scaled by the group's size). Returns the summed loss."""
+    sum of its samples' losses / global batch (DDP or FSDP inside the group averages its
+    ranks: so each rank's loss is scaled by the group's size). Returns the summed loss."""
     cfg, env = c.cfg, c.env
     g, replicas = cfg.train.global_batch_size, cfg.distributed.replicas
     parts = []
@@ -104,16 +110,18 @@ def compute_slots(c: Components, order: GlobalOrder, first: int, slots: list[int
 
 def sum_across_groups(c: Components, group: ReplicaGroup, extras: list[float]) -> torch.Tensor:
     """One all-reduce of every gradient and ``extras``; the summed gradients are written
-    back. Returns the summed extras."""
-    params = [p for p in c.model.parameters() if p.requires_grad]
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    back. Returns the summed extras. Under FSDP each rank sums its local gradient shards
+    with the same rank of the other groups, whose shards are the same pieces
+    (:mod:`train.distributed.replica_shards`)."""
+    grads = local_grads([p for p in c.model.parameters() if p.requires_grad])
     flat = torch.cat([g.reshape(-1).float() for g in grads]
                      + [torch.tensor(extras, dtype=torch.float32, device=c.device)])
     group.sum(flat)
     offset = 0
-    for p, g in zip(params, grads, strict=True):
-        p.grad = flat[offset: offset + g.numel()].view_as(g).to(g.dtype)
-        offset += g.numel()
+    with torch.no_grad():
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
     return flat[offset:].cpu()
 
 

@@ -202,7 +202,7 @@ REPLICA_KEYS = ("distributed.replicas", "distributed.spares", "distributed.repli
 
 def _check_replicas(cfg: Config, report: _Report) -> None:
     """distributed.replicas and spares mean something with fault_tolerance=replicas only,
-    which trains DDP (or one process) inside each group."""
+    which trains one process, DDP or FSDP (without CPU offload) inside each group."""
     d = cfg.distributed
     if d.fault_tolerance != "replicas":
         # by value, not origin: print-config writes every key, and its output must load
@@ -211,9 +211,15 @@ def _check_replicas(cfg: Config, report: _Report) -> None:
                 report.fail(key, f"applies to distributed.fault_tolerance=replicas, got "
                                  f"{ref('distributed.fault_tolerance')}")
         return
-    if d.strategy not in ("single", "ddp"):
+    if d.strategy not in ("single", "ddp", "fsdp"):
         report.fail("distributed.strategy", f"{val('distributed.strategy')} inside replica "
-                                            "groups is not supported yet; single or ddp")
+                                            "groups is not supported yet; single, ddp or fsdp")
+    elif d.strategy == "fsdp" and cfg.memory.cpu_offload:
+        report.fail("memory.cpu_offload",
+                    f"{val('memory.cpu_offload')} with {ref('distributed.fault_tolerance')} is "
+                    "not supported yet (replica groups do not sum offloaded gradient "
+                    "shards); set it to false, or use distributed.fault_tolerance=restart",
+                    "distributed.strategy")
 
 
 def _blocked_kinds() -> str:
