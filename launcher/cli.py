@@ -222,8 +222,8 @@ def cmd_exec(args: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "launch": cmd_launch, "doctor": cmd_doctor,
-            "rendezvous": cmd_rendezvous, "lighthouse": cmd_lighthouse, "export": cmd_export, "generate": cmd_generate,
-            "tokenize": cmd_tokenize}
+            "rendezvous": cmd_rendezvous, "lighthouse": cmd_lighthouse, "export": cmd_export,
+            "generate": cmd_generate, "tokenize": cmd_tokenize}
 
 
 def _command_name() -> str:

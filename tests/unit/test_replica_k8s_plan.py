@@ -120,3 +120,33 @@ def test_the_deployments_lighthouse_is_lost_after_refusals_and_named(monkeypatch
     far = lighthouse.Lighthouse(None, 29510, "train-lighthouse", by="its Deployment's")
     assert [far.gone() for _ in range(3)] == [None, None, "stopped accepting connections"]
     assert far.named() == f"the Lighthouse (its Deployment's, {URL})"
+
+
+def test_the_lighthouse_command_runs_the_launchers_command_line(config, monkeypatch):
+    """``entrypoint.py lighthouse``: the argv the launcher gives the Lighthouse elsewhere,
+    bound where the Service sends; exec'ed (here: the argv it would exec)."""
+    from launcher.commands import lighthouse as command
+    from train.core.run.replica_contract import Timeouts, lighthouse_argv
+    monkeypatch.setattr(command, "lighthouse_binary", lambda: LIGHTHOUSE)
+    got = command.argv(config, ["distributed.replica_timeout_s=7"], "0.0.0.0", 29510)
+    assert got == lighthouse_argv(LIGHTHOUSE, "0.0.0.0:29510", Timeouts.of(7))
+    assert command.argv(None, [], "::", 29510)[1:3] == ["--bind", "[::]:29510"]
+    seen = []
+    monkeypatch.setattr(command.os, "execve", lambda path, argv, env: seen.append(
+        (path, argv, env["RUST_LOG"])))
+    command.serve(config, [], "0.0.0.0", 29510, lambda line: None)
+    assert seen == [(LIGHTHOUSE, lighthouse_argv(LIGHTHOUSE, "0.0.0.0:29510", Timeouts.of(60)),
+                     "warn")]
+
+
+def test_the_lighthouse_command_says_what_is_wrong_in_one_line(config, monkeypatch, capsys):
+    from launcher import cli
+    from launcher.commands import lighthouse as command
+    monkeypatch.setattr(command, "lighthouse_binary", lambda: None)
+    assert cli.main(["lighthouse", config]) == 3
+    assert "pip install 'trainpod[ft]'" in capsys.readouterr().err
+    monkeypatch.setattr(command, "lighthouse_binary", lambda: LIGHTHOUSE)
+    assert cli.main(["lighthouse", config, "distributed.replica_timeout_s=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "distributed.replica_timeout_s" in err and err.count("\n") == 1
+    assert cli.main(["lighthouse", "--port", "0"]) == 2
