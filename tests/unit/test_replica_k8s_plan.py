@@ -150,3 +150,18 @@ def test_the_lighthouse_command_says_what_is_wrong_in_one_line(config, monkeypat
     err = capsys.readouterr().err
     assert "distributed.replica_timeout_s" in err and err.count("\n") == 1
     assert cli.main(["lighthouse", "--port", "0"]) == 2
+
+
+def test_a_heal_is_served_at_the_groups_address_not_its_hostname():
+    """A pod's hostname does not resolve from the other pods: the heal server advertises
+    TRAIN_REPLICA_ADDR (the pod IP) instead."""
+    pytest.importorskip("torchft")
+    from datetime import timedelta
+
+    from train.distributed.replica_group import _weights_only_transport
+    transport = _weights_only_transport(timedelta(seconds=5), "10.0.0.9")
+    try:
+        assert transport.address().startswith("http://10.0.0.9:")
+        assert transport.address().endswith("/checkpoint/")
+    finally:
+        transport.shutdown(wait=False)

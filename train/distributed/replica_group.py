@@ -134,7 +134,7 @@ class ReplicaGroup:
         self.manager.shutdown(wait=False)
 
 
-def _weights_only_transport(timeout: timedelta, addr: str | None):
+def _weights_only_transport(timeout: timedelta, addr: str | None = None):
     """torchft's HTTP heal transport, reading what a peer sends as the project reads a
     checkpoint: ``weights_only`` (tensors and plain values; torchft's own unpickles
     anything, so any process that reached the heal port could run code here). It
