@@ -38,6 +38,9 @@ commands:
   rendezvous [--port N]
                       the standalone rendezvous store for multi-node elastic runs
                       (default port 29400)
+  lighthouse [--port N] [CONFIG [dotted.key=value ...]]
+                      torchft's Lighthouse for replica groups run as a service of
+                      the job (Kubernetes: k8s/kustomize/replicas; default port 29510)
   export RUN_DIR      consolidated weights + model config from the newest checkpoint
   generate RUN_DIR [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S]
                       text from an exported byte-level GPT (the quick start's model)
@@ -167,6 +170,19 @@ def cmd_rendezvous(args: list[str]) -> int:
     return rendezvous.serve(ns.port, log, host=ns.host)
 
 
+def cmd_lighthouse(args: list[str]) -> int:
+    from launcher.commands import lighthouse
+    parser = _Parser(prog="entrypoint.py lighthouse")
+    parser.add_argument("--port", type=int, default=lighthouse.DEFAULT_PORT)
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("config", nargs="?")
+    parser.add_argument("overrides", nargs="*")
+    ns = parser.parse_args(args)
+    if not 0 < ns.port < 65536:
+        parser.error(f"--port {ns.port}: expected 1..65535")
+    return lighthouse.serve(ns.config, ns.overrides, ns.host, ns.port, log)
+
+
 def in_training_package(module: str, args: list[str], *, torch: bool = True) -> int:
     """Commands that load checkpoints or exports with torch (or, torch=False, that only
     write data files) run inside the training package: this process becomes ``python -m
@@ -198,16 +214,16 @@ def cmd_exec(args: list[str]) -> int:
         os.execvp(args[0], args)
     except FileNotFoundError:
         raise ConfigError("command line", args[0], "unknown command: not train, launch, "
-                          "doctor, rendezvous, export, generate or tokenize, and no such "
-                          "executable on PATH; see --help") from None
+                          "doctor, rendezvous, lighthouse, export, generate or tokenize, "
+                          "and no such executable on PATH; see --help") from None
     except PermissionError:
         raise ConfigError("command line", args[0], "not executable") from None
     return 0  # not reached
 
 
 COMMANDS = {"train": cmd_train, "launch": cmd_launch, "doctor": cmd_doctor,
-            "rendezvous": cmd_rendezvous, "export": cmd_export, "generate": cmd_generate,
-            "tokenize": cmd_tokenize}
+            "rendezvous": cmd_rendezvous, "lighthouse": cmd_lighthouse, "export": cmd_export,
+            "generate": cmd_generate, "tokenize": cmd_tokenize}
 
 
 def _command_name() -> str:

@@ -51,6 +51,7 @@ def pytest_make_collect_report(collector):
 # test checks): a new one goes where its time puts it.
 E2E_LONGEST_FIRST = (
     "test_vanish", "test_slurm", "test_slurm_replicas", "test_k8s_sim_runs",
+    "test_k8s_replicas",
     "test_replica_runs", "test_sharded_checkpoints", "test_replica_fsdp_runs",
     "test_hangs", "test_trackers_runs", "test_strategies_runs", "test_hf_models_runs",
     "test_training_runs", "test_credentials_runs", "test_object_storage_runs",

@@ -175,14 +175,15 @@ def _plan_lines(p: dict | None) -> list[str]:
 
 def _replica_lines(r: dict | None) -> list[str]:
     """fault_tolerance=replicas: the groups, the spares, the Lighthouse, each command
-    (on SLURM: this node's group, and whose Lighthouse)."""
+    (on SLURM and Kubernetes: this node's or pod's group, and whose Lighthouse)."""
     if not r:
         return []
     ids = r.get("ids") or range(r["replicas"] + r["spares"])
     if r.get("at"):
-        where = (f"one per node, this node's: group {ids[0]}; Lighthouse at {r['at']}, "
+        one = "pod" if r.get("owner") else "node"
+        where = (f"one per {one}, this {one}'s: group {ids[0]}; Lighthouse at {r['at']}, "
                  + (f"started here: {shell(r['lighthouse'])}" if r.get("serve")
-                    else "node 0's"))
+                    else r.get("owner") or "node 0's"))
     else:
         where = ("one torchrun each; Lighthouse on 127.0.0.1 at a free port picked at each "
                  f"start: {shell(r['lighthouse'])}")

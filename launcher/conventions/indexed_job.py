@@ -11,7 +11,11 @@ any of them costs a re-rendezvous, not the job. Variables:
   ``batch.kubernetes.io/controller-uid``): the store outlives jobs, and a reused id
   names a closed rendezvous that refuses new nodes;
 - ``TRAIN_LOCAL_ADDR``: this pod's address for its peers (the pod IP), so no peer
-  needs DNS for it.
+  needs DNS for it;
+- ``TORCHFT_LIGHTHOUSE``: ``http://HOST:PORT`` of the replica groups' Lighthouse, its
+  own Deployment + Service (k8s/kustomize/replicas): with
+  ``distributed.fault_tolerance: replicas`` each pod runs ONE replica group, its id
+  ``JOB_COMPLETION_INDEX`` (:func:`launcher.planning.replica_plan.nodes_for_groups`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from launcher.conventions import common
 from launcher.conventions.common import Nodes, Timings
 from launcher.planning.variables import Environ, integer
 from train.core.errors import ConfigError, raise_all
+from train.core.run.replica_contract import LIGHTHOUSE_VAR
 
 NAME = "indexed-job"
 
@@ -70,4 +75,24 @@ def nodes(env: Environ, timings: Timings) -> Nodes:
     note = (f"launch convention: Indexed Job ({by}), standalone rendezvous store {host}:{port}, "
             f"nodes {lo}:{hi}")
     return Nodes(NAME, lo, hi, tuple(args), out_env, host, job=run_id,
-                 store=f"{host}:{port}", notes=(note,))
+                 store=f"{host}:{port}", notes=(note,),
+                 replica_node=_replica_pod(env, index, local),
+                 lighthouse_by="its Deployment's" if env.get(LIGHTHOUSE_VAR) else None)
+
+
+def _replica_pod(env: Environ, index: str | None, local: str | None
+                 ) -> tuple[int, str, str, int] | None:
+    """Where this pod's replica group finds the Lighthouse the manifests run (``http://
+    HOST:PORT`` in TORCHFT_LIGHTHOUSE): (its index, its address, the Lighthouse's host
+    and port); None without the Lighthouse or an index (replica groups then exit 3)."""
+    url = env.get(LIGHTHOUSE_VAR)
+    if not url or index is None:
+        return None
+    host, port = common.parse_endpoint(url.removeprefix("http://").rstrip("/"),
+                                       LIGHTHOUSE_VAR, default_port=29510)
+    return int(index), local or host_name(), host, port
+
+
+def host_name() -> str:
+    import socket
+    return socket.gethostname()

@@ -318,7 +318,8 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
                 str(nproc), "--max-restarts", str(max_restarts), "--log-dir", log_dir,
                 "--tee", "3", "-m", *worker]
     groups = plan_groups(cfg, argv, nodes.args, lighthouse, node,
-                         gpu_share=nproc * (device == "gpu")) if replicas else None
+                         gpu_share=nproc * (device == "gpu"),
+                         owner=nodes.lighthouse_by) if replicas else None
     # The config's own warnings (values it adjusted) first: the launcher prints them
     # once, and the workers it starts leave them to it.
     warnings = config_warnings(cfg) + list(hw.warnings) + [f"kept {k}" for k in variables.kept]

@@ -9,6 +9,11 @@ at the job's port (``MASTER_PORT``, else derived from the job id:
 :func:`launcher.conventions.slurm._port`), which every node computes alone; the groups
 reach it, and each other, at the nodes' names in the node list.
 
+On Kubernetes (an Indexed Job of k8s/kustomize/replicas: TORCHFT_LIGHTHOUSE names the
+Lighthouse's Service) each pod runs ONE group, its id ``JOB_COMPLETION_INDEX``, the same
+way; no launcher starts the Lighthouse (its own Deployment runs it), and the groups reach
+each other at the pods' IPs (``TRAIN_LOCAL_ADDR``).
+
 Pure, like :mod:`launcher.planning.plan`: the ports are free ones the supervisor
 (:mod:`launcher.running.replica_groups`) picks on 127.0.0.1 at each start, so the
 commands hold them as shell variables (``${LIGHTHOUSE_PORT}``, ``${RDZV_PORT}``), which
@@ -24,7 +29,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, replace
 
-from launcher.conventions.common import Nodes
+from launcher.conventions.common import Nodes, env_error, nnodes_arg
 from train.core.config import AUTO, Config
 from train.core.errors import CannotRunHere, ConfigError
 from train.core.run.replica_contract import (
@@ -55,6 +60,14 @@ class ReplicaGroups:
     # on SLURM: the first node's host:port, fixed; whether this node starts it (node 0)
     at: str | None = None
     serve: bool = True
+    # who runs it when no launcher does (Kubernetes: its Deployment, which replaces a
+    # lost one: each pod's launcher then starts its group again); None: a launcher
+    owner: str | None = None
+
+    @property
+    def by(self) -> str:
+        """Whose Lighthouse this is, for the lines that name it."""
+        return self.owner or ("this launcher's" if self.serve else "node 0's")
 
     @property
     def groups(self) -> int:
@@ -72,10 +85,11 @@ class ReplicaGroups:
         """``--dry-run``'s lines for the groups, as a shell script: the variables every
         group gets (``shared``), the Lighthouse, then each group's torchrun."""
         if self.at:
-            where = (f"# replica group {self.here[0]} of {self.groups} on this node "
-                     f"({self.replicas} + {self.spares} spare(s), one per node)",
+            one = "pod" if self.owner else "node"
+            where = (f"# replica group {self.here[0]} of {self.groups} on this {one} "
+                     f"({self.replicas} + {self.spares} spare(s), one per {one})",
                      f"# Lighthouse at {self.address}: " + ("started here" if self.serve
-                                                          else "node 0's, waited for"))
+                                                          else f"{self.by}, waited for"))
         else:
             where = (f"# replica groups: {self.replicas} + {self.spares} spare(s) = "
                      f"{self.groups} torchrun(s) on this machine, started once the "
@@ -121,31 +135,47 @@ def groups_here(cfg: Config, node: tuple | None) -> int:
 
 def nodes_for_groups(nodes: Nodes, cfg: Config, source: str
                      ) -> tuple[Nodes, tuple[int, str, str, int] | None]:
-    """Where replica groups run (nodes, and SLURM's :attr:`Nodes.replica_node`, as they
-    are without them): one machine, or a SLURM step of one task per node, each node one
-    group under a torchrun of its own node (the nodes planned as one: no rendezvous,
-    heartbeat or restart limit across them). Any other launch convention of a cluster
-    is exit 3; nodes that are not the groups, exit 2."""
+    """Where replica groups run (nodes, and :attr:`Nodes.replica_node`, as they are
+    without them): one machine; a SLURM step of one task per node; or an Indexed Job's
+    pods with the Lighthouse's Service in TORCHFT_LIGHTHOUSE (k8s/kustomize/replicas).
+    Each node (pod) runs one group under a torchrun of its own (the nodes planned as
+    one: no rendezvous, heartbeat or restart limit across them). Any other launch
+    convention of a cluster is exit 3; nodes that are not the groups, exit 2."""
     d = cfg.distributed
     if d.fault_tolerance != "replicas" or nodes.alone:
         return nodes, None
     if nodes.replica_node is None:
         raise CannotRunHere(f"distributed.fault_tolerance=replicas runs its replica groups "
-                            f"on one machine or on SLURM (one task per node), but this is a "
-                            f"{nodes.convention} job of {nodes.min}:{nodes.max} node(s); "
+                            f"on one machine, on SLURM (one task per node) or in an Indexed "
+                            f"Job with TORCHFT_LIGHTHOUSE (k8s/kustomize/replicas), but this "
+                            f"is a {nodes.convention} job of {nodes.min}:{nodes.max} node(s); "
                             "run it on one machine without the launch convention's "
                             "variables, or use distributed.fault_tolerance=restart")
-    if nodes.max != d.replicas + d.spares:
-        raise ConfigError(source, "distributed.replicas", f"{d.replicas} replica(s) + "
-                          f"{d.spares} spare(s) (distributed.spares) are {d.replicas + d.spares}"
-                          f" replica groups, one per node, but the SLURM step has "
-                          f"{nodes.max} node(s); ask for as many nodes as groups")
+    groups = d.replicas + d.spares
     node, _, first, port = nodes.replica_node
-    notes = tuple(n.replace(f"rendezvous at {first}:{port}", f"this node runs replica group "
-                            f"{node} of {nodes.max}, the Lighthouse at {first}:{port}")
-                  for n in nodes.notes)
+    pods = nodes.lighthouse_by is not None  # Kubernetes: the Job's pods, TRAIN_NNODES
+    if nodes.max != groups or nodes.min != nodes.max:
+        have = (f"TRAIN_NNODES is {nnodes_arg(nodes.min, nodes.max)} (the Job's pods)" if pods
+                else f"the SLURM step has {nodes.max} node(s)")
+        fix = ("set TRAIN_NNODES, completions and parallelism to that number" if pods
+               else "ask for as many nodes as groups")
+        raise ConfigError(source, "distributed.replicas", f"{d.replicas} replica(s) + "
+                          f"{d.spares} spare(s) (distributed.spares) are {groups} replica "
+                          f"groups, one per {'pod' if pods else 'node'}, but {have}; {fix}")
+    if node >= groups:
+        raise env_error("JOB_COMPLETION_INDEX", f"got {node}; expected 0..{groups - 1}, "
+                                                "one pod per replica group")
+    if pods:
+        notes = (f"launch convention: Indexed Job (JOB_COMPLETION_INDEX={node}): this pod "
+                 f"runs replica group {node} of {groups}, the Lighthouse at {first}:{port} "
+                 f"({nodes.lighthouse_by})",)
+    else:
+        notes = tuple(n.replace(f"rendezvous at {first}:{port}", f"this node runs replica "
+                                f"group {node} of {nodes.max}, the Lighthouse at {first}:{port}")
+                      for n in nodes.notes)
     return replace(nodes, min=1, max=1, heartbeat=None, static=False, host=None, notes=notes,
-                   store=None, max_restarts=None), nodes.replica_node
+                   store=None, max_restarts=None, env={} if pods else nodes.env
+                   ), nodes.replica_node
 
 
 def rdzv_args(group: int) -> tuple[str, ...]:
@@ -176,12 +206,13 @@ def processes_per_group(cfg: Config, nproc: int, gpus: int, device: str,
 
 def plan_groups(cfg: Config, argv: list[str], standalone: tuple[str, ...],
                 lighthouse: str | None, node: tuple[int, str, str, int] | None = None,
-                gpu_share: int = 0) -> ReplicaGroups:
+                gpu_share: int = 0, owner: str | None = None) -> ReplicaGroups:
     """Each group's command: ``argv`` (one node's torchrun, as the plan builds it) with
     its rendezvous flags ``standalone`` replaced by the group's own. ``node`` (SLURM:
     this node's id and host, the first host, the job's port): this node's group alone,
     the Lighthouse on the first host. ``gpu_share``: the GPUs each group of this machine
-    takes (0 on the CPU), from its first device on."""
+    takes (0 on the CPU), from its first device on. ``owner``: who runs the Lighthouse
+    when no launcher does (Kubernetes: its Deployment)."""
     d = cfg.distributed
     at = next(i for i in range(len(argv)) if tuple(argv[i:i + len(standalone)]) == standalone)
     groups = d.replicas + d.spares
@@ -196,4 +227,5 @@ def plan_groups(cfg: Config, argv: list[str], standalone: tuple[str, ...],
                          tuple(lighthouse_argv(lighthouse or LIGHTHOUSE_BINARY, bind,
                                                Timeouts.of(d.replica_timeout_s))),
                          argvs, envs, ids=ids if node else (), at=bind if node else None,
-                         serve=node is None or node[0] == 0)
+                         serve=node is None or (owner is None and node[0] == 0),
+                         owner=owner)

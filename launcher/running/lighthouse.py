@@ -10,6 +10,8 @@
   other nodes' launchers wait for it, bounded (``distributed.rdzv_join_timeout_s``), and
   watch it: lost when it refuses connections :data:`MISSES` times in a row. Node 0's
   launcher keeps it, after its own group ended, while any group still beats.
+- On Kubernetes (k8s/kustomize/replicas) its own Deployment runs it behind a Service:
+  every pod's launcher waits for it and watches it as SLURM's other nodes do.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Lighthouse:
     host: str = HOST
     misses: int = 0
     checked: float = 0.0
+    by: str = "node 0's"            # whose it is, when another's
 
     @property
     def address(self) -> str:
@@ -74,7 +77,7 @@ class Lighthouse:
         return int(found[1]) if found else 0
 
     def named(self) -> str:
-        own = f"pid {self.proc.pid}, " if self.proc is not None else "node 0's, "
+        own = f"pid {self.proc.pid}, " if self.proc is not None else f"{self.by}, "
         return f"the Lighthouse ({own}{self.address})"
 
 
@@ -102,7 +105,7 @@ def start(plan: Plan, keep_fds: tuple[int, ...], log) -> Lighthouse | Outcome:
         return _serve(plan, HOST, system.free_port(), LIGHTHOUSE_UP_S, log)
     host, _, port = groups.at.rpartition(":")
     if not groups.serve:
-        return _wait(host, int(port), plan.join_timeout_s, log)
+        return _wait(host, int(port), plan.join_timeout_s, log, groups.by)
     if _taken(host, int(port)):
         return Outcome(EXIT_CANNOT_RUN_HERE, f"error: the Lighthouse's port {groups.at} (the "
                                              "job's port: MASTER_PORT, else derived from "
@@ -111,17 +114,18 @@ def start(plan: Plan, keep_fds: tuple[int, ...], log) -> Lighthouse | Outcome:
     return _serve(plan, host, int(port), LIGHTHOUSE_UP_S, log)
 
 
-def _wait(host: str, port: int, wait_s: float, log) -> Lighthouse | Outcome:
-    log(f"waiting for node 0's Lighthouse at http://{host}:{port} (at most {wait_s:.0f} s, "
+def _wait(host: str, port: int, wait_s: float, log, by: str) -> Lighthouse | Outcome:
+    log(f"waiting for {by} Lighthouse at http://{host}:{port} (at most {wait_s:.0f} s, "
         "distributed.rdzv_join_timeout_s)")
     deadline = time.monotonic() + wait_s
     while not reachable(f"{host}:{port}"):
         if time.monotonic() >= deadline:
-            return verdicts.lighthouse_down(f"node 0's, http://{host}:{port}",
+            return verdicts.lighthouse_down(f"{by}, http://{host}:{port}",
                                             f"did not accept connections within "
-                                            f"{wait_s:.0f} s", "node 0's RUN_DIR/logs")
+                                            f"{wait_s:.0f} s", "node 0's RUN_DIR/logs"
+                                            if by == "node 0's" else "kubectl logs")
         time.sleep(0.5)
-    return Lighthouse(None, port, host)
+    return Lighthouse(None, port, host, by=by)
 
 
 def _serve(plan: Plan, host: str, port: int, wait_s: float, log) -> Lighthouse | Outcome:

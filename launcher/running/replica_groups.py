@@ -16,6 +16,11 @@ Lighthouse, then one torchrun per group, supervised together.
   every group stops (SIGTERM: a checkpoint; then, bounded, SIGKILL) and the Lighthouse
   and the groups start again, resuming from the last checkpoint, at most
   ``distributed.max_restarts`` times.
+- On Kubernetes (k8s/kustomize/replicas) this launcher runs its pod's group alone; the
+  Lighthouse is its own Deployment's. A lost one is said in one line; the group stops
+  as above and starts again once the Deployment's replacement accepts connections,
+  resuming from the last checkpoint (healing from a group still ahead), at most
+  ``distributed.max_restarts`` times; then exit 1, and the Job recreates the pod.
 - On SLURM this launcher runs its node's group alone (node 0 also the Lighthouse).
   A lost Lighthouse is said on every node, which stops its group the same way and exits
   1 (a retry can fix it: resubmit, or ``scontrol requeue``): one node cannot start it
@@ -99,15 +104,17 @@ def _launches(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],
         outcome, lost = _launch(plan, env, folder, keep_fds, forwarder, log, verbose, abort)
         if lost is None:
             return outcome
-        if plan.replica_groups.at:  # SLURM: node 0 alone could not start it for all
+        groups = plan.replica_groups
+        if groups.at and not groups.owner:  # SLURM: node 0 could not start it for all
             return verdicts.lighthouse_lost_on_nodes(lost)
         if relaunches >= plan.max_restarts:
             return verdicts.lighthouse_lost(lost, relaunches)
         relaunches += 1
         env[RELAUNCH_VAR] = str(relaunches)
-        log(f"starting the Lighthouse and the replica groups again ({relaunches} of "
-            f"{plan.max_restarts}, distributed.max_restarts): they resume from the last "
-            "checkpoint")
+        what = "this pod's replica group, once the Lighthouse is back," if groups.owner \
+            else "the Lighthouse and the replica groups"
+        log(f"starting {what} again ({relaunches} of {plan.max_restarts}, "
+            "distributed.max_restarts): they resume from the last checkpoint")
 
 
 def _launch(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],
@@ -246,7 +253,8 @@ def _lost(plan: Plan, groups: list[Group], lighthouse: Lighthouse, why: str, log
     # Without it no group gets a quorum, so none can agree on a step to checkpoint at;
     # a step in flight may still end, the rest waits for nothing: a short bound.
     grace = min(float(plan.env.get(SHUTDOWN_TIMEOUT_VAR, "25")) + 5.0, LOST_LIGHTHOUSE_STOP_S)
-    again = "to end" if plan.replica_groups.at else "to start again from the last checkpoint"
+    again = "to end" if plan.replica_groups.at and not plan.replica_groups.owner \
+        else "to start again from the last checkpoint"
     log(f"{line}; stopping every group (killed after {grace:.0f} s) {again}")
     _stop_groups(running, grace, log)
     return line

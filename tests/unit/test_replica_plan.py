@@ -136,7 +136,7 @@ def test_several_nodes_outside_slurm_are_exit_3(config, torchft_here):
         line = p.one_line() if isinstance(p, UserError) else \
             "error: " + next(f.message for f in p.findings if f.level == "fail")
         assert p.exit_code == 3
-        assert "on one machine or on SLURM (one task per node)" in line
+        assert "on one machine, on SLURM (one task per node) or in an Indexed Job" in line
         assert "distributed.fault_tolerance=restart" in line and "\n" not in line
 
 

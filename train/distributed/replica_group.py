@@ -91,7 +91,8 @@ class ReplicaGroup:
             rank=env.rank, world_size=env.world_size, store_addr=addr, store_port=port,
             lighthouse_addr=env.lighthouse, replica_id=f"group_{self.group_id}",
             hostname=env.replica_addr or "127.0.0.1",
-            checkpoint_transport=_weights_only_transport(timedelta(seconds=t.manager_s)))
+            checkpoint_transport=_weights_only_transport(timedelta(seconds=t.manager_s),
+                                                         env.replica_addr))
         _quiet_heal_server(self.manager)
         self._quorums = _RecordingClient(self.manager._client)
         self.manager._client = self._quorums
@@ -164,10 +165,12 @@ class _RecordingClient:
         return tuple(int(m[1]) for m in found if m)
 
 
-def _weights_only_transport(timeout: timedelta):
+def _weights_only_transport(timeout: timedelta, addr: str | None = None):
     """torchft's HTTP heal transport, reading what a peer sends as the project reads a
     checkpoint: ``weights_only`` (tensors and plain values; torchft's own unpickles
-    anything, so any process that reached the heal port could run code here)."""
+    anything, so any process that reached the heal port could run code here). It
+    advertises ``addr`` (``TRAIN_REPLICA_ADDR``) where torchft's names this host: a
+    Kubernetes pod's hostname does not resolve from the other pods, its IP is reached."""
     import urllib.request
 
     from torch.distributed._serialization import _streaming_load
@@ -178,6 +181,12 @@ def _weights_only_transport(timeout: timedelta):
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
                 return _streaming_load(f, weights_only=True)
+
+        def address(self) -> str:
+            if not addr:
+                return super().address()
+            host = f"[{addr}]" if ":" in addr else addr
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
     return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
 
