@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from tests.harness.checkpoints import STEPS, rewind
@@ -179,6 +180,22 @@ def test_a_disk_turned_read_only_after_a_seal_keeps_the_checkpoint_and_old_ones(
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-1", "step-2"]
     assert ck.newest_loadable(0)[1]["step"] == 2
     assert "could not remove old checkpoints" in caplog.text and "Read-only" in caplog.text
+
+
+def test_with_replica_groups_only_a_stale_partial_is_a_leftover(tmp_path):
+    """Replica groups share the folder: a partial another live group writes now stays
+    (it would fail its save), one unchanged for longer than a writer pauses goes."""
+    ck = Checkpointer(tmp_path, rank=0, keep_last=1, leftovers_age_s=600)
+    ck.save(1, {"step": 1}, {})
+    folder = tmp_path / "checkpoints"
+    (folder / "step-2.partial").mkdir()
+    (folder / "step-2.partial" / "state.pt").write_bytes(b"being written")
+    (folder / "step-3.partial").mkdir()  # its writer died 20 minutes ago
+    old = time.time() - 1200
+    os.utime(folder / "step-3.partial", (old, old))
+    ck.save(4, {"step": 4}, {})
+    ck.wait()
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step-2.partial", "step-4"]
 
 
 def test_saving_a_step_again_replaces_it_whole(tmp_path):

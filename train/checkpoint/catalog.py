@@ -45,8 +45,8 @@ class Catalog:
         """Whether the run directory holds a checkpoint (or a node's part of one)."""
         return bool(rundir.candidates(self.dir))
 
-    def remove_leftovers(self) -> None:
-        retention.remove_leftovers(self.storage)
+    def remove_leftovers(self, min_age_s: float = 0.0) -> None:
+        retention.remove_leftovers(self.storage, min_age_s)
 
     def set_aside(self) -> None:
         """resume_from=none: the earlier checkpoints moved aside, with a warning."""

@@ -29,7 +29,17 @@ def build_checkpointer(cfg: Config, env: WorkerIdentity,
     return Checkpointer(cfg.run_dir, rank=env.rank, keep_last=cfg.checkpoint.keep_last,
                         world_size=env.world_size, barrier=ranks.barrier(env),
                         gather=ranks.gather(env), async_timeout_s=cfg.distributed.timeout_s,
-                        here=here, tier=_tier(cfg, env, nodes, here))
+                        here=here, tier=_tier(cfg, env, nodes, here),
+                        leftovers_age_s=shared_leftovers_age_s(cfg))
+
+
+def shared_leftovers_age_s(cfg: Config) -> float:
+    """With replica groups the checkpoints folder is shared by groups that come and go
+    while another writes: a partial checkpoint is a leftover only once unchanged for
+    longer than a live writer pauses (its all-reduce and hang limits), 0 otherwise."""
+    if cfg.distributed.fault_tolerance != "replicas":
+        return 0.0
+    return 2 * max(cfg.distributed.replica_timeout_s, cfg.distributed.timeout_s)
 
 
 def _tier(cfg: Config, env: WorkerIdentity, nodes: list[int] | None,

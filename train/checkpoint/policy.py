@@ -76,9 +76,11 @@ def choose_checkpoint(checkpointer: Checkpointer, choice: str, env: WorkerIdenti
         return None, None
     path, loaded, problem = None, None, None
     if env.is_main:
-        catalog.remove_leftovers()
+        # replica groups: another group may be writing, or sealing a newer one, right now
+        shared = checkpointer.leftovers_age_s > 0
+        catalog.remove_leftovers(checkpointer.leftovers_age_s)
         path, loaded, problem = catalog.pick(choice)
-        if path is not None and path.parent == catalog.dir:
+        if path is not None and path.parent == catalog.dir and not (shared and choice == AUTO):
             catalog.set_aside_newer_than(rundir.step_of(path))
     path, problem = ranks.from_main((str(path) if path else None, problem), env)
     if problem:

@@ -37,23 +37,23 @@ def _steps(storage: LocalStorage) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def prune(storage: LocalStorage, keep_last: int) -> None:
+def prune(storage: LocalStorage, keep_last: int, leftovers_age_s: float = 0.0) -> None:
     """Keep the newest ``keep_last`` checkpoints up to ``latest`` (always including it);
     newer ones belong to an abandoned trajectory and are moved aside. Runs after a
     checkpoint is sealed, so a failure here (the disk turned read-only a moment after
     the seal) costs only disk space: it is logged, and the next save reports the disk."""
     try:
-        _prune(storage, keep_last)
+        _prune(storage, keep_last, leftovers_age_s)
     except OSError as exc:
         log.warning("could not remove old checkpoints from %s (%s); they stay until a "
                     "later save can", storage.path(CHECKPOINTS), exc.strerror or exc)
 
 
-def _prune(storage: LocalStorage, keep_last: int) -> None:
+def _prune(storage: LocalStorage, keep_last: int, leftovers_age_s: float) -> None:
     latest = rundir.latest_name(storage.path(CHECKPOINTS))
     if latest:
         set_aside_newer_than(storage, rundir.step_of(Path(latest)))
-    remove_leftovers(storage)
+    remove_leftovers(storage, leftovers_age_s)
     doomed = []
     for _, name in _steps(storage)[keep_last:]:
         doomed.append(f"{CHECKPOINTS}/{name}{PRUNED}")
@@ -83,12 +83,16 @@ def _delete(storage: LocalStorage, names: list[str]) -> None:
         log.warning("could not delete the pruned %s (%s)", name, exc.strerror or exc)
 
 
-def remove_leftovers(storage: LocalStorage) -> None:
+def remove_leftovers(storage: LocalStorage, min_age_s: float = 0.0) -> None:
     """Partial checkpoints of a write that died (kill -9, a full disk), copies replaced
     by a re-save and pruned ones a killed process did not delete. Only while no save is
-    in flight (after one, or before the first)."""
+    in flight (after one, or before the first). ``min_age_s``: only those unchanged for
+    that long (replica groups share the folder: another live group may be writing one
+    now, and it would fail if its partial vanished)."""
     settle(storage)
     for name in storage.names(CHECKPOINTS):
+        if min_age_s and _age(storage.path(f"{CHECKPOINTS}/{name}")) < min_age_s:
+            continue
         if name.startswith("step-") and name.endswith((".partial", PRUNED)):
             storage.delete(f"{CHECKPOINTS}/{name}")
         elif name.startswith("step-") and name.endswith(".replaced"):
@@ -97,6 +101,16 @@ def remove_leftovers(storage: LocalStorage) -> None:
                 storage.delete(f"{CHECKPOINTS}/{name}")
             else:  # killed between the renames of a seal: the old copy is the checkpoint
                 storage.move(f"{CHECKPOINTS}/{name}", final)
+
+
+def _age(path: Path) -> float:
+    """Seconds since ``path`` or anything directly in it last changed."""
+    try:
+        newest = max([path.stat().st_mtime] + [p.stat().st_mtime for p in path.iterdir()]
+                     if path.is_dir() else [path.stat().st_mtime])
+    except OSError:
+        return 0.0  # changing now
+    return time.time() - newest
 
 
 def set_aside(storage: LocalStorage) -> Path | None:

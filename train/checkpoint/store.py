@@ -101,13 +101,15 @@ class Checkpointer:
                  barrier: Callable[[], None] = lambda: None,
                  gather: Callable[[object], list] = lambda value: [value],
                  async_timeout_s: float = 600, here: list[int] | None = None,
-                 tier: RemoteTier | None = None):
+                 tier: RemoteTier | None = None, leftovers_age_s: float = 0.0):
         self.storage = LocalStorage(run_dir)
         self.dir = self.storage.path(CHECKPOINTS)
         self.rank, self.keep_last, self.barrier, self.gather = rank, keep_last, barrier, gather
         self.world_size, self.async_timeout_s = world_size, async_timeout_s
         self.here = here if here is not None else list(range(world_size))
         self.tier = tier
+        # replica groups share the folder: what another live group writes is not a leftover
+        self.leftovers_age_s = leftovers_age_s
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
 
@@ -250,7 +252,7 @@ class Checkpointer:
             self.storage.replace(f"{CHECKPOINTS}/{LATEST}",
                                  f"{rundir.step_name(save.step)}\n".encode())
             self.storage.delete(replaced)
-        retention.prune(self.storage, self.keep_last)
+        retention.prune(self.storage, self.keep_last, self.leftovers_age_s)
         if self.tier is None:
             return
         if self.is_node_local:
