@@ -154,9 +154,8 @@ def on_node(args) -> dict:
     data, order = reader(files, None, limit)  # torch's first calls: not a reader's cost
     order.global_batch(0, args.batch)
     steps = len(data) // args.batch
-    bucket = linkrig.s3server.BUCKET
     out["client_s"] = statistics.median(
-        client_made(lambda: ShardCache(work, 0)._storage(bucket)) for _ in range(3))
+        client_made(lambda: ShardCache(work, 0)._s3()) for _ in range(3))
     out["first"] = [first_batch(files, work / "f", limit, 0, args.batch, a)
                     for a in (True, False)]
     at = sorted(int(s) for s in np.random.default_rng(1).choice(
