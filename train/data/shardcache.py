@@ -47,6 +47,10 @@ from train.data.objectget import CHANGED
 log = logging.getLogger("train")
 
 ATTEMPTS = 3     # fetches of one object before its read fails
+# Objects a read-ahead fetches at once, in order: the next one's first ranges are asked
+# while the last ranges of the one before arrive (one at a time, each object's first
+# round trip and its slowest range leave the link idle: docs/object-storage.md)
+AT_ONCE = 2
 
 
 class DataFileError(RuntimeError):
@@ -107,6 +111,16 @@ def _forget_inherited_locks() -> None:
     _lock_files_guard.release()  # taken by the forking thread, this process's only one
 
 
+# Held while a thread makes this process's client (a fork's child gets a new one)
+_client_guard = threading.Lock()
+
+
+def _new_client_guard() -> None:
+    global _client_guard
+    _client_guard = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_client_guard)
 os.register_at_fork(before=_lock_files_guard.acquire,
                     after_in_parent=_lock_files_guard.release,
                     after_in_child=_forget_inherited_locks)
@@ -134,9 +148,12 @@ class ShardCache:
     def __init__(self, folder: Path, limit: int):
         self.folder, self.limit = Path(folder), limit
         self._client: tuple[int, object] | None = None
+        # (pid, name) -> size of the objects this process's threads are fetching: room is
+        # made for them too (keyed by pid: a forked child does not count its parent's)
+        self._arriving: dict[tuple[int, str], int] = {}
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_client": None}
+        return {**self.__dict__, "_client": None, "_arriving": {}}
 
     def path(self, f: TokenFile) -> Path:
         return self.folder / cache_name(f)
@@ -151,17 +168,23 @@ class ShardCache:
         self.folder.mkdir(parents=True, exist_ok=True)
         with object_lock(self.folder / f".{path.name}.lock"):  # another may be fetching it
             if not path.exists():
-                self._make_room(f.size)
-                self._fetch(f, path)
+                arriving = (os.getpid(), path.name)
+                self._arriving[arriving] = f.size
+                try:
+                    self._make_room(f.size, but=arriving)
+                    self._fetch(f, path)
+                finally:
+                    del self._arriving[arriving]  # counted from now on as a file
         return path
 
     def _s3(self):
         """This process's boto3 client (a client must not cross a fork), its connection
         pool sized for the ranged GETs of :mod:`.objectget`."""
         from train.core.storage.s3 import client
-        if self._client is None or self._client[0] != os.getpid():
-            self._client = (os.getpid(), client(5, connections=objectget.IN_FLIGHT + 2))
-        return self._client[1]
+        with _client_guard:  # made once: two read-ahead threads making one each take twice
+            if self._client is None or self._client[0] != os.getpid():
+                self._client = (os.getpid(), client(5, connections=objectget.IN_FLIGHT + 2))
+            return self._client[1]
 
     def _fetch(self, f: TokenFile, path: Path) -> None:
         """Fetch ``f`` into ``path``; a connection that fails mid-way is tried again
@@ -196,8 +219,12 @@ class ShardCache:
                 part.unlink()
         return size
 
-    def _make_room(self, need: int) -> None:
-        """Remove the least recently used files until ``need`` more bytes fit."""
+    def _make_room(self, need: int, but: tuple[int, str]) -> None:
+        """Remove the least recently used files until ``need`` more bytes fit beside the
+        other objects this process is fetching (all but ``but``)."""
+        pid = os.getpid()
+        need += sum(size for (p, name), size in list(self._arriving.items())
+                    if p == pid and (p, name) != but)
         held = []
         for p in self.folder.iterdir():
             if not p.name.startswith("."):
@@ -221,14 +248,37 @@ class ShardCache:
             return False
         return True
 
+    def fetch_all_ahead(self, files: Iterable[TokenFile]) -> bool:
+        """Fetch ``files`` ahead of their readers, in this order, :data:`AT_ONCE` at a
+        time; False once one cannot be fetched (no later one is begun)."""
+        todo, guard, failed = iter(files), threading.Lock(), []
+
+        def work() -> None:
+            while not failed:
+                with guard:  # files may be a generator: one thread at a time in it
+                    f = next(todo, None)
+                if f is None:
+                    return
+                if not self.fetch_ahead(f):
+                    failed.append(f)
+        threads = [threading.Thread(target=work, name="data-read-ahead", daemon=True)
+                   for _ in range(AT_ONCE)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return not failed
+
     def read_ahead(self, files: Iterable[TokenFile]) -> threading.Thread:
         """Fetch ``files`` in this order in the background, as many as the cache holds."""
-        def run() -> None:
+        def within_budget() -> Iterator[TokenFile]:
             budget = self.limit
             for f in files:
                 budget -= f.size
-                if budget < 0 or not self.fetch_ahead(f):
+                if budget < 0:
                     return
-        thread = threading.Thread(target=run, name="data-read-ahead", daemon=True)
+                yield f
+        thread = threading.Thread(target=lambda: self.fetch_all_ahead(within_budget()),
+                                  name="data-read-ahead", daemon=True)
         thread.start()
         return thread
