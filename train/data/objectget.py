@@ -87,6 +87,8 @@ class _Pool:
                     future.set_result(fn())
                 except BaseException as exc:  # handed to the thread that waits for it
                     future.set_exception(exc)
+                    if not isinstance(exc, Exception):
+                        raise  # the interpreter's own (SystemExit, ...): this thread ends
 
 
 _pool: _Pool | None = None
