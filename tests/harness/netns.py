@@ -133,13 +133,13 @@ class Network:
         delay of ``delay_ms``; on a kernel without netem (sch_netem not built, as on this
         project's development VM), a token bucket at ``rate``: a NIC that negotiated a
         lower speed. Returns the qdisc used; :meth:`fast_link` removes it."""
-        netem = self._tc(host, "qdisc", "add", "dev", "eth0", "root", "netem", "delay",
+        netem = self.tc(host, "qdisc", "add", "dev", "eth0", "root", "netem", "delay",
                          f"{delay_ms}ms")
         if netem.returncode == 0:
             return f"netem delay {delay_ms}ms"
         if "unknown" not in netem.stderr.lower():
             raise RuntimeError(f"tc netem on {host.name}: {netem.stderr.strip()}")
-        tbf = self._tc(host, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate,
+        tbf = self.tc(host, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate,
                        "burst", "32kbit", "latency", "100ms")
         if tbf.returncode:
             raise RuntimeError(f"tc tbf on {host.name}: {tbf.stderr.strip()}")
@@ -151,9 +151,10 @@ class Network:
                         setting], check=True, capture_output=True, text=True)
 
     def fast_link(self, host: Host) -> None:
-        self._tc(host, "qdisc", "del", "dev", "eth0", "root")
+        self.tc(host, "qdisc", "del", "dev", "eth0", "root")
 
-    def _tc(self, host: Host, *args: str) -> subprocess.CompletedProcess:
+    def tc(self, host: Host, *args: str) -> subprocess.CompletedProcess:
+        """``tc ARGS`` in ``host``'s namespace (not checked: the caller reads the answer)."""
         return subprocess.run(["nsenter", f"--net=/run/netns/{host.netns}", "tc", *args],
                               capture_output=True, text=True)
 

@@ -48,6 +48,7 @@ class S3Server:
     endpoint: str
     home: Path
     proc: subprocess.Popen | None = None
+    ip: str = "127.0.0.1"  # the address it binds (a netns host's, in bench/linkrig.py)
 
     def env(self, **extra: str) -> dict:
         return s3_env(self.endpoint, **extra)
@@ -103,10 +104,11 @@ def _config(home: Path) -> Path:
 
 
 @contextlib.contextmanager
-def s3_server(home: Path, bucket: str = BUCKET) -> Iterator[S3Server]:
-    """A running server with ``bucket`` created, while the block runs."""
+def s3_server(home: Path, bucket: str = BUCKET, ip: str = "127.0.0.1") -> Iterator[S3Server]:
+    """A running server with ``bucket`` created, while the block runs, on ``ip`` (run it
+    inside a network namespace to serve that namespace's address)."""
     home.mkdir(parents=True, exist_ok=True)
-    server = S3Server("", home)
+    server = S3Server("", home, ip=ip)
     start(server)
     try:
         server.client().create_bucket(Bucket=bucket)
@@ -122,7 +124,8 @@ def start(server: S3Server) -> None:
     if server.endpoint:  # a restart keeps its S3 port: the runs were told that one
         ports["s3.port"] = int(server.endpoint.rpartition(":")[2])
     (home / "data").mkdir(exist_ok=True)
-    args = [weed(), "mini", f"-dir={home / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+    args = [weed(), "mini", f"-dir={home / 'data'}", f"-ip={server.ip}",
+            f"-ip.bind={server.ip}",
             f"-s3.config={_config(home)}", "-s3.autoCreateBucket=false", "-webdav=false",
             "-admin.ui=false",
             # catalogs on fixed ports (8181, 9101) that two servers at once race for
@@ -132,7 +135,7 @@ def start(server: S3Server) -> None:
     server.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=home,
                                    start_new_session=True, env=clean_env())
     log.close()
-    server.endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    server.endpoint = f"http://{server.ip}:{ports['s3.port']}"
     _wait_answering(server)
 
 

@@ -19,9 +19,11 @@ would grow past ``data.cache_bytes`` the least recently used files go first; a p
 reading an evicted file fetches it again. Why whole files and not byte ranges, and what
 a cache smaller than the dataset costs: docs/object-storage.md ("Training data").
 
-The client is the checkpoints' own (:class:`train.core.storage.bucket.S3Storage`,
-boto3, credentials the AWS way), made once per process: a boto3 client must not cross
-a fork into a DataLoader worker.
+An object of a few MiB or more is fetched as ranged GETs on several connections at once,
+each conditional on the listed ETag (:mod:`.objectget`), into a hidden part file renamed
+into place once whole and checked. The client is boto3 (:func:`train.core.storage.s3.client`,
+credentials the AWS way), made once per process: a boto3 client must not cross a fork
+into a DataLoader worker.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import re
 import tempfile
 import threading
 import time
@@ -40,26 +41,20 @@ from pathlib import Path
 
 from train.core.datasets.tokenfiles import TokenFile
 from train.core.errors import DataChanged
+from train.data import objectget
+from train.data.objectget import CHANGED
 
 log = logging.getLogger("train")
 
-CHUNK = 8 << 20
 ATTEMPTS = 3     # fetches of one object before its read fails
-PLAIN_MD5 = re.compile(r"^[0-9a-f]{32}$")  # a multipart upload's ETag is not the MD5
+# Objects a read-ahead fetches at once, in order: the next one's first ranges are asked
+# while the last ranges of the one before arrive (one at a time, each object's first
+# round trip and its slowest range leave the link idle: docs/object-storage.md)
+AT_ONCE = 2
 
 
 class DataFileError(RuntimeError):
     """A data file that cannot be fetched: one line naming it."""
-
-
-class DamagedInTransit(OSError):
-    """The bytes received are not the object's (the store said it was unchanged): fetched
-    again."""
-
-
-# What the user can do about data that changed under a run.
-CHANGED = ("; a run trains on the data it started with: put the object back as it was, or "
-           "start a new run (another run.name) on the new data")
 
 
 # Bytes of objects fetched whole by this process and the DataLoader workers it forks after
@@ -116,6 +111,16 @@ def _forget_inherited_locks() -> None:
     _lock_files_guard.release()  # taken by the forking thread, this process's only one
 
 
+# Held while a thread makes this process's client (a fork's child gets a new one)
+_client_guard = threading.Lock()
+
+
+def _new_client_guard() -> None:
+    global _client_guard
+    _client_guard = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_client_guard)
 os.register_at_fork(before=_lock_files_guard.acquire,
                     after_in_parent=_lock_files_guard.release,
                     after_in_child=_forget_inherited_locks)
@@ -143,9 +148,12 @@ class ShardCache:
     def __init__(self, folder: Path, limit: int):
         self.folder, self.limit = Path(folder), limit
         self._client: tuple[int, object] | None = None
+        # (pid, name) -> size of the objects this process's threads are fetching: room is
+        # made for them too (keyed by pid: a forked child does not count its parent's)
+        self._arriving: dict[tuple[int, str], int] = {}
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_client": None}
+        return {**self.__dict__, "_client": None, "_arriving": {}}
 
     def path(self, f: TokenFile) -> Path:
         return self.folder / cache_name(f)
@@ -160,15 +168,23 @@ class ShardCache:
         self.folder.mkdir(parents=True, exist_ok=True)
         with object_lock(self.folder / f".{path.name}.lock"):  # another may be fetching it
             if not path.exists():
-                self._make_room(f.size)
-                self._fetch(f, path)
+                arriving = (os.getpid(), path.name)
+                self._arriving[arriving] = f.size
+                try:
+                    self._make_room(f.size, but=arriving)
+                    self._fetch(f, path)
+                finally:
+                    del self._arriving[arriving]  # counted from now on as a file
         return path
 
-    def _storage(self, bucket: str):
-        from train.core.storage.bucket import S3Storage
-        if self._client is None or self._client[0] != os.getpid():
-            self._client = (os.getpid(), S3Storage(bucket, attempts=5).s3)
-        return S3Storage(bucket, s3=self._client[1])
+    def _s3(self):
+        """This process's boto3 client (a client must not cross a fork), its connection
+        pool sized for the ranged GETs of :mod:`.objectget`."""
+        from train.core.storage.s3 import client
+        with _client_guard:  # made once: two read-ahead threads making one each take twice
+            if self._client is None or self._client[0] != os.getpid():
+                self._client = (os.getpid(), client(5, connections=objectget.IN_FLIGHT + 2))
+            return self._client[1]
 
     def _fetch(self, f: TokenFile, path: Path) -> None:
         """Fetch ``f`` into ``path``; a connection that fails mid-way is tried again
@@ -193,26 +209,22 @@ class ShardCache:
         log.info("fetched %s (%d bytes) into %s", f.name, size, self.folder)
 
     def _fetch_once(self, f: TokenFile, path: Path) -> int:
-        bucket, key = f.bucket_key()
-        part = path.with_name(f".{path.name}.{os.getpid()}.part")
-        md5, size = hashlib.md5(usedforsecurity=False), 0
+        part = path.with_name(f".{path.name}.{os.getpid()}.part")  # hidden from readers
         try:
-            got = self._storage(bucket).get(key)
-            _same_as_listed(f, got.get("ContentLength"), got.get("ETag", "").strip('"'))
-            with got["Body"] as body, open(part, "wb") as out:
-                for chunk in iter(lambda: body.read(CHUNK), b""):
-                    md5.update(chunk)
-                    size += len(chunk)
-                    out.write(chunk)
-            _check(f, size, md5.hexdigest())
+            with open(part, "w+b") as out:  # read back for its MD5
+                size = objectget.fetch_into(self._s3(), f, out.fileno())
             os.replace(part, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 part.unlink()
         return size
 
-    def _make_room(self, need: int) -> None:
-        """Remove the least recently used files until ``need`` more bytes fit."""
+    def _make_room(self, need: int, but: tuple[int, str]) -> None:
+        """Remove the least recently used files until ``need`` more bytes fit beside the
+        other objects this process is fetching (all but ``but``)."""
+        pid = os.getpid()
+        need += sum(size for (p, name), size in list(self._arriving.items())
+                    if p == pid and (p, name) != but)
         held = []
         for p in self.folder.iterdir():
             if not p.name.startswith("."):
@@ -236,30 +248,37 @@ class ShardCache:
             return False
         return True
 
+    def fetch_all_ahead(self, files: Iterable[TokenFile]) -> bool:
+        """Fetch ``files`` ahead of their readers, in this order, :data:`AT_ONCE` at a
+        time; False once one cannot be fetched (no later one is begun)."""
+        todo, guard, failed = iter(files), threading.Lock(), []
+
+        def work() -> None:
+            while not failed:
+                with guard:  # files may be a generator: one thread at a time in it
+                    f = next(todo, None)
+                if f is None:
+                    return
+                if not self.fetch_ahead(f):
+                    failed.append(f)
+        threads = [threading.Thread(target=work, name="data-read-ahead", daemon=True)
+                   for _ in range(AT_ONCE)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return not failed
+
     def read_ahead(self, files: Iterable[TokenFile]) -> threading.Thread:
         """Fetch ``files`` in this order in the background, as many as the cache holds."""
-        def run() -> None:
+        def within_budget() -> Iterator[TokenFile]:
             budget = self.limit
             for f in files:
                 budget -= f.size
-                if budget < 0 or not self.fetch_ahead(f):
+                if budget < 0:
                     return
-        thread = threading.Thread(target=run, name="data-read-ahead", daemon=True)
+                yield f
+        thread = threading.Thread(target=lambda: self.fetch_all_ahead(within_budget()),
+                                  name="data-read-ahead", daemon=True)
         thread.start()
         return thread
-
-
-def _same_as_listed(f: TokenFile, size: int | None, etag: str) -> None:
-    """The store's object is the one the run listed (its size and ETag), else DataChanged."""
-    if (size is not None and size != f.size) or (etag and f.etag and etag != f.etag):
-        raise DataChanged(f"{f.name}: changed in the store since the run listed it (size "
-                          f"{f.size} -> {size}, ETag {f.etag} -> {etag}){CHANGED}")
-
-
-def _check(f: TokenFile, size: int, md5: str) -> None:
-    """The bytes received are the object's (the store said it is the listed one)."""
-    if size != f.size:
-        raise DamagedInTransit(f"{f.name}: fetched {size} bytes of {f.size}")
-    if PLAIN_MD5.match(f.etag) and md5 != f.etag:
-        raise DamagedInTransit(f"{f.name}: the bytes' MD5 {md5} is not the store's ETag "
-                               f"{f.etag}")

@@ -158,9 +158,8 @@ class ShardedWindows(Windows):
                 previous = start
                 if end <= position():
                     continue  # trained already (the reader fetched what it needed)
-                for k in group:
-                    if files[k].remote and not cache.fetch_ahead(files[k]):
-                        return  # the reader that needs it says so, in its own step
+                if not cache.fetch_all_ahead(files[k] for k in group if files[k].remote):
+                    return  # the reader that needs it says so, in its own step
         threading.Thread(target=run, name="data-read-ahead", daemon=True).start()
 
     def read_ahead(self, batches: Iterable[list[int]]) -> None:

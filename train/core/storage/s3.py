@@ -72,15 +72,18 @@ def writable(url: RemoteURL, run_name: str) -> str | None:
     return None
 
 
-def client(attempts: int = 3):
+def client(attempts: int = 3, connections: int = 10):
     """A boto3 S3 client from the default credential chain (variables, profile and shared
     files, web identity, instance metadata); ``attempts``: botocore's own retries of one
-    request (the remote tier retries whole files on top, with backoff)."""
+    request (the remote tier retries whole files on top, with backoff); ``connections``:
+    its pool's size, at least the requests its threads make at once (botocore's default:
+    10)."""
     import boto3  # only where a remote is configured: the base install has none
     import botocore.config
     config = botocore.config.Config(
         retries={"max_attempts": attempts, "mode": "standard"}, connect_timeout=5,
-        read_timeout=60, request_checksum_calculation=CLIENT_CHECKSUMS,
+        read_timeout=60, max_pool_connections=connections,
+        request_checksum_calculation=CLIENT_CHECKSUMS,
         response_checksum_validation=CLIENT_CHECKSUMS)
     return boto3.session.Session().client("s3", config=config)
 
