@@ -148,7 +148,10 @@ def _diff(want: dict[str, str], got: dict[str, str]) -> str:
                      for k in keys[:10])
 
 
-def size_line(sizes: dict[str, int], client_bytes: int) -> str:
-    """Each image's size and what the S3 client (boto3 and its dependencies) adds."""
+def size_line(sizes: dict[str, int], shares: dict[str, int]) -> str:
+    """Each image's size and what each optional client (boto3, torchft: each with the
+    dependencies only it brings) adds."""
     each = ", ".join(f"{tag} {size / 1e9:.2f} GB" for tag, size in sizes.items())
-    return f"image sizes: {each}; boto3 and its dependencies add {client_bytes / 1e6:.1f} MB"
+    adds = ", ".join(f"{name} and its dependencies add {n / 1e6:.1f} MB"
+                     for name, n in shares.items())
+    return f"image sizes: {each}; {adds}"

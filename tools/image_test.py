@@ -14,7 +14,8 @@
    doctor, a short quickstart training, a 2-process gloo run, a fast subset of the
    suite; check the run directories on the host; train with ``checkpoint.remote``
    against a real S3 server and resume from the store in a fresh container with an empty
-   run directory (:mod:`.image_s3`);
+   run directory (:mod:`.image_s3`); serve ``entrypoint.py lighthouse`` and train 2
+   replica groups with torchft (:mod:`.image_ft`);
 4. run it as an arbitrary UID in group 0 (OpenShift-style), then with a read-only root,
    writable /tmp and /workspace and the default 64 MB /dev/shm: doctor must warn about
    shm, training must still work, torch.compile must work (g++ kept); build the user
@@ -25,15 +26,15 @@
 6. the CPU image's two builds, both without cache (neither may reuse the other's layers
    while they run side by side), are compared: package sets, then every file's path,
    mode and content (``scripts/file-manifest``);
-7. print each image's size and what the S3 client adds; the CPU image stays within
-   ``CPU_LIMIT_GB``.
+7. print each image's size and what the S3 client and torchft add; the CPU image stays
+   within ``CPU_LIMIT_GB``.
 
 ``scripts/image-test`` finds the engine and runs this module. Settings (environment):
 ``OCI_ENGINE`` (docker | podman), ``OCI_BUILD_FLAGS``, ``OCI_RUN_FLAGS``,
 ``OCI_BASE_IMAGE`` (substitute every FROM), ``IMAGE_PYTHON`` (the base's python, 3.11),
 ``TORCH_WHEEL_INDEX`` (index of the CPU torch wheel; default: pip's configuration),
 ``TORCH_LOCK`` (auto | none), ``IMAGE_TEST_SKIP`` (space-separated: locks vendor
-rebuild compile pytest s3), ``IMAGE_TAG``.
+rebuild compile pytest s3 ft), ``IMAGE_TAG``.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from tools.image_checks import (
     size_line,
     wheelhouse_stamp,
 )
+from tools.image_ft import replica_run
 from tools.image_s3 import s3_run
 from tools.locks import hashes, pytest_requirements
 from tools.oci import ROOT, Engine, Failed, log, sh
@@ -316,6 +318,8 @@ class ImageTest:
             self.runs(runs)
             if "s3" not in self.skip:
                 s3_run(self.engine, img=self.img)
+            if "ft" not in self.skip:
+                replica_run(self.engine, self.img, runs)
             self.user_image(runs)
         finally:
             self.remove_runs(runs)
@@ -329,12 +333,13 @@ class ImageTest:
         log("image test passed")
 
     def sizes(self) -> None:
-        """Each image's size; the CPU image within CPU_LIMIT_GB; what boto3 adds."""
+        """Each image's size; the CPU image within CPU_LIMIT_GB; what boto3 and torchft
+        add."""
         tags = [self.img, *(f"{self.tag}:{f}-on-cpu" for f in VENDORS if "vendor" not in self.skip)]
-        client = int(self.engine.run("--entrypoint", "python3", self.img, "-c", CLIENT_BYTES,
-                                     capture=True).stdout)
+        shares = json.loads(self.engine.run("--entrypoint", "python3", self.img, "-c",
+                                            SHARE_BYTES, capture=True).stdout)
         sizes = {tag: int(self.engine.inspect(tag, "{{.Size}}")) for tag in tags}
-        print(size_line(sizes, client))
+        print(size_line(sizes, shares))
         if sizes[self.img] > CPU_LIMIT_GB * 1e9:
             raise Failed(f"{self.img} is {sizes[self.img] / 1e9:.2f} GB, over {CPU_LIMIT_GB} GB")
 
@@ -393,12 +398,21 @@ print(json.dumps({"sbom": json.loads(raw), "sha256": hashlib.sha256(raw).hexdige
                   "pip": json.loads(run("pip", "list", "--format", "json")),
                   "dpkg": run("dpkg-query", "-W", "-f",
                               "${db:Status-Abbrev}\\t${Package}\\t${Version}\\n")}))"""
-# The bytes of the S3 client and what it brings (every file its distributions installed).
-CLIENT_BYTES = """import os
+# The bytes of the S3 client and of torchft, each with what only it brings to the image
+# (every file their distributions installed; protobuf is tensorboard's, urllib3 boto3's).
+SHARE_BYTES = """import json, os
 from importlib.metadata import distribution
-names = ("boto3", "botocore", "s3transfer", "jmespath", "python-dateutil", "six", "urllib3")
-paths = {str(d.locate_file(f)) for d in map(distribution, names) for f in d.files or ()}
-print(sum(os.path.getsize(p) for p in paths if os.path.isfile(p)))"""
+shares = {
+  "boto3": ("boto3", "botocore", "s3transfer", "jmespath", "python-dateutil", "six", "urllib3"),
+  "torchft": ("torchft", "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-proto",
+              "opentelemetry-exporter-http-transport", "opentelemetry-exporter-otlp-common",
+              "opentelemetry-exporter-otlp-proto-common", "opentelemetry-exporter-otlp-proto-http",
+              "opentelemetry-semantic-conventions", "googleapis-common-protos", "requests",
+              "certifi", "charset-normalizer", "idna")}
+def size(names):
+    paths = {str(d.locate_file(f)) for d in map(distribution, names) for f in d.files or ()}
+    return sum(os.path.getsize(p) for p in paths if os.path.isfile(p))
+print(json.dumps({k: size(v) for k, v in shares.items()}))"""
 VENDOR_RDMA = """set -e; test "$(id -u)" != 0
 python3 -c 'import sys; sys.path.insert(0, "/app"); from launcher.detection import rdma; \
 assert rdma.verbs_loadable(), "no libibverbs.so.1"; print("libibverbs.so.1 loads")'

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from tests.harness.runs import ROOT, lock_pins
+from tools.locks import hashes
 
 DOCKERFILES = {"cpu": "Dockerfile.cpu", "cuda": "Dockerfile.cuda", "rocm": "Dockerfile.rocm"}
 DEFAULT_VARIANT = {"cpu": "cpu", "cuda": "cu130", "rocm": "rocm7.2"}
@@ -199,13 +200,15 @@ def test_image_locks_are_exact_hashed_and_torch_free(name):
 def test_image_locks_agree_across_pythons_and_with_the_dev_lock():
     py311, py312 = (lock_pins(ROOT / "requirements" / n) for n in IMAGE_LOCKS)
     assert {k: v[0] for k, v in py311.items()} == {k: v[0] for k, v in py312.items()}
-    # the dev set plus `make s3`'s (boto3 and its dependencies): the versions the tests use
-    dev = {**lock_pins(ROOT / "requirements" / "s3-py311.lock"),
+    # the dev set plus `make s3`'s (boto3 and its dependencies) and `make ft`'s (torchft
+    # and its dependencies): the versions the tests use
+    dev = {**lock_pins(ROOT / "requirements" / "ft-py311.lock"),
+           **lock_pins(ROOT / "requirements" / "s3-py311.lock"),
            **lock_pins(ROOT / "requirements" / "dev-py311.lock")}
     differ = {k: (v[0], dev[k][0]) for k, v in py311.items() if k in dev and dev[k][0] != v[0]}
-    assert not differ, f"image and dev/s3 locks pin different versions: {differ}"
+    assert not differ, f"image and dev/s3/ft locks pin different versions: {differ}"
     missing = sorted(set(py311) - set(dev))
-    assert not missing, f"in the image lock but not the dev or s3 lock: {missing}"
+    assert not missing, f"in the image lock but not the dev, s3 or ft lock: {missing}"
 
 
 def test_every_image_carries_the_s3_client_of_make_s3():
@@ -217,6 +220,24 @@ def test_every_image_carries_the_s3_client_of_make_s3():
     for name in IMAGE_LOCKS:
         pins = lock_pins(ROOT / "requirements" / name)
         assert {n: pins.get(n, ("-",))[0] for n in client} == {n: s3[n][0] for n in client}, name
+
+
+def test_every_image_carries_torchft_of_make_ft():
+    """Replica groups (distributed.fault_tolerance: replicas) and the replicas kustomize
+    component run on the published images as they are: torchft (its Manager and the
+    torchft_lighthouse binary) and its dependencies, with the version and the wheel hashes
+    of `make ft`'s lock, and no torch (installed per variant) pulled in with it."""
+    ft = (ROOT / "requirements" / "ft-py311.lock").read_text()
+    ft_pins = lock_pins(ROOT / "requirements" / "ft-py311.lock")
+    needed = ("torchft", "opentelemetry-api", "opentelemetry-sdk",
+              "opentelemetry-exporter-otlp-proto-http")
+    for name in IMAGE_LOCKS:
+        text = (ROOT / "requirements" / name).read_text()
+        pins = lock_pins(ROOT / "requirements" / name)
+        assert {n: pins.get(n, ("-",))[0] for n in needed} == \
+               {n: ft_pins[n][0] for n in needed}, name
+        assert hashes(text)["torchft"] == hashes(ft)["torchft"], name
+        assert "torch" not in pins, name
 
 
 def test_image_in_covers_base_in_and_torch_requirements():

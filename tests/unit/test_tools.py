@@ -20,7 +20,7 @@ import pytest
 
 from tests.harness.procs import alive
 from tests.harness.runs import ROOT, clean_env, limit
-from tools import gpu_check, image_checks, image_test, locks, stages
+from tools import gpu_check, image_checks, image_ft, image_test, locks, stages
 
 # ------------------------------------------------------------------ stages
 
@@ -127,12 +127,31 @@ def test_the_sbom_check_holds_the_sbom_to_pip_dpkg_and_the_lock():
         image_checks.check_sbom({**sbom, "serialNumber": "urn:uuid:1"}, pip, dpkg, locked)
 
 
-def test_the_size_line_names_each_image_and_the_s3_clients_share():
+def test_the_size_line_names_each_image_and_the_optional_clients_shares():
     line = image_checks.size_line({"t:cpu": 1_430_000_000, "t:cuda-on-cpu": 1_440_000_000},
-                                  19_800_000)
+                                  {"boto3": 19_800_000, "torchft": 12_340_000})
     assert line == ("image sizes: t:cpu 1.43 GB, t:cuda-on-cpu 1.44 GB; boto3 and its "
-                    "dependencies add 19.8 MB")
+                    "dependencies add 19.8 MB, torchft and its dependencies add 12.3 MB")
     assert image_test.CPU_LIMIT_GB == 1.5
+
+
+def test_the_replica_check_wants_every_step_trained_once_by_every_group(tmp_path):
+    def run(rows, result_step=3):
+        d = tmp_path / f"r{len(list(tmp_path.iterdir()))}"
+        (d / "logs").mkdir(parents=True)
+        (d / "logs/lighthouse.log").write_text("")
+        (d / "ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (d / "result.json").write_text(json.dumps({"step": result_step}))
+        return d
+    full = [{"step": s, "samples": [], "replicas": [1, 0]} for s in (1, 2, 3)]
+    assert "3 steps, each by all 2" in image_ft.check_replica_ledger(run(full), 3, 2)
+    with pytest.raises(image_checks.Failed, match=r"steps \[2\] trained without all 2"):
+        image_ft.check_replica_ledger(run([*full[:1], {**full[1], "replicas": [0]},
+                                           full[2]]), 3, 2)
+    with pytest.raises(image_checks.Failed, match=r"steps \[1, 3\], expected 1..3"):
+        image_ft.check_replica_ledger(run([full[0], full[2]]), 3, 2)
+    with pytest.raises(image_checks.Failed, match="not at step 3"):
+        image_ft.check_replica_ledger(run(full, result_step=2), 3, 2)
 
 
 def test_lock_hashes_are_read_per_package():
