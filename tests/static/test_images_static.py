@@ -185,8 +185,8 @@ def test_dockerignore_is_an_allowlist_without_build_outputs():
 def test_image_locks_are_exact_hashed_and_torch_free(name):
     pins = lock_pins(ROOT / "requirements" / name)
     assert pins, name
-    for pkg, (version, hashes) in pins.items():
-        assert hashes >= 1, f"{name}: {pkg} has no hash"
+    for pkg, (version, count) in pins.items():
+        assert count >= 1, f"{name}: {pkg} has no hash"
         assert re.match(r"^[0-9][0-9A-Za-z.+!-]*$", version), f"{name}: {pkg}=={version}"
     # nvidia-ml-py (NVML bindings for doctor) is a runtime dependency of every image.
     vendor = [p for p in pins if p == "torch" or (p.startswith(("nvidia-", "cuda-", "triton",

@@ -8,6 +8,7 @@ have many. Skips without boto3 and weed (``make s3``)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -89,7 +90,7 @@ def test_a_fetch_in_ranges_is_the_object_byte_for_byte(aws, tmp_path):
     ranges = sorted(tuple(map(int, a["Range"][len("bytes="):].split("-"))) for a in spy.asked
                     if a["Key"].endswith("part-00.bin"))
     assert ranges[0][0] == 0 and ranges[-1][1] == files[0].size - 1
-    assert all(b + 1 == c for (_, b), (c, _) in zip(ranges, ranges[1:]))  # no gap, no overlap
+    assert all(b + 1 == c for (_, b), (c, _) in itertools.pairwise(ranges))  # no gap or overlap
     assert all(a["IfMatch"] == f'"{files[int(a["Key"][-6:-4])].etag}"' for a in spy.asked)
     assert sorted(p.name for p in cache.folder.iterdir() if not p.name.startswith(".")) == \
         sorted(cache.path(f).name for f in files)
@@ -97,7 +98,7 @@ def test_a_fetch_in_ranges_is_the_object_byte_for_byte(aws, tmp_path):
 
 @pytest.mark.parametrize("if_match", [True, False], ids=["if-match", "store-ignores-it"])
 def test_an_object_replaced_mid_fetch_is_one_line_and_never_visible(aws, tmp_path, if_match):
-    paths, files = objects(aws, tmp_path, f"replaced-{if_match}", sizes=(21 * PART + 7,))
+    _, files = objects(aws, tmp_path, f"replaced-{if_match}", sizes=(21 * PART + 7,))
     (f,) = files
     cache = ShardCache(tmp_path / "cache", 1 << 30)
     seen: list[list[str]] = []
