@@ -4,12 +4,13 @@ group on 127.0.0.1 with gloo, each group one torchrun sharding the model over it
 ranks, rank r of every group summing its gradient shard with rank r of the others.
 
 One worker of group 1 (its rank 1) killed with SIGKILL after the first sharded
-checkpoint: its torchrun restarts the group, which resumes from that checkpoint and heals
-each rank's shards (model and optimizer state) from a live group's same rank, while the
-other groups' workers train on in the same processes. The properties: their PIDs never
-change, ``ledger.jsonl`` lists every sample exactly once, and the final weights (read
-from the sharded checkpoint) are bitwise those of the fault-free run: the spare takes the
-lost slot, and its shards' gradients are those group 1's would have been.
+checkpoint, its torchrun held (SIGSTOP) for 20 steps, in which the spare takes the lost
+slot; then the others held while torchrun restarts the group, which resumes from that
+checkpoint (so that a busy machine cannot finish the run first), and all let go: group 1
+heals each rank's shards (model and optimizer state) from a live group's same rank. The
+properties: the other groups' PIDs never change, ``ledger.jsonl`` lists every sample
+exactly once, and the final weights (read from the sharded checkpoint) are bitwise those
+of the fault-free run: the spare's shards' gradients are those group 1's would have been.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ def run(tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path, Path]:
     return proc, err, tmp_path / "runs" / name
 
 
+def signal_all(pids: list[int], sig: str) -> None:
+    subprocess.run(["kill", sig, *map(str, pids)], check=True)
+
+
 def ledger_lines(run_dir: Path) -> int:
     return len(read(run_dir / "ledger.jsonl"))
 
@@ -74,12 +79,29 @@ def test_a_killed_fsdp_worker_heals_its_shards_and_changes_no_weight(tmp_path, f
         wait_for(sealed.exists, limit(300), "the checkpoint of step 50")
         before = procs.replica_ranks(proc.pid)
         assert sorted(before) == [(g, r) for g in range(3) for r in range(2)], before
-        subprocess.run(["kill", "-9", str(before[(1, 1)])], check=True)
+        # 1. group 1's torchrun held while the others train on without it (the spare in
+        # its slot); 2. the others held while it restarts the group from the checkpoint
+        # (on a busy machine they would otherwise finish the run first); 3. all let go
+        survivors = [before[k] for k in before if k[0] != 1]
+        agent = procs.parent(before[(1, 1)])
+        signal_all([agent], "-STOP")
+        try:
+            subprocess.run(["kill", "-9", str(before[(1, 1)])], check=True)
+            at_kill = ledger_lines(run_dir)
+            wait_for(lambda: ledger_lines(run_dir) >= at_kill + 20 or proc.poll() is not None,
+                     limit(300), "20 committed steps without group 1")
+            signal_all(survivors, "-STOP")
+        finally:
+            signal_all([agent], "-CONT")
+        try:
+            wait_for(lambda: re.search(r"\[group1-rank0\].*resumed from", err.read_text())
+                     or proc.poll() is not None, limit(300), "group 1 back from its checkpoint")
+        finally:
+            signal_all(survivors, "-CONT")
         wait_for(lambda: "replica group 1 healed from a live peer at step" in err.read_text()
                  or proc.poll() is not None, limit(300), "group 1's heal")
         after = procs.replica_ranks(proc.pid)
-        survivors = [k for k in before if k[0] != 1]
-        assert all(after.get(k) == before[k] for k in survivors), (before, after)
+        assert all(after.get(k) == before[k] for k in before if k[0] != 1), (before, after)
         assert proc.wait(timeout=limit(600)) == 0, err.read_text()[-3000:]
     finally:
         if proc.poll() is None:
