@@ -151,11 +151,11 @@ def _part(s3, f: TokenFile, fd: int, start: int, end: int, ranged: bool,
         ask["IfMatch"] = f'"{f.etag}"'
     if ranged:
         ask["Range"] = f"bytes={start}-{end - 1}"
+    from botocore.exceptions import ClientError  # boto3's: only with the s3 extra
     try:
         got = s3.get_object(**ask)
-    except Exception as exc:
-        if getattr(exc, "response", {}).get("Error", {}).get("Code") in (
-                "PreconditionFailed", "412"):
+    except ClientError as exc:  # the store's refusal: If-Match failed when it changed
+        if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "412"):
             _changed(s3, f)
         raise
     etag = got.get("ETag", "").strip('"')
