@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from launcher.detection.system import free_port
 from tests.harness.runs import ROOT, limit, worker_env
 
 CHECK = """
@@ -21,8 +20,9 @@ from types import SimpleNamespace
 import torch, torch.distributed as dist
 from train.distributed.replica_group import Quorum
 from train.loop.replica_quorum import finished_without_us
-dist.init_process_group("gloo")
-run_dir, participants = sys.argv[1 + dist.get_rank()], int(sys.argv[3])
+rank = int(sys.argv[5])
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[4]}", rank=rank, world_size=2)
+run_dir, participants = sys.argv[1 + rank], int(sys.argv[3])
 c = SimpleNamespace(run_dir=run_dir, device=torch.device("cpu"),
                     cfg=SimpleNamespace(train=SimpleNamespace(max_steps=100)))
 alone = Quorum(participant=0, participants=participants, step=80, healed=False)
@@ -33,11 +33,10 @@ dist.destroy_process_group()
 
 def answers(finished: Path, empty: Path, participants: int) -> list[bool]:
     """Each rank's answer; rank 0 reads ``finished``, rank 1 ``empty``."""
-    port = str(free_port())
+    store = finished.parent / f"store-{participants}"  # a file: no port to collide on
     procs = [subprocess.Popen(
-        [sys.executable, "-c", CHECK, str(finished), str(empty), str(participants)],
-        cwd=ROOT, env=worker_env({"RANK": str(rank), "WORLD_SIZE": "2",
-                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}),
+        [sys.executable, "-c", CHECK, str(finished), str(empty), str(participants),
+         str(store), str(rank)], cwd=ROOT, env=worker_env(),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     out = [p.communicate(timeout=limit(120)) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in out]
