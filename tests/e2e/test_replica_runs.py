@@ -113,6 +113,11 @@ def test_a_killed_worker_costs_no_restart_of_the_others_and_no_sample(tmp_path, 
     text = err.read_text()
     assert "torchrun (replica group 1): rank 0 killed by SIGKILL" in text, text
     assert f"of {2 + spares} replica groups in the quorum, without replica group 1 " in text
+    # the loader workers loaded the steps, and a fault re-pointed them (the restarted
+    # group's heal; the spare's slot, or group 0's second)
+    served = re.findall(r"data: (\d+) of \d+ micro-batches from 2 loader worker\(s\) .*"
+                        r"re-pointed (\d+) time", text)
+    assert served and any(int(again) > 0 for _, again in served), text[-3000:]
     entries = read(run_dir / "ledger.jsonl")
     assert [e.step for e in entries] == list(range(1, STEPS + 1))
     assert check_exactly_once(entries) == []

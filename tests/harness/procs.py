@@ -100,9 +100,10 @@ def environ(pid: int) -> dict[str, str]:
 
 def loader_worker(pid: int, module: str) -> bool:
     """A DataLoader worker process of a worker running ``module``: forked by it, so it
-    shows the same command line and environment; its parent runs ``module`` too."""
+    shows the same command line and environment, its parent's (torchrun, the parent of
+    a worker, names ``module`` in another command line)."""
     up = parent(pid)
-    return up is not None and module in cmdline(up)
+    return up is not None and module in cmdline(pid) and cmdline(up) == cmdline(pid)
 
 
 def worker_of_rank(launcher: int, rank: str, module: str = "train.worker") -> int:
