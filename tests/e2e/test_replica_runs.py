@@ -11,6 +11,11 @@ spare (it takes the lost group's slot) and without one (the survivor computes th
 slot too, one micro-batch a slot here, so the sums are the same sums; torchft's
 Lighthouse wants more than half of the groups it still hears from for a quorum, so it
 first waits out the dead group's heartbeat).
+The fault-free run reads its data in the training processes (``data.num_workers: 0``);
+the runs with a kill and a freeze have 2 loader workers a group, which load each step's
+micro-batches ahead and must follow the faults (a retry on another slot, a slot taken
+over, a heal to a step ahead) to the same samples: the same final weights. The others
+take ``auto``.
 The launcher's side alone: tests/e2e/test_replica_launch.py.
 """
 
@@ -40,10 +45,10 @@ STEPS = 1000  # long enough that a kill at step 20 lands mid-run on any machine
 EVERY = 250  # checkpoints and log lines
 
 
-def config(tmp_path: Path, name: str) -> Path:
+def config(tmp_path: Path, name: str, workers: int | str = "auto") -> Path:
     return write_config(tmp_path / f"{name}.yaml", {
         "run": {"name": name}, "output": {"dir": str(tmp_path / "runs")},
-        "model": {"kind": "mlp"}, "data": {"kind": "synthetic"},
+        "model": {"kind": "mlp"}, "data": {"kind": "synthetic", "num_workers": workers},
         "train": {"max_steps": STEPS, "global_batch_size": 16},
         "logging": {"every_steps": EVERY}, "checkpoint": {"every_steps": EVERY},
         "distributed": {"fault_tolerance": "replicas", "replicas": 2, "max_restarts": 3}})
@@ -68,9 +73,10 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory) -> Path:
-    """The run every faulty one is compared with: 2 groups and a spare, no fault."""
+    """The run every faulty one is compared with: 2 groups and a spare, no fault, its data
+    read in the training processes."""
     tmp = tmp_path_factory.mktemp("fault-free")
-    proc, err = start(config(tmp, "ref"), "distributed.spares=1")
+    proc, err = start(config(tmp, "ref", workers=0), "distributed.spares=1")
     assert proc.wait(timeout=limit(600)) == 0, err.read_text()
     return tmp / "runs" / "ref"
 
@@ -78,7 +84,7 @@ def fault_free(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("spares", [1, 0])
 def test_a_killed_worker_costs_no_restart_of_the_others_and_no_sample(tmp_path, fault_free,
                                                                       spares):
-    cfg = config(tmp_path, "faulty")
+    cfg = config(tmp_path, "faulty", workers=2)
     run_dir = tmp_path / "runs" / "faulty"
     proc, err = start(cfg, f"distributed.spares={spares}")
     try:
@@ -107,6 +113,11 @@ def test_a_killed_worker_costs_no_restart_of_the_others_and_no_sample(tmp_path, 
     text = err.read_text()
     assert "torchrun (replica group 1): rank 0 killed by SIGKILL" in text, text
     assert f"of {2 + spares} replica groups in the quorum, without replica group 1 " in text
+    # the loader workers loaded the steps, and a fault re-pointed them (the restarted
+    # group's heal; the spare's slot, or group 0's second)
+    served = re.findall(r"data: (\d+) of \d+ micro-batches from 2 loader worker\(s\) .*"
+                        r"re-pointed (\d+) time", text)
+    assert served and any(int(again) > 0 for _, again in served), text[-3000:]
     entries = read(run_dir / "ledger.jsonl")
     assert [e.step for e in entries] == list(range(1, STEPS + 1))
     assert check_exactly_once(entries) == []
@@ -153,7 +164,7 @@ def test_a_frozen_group_is_left_behind_and_heals_when_it_thaws(tmp_path, fault_f
     group 1 writes the ledger; SIGCONT: group 0 finds its step failed, heals from a live
     group and trains on, in the same process, writing the ledger again. Nobody
     restarted; nothing lost or written twice."""
-    cfg = config(tmp_path, "frozen")
+    cfg = config(tmp_path, "frozen", workers=2)
     run_dir = tmp_path / "runs" / "frozen"
     proc, err = start(cfg, "distributed.spares=1")
     try:

@@ -60,7 +60,7 @@ def submit(cluster: SlurmCluster, name: str, *overrides: str, nodes: int = 2
     (its id, its output, its run directory)."""
     cfg = write_config(cluster.work / f"{name}.yaml", {
         "run": {"name": name}, "output": {"dir": str(cluster.work / "runs")},
-        "model": {"kind": "mlp"}, "data": {"kind": "synthetic"},
+        "model": {"kind": "mlp"}, "data": {"kind": "synthetic", "num_workers": 0},
         "train": {"max_steps": STEPS, "global_batch_size": 16},
         "logging": {"every_steps": 200}, "checkpoint": {"every_steps": 200},
         "distributed": {"fault_tolerance": "replicas", "replicas": 2, "max_restarts": 3}})

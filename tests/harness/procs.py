@@ -98,12 +98,20 @@ def environ(pid: int) -> dict[str, str]:
                 if "=" in entry)
 
 
+def loader_worker(pid: int, module: str) -> bool:
+    """A DataLoader worker process of a worker running ``module``: forked by it, so it
+    shows the same command line and environment, its parent's (torchrun, the parent of
+    a worker, names ``module`` in another command line)."""
+    up = parent(pid)
+    return up is not None and module in cmdline(pid) and cmdline(up) == cmdline(pid)
+
+
 def worker_of_rank(launcher: int, rank: str, module: str = "train.worker") -> int:
     """The worker below the launcher whose RANK is ``rank``: a training worker, or
     ``train.script`` for a script under ``launch``."""
     for pid in pids():
         if environ(pid).get("RANK") == rank and module in cmdline(pid) and \
-                below(pid, launcher):
+                below(pid, launcher) and not loader_worker(pid, module):
             return pid
     raise AssertionError(f"no worker of rank {rank} below {launcher}")
 
@@ -115,7 +123,8 @@ def replica_workers(launcher: int, module: str = "train.worker") -> dict[int, in
     for pid in pids():
         env = environ(pid)
         if "REPLICA_GROUP_ID" in env and env.get("RANK", "0") == "0" and \
-                module in cmdline(pid) and below(pid, launcher):
+                module in cmdline(pid) and below(pid, launcher) and \
+                not loader_worker(pid, module):
             found[int(env["REPLICA_GROUP_ID"])] = pid
     return found
 
@@ -126,6 +135,7 @@ def replica_ranks(launcher: int, module: str = "train.worker") -> dict[tuple[int
     found = {}
     for pid in pids():
         env = environ(pid)
-        if "REPLICA_GROUP_ID" in env and module in cmdline(pid) and below(pid, launcher):
+        if "REPLICA_GROUP_ID" in env and module in cmdline(pid) and below(pid, launcher) \
+                and not loader_worker(pid, module):
             found[(int(env["REPLICA_GROUP_ID"]), int(env.get("RANK", "0")))] = pid
     return found

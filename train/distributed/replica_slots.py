@@ -51,3 +51,15 @@ def merged(spans: list[tuple[int, int]]) -> list[list[int]]:
         else:
             out.append([lo, hi])
     return out
+
+
+def micro_spans(first: int, global_batch_size: int, replicas: int, slots: list[int], rank: int,
+                world_size: int, micro: int) -> list[tuple[int, int]]:
+    """The micro-batches rank ``rank`` of its group reads for ``slots`` of the step whose
+    batch starts at ``first``, in the order it reads them: positions ``[lo, hi)`` of at
+    most ``micro`` samples each, slot after slot."""
+    out = []
+    for slot in slots:
+        lo, hi = rank_span(slot_span(first, global_batch_size, replicas, slot), rank, world_size)
+        out += [(i, min(i + micro, hi)) for i in range(lo, hi, micro)]
+    return out

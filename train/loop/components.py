@@ -220,11 +220,17 @@ def train_loader(c: Components, state: TrainState):
                                 end_step=cfg.train.max_steps,
                                 first_sample=state.samples_consumed)
     _read_ahead(c, state, sampler)
-    workers = cfg.data.num_workers
-    if workers == AUTO:
-        workers = min(4, env.cpus_per_rank() // 2)
-    pin = cfg.data.pin_memory
-    pin = c.device.type == "cuda" if pin == AUTO else pin
+    workers, pin = loader_workers(c)
     return make_loader(c.data.train, sampler(), num_workers=workers, pin_memory=pin,
                        persistent_workers=cfg.data.persistent_workers,
                        prefetch_factor=cfg.data.prefetch_factor, seed=cfg.seed)
+
+
+def loader_workers(c: Components) -> tuple[int, bool]:
+    """(DataLoader worker processes, pin_memory) for this rank: ``data.num_workers`` (auto:
+    half the rank's CPUs, at most 4) and ``data.pin_memory`` (auto: on GPU)."""
+    workers = c.cfg.data.num_workers
+    if workers == AUTO:
+        workers = min(4, c.env.cpus_per_rank() // 2)
+    pin = c.cfg.data.pin_memory
+    return workers, c.device.type == "cuda" if pin == AUTO else pin

@@ -28,14 +28,14 @@ from train.checkpoint.policy import Cadence
 from train.checkpoint.session import save_checkpoint
 from train.checkpoint.state import TrainState
 from train.core.errors import EXIT_OK, EXIT_PEER_STOPPED, EXIT_STOPPED_BY_SIGNAL
-from train.data.order import GlobalOrder
+from train.data.prefetch import StepReader, open_reader
 from train.distributed.replica_group import Quorum, ReplicaGroup
 from train.distributed.replica_shards import local_grads, model_state, optimizer_state, portable
-from train.distributed.replica_slots import rank_span, slot_span, slots_of
+from train.distributed.replica_slots import micro_spans, slot_span, slots_of
 from train.guards.divergence import Guard
 from train.guards.stopping import StopFlag
 from train.guards.watchdog import CHECKPOINT, EVALUATION, Watchdog
-from train.loop.components import Components, train_order
+from train.loop.components import Components, loader_workers, train_order
 from train.loop.replica_quorum import (
     finished_without_us,
     first_quorum,
@@ -84,27 +84,47 @@ def heal_state(c: Components, state: TrainState, ledger: Ledger | None):
     return save, load
 
 
-def compute_slots(c: Components, order: GlobalOrder, first: int, slots: list[int]) -> float:
+def data_reader(c: Components, state: TrainState) -> StepReader:
+    """What reads this rank's micro-batches (:mod:`train.data.prefetch`): loaded ahead by
+    ``data.num_workers`` loader workers, predicting the group's own slot (a spare's:
+    none; a restarted group heals to the live step first: none), or read in this process."""
+    cfg, env = c.cfg, c.env
+    g, replicas = cfg.train.global_batch_size, cfg.distributed.replicas
+    group = env.replica_group or 0
+    workers, pin = loader_workers(c)
+
+    def chunks(first: int, slots: list[int]) -> list[tuple[int, int]]:
+        return micro_spans(first, g, replicas, slots, env.rank, env.world_size, c.micro)
+    return open_reader(c.data.train, train_order(c), chunks, step_size=g,
+                       first=state.samples_consumed, end=end_of_run(c, state),
+                       slots=[] if env.restart_count or group >= replicas else [group],
+                       num_workers=workers, pin_memory=pin,
+                       prefetch_factor=cfg.data.prefetch_factor, seed=cfg.seed)
+
+
+def end_of_run(c: Components, state: TrainState) -> int:
+    """The position in the sample order where the run's last step ends."""
+    g = c.cfg.train.global_batch_size
+    return state.samples_consumed + (c.cfg.train.max_steps - state.step) * g
+
+
+def compute_slots(c: Components, reader: StepReader, first: int, slots: list[int],
+                  end: int) -> float:
     """Forward and backward over this rank's part of ``slots``; the gradients hold the
     sum of its samples' losses / global batch (DDP or FSDP inside the group averages its
     ranks: so each rank's loss is scaled by the group's size). Returns the summed loss."""
-    cfg, env = c.cfg, c.env
-    g, replicas = cfg.train.global_batch_size, cfg.distributed.replicas
-    parts = []
-    for slot in slots:
-        lo, hi = rank_span(slot_span(first, g, replicas, slot), env.rank, env.world_size)
-        indices = order.take(lo, hi - lo)
-        parts += [indices[i: i + c.micro] for i in range(0, len(indices), c.micro)]
+    g = c.cfg.train.global_batch_size
+    spans = reader.step(first, slots, end)
     total = 0.0
-    for i, chunk in enumerate(parts):
-        x, y = c.data.train.__getitems__(chunk)
+    for i, (lo, hi) in enumerate(spans):
+        x, y = reader.batch((lo, hi))
         x, y = x.to(c.device, non_blocking=True), y.to(c.device, non_blocking=True)
-        with gradient_sync(c.model, enabled=i == len(parts) - 1):
+        with gradient_sync(c.model, enabled=i == len(spans) - 1):
             with c.autocast():
                 loss = c.objective(c.model, x, y)[0]
-            scaled = loss * (len(chunk) * env.world_size / g)
+            scaled = loss * ((hi - lo) * c.env.world_size / g)
             (c.scaler.scale(scaled) if c.scaler else scaled).backward()
-        total += float(loss.detach()) * len(chunk)
+        total += float(loss.detach()) * (hi - lo)
     return total
 
 
@@ -145,10 +165,10 @@ class ReplicaLoop:
 
     def __init__(self, c: Components, state: TrainState, stop: StopFlag,
                  metrics: MetricsLogger | None, guard: Guard, watchdog: Watchdog,
-                 group: ReplicaGroup, ledger: Ledger | None):
+                 group: ReplicaGroup, ledger: Ledger | None, reader: StepReader):
         self.c, self.state, self.stop, self.metrics = c, state, stop, metrics
         self.guard, self.watchdog, self.group, self.ledger = guard, watchdog, group, ledger
-        self.order, self.cadence = train_order(c), Cadence.from_config(c.cfg)
+        self.reader, self.cadence = reader, Cadence.from_config(c.cfg)
         self.expected = c.env.replica_groups or c.cfg.distributed.replicas
 
     def run(self) -> int:
@@ -189,7 +209,7 @@ class ReplicaLoop:
         replicas = c.cfg.distributed.replicas
         first = self.state.samples_consumed
         mine = slots_of(quorum.participant, quorum.participants, replicas)
-        loss_sum = compute_slots(c, self.order, first, mine)
+        loss_sum = compute_slots(c, self.reader, first, mine, end_of_run(c, self.state))
         owners = [self.group.group_id + 1.0 if s in mine else 0.0 for s in range(replicas)]
         summed = sum_across_groups(c, self.group,
                                    [loss_sum, float(self.stop.requested), *owners])
@@ -255,11 +275,20 @@ def log_step(c: Components, metrics: MetricsLogger | None, guard: Guard, step: i
 
 def run_replicas(c: Components, state: TrainState, stop: StopFlag,
                  metrics: MetricsLogger | None, guard: Guard, watchdog: Watchdog) -> int:
-    """This group's seat (a torchft Manager) for the run, then the loop."""
-    ledger = Ledger(ledger_path(c.run_dir)) if c.env.is_main else None
-    save, load = heal_state(c, state, ledger)
-    group = ReplicaGroup(c.cfg, c.env, c.device, save, load)
+    """This group's seat (a torchft Manager) for the run, then the loop. The loader's
+    workers start first (forked before torchft's threads), and end with the loop, within
+    the shutdown's bound."""
+    reader = data_reader(c, state)
     try:
-        return ReplicaLoop(c, state, stop, metrics, guard, watchdog, group, ledger).run()
+        ledger = Ledger(ledger_path(c.run_dir)) if c.env.is_main else None
+        save, load = heal_state(c, state, ledger)
+        group = ReplicaGroup(c.cfg, c.env, c.device, save, load)
+        try:
+            return ReplicaLoop(c, state, stop, metrics, guard, watchdog, group, ledger,
+                               reader).run()
+        finally:
+            group.close()
     finally:
-        group.close()
+        if reader.summary() and c.env.rank == 0:  # one line a group
+            log.info("%s", reader.summary())
+        stop.shutdown.abandon(reader.close(stop.shutdown.seconds_left))
