@@ -78,6 +78,7 @@ class LedgerWatch:
             time.sleep(0.005)
         return n
 
+
 class Watched:
     """What the bench watches of a running job of replica groups, however it runs: its
     ledger, and each group's worker."""
@@ -98,6 +99,7 @@ class Watched:
                          timeout, f"50 steps in a row with group {VICTIM}")
         while len(self.workers()) < self.groups and time.monotonic() < deadline:
             time.sleep(0.2)
+
 
 @dataclass(frozen=True)
 class Fault:
@@ -189,9 +191,11 @@ def series(run: Watched, label: str, n: int, one: Callable[[], Fault]) -> list[F
         time.sleep(2)
     return out
 
+
 def _pids(f: Fault) -> str:
     pairs = [f"{f.before[g]}->{f.after.get(g)}" for g in sorted(f.before) if g != VICTIM]
     return ", ".join(pairs) + (" unchanged" if f.survivors_unchanged else " CHANGED")
+
 
 def report(name: str, values: list[float], base: float | None) -> None:
     m = statistics.median(values)

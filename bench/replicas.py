@@ -102,6 +102,7 @@ def faults(work: Path, label: str, spares: int, signum: int, n: int) -> list[Fau
         if code != 143:
             print(f"({label}) run ended with {code}, not 143:\n{run.node.text()[-2000:]}")
 
+
 def restarts(work: Path, n: int, label: str = "d",
              one: Callable[[Path, list[str]], float] = single_node) -> list[float]:
     """(d): today's restart, ``n`` times on the replica runs' model: ``one(work, job)``,
@@ -158,6 +159,7 @@ def throughput(work: Path, minutes: float) -> tuple[float, float, float]:
     finally:
         if (code := run.stop()) != 143:
             print(f"(throughput) run ended with {code}, not 143")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
