@@ -26,10 +26,8 @@ worker pids before and after, unchanged when no survivor restarted), median and 
        the standalone store): one host's link cut -> the survivor's next step
        (bench/recovery.py's host_vanished, on the same model), ``--restarts`` times.
 
-(e), (f) and (g) are faults of one job, in turn; (e') a job of its own. Every job sets
-``distributed.replica_timeout_s=5`` (default 60): a frozen or cut-off group costs the
-others one cross-group all-reduce of that long. The model, batch and logging are
-bench/replicas.py's. Each job is stopped with SIGTERM (exit 143 on every host), every
+(e), (f) and (g) are faults of one job, in turn; (e') a job of its own. The config
+(model, batch, logging, timeouts) is bench/replicas.py's. Each job is stopped with SIGTERM (exit 143 on every host), every
 process is gone before its files are removed, and every namespace is deleted, whatever
 ends the bench (an error, Ctrl-C, SIGTERM). The defaults are short; numbers worth quoting
 want ``--faults 10`` on an idle machine.
@@ -233,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     report("(h) elastic restart, 2 hosts, one host's link cut", h, None)
     kinds = (("e", "2 groups + spare, kill -9 group 1's worker", e),
              ("e'", "2 groups, no spare, kill -9 group 1's worker", e0),
-             ("f", "2 groups + spare, SIGSTOP group 1's host (timeout 5 s)", f),
-             ("g", "2 groups + spare, group 1's link cut (timeout 5 s)", g))
+             ("f", "2 groups + spare, SIGSTOP group 1's host", f),
+             ("g", "2 groups + spare, group 1's link cut", g))
     for label, name, values in kinds:
         summary(f"({label}) {name}", values, base)
     print(f"goal, p95 of the next committed step <= {GOAL_S:g} s: " + "; ".join(

@@ -9,6 +9,7 @@ runs them on GPU machines.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,16 @@ import pytest
 from tests.harness.checkpoints import reference_run
 from tests.harness.examples import copy_project
 from tests.harness.plans import plan_config
-from tests.harness.runs import ROOT, TINY_GPT, TINY_MLP, merge, usable_gpus, write_config
+from tests.harness.runs import (
+    ROOT,
+    TINY_GPT,
+    TINY_MLP,
+    limit,
+    merge,
+    usable_gpus,
+    wait_for,
+    write_config,
+)
 
 E2E = ROOT / "tests" / "e2e"
 
@@ -183,3 +193,24 @@ def aws(s3_server, monkeypatch):
     the server itself, for its ``client()`` and ``env()``."""
     s3_server.reach_in_process(monkeypatch)
     return s3_server
+
+
+@pytest.fixture
+def lighthouse():
+    """A real torchft Lighthouse on 127.0.0.1 with the default replica timeouts, its
+    ``http://HOST:PORT``; stopped after the test (needs ``make ft``: the test skips)."""
+    from launcher.detection.system import free_port
+    from launcher.detection.torchft_tools import lighthouse_binary
+    from launcher.running.lighthouse import reachable
+    from train.core.config import Config
+    from train.core.run.replica_contract import Timeouts, lighthouse_argv
+    port = free_port()
+    timeouts = Timeouts.of(Config().distributed.replica_timeout_s)
+    proc = subprocess.Popen(lighthouse_argv(lighthouse_binary(), f"127.0.0.1:{port}", timeouts),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: reachable(f"127.0.0.1:{port}"), limit(30), "the Lighthouse's port")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()

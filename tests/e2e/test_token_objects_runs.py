@@ -2,7 +2,9 @@
 launcher read their shards from a real S3 server (SeaweedFS on 127.0.0.1) and train with
 the losses of one process reading the same files from the local disk (whose launcher
 kept its scan of the files' ids in the run directory), their metrics counting each
-object's bytes once (``data/fetched_bytes``); a text run from objects has the
+object's bytes once (``data/fetched_bytes``); in data.shuffle=blocks order over several
+groups, stopped in the second and resumed with an empty cache, the same; a text run
+from objects has the
 losses of the same run from local files; an object replaced mid-run stops it with one
 line and exit 2, and the next start refuses to resume on the changed data. In process,
 and one process from the store resumed: tests/unit/test_token_objects.py,
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,13 +44,12 @@ pytestmark = pytest.mark.skipif(s3server.missing() is not None,
 STEPS = 6
 
 
-@pytest.mark.parametrize("shuffle", ["windows", "blocks"])
-def test_two_processes_from_objects_train_as_one_from_local_files(tmp_path, shuffle):
-    """Also in data.shuffle=blocks order (groups of half the cache: 1 MiB, so here one
-    group of the three files; the order's own properties: tests/unit/test_block_order.py)."""
+def test_two_processes_from_objects_train_as_one_from_local_files(tmp_path):
+    """In the default data.shuffle=windows order; blocks: the next test (the order's own
+    properties: tests/unit/test_block_order.py)."""
     paths = token_files(tmp_path / "data", sizes=(3000, 2500, 4000), vocab=256)
     tree = merge(TINY_GPT, {"output": {"dir": str(tmp_path / "runs")},
-                            "data": {"kind": "tokens", "vocab_size": 256, "shuffle": shuffle,
+                            "data": {"kind": "tokens", "vocab_size": 256,
                                      "cache_dir": str(tmp_path / "cache")},
                             "train": {"max_steps": STEPS}})
     local = write_config(tmp_path / "local.yaml", merge(tree, {"data": {
@@ -72,6 +74,84 @@ def test_two_processes_from_objects_train_as_one_from_local_files(tmp_path, shuf
     for step in ref:  # the same samples; the reduction order of two processes differs
         assert math.isclose(ref[step], got[step], rel_tol=1e-5), (step, ref[step], got[step])
     fetched_as_the_cache_holds(tmp_path, paths)
+
+
+# blocks of one object each: a cache of 1 MiB holds two of these 520 kB objects, so a
+# group (half the cache) is one object, and an epoch three groups of about 60 steps
+BLOCK_STEPS, HELD_AT = 150, 75
+
+
+def test_blocks_from_the_store_stopped_in_the_second_group_resume_as_one_local_run(
+        s3_server, tmp_path):
+    """data.shuffle=blocks over three groups: two processes reading the objects are held at
+    step 75 (the second group), stopped by SIGTERM, and started again with an empty
+    cache; they resume at the exact next sample, fetched from the store, and every logged
+    loss of both incarnations is that of one uninterrupted process reading local files.
+    Neither incarnation fetched an object twice."""
+    from tests.e2e.test_object_storage_runs import HOLD
+    paths = token_files(tmp_path / "data", sizes=(260_000,) * 3, vocab=256)
+    for p in paths:
+        s3_server.client().upload_file(str(p), s3server.BUCKET, f"blocks/{p.name}")
+    tree = merge(TINY_GPT, {"output": {"dir": str(tmp_path / "runs")},
+                            "data": {"kind": "tokens", "vocab_size": 256, "shuffle": "blocks",
+                                     "cache_bytes": 1 << 20, "cache_dir": str(tmp_path / "c")},
+                            "train": {"max_steps": BLOCK_STEPS, "global_batch_size": 256},
+                            "logging": {"every_steps": 5}, "checkpoint": {"every_steps": 1000}})
+    local = write_config(tmp_path / "local.yaml", merge(tree, {"data": {
+        "path": [str(p) for p in paths]}}))
+    proc = entry("train", str(local), cwd=ROOT, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    remote = write_config(tmp_path / "remote.yaml", merge(tree, {"data": {
+        "path": f"s3://{s3server.BUCKET}/blocks/part-*.bin"}}))
+    held = held_and_stopped(s3_server, tmp_path, remote, HOLD)
+    first = losses(tmp_path / "runs" / "remote")
+    assert HELD_AT <= max(first) < BLOCK_STEPS, sorted(first)
+    fetched = [[r["data/fetched_bytes"] for r in read_metrics(tmp_path / "runs" / "remote")
+                if "loss" in r]]
+    shutil.rmtree(tmp_path / "c")  # the second incarnation fetches what it needs again
+    again = entry("train", str(remote), "distributed.nproc_per_node=2", cwd=ROOT,
+                  env=s3_server.env(), timeout=240)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'runs' / 'remote' / 'checkpoints'}" in again.stderr
+    got, ref = losses(tmp_path / "runs" / "remote"), losses(tmp_path / "runs" / "local")
+    assert sorted(got) == sorted(ref) and max(ref) == BLOCK_STEPS
+    for step in ref:  # the same samples; the reduction order of two processes differs
+        assert math.isclose(ref[step], got[step], rel_tol=1e-5), (step, ref[step], got[step])
+    rows = [r for r in read_metrics(tmp_path / "runs" / "remote") if "loss" in r]
+    fetched.append([r["data/fetched_bytes"] for r in rows if r["step"] > held])
+    size = paths[0].stat().st_size
+    assert all(0 < f[-1] <= 3 * size and f == sorted(f) for f in fetched), fetched
+
+
+def held_and_stopped(s3_server, tmp_path, config, hold_patch: str) -> int:
+    """The run of ``config`` on 2 processes held at HELD_AT, SIGTERM to its group while
+    held, let go: it checkpoints and exits 143. The step it stopped at."""
+    hold, site = tmp_path / "hold", tmp_path / "site"
+    hold.mkdir()
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(hold_patch)
+    env = s3_server.env(PYTHONPATH=str(site), HOLD_DIR=str(hold), HOLD_AT=str(HELD_AT))
+    console = tmp_path / "held.txt"
+    with console.open("w") as out:
+        proc = subprocess.Popen([sys.executable, ENTRY, "train", str(config),
+                                 "distributed.nproc_per_node=2"], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + limit(240)
+        while len(list(hold.glob("held-*"))) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, console.read_text()
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGTERM)
+        while console.read_text().count("received SIGTERM: stopping") < 2:  # both ranks
+            assert proc.poll() is None and time.monotonic() < deadline, console.read_text()
+            time.sleep(0.1)
+        (hold / "go").touch()
+        assert proc.wait(timeout=limit(240)) == 143, console.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = console.read_text()
+    return int(text.split("stopped at step ")[1].split()[0])
 
 
 def fetched_as_the_cache_holds(tmp_path, paths) -> None:

@@ -15,33 +15,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launcher.detection.system import free_port
 from launcher.detection.torchft_tools import lighthouse_binary
-from launcher.running.lighthouse import reachable
 from tests.harness.runs import ROOT, clean_env, limit, wait_for
 from train.core.config import Config
 from train.core.run.identity import WorkerIdentity
-from train.core.run.replica_contract import Timeouts, lighthouse_argv
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchft") is None or lighthouse_binary() is None,
     reason="needs torchft and its torchft_lighthouse (make ft)")
 
 WAIT_S = 2.0
-
-
-@pytest.fixture
-def lighthouse():
-    port = free_port()
-    timeouts = Timeouts.of(Config().distributed.replica_timeout_s)
-    proc = subprocess.Popen(lighthouse_argv(lighthouse_binary(), f"127.0.0.1:{port}", timeouts),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for(lambda: reachable(f"127.0.0.1:{port}"), limit(30), "the Lighthouse's port")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def seat(group_id: int, lighthouse: str):

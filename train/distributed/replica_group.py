@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from train.core.config import Config
 from train.core.errors import CannotRunHere
 from train.core.run.identity import WorkerIdentity
 from train.core.run.replica_contract import Timeouts
+from train.distributed import replica_watch
 
 log = logging.getLogger("train")
 
@@ -96,6 +99,12 @@ class ReplicaGroup:
         _quiet_heal_server(self.manager)
         self._quorums = _RecordingClient(self.manager._client)
         self.manager._client = self._quorums
+        self._lighthouse, self._gloo = env.lighthouse, device.type != "cuda"
+        # the Lighthouse drops a group silent for heartbeat_ms from the next quorum; a
+        # margin over it, so that the quorum after a step given up lacks that group
+        self._stale_s = t.heartbeat_ms / 1000 + 0.25
+        self._began = time.monotonic()
+        self._given_up: list[tuple[Any, Any]] = []  # (gloo group, its pending operation)
 
     def _loader(self, load: Callable[[dict[str, Any]], None]):
         def heal(state: dict[str, Any]) -> None:
@@ -110,6 +119,8 @@ class ReplicaGroup:
     def quorum(self) -> Quorum:
         """Join this step's quorum (healing first when behind)."""
         self._healed_at = None
+        self._given_up = [(pg, work) for pg, work in self._given_up if not work.is_completed()]
+        self._began = time.monotonic()
         self.manager.start_quorum()
         rank = self.manager.participating_rank()
         return Quorum(participant=rank if rank is not None else 0,
@@ -119,11 +130,44 @@ class ReplicaGroup:
 
     def sum(self, flat: torch.Tensor) -> None:
         """Sum ``flat`` over the quorum's groups, in place (zeros after a failure, which
-        :meth:`commit` then refuses)."""
-        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        :meth:`commit` then refuses). On gloo, given up as soon as the Lighthouse shows
+        a group of the step frozen or cut off (:mod:`train.distributed.replica_watch`)."""
+        work = self.manager.allreduce(flat, reduce_op=ReduceOp.SUM)
+        inner = getattr(work, "_work", None)  # gloo's own; torchft's wrapper waits on it
+        if self._lighthouse and self._gloo and inner is not None:
+            done = threading.Event()
+            inner.get_future().add_done_callback(lambda _: done.set())
+            reason = replica_watch.wait_or_lost(done, self._look)
+            if reason is not None:
+                # gloo's wait cannot be cut short: the operation ends on its own (the lost
+                # group back, or the timeout). Its process group is kept until then:
+                # torchft drops it at the next quorum, and dropping the last reference
+                # to a gloo group waits for its pending operations.
+                self._given_up.append((getattr(self.manager._pg, "_pg", None), inner))
+                self.manager.report_error(PeerLost(reason))
+                return
+        work.wait()
+
+    def _look(self, members: bool = True) -> str | None:
+        status = replica_watch.read_status(self._lighthouse)
+        if status is None:
+            return None
+        return replica_watch.why_lost(status, self._quorums.replica_ids() if members else [],
+                                      f"group_{self.group_id}", self._quorums.quorum_id(),
+                                      self._stale_s)
 
     def commit(self) -> bool:
-        """Whether this step may be applied: nothing failed here or in the all-reduce."""
+        """Whether this step may be applied: nothing failed here or in the all-reduce.
+        A step that took longer than a group may stay silent (this process was frozen
+        or cut off in it, or the step is merely long) is applied only if the Lighthouse
+        still has this step's quorum: the others may have given the step up and trained
+        it again without this group, and an all-reduce they left pending can still end
+        here when this group comes back."""
+        if self._lighthouse and self._gloo and \
+                time.monotonic() - self._began > self._stale_s:
+            reason = self._look(members=False)
+            if reason is not None:
+                self.manager.report_error(PeerLost(reason))
         return self.manager.should_commit()
 
     def failure(self) -> str | None:
@@ -137,6 +181,10 @@ class ReplicaGroup:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class PeerLost(RuntimeError):
+    """A step's all-reduce given up: a group in it is frozen or cut off."""
 
 
 class _RecordingClient:
@@ -158,10 +206,13 @@ class _RecordingClient:
     def quorum_id(self) -> int:
         return int(getattr(self._last, "quorum_id", -1))
 
+    def replica_ids(self) -> list[str]:
+        """The replica ids of the last quorum (``group_G:<uuid>``)."""
+        return list(getattr(self._last, "replica_ids", None) or [])
+
     def members(self) -> tuple[int, ...]:
-        """The group ids of the last quorum (a replica id is ``group_G:<uuid>``)."""
-        ids = getattr(self._last, "replica_ids", None) or []
-        found = (re.search(r"group_(\d+)", i) for i in ids)
+        """The group ids of the last quorum."""
+        found = (re.search(r"group_(\d+)", i) for i in self.replica_ids())
         return tuple(int(m[1]) for m in found if m)
 
 

@@ -9,6 +9,9 @@ import logging
 import math
 import time
 
+import torch
+import torch.distributed as dist
+
 from train.core.files import finished_step
 from train.core.run.replica_contract import QUORUM_TICK_MS
 from train.distributed.replica_group import Quorum, ReplicaGroup
@@ -68,12 +71,27 @@ def joins_running(quorum: Quorum, start: int) -> bool:
 
 def finished_without_us(c: Components, quorum: Quorum, expected: int) -> bool:
     """Alone in the quorum after the other groups finished the run (this group thawed or
-    restarted too late): it must not train the run's end again on its own."""
-    if quorum.participants == 1 < expected and \
-            finished_step(c.run_dir, c.cfg.train.max_steps) is not None:
+    restarted too late): it must not train the run's end again on its own. Every rank of
+    the group sees the same quorum, but each reads the run's result on its own, so one
+    may read it a moment before another: the group takes the answer of any of its ranks,
+    and all of them stop at the same step."""
+    if not quorum.participants == 1 < expected:
+        return False
+    seen = finished_step(c.run_dir, c.cfg.train.max_steps) is not None
+    if any_rank(seen, c.device):
         log.info("the other replica groups finished the run; nothing left to do here")
         return True
     return False
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """``flag`` of any rank of this group's process group (itself when it has one
+    process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def say_membership(c: Components, quorum: Quorum, expected: int, seen: int) -> int:
