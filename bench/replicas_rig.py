@@ -27,10 +27,10 @@ worker pids before and after, unchanged when no survivor restarted), median and 
        (bench/recovery.py's host_vanished, on the same model), ``--restarts`` times.
 
 (e), (f) and (g) are faults of one job, in turn; (e') a job of its own. The config
-(model, batch, logging, timeouts) is bench/replicas.py's. Each job is stopped with SIGTERM (exit 143 on every host), every
-process is gone before its files are removed, and every namespace is deleted, whatever
-ends the bench (an error, Ctrl-C, SIGTERM). The defaults are short; numbers worth quoting
-want ``--faults 10`` on an idle machine.
+(model, batch, logging, timeouts) is bench/replicas.py's. Each job is stopped with
+SIGTERM (exit 143 on every host), every process is gone before its files are removed,
+and every namespace is deleted, whatever ends the bench (an error, Ctrl-C, SIGTERM). The
+defaults are short; numbers worth quoting want ``--faults 10`` on an idle machine.
 
     python -m bench.replicas_rig [--faults 3] [--restarts N]
 """
