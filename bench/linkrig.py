@@ -31,24 +31,17 @@ DELAY_MS = 20
 TOKENS = "tokens"
 
 
-class Rig:
+class Rig(netns.Rig):
     """The two hosts, the link between them, the store running; :meth:`close` undoes it."""
 
     def __init__(self, work: Path) -> None:
-        self.work, self.procs = work, []
-        self.net: netns.Network | None = None
+        super().__init__(work)
         self.shaping = ""
         self.endpoint = ""
 
-    def __enter__(self) -> Rig:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def start(self, files: int, mib: int) -> None:
-        self.net = netns.Network(self.work)
-        self.store, self.node = self.net.host("store"), self.net.host("node")
+        net = self.network()
+        self.store, self.node = net.host("store"), net.host("node")
         store = self._run(self.store, "s3", ["-m", "bench.linkrig", "store",
                                              str(self.work / "s3"), self.store.addr,
                                              str(files), str(mib)])
@@ -75,25 +68,14 @@ class Rig:
                 "packets to the store (tests/harness/delaylink.py)")
 
     def _run(self, host: netns.Host, label: str, args: list[str]) -> Process:
-        p = host.process(label, [sys.executable, *args],
-                         worker_env(s3server.s3_env(self.endpoint) if self.endpoint else {}),
-                         self.work)
-        self.procs.append(p.start())
-        return p
+        return self.run(host, label, [sys.executable, *args],
+                        worker_env(s3server.s3_env(self.endpoint) if self.endpoint else {}))
 
     def on_node(self, args: list[str], timeout: float) -> dict:
         """Run ``python ARGS`` on the node; its last ``RESULT {json}`` line."""
         p = self._run(self.node, f"reader{len(self.procs)}", args)
         found = p.wait_for(r"RESULT (\{.*\})", timeout)
         return json.loads(found[1])
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            p.kill()
-        self.procs = []
-        if self.net is not None:
-            self.net.close()
-            self.net = None
 
 
 def serve(home: Path, addr: str, files: int, mib: int) -> None:

@@ -89,8 +89,9 @@ def two_nodes(work: Path) -> tuple[float, float]:
         cluster.close()
 
 
-def host_vanished(work: Path) -> tuple[float, float]:
-    """(seconds to notice, seconds to the survivor's next step) after a host vanished."""
+def host_vanished(work: Path, job: Sequence[str] = tuple(SMALL_JOB)) -> tuple[float, float]:
+    """(seconds to notice, seconds to the survivor's next step) after a host vanished
+    (``job``: as for :func:`single_node`)."""
     net = netns.Network(work)
     procs: list[Process] = []
     try:
@@ -104,7 +105,7 @@ def host_vanished(work: Path) -> tuple[float, float]:
             env = clean_env(JOB_COMPLETION_INDEX=str(i), TRAIN_NNODES="1:2",
                             TRAIN_RDZV_ID="job-1", TRAIN_RDZV_ENDPOINT="store:29400",
                             TRAIN_LOCAL_ADDR=h.addr, TRAIN_SOCKET_IFNAME="eth0")
-            procs.append(h.process("train", [sys.executable, ENTRY, "train", *SMALL_JOB,
+            procs.append(h.process("train", [sys.executable, ENTRY, "train", *job,
                                              f"output.dir={work / 'runs'}"], env, work).start())
         main = procs[1]
         first([main], r"world size 2(.|\n)*\]:step 30/")

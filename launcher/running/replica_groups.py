@@ -247,14 +247,28 @@ LOST_LIGHTHOUSE_STOP_S = 15.0
 
 
 def _lost(plan: Plan, groups: list[Group], lighthouse: Lighthouse, why: str, log: Log) -> str:
-    """The Lighthouse was lost while groups ran: one line, then every group stops."""
+    """The Lighthouse was lost while groups ran: one line, then every group stops; this
+    node's group killed at once when the Lighthouse is another node's (only this node may
+    have lost it)."""
     running = [g for g in groups if g.proc.poll() is None]
     line = f"{lighthouse.named()} {why} while {len(running)} replica group(s) ran"
+    again = "to end" if plan.replica_groups.at and not plan.replica_groups.owner \
+        else "to start again from the last checkpoint"
+    if lighthouse.proc is None:
+        # Seen from this node alone, it may be this node that lost the network, not the
+        # Lighthouse. A worker told to stop (SIGTERM) carries its stop flag in the next
+        # step's all-reduce across the groups: once the link is back, every group would
+        # stop and restart with it. Killed, this group alone restarts, healing from a live
+        # peer; and with the Lighthouse really gone, no step could commit to hold a
+        # checkpoint anyway.
+        log(f"{line}; killing this node's replica group {again}")
+        for g in running:
+            kill_tree(g.proc.pid)  # torchrun and its workers (sessions of their own)
+            g.proc.wait()
+        return line
     # Without it no group gets a quorum, so none can agree on a step to checkpoint at;
     # a step in flight may still end, the rest waits for nothing: a short bound.
     grace = min(float(plan.env.get(SHUTDOWN_TIMEOUT_VAR, "25")) + 5.0, LOST_LIGHTHOUSE_STOP_S)
-    again = "to end" if plan.replica_groups.at and not plan.replica_groups.owner \
-        else "to start again from the last checkpoint"
     log(f"{line}; stopping every group (killed after {grace:.0f} s) {again}")
     _stop_groups(running, grace, log)
     return line

@@ -162,3 +162,41 @@ class Network:
         for h in self.members:
             _ip("netns", "del", h.netns, check=False)
         _ip("netns", "del", self.switch, check=False)
+
+
+class Rig:
+    """Hosts on a network of their own and the processes started on them, as a ``with``
+    block: on the way out, whatever ends it (an error, Ctrl-C, a SIGTERM the caller turns
+    into SystemExit), each process is killed with its PID namespace and every namespace
+    deleted. The network is made inside the block (:meth:`network`), so that a failure
+    while making its hosts deletes what was made."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.procs: list[Process] = []
+        self.net: Network | None = None
+
+    def __enter__(self) -> Rig:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def network(self) -> Network:
+        if self.net is None:
+            self.net = Network(self.work)
+        return self.net
+
+    def run(self, host: Host, label: str, argv: list[str], env: dict) -> Process:
+        """``argv`` started on ``host``; killed when the rig closes."""
+        p = host.process(label, argv, env, self.work)
+        self.procs.append(p.start())
+        return p
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.kill()
+        self.procs = []
+        if self.net is not None:
+            self.net.close()
+            self.net = None

@@ -1,6 +1,7 @@
 """The benchmarks' own arithmetic: bench/throughput.py's model FLOPs per token against
 torch's FLOP counter on a real forward and backward, and its GPU peak lookup;
-bench/replicas.py's p95 and its reading of a ledger as it grows."""
+bench/replica_faults.py's p95 and its reading of a ledger as it grows; bench/replicas_rig.py's
+pods, as the launcher plans them, and its verdict on the goal."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench import oversubscribe, replicas, throughput
+from bench import oversubscribe, replica_faults, replicas_rig, throughput
 from tests.harness.runs import ROOT
+from tests.unit import test_replica_plan as one_machine
 from train.core.config import load_config
+from train.core.run.replica_contract import ADDR_VAR, LIGHTHOUSE_VAR
 from train.models import build_model
+
+config, torchft_here = one_machine.config, one_machine.torchft_here  # its fixtures
 
 
 @pytest.mark.parametrize("depth,width,heads,context", [(2, 64, 4, 32), (3, 96, 6, 48)])
@@ -57,10 +62,10 @@ def test_oversubscribe_counts_a_step_only_inside_one_phase_and_the_fair_ratio():
 
 
 def test_p95_is_the_nearest_rank():
-    assert replicas.p95([3.0, 1.0, 2.0, 5.0, 4.0]) == 5.0  # of 5: the largest
-    assert replicas.p95([float(i) for i in range(1, 21)]) == 19.0
-    assert replicas.p95([float(i) for i in range(1, 101)]) == 95.0
-    assert replicas.p95([7.0]) == 7.0
+    assert replica_faults.p95([3.0, 1.0, 2.0, 5.0, 4.0]) == 5.0  # of 5: the largest
+    assert replica_faults.p95([float(i) for i in range(1, 21)]) == 19.0
+    assert replica_faults.p95([float(i) for i in range(1, 101)]) == 95.0
+    assert replica_faults.p95([7.0]) == 7.0
 
 
 def _line(step: int, groups: list[int]) -> bytes:
@@ -70,7 +75,7 @@ def _line(step: int, groups: list[int]) -> bytes:
 
 def test_the_ledger_watch_counts_whole_lines_and_keeps_when_it_saw_each(tmp_path):
     path = tmp_path / "ledger.jsonl"
-    watch = replicas.LedgerWatch(path)
+    watch = replica_faults.LedgerWatch(path)
     assert watch.poll() == 0  # no file yet
     path.write_bytes(_line(1, [0, 1]) + _line(2, [0, 2])[:10])  # the second one torn
     assert watch.poll() == 1 and watch.groups == [(0, 1)]
@@ -89,3 +94,27 @@ def test_the_ledger_watch_counts_whole_lines_and_keeps_when_it_saw_each(tmp_path
     assert watch.seen[0] == first and watch.seen[3] >= watch.seen[2]
     path.write_bytes(_line(1, [0, 1]))  # rewritten in place, shorter
     assert watch.poll() == 1 and watch.seen == [first]
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_the_rigs_pods_are_the_groups_of_an_indexed_job(config, torchft_here, groups):
+    """Each host's launcher plans its own group alone, the Lighthouse on another host at
+    the address given, its group reached at its host's address, one job for every pod."""
+    lighthouse = "198.18.0.1:29514"
+    for g in range(groups):
+        addr = f"198.18.0.{g + 2}"
+        env = replicas_rig.pod_env(g, groups, "spare-0b7c", addr, lighthouse)
+        p = one_machine.prepare("train", config, "distributed.replicas=2",
+                                f"distributed.spares={groups - 2}", env=env)
+        plan = p.plan.replica_groups
+        assert plan.here == (g,) and plan.groups == groups
+        assert plan.at == lighthouse and not plan.serve  # no pod starts the Lighthouse
+        assert plan.envs[0][ADDR_VAR] == addr
+        assert plan.envs[0][LIGHTHOUSE_VAR] == f"http://{lighthouse}"
+        assert p.plan.job == "spare-0b7c" and p.plan.store is None  # no store used
+
+
+def test_the_goal_is_met_by_a_p95_at_most_5_s():
+    assert replicas_rig.verdict([0.5, 4.9, 5.0]) == "met (5.00 s)"
+    assert replicas_rig.verdict([0.5] * 19 + [9.0]) == "met (0.50 s)"  # 19 of 20 at 0.5
+    assert replicas_rig.verdict([0.5] * 18 + [5.1, 9.0]) == "missed (5.10 s)"

@@ -1,16 +1,25 @@
 """How a job of replica groups ends, from each group's own outcome
 (launcher/running/replica_groups.py): done when one group finished, 143 after a stop,
-else the first failure with its group named; a group that ended otherwise is one line.
-The groups running for real: tests/e2e/test_replica_launch.py."""
+else the first failure with its group named; a group that ended otherwise is one line;
+how the groups stop when the Lighthouse is lost. The groups running for real:
+tests/e2e/test_replica_launch.py."""
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from launcher.endings import verdicts
 from launcher.endings.outcome import Outcome
-from launcher.running.replica_groups import Group, _combine
+from launcher.running.lighthouse import Lighthouse
+from launcher.running.replica_groups import Group, _combine, _lost
+from tests.harness.procs import alive
+from tests.harness.runs import wait_for
 
 FAILED = Outcome(1, "error: training failed: rank 0: RuntimeError: boom; details in its log x")
 STOPPED = Outcome(143, "stopped by SIGTERM; rerun the same command to resume from the last "
@@ -42,3 +51,45 @@ def test_a_group_that_ended_otherwise_is_one_line():
         "boom; details in its log x")
     assert verdicts.group_ended(2, Outcome(4, "error: diverged at step 3"), 3) == \
         "replica group 2 ended with exit code 4: diverged at step 3"
+
+
+# a group's torchrun that stops with a checkpoint on SIGTERM (it writes the file) and
+# holds a child of its own until then
+TORCHRUN = "import signal, subprocess, sys, time, pathlib; p = subprocess.Popen(['sleep', " \
+           "'60']); signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path(sys.argv[1])" \
+           ".write_text('stopped'), p.kill(), sys.exit(143))); print(p.pid, flush=True); " \
+           "time.sleep(60)"
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_a_lighthouse_lost_from_one_node_kills_its_group_at_once(tmp_path, own):
+    """Another node's Lighthouse lost, as this node sees it (on Kubernetes or SLURM it
+    may be this node that lost the network): its group is killed at once, never told to
+    stop, because a worker told to stop carries its stop to every group in the next
+    step's all-reduce once the link is back. This launcher's own Lighthouse (one
+    machine: every group lost it) still stops every group with a checkpoint."""
+    mark = tmp_path / "checkpointed"
+    proc = subprocess.Popen([sys.executable, "-c", TORCHRUN, str(mark)],
+                            stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    beacon = Lighthouse(exited if own else None, 29510, "198.18.0.1", by="its Deployment's")
+    plan = SimpleNamespace(replica_groups=SimpleNamespace(at="198.18.0.1:29510",
+                                                          owner="its Deployment's"),
+                           env={})
+    lines = []
+    try:
+        line = _lost(plan, [Group(1, tmp_path, proc)], beacon, "stopped accepting "
+                     "connections", lines.append)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert line.endswith("stopped accepting connections while 1 replica group(s) ran")
+    if own:
+        assert mark.exists() and proc.returncode == 143, lines
+    else:
+        assert not mark.exists() and proc.returncode == -signal.SIGKILL, lines
+        assert "killing this node's replica group to start again" in lines[0]
+    # the group's own child too (a SIGKILL takes effect when the kernel next runs it)
+    wait_for(lambda: not alive(child), 10, "the group's child gone")
