@@ -13,7 +13,8 @@ manifests' own pods (tests/unit/test_k8s_sim.py, tests/e2e/test_k8s_sim_runs.py)
   pods keep their host across restarts and each Service that selects them resolves to
   it (a Service's stable address); :meth:`Cluster.vanish` cuts a pod's link, the way a
   node vanishes (no FIN, no RST). Elsewhere every pod is on 127.0.0.1;
-- env: literal values; a Secret's keys (``envFrom``) from the ``secrets`` the test gives,
+- env: literal values (``$(NAME)`` in them expanded from the variables before, as the
+  kubelet does: :func:`expand`); a Secret's keys (``envFrom``) from the ``secrets`` the test gives,
   as the cluster's Secrets; downward-API fields filled in (the Job's uid label, the pod IP,
   the pod name); ``JOB_COMPLETION_INDEX`` set as the Job controller does;
 - volumes: a ConfigMap becomes a folder with its keys as files, a PersistentVolumeClaim
@@ -72,6 +73,22 @@ def kustomized(work: Path, resources: list[str], components: list[str] = ()) -> 
     folder.mkdir()
     (folder / "objects.yaml").write_text(out.stdout)
     return folder
+
+
+def expand(text: str, defined: dict[str, str]) -> str:
+    """``$(NAME)`` in a container's args or env value, as the kubelet expands it: from the
+    container's variables (for an env value, those defined before it); a name not defined
+    stays as written."""
+    return re.sub(r"\$\(([A-Za-z_]\w*)\)", lambda m: defined.get(m[1], m[0]), text)
+
+
+def literal_env(container: dict) -> dict[str, str]:
+    """A container's literal env values, expanded as the kubelet does."""
+    out: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            out[item["name"]] = expand(item["value"], out)
+    return out
 
 
 def image_entrypoint(dockerfile: Path = ROOT / "Dockerfile.cpu") -> list[str]:
@@ -170,16 +187,19 @@ class Cluster:
              extra: dict[str, str], ip: str) -> dict[str, str]:
         fields = {"metadata.labels['batch.kubernetes.io/controller-uid']": self.job_uid,
                   "status.podIP": ip, "metadata.name": pod}
-        env = dict(self.base_env)
+        env, defined = dict(self.base_env), {}
         for source in container.get("envFrom", []):  # first: env overrides them
             name = source["secretRef"]["name"]
             assert name in self.secrets, f"no Secret {name}: the pod would not start"
-            env.update(self.secrets[name])
+            defined.update(self.secrets[name])
+        env.update(defined)
         for item in container.get("env", []):
             if "value" in item:
-                env[item["name"]] = self._rewrite(item["value"], mounts)
+                defined[item["name"]] = expand(item["value"], defined)
+                env[item["name"]] = self._rewrite(defined[item["name"]], mounts)
             else:
-                env[item["name"]] = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
+                env[item["name"]] = defined[item["name"]] = \
+                    fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
         env.update(extra)
         return env
 
@@ -192,8 +212,7 @@ class Cluster:
             host = self.net.host(pod)
         env = self._env(pod, container, mounts, extra_env, host.addr if host else "127.0.0.1")
         # the kubelet expands $(NAME) in args from the container's environment
-        args = [re.sub(r"\$\(([A-Za-z_]\w*)\)", lambda m: env.get(m[1], m[0]),
-                       self._rewrite(a, mounts)) for a in container["args"]] + extra_args
+        args = [expand(self._rewrite(a, mounts), env) for a in container["args"]] + extra_args
         argv = [*self.init, sys.executable, ENTRY, *args]
         if host is not None:
             process = host.process(pod, argv, env, self.work)
