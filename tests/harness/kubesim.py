@@ -25,7 +25,9 @@ manifests' own pods (tests/unit/test_k8s_sim.py, tests/e2e/test_k8s_sim_runs.py)
   so the manifests' host names are used unchanged; service ports are moved to free
   local ports (the same number rewritten in the args and env that name it), so runs
   cannot collide;
-- killing a pod kills everything in it (its PID namespace), as on a node;
+- killing a pod kills everything in it (its PID namespace), as on a node; freezing it
+  (:meth:`Cluster.freeze`) stops every process in it (SIGSTOP), as on a node that hangs
+  while its kernel still answers, until :meth:`Cluster.thaw`;
 - terminating a pod (:meth:`Cluster.terminate`) sends SIGTERM, then SIGKILL at the end
   of the manifest's ``terminationGracePeriodSeconds``, as the kubelet does;
 - how the Job controller would take a pod's end (:meth:`Cluster.judge`): the manifest's
@@ -39,6 +41,7 @@ itself, as the Job controller would), NetworkPolicies (tests/static/test_k8s.py 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -52,6 +55,7 @@ import yaml
 from launcher.detection.system import free_port
 from tests.harness import netns
 from tests.harness.multinode import Process, pid_namespaces
+from tests.harness.procs import descendants
 from tests.harness.runs import ENTRY, ROOT, clean_env
 
 CPU_VARIANT = ROOT / "k8s" / "cpu"  # the manifests of the CPU variant
@@ -241,6 +245,30 @@ class Cluster:
         test kills its processes, which can no longer tell anyone)."""
         assert self.net is not None and pod.host is not None, "needs a network per pod"
         self.net.cut(pod.host)
+
+    def freeze(self, pod: Process) -> list[int]:
+        """Every process of the pod stopped (SIGSTOP), as on a node that hangs: no CPU at
+        all, while its kernel still acknowledges (its connections stay open, nothing is
+        refused); the processes, for :meth:`thaw`."""
+        stopped: list[int] = []
+        while True:  # again for any process forked meanwhile
+            more = sorted(descendants(pod.proc.pid) - set(stopped))
+            if not more:
+                return stopped
+            for pid in more:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    pass
+            stopped += more
+
+    def thaw(self, stopped: list[int]) -> None:
+        """The processes :meth:`freeze` stopped, continued (SIGCONT)."""
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def start_index(self, job: str, index: int, extra_args: list[str] | None = None,
                     env: dict[str, str] | None = None) -> Process:

@@ -42,3 +42,16 @@ def test_a_group_that_ended_otherwise_is_one_line():
         "boom; details in its log x")
     assert verdicts.group_ended(2, Outcome(4, "error: diverged at step 3"), 3) == \
         "replica group 2 ended with exit code 4: diverged at step 3"
+
+
+def test_a_lighthouse_lost_once_too_often_says_who_resumes():
+    """On one machine the user reruns the command; a pod of the Indexed Job is recreated
+    by its Job (exit 1 counts against backoffLimitPerIndex), which nobody needs to do."""
+    line = "the Lighthouse (its Deployment's, http://train-lighthouse:29510) stopped"
+    here, pod = verdicts.lighthouse_lost(line, 3), verdicts.lighthouse_lost(line, 3, pod=True)
+    assert here.code == pod.code == 1
+    assert here.message == (f"error: training failed: {line}, after 3 relaunch(es) "
+                            "(distributed.max_restarts); rerun the same command to resume "
+                            "from the last checkpoint")
+    assert pod.message.endswith("; the Job recreates this pod, which resumes from the last "
+                                "checkpoint")
