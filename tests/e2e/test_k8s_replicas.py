@@ -29,6 +29,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -89,18 +90,26 @@ def healed(pod: Process, group: int) -> int:
     return pod.text().count(f"replica group {group} healed from a live peer")
 
 
+# A freeze past every clock that could give up on the frozen pod: the cross-group
+# all-reduce (distributed.replica_timeout_s, 5 s here), the Lighthouse's heartbeat (2 s),
+# and the keep-alive of the group's own torchrun rendezvous (torch's 5 s x 3), which
+# stops too and finds its own heartbeat stale when it runs again.
+FROZEN_S = 16
+
+
 def frozen_and_thawed(sim: Cluster, pods: list, group: int) -> None:
     """Every process of ``group``'s pod stopped: the other groups commit steps without
     it (the spare in its slot) in the same processes; continued, it heals from a live
     group and trains its slot again, in its own processes."""
     before, heals = workers(sim), healed(pods[group], group)
     others = sorted(set(before) - {group})
-    stopped = sim.freeze(pods[group])
+    stopped, frozen_at = sim.freeze(pods[group]), time.monotonic()
     try:
         at = ledger(sim)[-1].step
         wait_for(lambda: len([e for e in ledger(sim) if e.step > at and
                               sorted(e.replicas) == others]) >= 10,
                  120, f"10 steps without group {group}")
+        time.sleep(max(0.0, FROZEN_S - (time.monotonic() - frozen_at)))
     finally:
         sim.thaw(stopped)
     thawed = ledger(sim)[-1].step
