@@ -48,12 +48,14 @@ def lighthouse_down(argv: str, why: str, log: str) -> Outcome:
                                          f"replica group was started; its log: {log}")
 
 
-def lighthouse_lost(line: str, relaunches: int) -> Outcome:
-    """The Lighthouse was lost once more than ``distributed.max_restarts`` allows."""
+def lighthouse_lost(line: str, relaunches: int, pod: bool = False) -> Outcome:
+    """The Lighthouse was lost once more than ``distributed.max_restarts`` allows; ``pod``:
+    a pod of Kubernetes' Indexed Job, which its Job recreates (exit 1 counts against
+    backoffLimitPerIndex)."""
+    then = "the Job recreates this pod, which resumes from the last checkpoint" if pod \
+        else "rerun the same command to resume from the last checkpoint"
     return Outcome(EXIT_TRAINING_FAILED, f"error: training failed: {line}, after {relaunches} "
-                                         "relaunch(es) (distributed.max_restarts); the groups "
-                                         "wrote their checkpoint: rerun the same command to "
-                                         "resume")
+                                         f"relaunch(es) (distributed.max_restarts); {then}")
 
 
 def lighthouse_lost_on_nodes(line: str) -> Outcome:

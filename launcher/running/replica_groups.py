@@ -108,7 +108,7 @@ def _launches(plan: Plan, env: dict, folder: Path, keep_fds: tuple[int, ...],
         if groups.at and not groups.owner:  # SLURM: node 0 could not start it for all
             return verdicts.lighthouse_lost_on_nodes(lost)
         if relaunches >= plan.max_restarts:
-            return verdicts.lighthouse_lost(lost, relaunches)
+            return verdicts.lighthouse_lost(lost, relaunches, pod=bool(groups.at))
         relaunches += 1
         env[RELAUNCH_VAR] = str(relaunches)
         what = "this pod's replica group, once the Lighthouse is back," if groups.owner \

@@ -2,7 +2,11 @@
 under ``entrypoint.py launch`` in 2 groups and a spare, each group one torchrun, all
 meeting torchft's real Lighthouse. A worker killed in one group is restarted by that
 group's torchrun while the others keep their processes; a killed Lighthouse is one line
-and everything starts again; SIGTERM stops every group (143). The plan's side:
+and everything starts again; SIGTERM stops every group (143). A pod of Kubernetes'
+Indexed Job (k8s/kustomize/replicas: the Lighthouse is its Deployment's, started here
+as that Deployment does) waits for a new Lighthouse at the same address after losing one,
+and exits 1 after one loss more than ``distributed.max_restarts`` (the whole pods, with
+training, in tests/e2e/test_k8s_replicas.py). The plan's side:
 tests/unit/test_replica_plan.py.
 
 Each worker writes ``worker-GROUP-PID.txt`` (its pid and variables) once the
@@ -21,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.detection.system import free_port
 from launcher.detection.torchft_tools import lighthouse_binary
 from tests.harness import procs
 from tests.harness.runs import ENTRY, clean_env, limit, wait_for
@@ -59,6 +64,32 @@ def start(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
          "work.py"], cwd=tmp_path, env=clean_env(OUT_DIR=str(out)),
         stdout=subprocess.DEVNULL, stderr=err.open("w"))
     return proc, out, err
+
+
+def pod(tmp_path: Path, port: int) -> tuple[subprocess.Popen, Path, Path]:
+    """Index 0 of a Job of 2 replica groups + 1 spare, its Lighthouse at ``port``, at most
+    one relaunch; (its launcher, the workers' folder, its stderr file)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "work.py").write_text(WORKER)
+    err = tmp_path / "pod.err"
+    env = clean_env(OUT_DIR=str(out), JOB_COMPLETION_INDEX="0", TRAIN_NNODES="3",
+                    TRAIN_RDZV_ID="job-uid", TRAIN_RDZV_ENDPOINT="127.0.0.1:29400",
+                    TRAIN_LOCAL_ADDR="127.0.0.1",
+                    TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}")
+    proc = subprocess.Popen(
+        [sys.executable, ENTRY, "launch", "distributed.fault_tolerance=replicas",
+         "distributed.replicas=2", "distributed.spares=1", "distributed.max_restarts=1",
+         "work.py"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+        stderr=err.open("w"))
+    return proc, out, err
+
+
+def deployment_lighthouse(tmp_path: Path, port: int) -> subprocess.Popen:
+    """``entrypoint.py lighthouse``, as the Deployment runs it (here on 127.0.0.1)."""
+    return subprocess.Popen([sys.executable, ENTRY, "lighthouse", "--host", "127.0.0.1",
+                             "--port", str(port)], cwd=tmp_path, env=clean_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def started(out: Path) -> dict[str, list[dict]]:
@@ -152,3 +183,34 @@ def test_sigterm_reaches_every_group_and_is_143(tmp_path):
     assert text.strip().splitlines()[-1].startswith("stopped by SIGTERM")
     # every group's processes and the Lighthouse ended with the launcher
     wait_for(lambda: not any(procs.alive(p) for p in below), 30, "nothing left behind")
+
+
+def test_a_pod_waits_for_the_deployments_new_lighthouse_and_gives_up_after_max_restarts(
+        tmp_path):
+    port = free_port()
+    lighthouse = deployment_lighthouse(tmp_path, port)
+    proc, out, err = pod(tmp_path, port)
+    lost = rf"the Lighthouse \(its Deployment's, http://127\.0\.0\.1:{port}\) stopped " \
+           r"accepting connections while 1 replica group\(s\) ran"
+    try:
+        wait_for(lambda: len(started(out).get("0", [])) == 1, 180, "group 0's worker")
+        lighthouse.kill()
+        lighthouse.wait()
+        wait_for(lambda: re.search(lost + r".*\n(.*\n)*.*waiting for its Deployment's "
+                                   r"Lighthouse", err.read_text()), 60,
+                 "the pod waiting for a new Lighthouse")
+        assert proc.poll() is None and len(re.findall(lost, err.read_text())) == 1
+        lighthouse = deployment_lighthouse(tmp_path, port)  # the Deployment's replacement
+        wait_for(lambda: len(started(out).get("0", [])) == 2, 180, "group 0 started again")
+        lighthouse.kill()
+        lighthouse.wait()
+        assert proc.wait(timeout=limit(120)) == 1, err.read_text()
+    finally:
+        for p in (proc, lighthouse):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    last = err.read_text().strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: training failed: {lost}, after 1 relaunch\(es\) "
+                        r"\(distributed\.max_restarts\); .*", last), last
+    assert len(re.findall("^entrypoint: " + lost, err.read_text(), re.M)) == 2  # one a loss

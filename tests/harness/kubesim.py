@@ -13,7 +13,8 @@ manifests' own pods (tests/unit/test_k8s_sim.py, tests/e2e/test_k8s_sim_runs.py)
   pods keep their host across restarts and each Service that selects them resolves to
   it (a Service's stable address); :meth:`Cluster.vanish` cuts a pod's link, the way a
   node vanishes (no FIN, no RST). Elsewhere every pod is on 127.0.0.1;
-- env: literal values; a Secret's keys (``envFrom``) from the ``secrets`` the test gives,
+- env: literal values (``$(NAME)`` in them expanded from the variables before, as the
+  kubelet does: :func:`expand`); a Secret's keys (``envFrom``) from the ``secrets`` the test gives,
   as the cluster's Secrets; downward-API fields filled in (the Job's uid label, the pod IP,
   the pod name); ``JOB_COMPLETION_INDEX`` set as the Job controller does;
 - volumes: a ConfigMap becomes a folder with its keys as files, a PersistentVolumeClaim
@@ -24,7 +25,9 @@ manifests' own pods (tests/unit/test_k8s_sim.py, tests/e2e/test_k8s_sim_runs.py)
   so the manifests' host names are used unchanged; service ports are moved to free
   local ports (the same number rewritten in the args and env that name it), so runs
   cannot collide;
-- killing a pod kills everything in it (its PID namespace), as on a node;
+- killing a pod kills everything in it (its PID namespace), as on a node; freezing it
+  (:meth:`Cluster.freeze`) stops every process in it (SIGSTOP), as on a node that hangs
+  while its kernel still answers, until :meth:`Cluster.thaw`;
 - terminating a pod (:meth:`Cluster.terminate`) sends SIGTERM, then SIGKILL at the end
   of the manifest's ``terminationGracePeriodSeconds``, as the kubelet does;
 - how the Job controller would take a pod's end (:meth:`Cluster.judge`): the manifest's
@@ -38,6 +41,7 @@ itself, as the Job controller would), NetworkPolicies (tests/static/test_k8s.py 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -51,6 +55,7 @@ import yaml
 from launcher.detection.system import free_port
 from tests.harness import netns
 from tests.harness.multinode import Process, pid_namespaces
+from tests.harness.procs import descendants
 from tests.harness.runs import ENTRY, ROOT, clean_env
 
 CPU_VARIANT = ROOT / "k8s" / "cpu"  # the manifests of the CPU variant
@@ -72,6 +77,22 @@ def kustomized(work: Path, resources: list[str], components: list[str] = ()) -> 
     folder.mkdir()
     (folder / "objects.yaml").write_text(out.stdout)
     return folder
+
+
+def expand(text: str, defined: dict[str, str]) -> str:
+    """``$(NAME)`` in a container's args or env value, as the kubelet expands it: from the
+    container's variables (for an env value, those defined before it); a name not defined
+    stays as written."""
+    return re.sub(r"\$\(([A-Za-z_]\w*)\)", lambda m: defined.get(m[1], m[0]), text)
+
+
+def literal_env(container: dict) -> dict[str, str]:
+    """A container's literal env values, expanded as the kubelet does."""
+    out: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "value" in item:
+            out[item["name"]] = expand(item["value"], out)
+    return out
 
 
 def image_entrypoint(dockerfile: Path = ROOT / "Dockerfile.cpu") -> list[str]:
@@ -170,16 +191,19 @@ class Cluster:
              extra: dict[str, str], ip: str) -> dict[str, str]:
         fields = {"metadata.labels['batch.kubernetes.io/controller-uid']": self.job_uid,
                   "status.podIP": ip, "metadata.name": pod}
-        env = dict(self.base_env)
+        env, defined = dict(self.base_env), {}
         for source in container.get("envFrom", []):  # first: env overrides them
             name = source["secretRef"]["name"]
             assert name in self.secrets, f"no Secret {name}: the pod would not start"
-            env.update(self.secrets[name])
+            defined.update(self.secrets[name])
+        env.update(defined)
         for item in container.get("env", []):
             if "value" in item:
-                env[item["name"]] = self._rewrite(item["value"], mounts)
+                defined[item["name"]] = expand(item["value"], defined)
+                env[item["name"]] = self._rewrite(defined[item["name"]], mounts)
             else:
-                env[item["name"]] = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
+                env[item["name"]] = defined[item["name"]] = \
+                    fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
         env.update(extra)
         return env
 
@@ -192,8 +216,7 @@ class Cluster:
             host = self.net.host(pod)
         env = self._env(pod, container, mounts, extra_env, host.addr if host else "127.0.0.1")
         # the kubelet expands $(NAME) in args from the container's environment
-        args = [re.sub(r"\$\(([A-Za-z_]\w*)\)", lambda m: env.get(m[1], m[0]),
-                       self._rewrite(a, mounts)) for a in container["args"]] + extra_args
+        args = [expand(self._rewrite(a, mounts), env) for a in container["args"]] + extra_args
         argv = [*self.init, sys.executable, ENTRY, *args]
         if host is not None:
             process = host.process(pod, argv, env, self.work)
@@ -222,6 +245,30 @@ class Cluster:
         test kills its processes, which can no longer tell anyone)."""
         assert self.net is not None and pod.host is not None, "needs a network per pod"
         self.net.cut(pod.host)
+
+    def freeze(self, pod: Process) -> list[int]:
+        """Every process of the pod stopped (SIGSTOP), as on a node that hangs: no CPU at
+        all, while its kernel still acknowledges (its connections stay open, nothing is
+        refused); the processes, for :meth:`thaw`."""
+        stopped: list[int] = []
+        while True:  # again for any process forked meanwhile
+            more = sorted(descendants(pod.proc.pid) - set(stopped))
+            if not more:
+                return stopped
+            for pid in more:
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    pass
+            stopped += more
+
+    def thaw(self, stopped: list[int]) -> None:
+        """The processes :meth:`freeze` stopped, continued (SIGCONT)."""
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def start_index(self, job: str, index: int, extra_args: list[str] | None = None,
                     env: dict[str, str] | None = None) -> Process:

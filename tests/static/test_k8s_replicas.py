@@ -18,15 +18,19 @@ import yaml
 from launcher.detection.hardware import Hardware, TorchBuild
 from launcher.planning import environ
 from launcher.planning.plan import plan
+from tests.harness.kubesim import literal_env
 from tests.static.test_k8s import (
     APP_UID,
+    EXAMPLE,
     EXAMPLE_GPU,
     KUSTOMIZE,
     LABELS,
+    PREFIX_LINE,
     VERSIONS,
     final_codes,
     rendered,
     selects,
+    share_nothing,
 )
 from train.core.config import load_config
 from train.core.run.replica_contract import GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR
@@ -34,16 +38,24 @@ from train.core.run.replica_contract import GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VA
 BASES = list(EXAMPLE_GPU)  # ../base, ../amd, ../cpu
 
 
-@functools.cache
-def objects(base: str) -> tuple[dict, ...]:
-    """An overlay of ``base`` with the component, made next to them in a copy."""
+def render(folders: dict[str, dict | str], top: str) -> tuple[dict, ...]:
+    """What kubectl's kustomize renders for the folder ``top``, in a copy of k8s/kustomize
+    with these folders made (or replaced) in it: name -> its kustomization (or the text)."""
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / "kustomize"
         shutil.copytree(KUSTOMIZE, copy)
-        (copy / "overlay").mkdir()
-        (copy / "overlay" / "kustomization.yaml").write_text(yaml.safe_dump(
-            {"resources": [base], "components": ["../replicas"]}))
-        return tuple(d for d in yaml.safe_load_all(rendered(copy / "overlay")) if d)
+        for name, kustomization in folders.items():
+            (copy / name).mkdir(exist_ok=True)
+            text = kustomization if isinstance(kustomization, str) else \
+                yaml.safe_dump(kustomization)
+            (copy / name / "kustomization.yaml").write_text(text)
+        return tuple(d for d in yaml.safe_load_all(rendered(copy / top)) if d)
+
+
+@functools.cache
+def objects(base: str) -> tuple[dict, ...]:
+    """An overlay of ``base`` with the component, made next to them in a copy."""
+    return render({"overlay": {"resources": [base], "components": ["../replicas"]}}, "overlay")
 
 
 def one(base: str, kind: str, name: str) -> dict:
@@ -110,8 +122,7 @@ def test_the_lighthouse_service_port_and_policy_agree_with_the_workers(base):
     assert selects({"matchLabels": service["selector"]}, labels)
     assert service["ports"] == [{"name": "lighthouse", "port": port, "targetPort": "lighthouse"}]
     job = one(base, "Job", "train-workers")
-    env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0][
-        "env"]}
+    env = literal_env(job["spec"]["template"]["spec"]["containers"][0])
     assert env[LIGHTHOUSE_VAR] == f"http://train-lighthouse:{port}"
     policy = one(base, "NetworkPolicy", "train-lighthouse")["spec"]
     assert selects(policy["podSelector"], labels)
@@ -142,7 +153,7 @@ def test_each_pod_plans_one_group_of_the_jobs_pods(base, tmp_path, monkeypatch):
     overrides = [a.replace("/workspace/runs", str(tmp_path / "runs")) for a in c["args"][2:]]
     cfg = load_config(tmp_path / "config.yaml", overrides)
     groups = cfg.distributed.replicas + cfg.distributed.spares
-    env = {e["name"]: e.get("value") for e in c["env"] if "value" in e}
+    env = literal_env(c)
     s = job["spec"]
     assert cfg.distributed.fault_tolerance == "replicas"
     assert s["completions"] == s["parallelism"] == int(env["TRAIN_NNODES"]) == groups
@@ -159,3 +170,67 @@ def test_each_pod_plans_one_group_of_the_jobs_pods(base, tmp_path, monkeypatch):
         assert r.envs[0][GROUP_VAR] == str(index) and r.envs[0][GROUPS_VAR] == str(groups)
         assert r.envs[0][LIGHTHOUSE_VAR] == env[LIGHTHOUSE_VAR]
         assert p.job == "0b7c-uid" and p.convention == "indexed-job"
+
+
+def lighthouse_reached(objs: tuple[dict, ...]) -> tuple[str, str]:
+    """(the workers' TORCHFT_LIGHTHOUSE as the kubelet expands it, the address of the one
+    Service that selects the Lighthouse's pods, on its port)."""
+    (job,) = [d for d in objs if d["kind"] == "Job"]
+    (pods,) = [d["spec"]["template"] for d in objs if d["kind"] == "Deployment" and
+               d["spec"]["template"]["spec"]["containers"][0]["args"][0] == "lighthouse"]
+    (service,) = [d for d in objs if d["kind"] == "Service" and
+                  selects({"matchLabels": d["spec"]["selector"]}, pods["metadata"]["labels"])]
+    port = service["spec"]["ports"][0]["port"]
+    return (literal_env(job["spec"]["template"]["spec"]["containers"][0])[LIGHTHOUSE_VAR],
+            f"http://{service['metadata']['name']}:{port}")
+
+
+# Where a job's names change: in the overlay that adds the component, or in one above it
+RENAMED = {"a prefix beside the component": (
+               {"overlay": {"namePrefix": "exp1-", "resources": ["../cpu"],
+                            "components": ["../replicas"]}}, "exp1-train-lighthouse"),
+           "a suffix beside the component": (
+               {"overlay": {"nameSuffix": "-b", "resources": ["../base"],
+                            "components": ["../replicas"]}}, "train-lighthouse-b"),
+           "a prefix and a suffix in an overlay above": (
+               {"overlay": {"namePrefix": "exp1-", "resources": ["../amd"],
+                            "components": ["../replicas"]},
+                "above": {"namePrefix": "top-", "nameSuffix": "-b",
+                          "resources": ["../overlay"]}}, "top-exp1-train-lighthouse-b")}
+
+
+@pytest.mark.parametrize("how", RENAMED)
+def test_the_workers_reach_the_lighthouse_by_its_new_name(how):
+    """A namePrefix or nameSuffix renames the Lighthouse's Service, and the workers'
+    TORCHFT_LIGHTHOUSE follows it (references.yaml), wherever the rename is set; nothing
+    else of the workers' env changes."""
+    folders, name = RENAMED[how]
+    objs = render(folders, list(folders)[-1])
+    env, address = lighthouse_reached(objs)
+    assert env == address == f"http://{name}:29510"
+    (job,) = [d for d in objs if d["kind"] == "Job"]
+    base = folders["overlay"]["resources"][0]
+    plain = one(base, "Job", "train-workers")["spec"]["template"]["spec"]["containers"][0]
+    mine = job["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert [e for e in mine if e["name"] != "TRAIN_LIGHTHOUSE_SERVICE"] == \
+        [e for e in plain["env"] if e["name"] != "TRAIN_LIGHTHOUSE_SERVICE"]
+    assert lighthouse_reached(objects(base)) == ("http://train-lighthouse:29510",) * 2
+
+
+def replica_example(prefix: str) -> tuple[dict, ...]:
+    """The example as a second replica job sets it up: its namePrefix line uncommented,
+    the component under components:, its nodes patch the component's fixed count."""
+    text = (EXAMPLE / "kustomization.yaml").read_text()
+    text, n = PREFIX_LINE.subn(rf"namePrefix: {prefix}\1", text)
+    objectstore = "# components:\n#   - ../objectstore\n"
+    assert n == 1 and objectstore in text and text.count('value: "2:4"') == 1
+    text = text.replace(objectstore, "components:\n  - ../replicas\n")
+    return render({"example": text.replace('value: "2:4"', 'value: "3"')}, "example")
+
+
+def test_two_replica_jobs_in_one_namespace_share_nothing_and_each_reaches_its_lighthouse():
+    jobs = [replica_example(prefix) for prefix in ("exp1-", "exp2-")]
+    share_nothing(list(jobs[0]), list(jobs[1]))
+    for prefix, objs in zip(("exp1-", "exp2-"), jobs, strict=True):
+        env, address = lighthouse_reached(objs)
+        assert env == address == f"http://{prefix}train-lighthouse:29510"

@@ -93,3 +93,16 @@ def test_a_lighthouse_lost_from_one_node_kills_its_group_at_once(tmp_path, own):
         assert "killing this node's replica group to start again" in lines[0]
     # the group's own child too (a SIGKILL takes effect when the kernel next runs it)
     wait_for(lambda: not alive(child), 10, "the group's child gone")
+
+
+def test_a_lighthouse_lost_once_too_often_says_who_resumes():
+    """On one machine the user reruns the command; a pod of the Indexed Job is recreated
+    by its Job (exit 1 counts against backoffLimitPerIndex), which nobody needs to do."""
+    line = "the Lighthouse (its Deployment's, http://train-lighthouse:29510) stopped"
+    here, pod = verdicts.lighthouse_lost(line, 3), verdicts.lighthouse_lost(line, 3, pod=True)
+    assert here.code == pod.code == 1
+    assert here.message == (f"error: training failed: {line}, after 3 relaunch(es) "
+                            "(distributed.max_restarts); rerun the same command to resume "
+                            "from the last checkpoint")
+    assert pod.message.endswith("; the Job recreates this pod, which resumes from the last "
+                                "checkpoint")
