@@ -14,6 +14,8 @@ same run.
    ``--cache-objects`` objects and its read-ahead on, against the plain reader (boto3
    ``download_file`` of each object when a batch first touches it, no read-ahead):
    goal <= 2 s;
+   and, as a new process has it, the listing (with no S3 client made yet in the process)
+   followed by that first batch;
 3. resume at ``--resumes`` random steps: a new reader, an empty cache, the time to the
    first batch of that step (goal <= 1 s), against the plain reader;
 4. data wait once warm: ``--steps`` batches at a step pace of ``--step-ms`` (a sleep
@@ -128,6 +130,18 @@ def paced(files, folder: Path, limit: int, args, ahead: bool) -> list[float]:
     return reads
 
 
+def listed_then_first(folder: Path, limit: int, batch: int) -> tuple[float, float]:
+    """As in a new process, with no S3 client made yet: (seconds of the listing, of the
+    first batch from an empty cache after it)."""
+    from train.core.datasets.tokenfiles import resolve
+    from train.core.storage import s3
+    getattr(s3, "forget", lambda: None)()  # the clients a process keeps, where it keeps any
+    start = time.perf_counter()
+    files = resolve(f"s3://{linkrig.s3server.BUCKET}/{linkrig.TOKENS}/*.bin", "bench")
+    listed = time.perf_counter() - start
+    return listed, first_batch(files, folder, limit, 0, batch, True)
+
+
 def client_made(make) -> float:
     start = time.perf_counter()
     make()
@@ -165,6 +179,7 @@ def on_node(args) -> dict:
         client_made(lambda: ShardCache(work, 0)._s3()) for _ in range(3))
     out["first"] = [first_batch(files, work / "f", limit, 0, args.batch, a)
                     for a in (True, False)]
+    out["listed_first"] = listed_then_first(work / "lf", limit, args.batch)
     at = sorted(int(s) for s in np.random.default_rng(1).choice(
         range(1, steps), args.resumes, replace=False))
     out["resume"] = [(s, first_batch(files, work / "r", limit, s, args.batch, True),
@@ -202,6 +217,9 @@ def report(args, rig: linkrig.Rig, got: dict, load: tuple[float, float]) -> None
           f"{args.cache_objects} objects), empty cache: {a:.2f} s (goal <= 2 s), plain "
           f"{b:.2f} s: ratio {a / b:.2f}; each reader makes its S3 client: "
           f"{got['client_s']:.2f} s of it")
+    listed, first = got["listed_first"]
+    print(f"  2b. as a new process (no S3 client yet): the listing {listed:.2f} s, then the "
+          f"first batch {first:.2f} s: {listed + first:.2f} s")
     for step, a, b in got["resume"]:
         print(f"  3. resume at step {step}: first batch {a:.2f} s (goal <= 1 s), plain "
               f"{b:.2f} s: ratio {a / b:.2f}")
