@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import signal
@@ -43,6 +44,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from bench import linkrig
+from train.data.objectget import parts
 from train.data.shardcache import ShardCache
 
 LENGTH = 1024
@@ -51,7 +53,8 @@ LENGTH = 1024
 class PlainCache(ShardCache):
     """The plain reference: an object is fetched by boto3's own ``download_file`` (default
     client and transfer settings, no check of the bytes) when a read first needs it; a
-    client (and boto3 session) per reader, as the cache has: what a new process pays."""
+    client (and boto3 session) per reader, made at its first fetch: what a new process
+    pays that lists with another (the cache's reader uses the one its listing made)."""
 
     _plain = None
 
@@ -142,6 +145,17 @@ def listed_then_first(folder: Path, limit: int, batch: int) -> tuple[float, floa
     return listed, first_batch(files, folder, limit, 0, batch, True)
 
 
+class Hedges(logging.Handler):
+    """Counts the cache's hedges (train/data/hedging.py: its "asked again" lines)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += "asked again" in record.getMessage()
+
+
 def client_made(make) -> float:
     start = time.perf_counter()
     make()
@@ -168,10 +182,14 @@ def on_node(args) -> dict:
     limit = args.cache_objects * max(f.size for f in files)
     out = {"rtt_s": round_trip(os.environ["AWS_ENDPOINT_URL_S3"]), "ours": [], "plain": [],
            "ahead": []}
+    hedges, log = Hedges(), logging.getLogger("train")
+    log.addHandler(hedges)
+    log.setLevel(logging.INFO)
     for r in range(args.rounds):
         out["ahead"].append(fetch_all(files, work / f"ahead{r}", ShardCache, ahead=True))
         out["ours"].append(fetch_all(files, work / f"ours{r}", ShardCache))
         out["plain"].append(fetch_all(files, work / f"plain{r}", PlainCache))
+    out["hedges_fetch"] = hedges.count
     data, order = reader(files, None, limit)  # torch's first calls: not a reader's cost
     order.global_batch(0, args.batch)
     steps = len(data) // args.batch
@@ -186,6 +204,7 @@ def on_node(args) -> dict:
                       first_batch(files, work / "r", limit, s, args.batch, False)) for s in at]
     out["paced"] = [paced(files, work / "p", limit, args, a) for a in (True, False)]
     out["steps_per_group"] = limit // 2 // (2 * LENGTH) // args.batch
+    out["hedges"] = hedges.count
     shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -201,6 +220,7 @@ def waits(reads: list[float]) -> str:
 def report(args, rig: linkrig.Rig, got: dict, load: tuple[float, float]) -> None:
     mib = args.files * args.mib
     link = linkrig.RATE_MIB_S
+    ranges = 2 * args.rounds * args.files * len(parts(args.mib << 20))  # fetched in 1.
     ours, plain, ahead = min(got["ours"]), min(got["plain"]), min(got["ahead"])
     print(f"{args.files} objects x {args.mib} MiB; the link: {rig.shaping}; measured round "
           f"trip (TCP connect) {got['rtt_s'] * 1e3:.1f} ms; load average {load[0]:.1f} "
@@ -211,12 +231,14 @@ def report(args, rig: linkrig.Rig, got: dict, load: tuple[float, float]) -> None
           f"boto3 download_file {mib / plain:.0f} MiB/s ({mib / plain / link:.0%}): ratio "
           f"{plain / ahead:.2f}; rounds {', '.join(f'{mib / s:.0f}' for s in got['ahead'])}"
           f" / {', '.join(f'{mib / s:.0f}' for s in got['ours'])} vs "
-          f"{', '.join(f'{mib / s:.0f}' for s in got['plain'])} MiB/s")
+          f"{', '.join(f'{mib / s:.0f}' for s in got['plain'])} MiB/s; ranges asked again "
+          f"(hedges): {got['hedges_fetch']} of {ranges} here, "
+          f"{got['hedges']} in the whole bench")
     a, b = got["first"]
     print(f"  2. first batch ({args.batch} x {LENGTH} tokens, blocks, a cache of "
           f"{args.cache_objects} objects), empty cache: {a:.2f} s (goal <= 2 s), plain "
-          f"{b:.2f} s: ratio {a / b:.2f}; each reader makes its S3 client: "
-          f"{got['client_s']:.2f} s of it")
+          f"{b:.2f} s: ratio {a / b:.2f}; a new reader's S3 client (the process's, made "
+          f"by the listing): {got['client_s']:.2f} s of it")
     listed, first = got["listed_first"]
     print(f"  2b. as a new process (no S3 client yet): the listing {listed:.2f} s, then the "
           f"first batch {first:.2f} s: {listed + first:.2f} s")
