@@ -9,7 +9,8 @@ same run.
    once), by its read-ahead (two objects at once) and one object after another (a
    reader's own fetches), against boto3's ``download_file`` of the same objects (which
    splits an object above 8 MiB into ranged GETs on 10 threads); as MiB/s and as a
-   share of the link (goal: >= 90 %);
+   share of the link (goal: >= 90 %), and the ranges the cache asked for again because
+   they lagged (train/data/hedging.py);
 2. first batch from an empty cache, ``data.shuffle: blocks`` with a cache of
    ``--cache-objects`` objects and its read-ahead on, against the plain reader (boto3
    ``download_file`` of each object when a batch first touches it, no read-ahead):
