@@ -9,11 +9,14 @@ same run.
    once), by its read-ahead (two objects at once) and one object after another (a
    reader's own fetches), against boto3's ``download_file`` of the same objects (which
    splits an object above 8 MiB into ranged GETs on 10 threads); as MiB/s and as a
-   share of the link (goal: >= 90 %);
+   share of the link (goal: >= 90 %), and the ranges the cache asked for again because
+   they lagged (train/data/hedging.py);
 2. first batch from an empty cache, ``data.shuffle: blocks`` with a cache of
    ``--cache-objects`` objects and its read-ahead on, against the plain reader (boto3
    ``download_file`` of each object when a batch first touches it, no read-ahead):
    goal <= 2 s;
+   and, as a new process has it, the listing (with no S3 client made yet in the process)
+   followed by that first batch;
 3. resume at ``--resumes`` random steps: a new reader, an empty cache, the time to the
    first batch of that step (goal <= 1 s), against the plain reader;
 4. data wait once warm: ``--steps`` batches at a step pace of ``--step-ms`` (a sleep
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import signal
@@ -41,6 +45,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from bench import linkrig
+from train.data.objectget import parts
 from train.data.shardcache import ShardCache
 
 LENGTH = 1024
@@ -49,7 +54,8 @@ LENGTH = 1024
 class PlainCache(ShardCache):
     """The plain reference: an object is fetched by boto3's own ``download_file`` (default
     client and transfer settings, no check of the bytes) when a read first needs it; a
-    client (and boto3 session) per reader, as the cache has: what a new process pays."""
+    client (and boto3 session) per reader, made at its first fetch: what a new process
+    pays that lists with another (the cache's reader uses the one its listing made)."""
 
     _plain = None
 
@@ -128,6 +134,29 @@ def paced(files, folder: Path, limit: int, args, ahead: bool) -> list[float]:
     return reads
 
 
+def listed_then_first(folder: Path, limit: int, batch: int) -> tuple[float, float]:
+    """As in a new process, with no S3 client made yet: (seconds of the listing, of the
+    first batch from an empty cache after it)."""
+    from train.core.datasets.tokenfiles import resolve
+    from train.core.storage import s3
+    getattr(s3, "forget", lambda: None)()  # the clients a process keeps, where it keeps any
+    start = time.perf_counter()
+    files = resolve(f"s3://{linkrig.s3server.BUCKET}/{linkrig.TOKENS}/*.bin", "bench")
+    listed = time.perf_counter() - start
+    return listed, first_batch(files, folder, limit, 0, batch, True)
+
+
+class Hedges(logging.Handler):
+    """Counts the cache's hedges (train/data/hedging.py: its "asked again" lines)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += "asked again" in record.getMessage()
+
+
 def client_made(make) -> float:
     start = time.perf_counter()
     make()
@@ -154,10 +183,14 @@ def on_node(args) -> dict:
     limit = args.cache_objects * max(f.size for f in files)
     out = {"rtt_s": round_trip(os.environ["AWS_ENDPOINT_URL_S3"]), "ours": [], "plain": [],
            "ahead": []}
+    hedges, log = Hedges(), logging.getLogger("train")
+    log.addHandler(hedges)
+    log.setLevel(logging.INFO)
     for r in range(args.rounds):
         out["ahead"].append(fetch_all(files, work / f"ahead{r}", ShardCache, ahead=True))
         out["ours"].append(fetch_all(files, work / f"ours{r}", ShardCache))
         out["plain"].append(fetch_all(files, work / f"plain{r}", PlainCache))
+    out["hedges_fetch"] = hedges.count
     data, order = reader(files, None, limit)  # torch's first calls: not a reader's cost
     order.global_batch(0, args.batch)
     steps = len(data) // args.batch
@@ -165,12 +198,14 @@ def on_node(args) -> dict:
         client_made(lambda: ShardCache(work, 0)._s3()) for _ in range(3))
     out["first"] = [first_batch(files, work / "f", limit, 0, args.batch, a)
                     for a in (True, False)]
+    out["listed_first"] = listed_then_first(work / "lf", limit, args.batch)
     at = sorted(int(s) for s in np.random.default_rng(1).choice(
         range(1, steps), args.resumes, replace=False))
     out["resume"] = [(s, first_batch(files, work / "r", limit, s, args.batch, True),
                       first_batch(files, work / "r", limit, s, args.batch, False)) for s in at]
     out["paced"] = [paced(files, work / "p", limit, args, a) for a in (True, False)]
     out["steps_per_group"] = limit // 2 // (2 * LENGTH) // args.batch
+    out["hedges"] = hedges.count
     shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -186,6 +221,7 @@ def waits(reads: list[float]) -> str:
 def report(args, rig: linkrig.Rig, got: dict, load: tuple[float, float]) -> None:
     mib = args.files * args.mib
     link = linkrig.RATE_MIB_S
+    ranges = 2 * args.rounds * args.files * len(parts(args.mib << 20))  # fetched in 1.
     ours, plain, ahead = min(got["ours"]), min(got["plain"]), min(got["ahead"])
     print(f"{args.files} objects x {args.mib} MiB; the link: {rig.shaping}; measured round "
           f"trip (TCP connect) {got['rtt_s'] * 1e3:.1f} ms; load average {load[0]:.1f} "
@@ -196,12 +232,17 @@ def report(args, rig: linkrig.Rig, got: dict, load: tuple[float, float]) -> None
           f"boto3 download_file {mib / plain:.0f} MiB/s ({mib / plain / link:.0%}): ratio "
           f"{plain / ahead:.2f}; rounds {', '.join(f'{mib / s:.0f}' for s in got['ahead'])}"
           f" / {', '.join(f'{mib / s:.0f}' for s in got['ours'])} vs "
-          f"{', '.join(f'{mib / s:.0f}' for s in got['plain'])} MiB/s")
+          f"{', '.join(f'{mib / s:.0f}' for s in got['plain'])} MiB/s; ranges asked again "
+          f"(hedges): {got['hedges_fetch']} of {ranges} here, "
+          f"{got['hedges']} in the whole bench")
     a, b = got["first"]
     print(f"  2. first batch ({args.batch} x {LENGTH} tokens, blocks, a cache of "
           f"{args.cache_objects} objects), empty cache: {a:.2f} s (goal <= 2 s), plain "
-          f"{b:.2f} s: ratio {a / b:.2f}; each reader makes its S3 client: "
-          f"{got['client_s']:.2f} s of it")
+          f"{b:.2f} s: ratio {a / b:.2f}; a new reader's S3 client (the process's, made "
+          f"by the listing): {got['client_s']:.2f} s of it")
+    listed, first = got["listed_first"]
+    print(f"  2b. as a new process (no S3 client yet): the listing {listed:.2f} s, then the "
+          f"first batch {first:.2f} s: {listed + first:.2f} s")
     for step, a, b in got["resume"]:
         print(f"  3. resume at step {step}: first batch {a:.2f} s (goal <= 1 s), plain "
               f"{b:.2f} s: ratio {a / b:.2f}")

@@ -144,8 +144,8 @@ def test_the_helpers_errors_are_one_line(aws, helper_cache, monkeypatch):
             remote.fetch(bad)
     with pytest.raises(ValueError, match="reading only"):
         remote.open(f"s3://{s3server.BUCKET}/helper/x.txt", "wb")
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # nothing listens
-    monkeypatch.setattr(remote, "_client", None)  # a client made after the change
+    # nothing listens; other AWS variables: the process's data client is made anew for them
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
     with pytest.raises(CannotRunHere, match=r"cannot read s3://ckpt/x.txt at "
                                             r"http://127\.0\.0\.1:9") as raised:
         remote.fetch(f"s3://{s3server.BUCKET}/x.txt")

@@ -15,9 +15,15 @@ checked against the size and, where the ETag is one (a single-part upload), the 
 the whole object, read back from the file in order as its parts land; a mismatch is
 :class:`DamagedInTransit`, which the caller fetches again.
 
+A range that lags far behind the object's others is asked for again, with the same
+``If-Match``, and the first whole answer is the one in the file (:mod:`.hedging`: when,
+and why then). A range whose request fails is not asked again on its own: the fetch
+fails, and the caller fetches the object again.
+
 The ranged GETs of all the objects a process fetches at once share one set of
 :data:`IN_FLIGHT` threads (daemon threads: a DataLoader worker forked later makes its
-own); the caller's boto3 client needs a connection pool at least that large.
+own), a hedge a thread of its own; the caller's boto3 client needs a connection pool of
+:data:`CONNECTIONS`.
 """
 
 from __future__ import annotations
@@ -25,18 +31,23 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import hashlib
+import logging
 import os
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable
 
 from train.core.datasets.tokenfiles import TokenFile
 from train.core.errors import DataChanged
+from train.data.hedging import HEDGE_FLOOR_S, HEDGES, Range, Stopped, due, median_took
 
+log = logging.getLogger("train")
 PART = 8 << 20       # the most bytes of one ranged GET
 MIN_PART = 2 << 20   # the least; an object under two of them is one GET
 IN_FLIGHT = 8        # ranged GETs under way at once in one process, all objects together
+CONNECTIONS = IN_FLIGHT + HEDGES + 2  # the least connection pool a caller's client needs
 READ = 1 << 20       # bytes taken from an answer's stream at a time
 PLAIN_MD5 = re.compile(r"^[0-9a-f]{32}$")  # a multipart upload's ETag is not the MD5
 CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
@@ -51,10 +62,6 @@ class DamagedInTransit(OSError):
     again."""
 
 
-class _Stopped(Exception):
-    """Another part of the object failed: this one is not needed any more."""
-
-
 def parts(size: int) -> list[tuple[int, int]]:
     """The byte ranges ``[start, end)`` an object of ``size`` bytes is fetched in: one
     for a small object, else at least :data:`IN_FLIGHT` (while parts stay above
@@ -67,10 +74,13 @@ def parts(size: int) -> list[tuple[int, int]]:
 
 
 class _Pool:
-    """:data:`IN_FLIGHT` daemon threads taking jobs in the order they came."""
+    """:data:`IN_FLIGHT` daemon threads taking jobs in the order they came, and the
+    :data:`HEDGES` slots of the hedges (each on a thread of its own: a hedge queued
+    behind the next object's ranges would come too late)."""
 
     def __init__(self) -> None:
         self.pid, self.jobs = os.getpid(), queue.SimpleQueue()
+        self.hedges = threading.BoundedSemaphore(HEDGES)
         for i in range(IN_FLIGHT):
             threading.Thread(target=self._work, name=f"data-fetch-{i}", daemon=True).start()
 
@@ -112,39 +122,114 @@ def same_as_listed(f: TokenFile, size: int | None, etag: str) -> None:
 
 def fetch_into(s3, f: TokenFile, fd: int) -> int:
     """Write the object ``f`` into the open file ``fd`` (boto3 client ``s3``); the bytes
-    written, checked as the module says. Returns once no thread writes to ``fd``."""
-    spans, stop = parts(f.size), threading.Event()
-    pool = _threads()
-    futures = [pool.submit(functools.partial(_part, s3, f, fd, start, end, len(spans) > 1,
-                                             stop)) for start, end in spans]
+    written, checked as the module says. Returns once no thread writes to ``fd`` any more
+    (a request that lost to its hedge may still be reading its answer: it writes nothing)."""
+    ranges = [Range(start, end) for start, end in parts(f.size)]
+    stop, pool = threading.Event(), _threads()
+    get = functools.partial(_request, s3, f, fd, ranged=len(ranges) > 1, stop=stop)
+    for r in ranges:
+        r.outstanding = 1
+        pool.submit(functools.partial(get, r, hedge=False))
     md5 = hashlib.md5(usedforsecurity=False) if PLAIN_MD5.match(f.etag) else None
     size = 0
     try:
-        for (start, end), future in zip(spans, futures, strict=True):
-            got = future.result()
-            if got != end - start:
-                raise DamagedInTransit(f"{f.name}: fetched {got} bytes of {end - start} "
-                                       f"at byte {start} (an object of {f.size})")
-            size += got
-            while md5 is not None and start < end:  # hashed in order, as the parts land
-                chunk = os.pread(fd, min(READ, end - start), start)
+        for r in ranges:
+            _wait_hedging(f, r, ranges, lambda late: _hedge(pool, get, late))
+            size += r.done.result()
+            start = r.start
+            while md5 is not None and start < r.end:  # hashed in order, as the parts land
+                chunk = os.pread(fd, min(READ, r.end - start), start)
                 md5.update(chunk)
                 start += len(chunk)
     finally:
-        stop.set()  # the parts not begun are not fetched; those under way stop early
-        concurrent.futures.wait(futures)
+        stop.set()  # the requests not begun are not made; those under way stop early
+        for r in ranges:
+            r.close()  # a chunk being written lands; none is written after
     if md5 is not None and md5.hexdigest() != f.etag:
         raise DamagedInTransit(f"{f.name}: the bytes' MD5 {md5.hexdigest()} is not the "
                                f"store's ETag {f.etag}")
     return size
 
 
-def _part(s3, f: TokenFile, fd: int, start: int, end: int, ranged: bool,
-          stop: threading.Event) -> int:
-    """One GET of ``f``'s bytes ``[start, end)`` into ``fd`` at ``start``; the bytes
-    written."""
-    if stop.is_set():
-        raise _Stopped
+def _request(s3, f: TokenFile, fd: int, r: Range, *, ranged: bool, stop: threading.Event,
+             hedge: bool) -> None:
+    """One GET of ``r``: the first request writes into ``fd`` as its answer arrives; a
+    hedge holds its answer (at most :data:`PART` bytes) and writes it only if it is the
+    first whole one."""
+    me, began, got, failure, held = object(), time.monotonic(), 0, None, []
+
+    def keep(chunk: bytes, at: int) -> None:
+        with r.lock:
+            if stop.is_set() or not r.writable(me):
+                raise Stopped
+            if hedge:
+                held.append(chunk)
+            else:
+                os.pwrite(fd, chunk, at)
+
+    def land() -> None:
+        at = r.start
+        for chunk in held:
+            os.pwrite(fd, chunk, at)
+            at += len(chunk)
+    with r.lock:
+        r.began = r.began or began
+    try:
+        if stop.is_set():  # another range failed: this one is not needed any more
+            raise Stopped
+        got = _part(s3, f, r.start, r.end, ranged, keep)
+        if got != r.end - r.start:
+            raise DamagedInTransit(f"{f.name}: fetched {got} bytes of {r.end - r.start} at "
+                                   f"byte {r.start} (an object of {f.size})")
+    except BaseException as exc:  # the range's outcome, or the interpreter's own (re-raised)
+        failure = exc
+    r.end_of(me, got, failure, time.monotonic() - began, land if hedge else None)
+    if failure is not None and not isinstance(failure, Exception):
+        raise failure
+
+
+def _wait_hedging(f: TokenFile, r: Range, ranges: list[Range],
+                  hedge: Callable[[Range], bool]) -> None:
+    """Wait for ``r``; meanwhile ask again for any range of the object that lags
+    (:func:`.hedging.due`)."""
+    while not r.done.done():
+        now = time.monotonic()
+        late, wake = due(ranges, now)
+        for x in late:
+            if hedge(x):
+                log.info("fetching %s: bytes %d-%d still arriving after %.2f s (the others "
+                         "took %.2f s): asked again", f.name, x.start, x.end - 1,
+                         now - x.began, median_took(ranges))
+            else:  # every hedge slot in use: look again soon
+                wake = HEDGE_FLOOR_S if wake is None else min(wake, HEDGE_FLOOR_S)
+        concurrent.futures.wait([x.done for x in ranges if not x.done.done()], wake,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+
+
+def _hedge(pool: _Pool, get: Callable, r: Range) -> bool:
+    """Ask for ``r`` again on a thread of its own; False when :data:`HEDGES` are under way."""
+    if not pool.hedges.acquire(blocking=False):
+        return False
+    with r.lock:
+        r.hedged = True
+        if r.done.done():  # it arrived meanwhile
+            pool.hedges.release()
+            return True
+        r.outstanding += 1
+
+    def run() -> None:
+        try:
+            get(r, hedge=True)
+        finally:
+            pool.hedges.release()
+    threading.Thread(target=run, name="data-fetch-hedge", daemon=True).start()
+    return True
+
+
+def _part(s3, f: TokenFile, start: int, end: int, ranged: bool,
+          keep: Callable[[bytes, int], None]) -> int:
+    """One GET of ``f``'s bytes ``[start, end)``, each chunk handed to ``keep`` with its
+    offset; the bytes received."""
     bucket, key = f.bucket_key()
     ask = {"Bucket": bucket, "Key": key}
     if f.etag:
@@ -168,14 +253,12 @@ def _part(s3, f: TokenFile, fd: int, start: int, end: int, ranged: bool,
         same_as_listed(f, int(span[3]), etag)
     else:
         same_as_listed(f, got.get("ContentLength"), etag)
-    written = 0
+    received = 0
     with got["Body"] as body:
         for chunk in iter(lambda: body.read(READ), b""):
-            if stop.is_set():
-                raise _Stopped
-            os.pwrite(fd, chunk, start + written)
-            written += len(chunk)
-    return written
+            keep(chunk, start + received)
+            received += len(chunk)
+    return received
 
 
 def _changed(s3, f: TokenFile) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import builtins
 import importlib.util
-import os
 from pathlib import Path
 from typing import IO, Any
 
@@ -39,7 +38,6 @@ __all__ = ["fetch", "open", "use_cache"]
 DEFAULT_CACHE_BYTES = DataConfig().cache_bytes
 _cache = ShardCache(default_folder(), DEFAULT_CACHE_BYTES)
 _known: dict[str, TokenFile] = {}           # url -> its size and ETag, as first asked
-_client: tuple[int, Any] | None = None      # (pid, boto3 client): never used across a fork
 
 
 def use_cache(folder: str | Path | None, limit: int) -> None:
@@ -89,7 +87,4 @@ def _describe(url: str) -> TokenFile:
 
 
 def _s3():
-    global _client
-    if _client is None or _client[0] != os.getpid():
-        _client = (os.getpid(), s3.client())
-    return _client[1]
+    return s3.shared()  # the cache's and the listing's: made once per process

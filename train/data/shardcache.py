@@ -21,9 +21,10 @@ a cache smaller than the dataset costs: docs/object-storage.md ("Training data")
 
 An object of a few MiB or more is fetched as ranged GETs on several connections at once,
 each conditional on the listed ETag (:mod:`.objectget`), into a hidden part file renamed
-into place once whole and checked. The client is boto3 (:func:`train.core.storage.s3.client`,
-credentials the AWS way), made once per process: a boto3 client must not cross a fork
-into a DataLoader worker.
+into place once whole and checked; a range that lags far behind the others is asked for
+again (:mod:`.hedging`). The client is boto3 (:func:`train.core.storage.s3.shared`,
+credentials the AWS way): the one the listing made, once per process (a boto3 client
+must not cross a fork into a DataLoader worker).
 """
 
 from __future__ import annotations
@@ -178,12 +179,13 @@ class ShardCache:
         return path
 
     def _s3(self):
-        """This process's boto3 client (a client must not cross a fork), its connection
-        pool sized for the ranged GETs of :mod:`.objectget`."""
-        from train.core.storage.s3 import client
-        with _client_guard:  # made once: two read-ahead threads making one each take twice
+        """This process's boto3 client for data (a client must not cross a fork): the one
+        the listing made (:func:`train.core.storage.s3.shared`), its connection pool
+        sized for the ranged GETs of :mod:`.objectget`."""
+        from train.core.storage.s3 import shared
+        with _client_guard:
             if self._client is None or self._client[0] != os.getpid():
-                self._client = (os.getpid(), client(5, connections=objectget.IN_FLIGHT + 2))
+                self._client = (os.getpid(), shared())
             return self._client[1]
 
     def _fetch(self, f: TokenFile, path: Path) -> None:

@@ -113,7 +113,7 @@ def _remote(entry: str, source: str) -> list[TokenFile]:
 
 def _list(bucket: str, prefix: str) -> dict[str, tuple[int, str]]:
     """{key: (size, ETag)} of every object under ``prefix``."""
-    pages = s3.client().get_paginator("list_objects_v2").paginate(
+    pages = s3.shared().get_paginator("list_objects_v2").paginate(
         Bucket=bucket, Prefix=prefix)
     return {o["Key"]: (o["Size"], o.get("ETag", "").strip('"'))
             for page in pages for o in page.get("Contents", [])}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 import uuid
 
 from train.core.errors import CannotRunHere
@@ -30,6 +31,11 @@ ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 # several S3-compatible stores reject; the remote tier checks SHA-256 itself, so only
 # where an operation requires one.
 CLIENT_CHECKSUMS = "when_required"
+# The data path's client (:func:`shared`): botocore's own retries of one request (a fetch
+# is tried again whole on top), and a pool for the cache's ranged GETs, hedges and a HEAD
+# (train/data/objectget.py: CONNECTIONS)
+DATA_ATTEMPTS = 5
+DATA_CONNECTIONS = 12
 
 
 def endpoint(environ=os.environ) -> str:
@@ -86,6 +92,40 @@ def client(attempts: int = 3, connections: int = 10):
         request_checksum_calculation=CLIENT_CHECKSUMS,
         response_checksum_validation=CLIENT_CHECKSUMS)
     return boto3.session.Session().client("s3", config=config)
+
+
+def shared(attempts: int = DATA_ATTEMPTS, connections: int = DATA_CONNECTIONS):
+    """This process's client for ``attempts`` and ``connections`` (:func:`client`), made
+    on first use and kept: the data path's listing, its cache and ``train.data.remote``
+    share one, so the cost of making it (0.1-0.35 s on a loaded node: boto3 reads its
+    service model and endpoint rules, and the credential chain) is paid once, at the
+    listing, before the model is built, and not again by the first batch's fetch. Keyed
+    by the process (a client must not cross a fork) and its ``AWS_*`` variables (changed
+    ones make a new client, as a new process would)."""
+    key = (os.getpid(), attempts, connections,
+           tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+    with _shared_guard:  # one made, not one per thread that asks at once
+        if key not in _shared:
+            _shared[key] = client(attempts, connections)
+        return _shared[key]
+
+
+def forget() -> None:
+    """Drop the clients :func:`shared` keeps: the next one is made from nothing (as in a
+    new process; bench/tokenobjects_link.py measures that)."""
+    with _shared_guard:
+        _shared.clear()
+
+
+def _after_fork_in_child() -> None:
+    global _shared_guard
+    _shared_guard = threading.Lock()  # a thread of the parent may have held it
+    _shared.clear()
+
+
+_shared: dict[tuple, object] = {}
+_shared_guard = threading.Lock()
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def said(exc: BaseException, limit: int = 300) -> str:
