@@ -88,7 +88,6 @@ def test_blocks_from_the_store_stopped_in_the_second_group_resume_as_one_local_r
     cache; they resume at the exact next sample, fetched from the store, and every logged
     loss of both incarnations is that of one uninterrupted process reading local files.
     Neither incarnation fetched an object twice."""
-    from tests.e2e.test_object_storage_runs import HOLD
     paths = token_files(tmp_path / "data", sizes=(260_000,) * 3, vocab=256)
     for p in paths:
         s3_server.client().upload_file(str(p), s3server.BUCKET, f"blocks/{p.name}")
@@ -103,7 +102,7 @@ def test_blocks_from_the_store_stopped_in_the_second_group_resume_as_one_local_r
     assert proc.returncode == 0, proc.stderr[-3000:]
     remote = write_config(tmp_path / "remote.yaml", merge(tree, {"data": {
         "path": f"s3://{s3server.BUCKET}/blocks/part-*.bin"}}))
-    held = held_and_stopped(s3_server, tmp_path, remote, HOLD)
+    held = held_and_stopped(s3_server, tmp_path, remote)
     first = losses(tmp_path / "runs" / "remote")
     assert HELD_AT <= max(first) < BLOCK_STEPS, sorted(first)
     fetched = [[r["data/fetched_bytes"] for r in read_metrics(tmp_path / "runs" / "remote")
@@ -123,35 +122,58 @@ def test_blocks_from_the_store_stopped_in_the_second_group_resume_as_one_local_r
     assert all(0 < f[-1] <= 3 * size and f == sorted(f) for f in fetched), fetched
 
 
-def held_and_stopped(s3_server, tmp_path, config, hold_patch: str) -> int:
+class HeldRun:
+    """``config`` on 2 processes, held after step ``at`` (tests/e2e/test_object_storage_runs.py's
+    HOLD patch) until :meth:`go`; its console in ``held.txt``."""
+
+    def __init__(self, s3_server, tmp_path, config, at: int):
+        from tests.e2e.test_object_storage_runs import HOLD
+        self.hold, site = tmp_path / "hold", tmp_path / "site"
+        self.hold.mkdir()
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(HOLD)
+        env = s3_server.env(PYTHONPATH=str(site), HOLD_DIR=str(self.hold), HOLD_AT=str(at))
+        self.console = tmp_path / "held.txt"
+        with self.console.open("w") as out:
+            self.proc = subprocess.Popen([sys.executable, ENTRY, "train", str(config),
+                                          "distributed.nproc_per_node=2"], cwd=ROOT, env=env,
+                                         stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.deadline = time.monotonic() + limit(240)
+
+    def text(self) -> str:
+        return self.console.read_text()
+
+    def until(self, done) -> None:
+        while not done():
+            assert self.proc.poll() is None and time.monotonic() < self.deadline, self.text()
+            time.sleep(0.1)
+
+    def held(self) -> None:
+        """Both ranks at the hold."""
+        self.until(lambda: len(list(self.hold.glob("held-*"))) >= 2)
+
+    def go(self) -> int:
+        (self.hold / "go").touch()
+        return self.proc.wait(timeout=limit(240))
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def held_and_stopped(s3_server, tmp_path, config) -> int:
     """The run of ``config`` on 2 processes held at HELD_AT, SIGTERM to its group while
     held, let go: it checkpoints and exits 143. The step it stopped at."""
-    hold, site = tmp_path / "hold", tmp_path / "site"
-    hold.mkdir()
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(hold_patch)
-    env = s3_server.env(PYTHONPATH=str(site), HOLD_DIR=str(hold), HOLD_AT=str(HELD_AT))
-    console = tmp_path / "held.txt"
-    with console.open("w") as out:
-        proc = subprocess.Popen([sys.executable, ENTRY, "train", str(config),
-                                 "distributed.nproc_per_node=2"], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    run = HeldRun(s3_server, tmp_path, config, HELD_AT)
     try:
-        deadline = time.monotonic() + limit(240)
-        while len(list(hold.glob("held-*"))) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, console.read_text()
-            time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGTERM)
-        while console.read_text().count("received SIGTERM: stopping") < 2:  # both ranks
-            assert proc.poll() is None and time.monotonic() < deadline, console.read_text()
-            time.sleep(0.1)
-        (hold / "go").touch()
-        assert proc.wait(timeout=limit(240)) == 143, console.read_text()[-3000:]
+        run.held()
+        os.killpg(run.proc.pid, signal.SIGTERM)
+        run.until(lambda: run.text().count("received SIGTERM: stopping") >= 2)  # both ranks
+        assert run.go() == 143, run.text()[-3000:]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = console.read_text()
-    return int(text.split("stopped at step ")[1].split()[0])
+        run.kill()
+    return int(run.text().split("stopped at step ")[1].split()[0])
 
 
 def fetched_as_the_cache_holds(tmp_path, paths) -> None:
@@ -197,7 +219,6 @@ def test_an_object_replaced_mid_run_is_exit_2_and_never_trained_on(s3_server, tm
     sealed), part-01.bin is replaced in the store and the node's copy removed, so the next
     read fetches it again: one line naming it, exit 2, no restart. The next start lists
     the new object and refuses to resume on it."""
-    from tests.e2e.test_object_storage_runs import HOLD
     paths = token_files(tmp_path / "data", sizes=(3000, 2500, 4000), vocab=256)
     for p in paths:
         s3_server.client().upload_file(str(p), s3server.BUCKET, f"changing/{p.name}")
@@ -206,33 +227,19 @@ def test_an_object_replaced_mid_run_is_exit_2_and_never_trained_on(s3_server, tm
         "checkpoint": {"every_steps": 2},
         "data": {"kind": "tokens", "vocab_size": 256, "cache_dir": str(tmp_path / "cache"),
                  "num_workers": 1, "path": f"s3://{s3server.BUCKET}/changing/*.bin"}}))
-    hold, site = tmp_path / "hold", tmp_path / "site"
-    hold.mkdir()
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(HOLD)
-    env = s3_server.env(PYTHONPATH=str(site), HOLD_DIR=str(hold), HOLD_AT="3")
-    console = tmp_path / "console.txt"
-    with console.open("w") as out:
-        proc = subprocess.Popen([sys.executable, ENTRY, "train", str(config),
-                                 "distributed.nproc_per_node=2"], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    run = HeldRun(s3_server, tmp_path, config, 3)
     try:
-        deadline = time.monotonic() + limit(240)
-        while len(list(hold.glob("held-*"))) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, console.read_text()
-            time.sleep(0.1)
+        run.held()
         s3_server.client().put_object(Bucket=s3server.BUCKET, Key="changing/part-01.bin",
                                       Body=bytes(reversed(paths[1].read_bytes())))
         for copy in (tmp_path / "cache").glob("*-part-01.bin"):
             copy.unlink()
-        (hold / "go").touch()
-        proc.wait(timeout=limit(240))
+        code = run.go()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    stderr = console.read_text()
+        run.kill()
+    stderr = run.text()
     line = stderr.strip().splitlines()[-1]
-    assert proc.returncode == 2, stderr[-3000:]
+    assert code == 2, stderr[-3000:]
     assert line.startswith("error: ") and "s3://ckpt/changing/part-01.bin: changed in the " \
         "store since the run listed it" in line, line
     assert "restarting" not in stderr and "Traceback" not in stderr, stderr[-3000:]

@@ -41,6 +41,7 @@ from collections.abc import Callable
 
 from train.core.datasets.tokenfiles import TokenFile
 from train.core.errors import DataChanged
+from train.core.storage.s3 import errors as storage_errors
 from train.data.hedging import HEDGE_FLOOR_S, HEDGES, Range, Stopped, due, median_took
 
 log = logging.getLogger("train")
@@ -181,11 +182,12 @@ def _request(s3, f: TokenFile, fd: int, r: Range, *, ranged: bool, stop: threadi
         if got != r.end - r.start:
             raise DamagedInTransit(f"{f.name}: fetched {got} bytes of {r.end - r.start} at "
                                    f"byte {r.start} (an object of {f.size})")
-    except BaseException as exc:  # the range's outcome, or the interpreter's own (re-raised)
+    except (Stopped, DataChanged, *storage_errors()) as exc:  # the range's outcome
         failure = exc
+    except BaseException as exc:  # anything else ends the range too, and goes on up
+        r.end_of(me, got, exc, time.monotonic() - began, None)
+        raise
     r.end_of(me, got, failure, time.monotonic() - began, land if hedge else None)
-    if failure is not None and not isinstance(failure, Exception):
-        raise failure
 
 
 def _wait_hedging(f: TokenFile, r: Range, ranges: list[Range],
