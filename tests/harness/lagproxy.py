@@ -83,10 +83,7 @@ class LagProxy:
         its body (``Content-Length``) passed on as it is."""
         pending, body = b"", 0
         while True:
-            try:
-                data = client.recv(1 << 16)
-            except OSError:
-                data = b""
+            data = _received(client)
             if not data:
                 for k in lagging:
                     self.closed[k].set()
@@ -120,10 +117,7 @@ class LagProxy:
         """Server to client, held where a chosen request's answer reaches its hold."""
         seen, holding = b"", None
         while True:
-            try:
-                data = server.recv(1 << 16)
-            except OSError:
-                data = b""
+            data = _received(server)
             if not data:
                 with contextlib.suppress(OSError):
                     client.shutdown(socket.SHUT_RDWR)
@@ -144,3 +138,11 @@ class LagProxy:
                 data, seen = seen[cut:], b""
             with contextlib.suppress(OSError):
                 client.sendall(data)
+
+
+def _received(sock: socket.socket) -> bytes:
+    """What ``sock`` gives next; empty once it is closed or reset."""
+    try:
+        return sock.recv(1 << 16)
+    except OSError:
+        return b""
