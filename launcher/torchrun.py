@@ -17,7 +17,9 @@ arguments and differs in what it says and in one identity detail.
   worker failed (the launcher names the rank and its log). Every other torchrun message
   stays.
 - A node leaving on purpose makes the others' workers stop with it (one checkpoint);
-  their restart to go on without it costs no ``--max-restarts`` here.
+  their restart to go on without it costs no ``--max-restarts`` here. In a replica
+  group a restart stops the workers within seconds, not torch's 30
+  (:mod:`launcher.running.group_restarts`).
 - Any other failed attempt is recorded for the launcher (how each local worker ended,
   and which ended before torchrun stopped the rest), and a restart is one line naming
   what failed (:mod:`launcher.endings.restarts`), in place of torch's "failed (exitcode: -9)"
@@ -61,6 +63,7 @@ import sys
 from types import SimpleNamespace
 
 from launcher.liveness.rdzv_state import load_state
+from launcher.running import group_restarts
 from launcher.running.agent_contract import LOCAL_ID_VAR, STORE_LOST
 from train.core.errors import EXIT_PEER_STOPPED
 from train.core.machine import binding
@@ -304,6 +307,8 @@ def main() -> int:
     _keep_the_rendezvous_open_on_failure()
     _account_for_failed_attempts()
     _drop_repeated_stop_messages()
+    if os.environ.get(GROUP_VAR):  # a replica group: a restart stops its workers at once
+        group_restarts.install()
     try:
         torchrun_main()
     except SignalException as exc:

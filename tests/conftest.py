@@ -166,6 +166,12 @@ def slurm_cluster3(tmp_path_factory):
     yield from _slurm_cluster(tmp_path_factory, nodes=3)
 
 
+@pytest.fixture(scope="module")
+def slurm_cluster4(tmp_path_factory):
+    """The same of four nodes (two replica groups of two nodes each)."""
+    yield from _slurm_cluster(tmp_path_factory, nodes=4)
+
+
 def _slurm_cluster(tmp_path_factory, nodes: int):
     from tests.harness import slurmcluster
     why = slurmcluster.available()

@@ -181,7 +181,9 @@ def _replica_lines(r: dict | None) -> list[str]:
     ids = r.get("ids") or range(r["replicas"] + r["spares"])
     if r.get("at"):
         one = "pod" if r.get("owner") else "node"
-        where = (f"one per {one}, this {one}'s: group {ids[0]}; Lighthouse at {r['at']}, "
+        per = r.get("per_group", 1)
+        each = f"one per {one}" if per == 1 else f"{per} {one}s each"
+        where = (f"{each}, this {one}'s: group {ids[0]}; Lighthouse at {r['at']}, "
                  + (f"started here: {shell(r['lighthouse'])}" if r.get("serve")
                     else r.get("owner") or "node 0's"))
     else:

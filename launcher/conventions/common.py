@@ -78,6 +78,7 @@ class Nodes:
     # SLURM, one task per node on several: (this node's id, its host, the first host, the
     # job's port), where replica groups find their Lighthouse (launcher.planning.replica_plan)
     replica_node: tuple[int, str, str, int] | None = None
+    node_hosts: tuple[str, ...] = ()  # SLURM: the step's hosts, by node id
     # who runs that Lighthouse when no launcher of the job does (Kubernetes: its own
     # Deployment, k8s/kustomize/replicas); None: node 0's launcher (SLURM)
     lighthouse_by: str | None = None

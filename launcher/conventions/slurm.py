@@ -170,7 +170,7 @@ def _one_task_per_node(env: Environ, timings: Timings, job: str, step: str, n_no
             f"node {node_id} ({hosts[node_id]}), rendezvous at {master}:{port}")
     return Nodes(NAME, n_nodes, n_nodes, tuple(args), host=master if node_id else None,
                  heartbeat=(master, port + 1, node_id), notes=(note,),
-                 replica_node=(node_id, hosts[node_id], master, port),
+                 replica_node=(node_id, hosts[node_id], master, port), node_hosts=tuple(hosts),
                  **_common(env, job, step))
 
 

@@ -24,10 +24,10 @@ from launcher import conventions
 from launcher.conventions import Nodes
 from launcher.detection.compat import check_build
 from launcher.detection.hardware import Hardware, TorchBuild
+from launcher.planning.replica_nodes import nodes_for_groups
 from launcher.planning.replica_plan import (
     ReplicaGroups,
     groups_here,
-    nodes_for_groups,
     plan_groups,
     processes_per_group,
 )
@@ -192,7 +192,7 @@ def check_gpus_per_task(gpus: int, tasks_per_node: int) -> None:
 
 def world_sizes(cfg: Config, nodes: Nodes, nproc: int) -> tuple[int, ...]:
     if cfg.distributed.fault_tolerance == "replicas":  # the logical world: every group's
-        return (cfg.distributed.replicas * nproc,)
+        return (cfg.distributed.replicas * nproc * nodes.max,)
     if runs_one_process(cfg.distributed.strategy):
         return (1,)
     return tuple(n * nproc for n in range(nodes.min, nodes.max + 1))
@@ -280,10 +280,11 @@ def plan(cfg: Config, hw: Hardware, tb: TorchBuild, environ: Environ, *, config_
     # gone sooner, and a starved one keeps its place meanwhile (launcher.liveness.pulse)
     expiry_attempts = max(d.rdzv_keep_alive_attempts,
                           math.ceil(d.heartbeat_silence_s / d.rdzv_keep_alive_s))
-    nodes = conventions.resolve(environ, conventions.Timings(
-        d.rdzv_join_timeout_s, d.rdzv_last_call_s, d.rdzv_keep_alive_s, expiry_attempts))
+    timings = conventions.Timings(d.rdzv_join_timeout_s, d.rdzv_last_call_s,
+                                  d.rdzv_keep_alive_s, expiry_attempts)
+    nodes = conventions.resolve(environ, timings)
     replicas = cfg.distributed.fault_tolerance == "replicas"
-    nodes, node = nodes_for_groups(nodes, cfg, source)  # SLURM's: this node's group
+    nodes, node = nodes_for_groups(nodes, cfg, source, timings)  # a cluster's: this node's group
     notes.extend(nodes.notes)
     nproc = resolve_nproc(cfg, hw, device, nodes, source, notes)
     nproc = processes_per_group(cfg, nproc, len(hw.gpus), device, groups_here(cfg, node)) \

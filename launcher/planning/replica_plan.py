@@ -2,17 +2,14 @@
 machine: one torchft Lighthouse, then ``distributed.replicas`` + ``distributed.spares``
 groups, each ONE torchrun of ``nproc_per_node`` workers with a rendezvous of its own.
 
-On SLURM (one task per node, :func:`nodes_for_groups`) each node runs ONE group, its id
-the node's (``SLURM_NODEID``), under the same one-node torchrun; the allocation's nodes
-must be the groups. The Lighthouse runs on the first node, started by node 0's launcher
-at the job's port (``MASTER_PORT``, else derived from the job id:
-:func:`launcher.conventions.slurm._port`), which every node computes alone; the groups
-reach it, and each other, at the nodes' names in the node list.
-
-On Kubernetes (an Indexed Job of k8s/kustomize/replicas: TORCHFT_LIGHTHOUSE names the
-Lighthouse's Service) each pod runs ONE group, its id ``JOB_COMPLETION_INDEX``, the same
-way; no launcher starts the Lighthouse (its own Deployment runs it), and the groups reach
-each other at the pods' IPs (``TRAIN_LOCAL_ADDR``).
+On a cluster (:mod:`launcher.planning.replica_nodes`: SLURM, one task per node, or an
+Indexed Job of k8s/kustomize/replicas) each node runs its part of ONE group: the whole
+group under a one-node torchrun when each group is one node, else one torchrun per node
+meeting the group's other nodes. The Lighthouse is node 0's on SLURM (started by its
+launcher at the job's port: ``MASTER_PORT``, else derived from the job id,
+:func:`launcher.conventions.slurm._port`, which every node computes alone), its own
+Deployment's on Kubernetes; the groups reach it, and each other, at the nodes' names
+(SLURM's node list) or the pods' IPs (``TRAIN_LOCAL_ADDR``).
 
 Pure, like :mod:`launcher.planning.plan`: the ports are free ones the supervisor
 (:mod:`launcher.running.replica_groups`) picks on 127.0.0.1 at each start, so the
@@ -27,11 +24,11 @@ A group's workers learn their group and the Lighthouse from the variables of
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from launcher.conventions.common import Nodes, env_error, nnodes_arg
+from launcher.planning.replica_nodes import GroupNode
 from train.core.config import AUTO, Config
-from train.core.errors import CannotRunHere, ConfigError
+from train.core.errors import CannotRunHere
 from train.core.run.replica_contract import (
     ADDR_VAR,
     DEVICE_OFFSET_VAR,
@@ -63,6 +60,8 @@ class ReplicaGroups:
     # who runs it when no launcher does (Kubernetes: its Deployment, which replaces a
     # lost one: each pod's launcher then starts its group again); None: a launcher
     owner: str | None = None
+    per_group: int = 1                  # a cluster job: nodes (pods) of each group
+    group_rank: int = 0                 # ... and this one's place among its group's
 
     @property
     def by(self) -> str:
@@ -86,8 +85,10 @@ class ReplicaGroups:
         group gets (``shared``), the Lighthouse, then each group's torchrun."""
         if self.at:
             one = "pod" if self.owner else "node"
+            each = f"one per {one}" if self.per_group == 1 else \
+                f"{self.per_group} {one}s each; this is the group's {one} {self.group_rank}"
             where = (f"# replica group {self.here[0]} of {self.groups} on this {one} "
-                     f"({self.replicas} + {self.spares} spare(s), one per {one})",
+                     f"({self.replicas} + {self.spares} spare(s), {each})",
                      f"# Lighthouse at {self.address}: " + ("started here" if self.serve
                                                           else f"{self.by}, waited for"))
         else:
@@ -127,55 +128,10 @@ def fill(argv: tuple[str, ...], **ports: int) -> list[str]:
     return out
 
 
-def groups_here(cfg: Config, node: tuple | None) -> int:
+def groups_here(cfg: Config, node: GroupNode | None) -> int:
     """How many torchruns this machine runs: the groups, one per node on SLURM, else 1."""
     d = cfg.distributed
     return d.replicas + d.spares if d.fault_tolerance == "replicas" and not node else 1
-
-
-def nodes_for_groups(nodes: Nodes, cfg: Config, source: str
-                     ) -> tuple[Nodes, tuple[int, str, str, int] | None]:
-    """Where replica groups run (nodes, and :attr:`Nodes.replica_node`, as they are
-    without them): one machine; a SLURM step of one task per node; or an Indexed Job's
-    pods with the Lighthouse's Service in TORCHFT_LIGHTHOUSE (k8s/kustomize/replicas).
-    Each node (pod) runs one group under a torchrun of its own (the nodes planned as
-    one: no rendezvous, heartbeat or restart limit across them). Any other launch
-    convention of a cluster is exit 3; nodes that are not the groups, exit 2."""
-    d = cfg.distributed
-    if d.fault_tolerance != "replicas" or nodes.alone:
-        return nodes, None
-    if nodes.replica_node is None:
-        raise CannotRunHere(f"distributed.fault_tolerance=replicas runs its replica groups "
-                            f"on one machine, on SLURM (one task per node) or in an Indexed "
-                            f"Job with TORCHFT_LIGHTHOUSE (k8s/kustomize/replicas), but this "
-                            f"is a {nodes.convention} job of {nodes.min}:{nodes.max} node(s); "
-                            "run it on one machine without the launch convention's "
-                            "variables, or use distributed.fault_tolerance=restart")
-    groups = d.replicas + d.spares
-    node, _, first, port = nodes.replica_node
-    pods = nodes.lighthouse_by is not None  # Kubernetes: the Job's pods, TRAIN_NNODES
-    if nodes.max != groups or nodes.min != nodes.max:
-        have = (f"TRAIN_NNODES is {nnodes_arg(nodes.min, nodes.max)} (the Job's pods)" if pods
-                else f"the SLURM step has {nodes.max} node(s)")
-        fix = ("set TRAIN_NNODES, completions and parallelism to that number" if pods
-               else "ask for as many nodes as groups")
-        raise ConfigError(source, "distributed.replicas", f"{d.replicas} replica(s) + "
-                          f"{d.spares} spare(s) (distributed.spares) are {groups} replica "
-                          f"groups, one per {'pod' if pods else 'node'}, but {have}; {fix}")
-    if node >= groups:
-        raise env_error("JOB_COMPLETION_INDEX", f"got {node}; expected 0..{groups - 1}, "
-                                                "one pod per replica group")
-    if pods:
-        notes = (f"launch convention: Indexed Job (JOB_COMPLETION_INDEX={node}): this pod "
-                 f"runs replica group {node} of {groups}, the Lighthouse at {first}:{port} "
-                 f"({nodes.lighthouse_by})",)
-    else:
-        notes = tuple(n.replace(f"rendezvous at {first}:{port}", f"this node runs replica "
-                                f"group {node} of {nodes.max}, the Lighthouse at {first}:{port}")
-                      for n in nodes.notes)
-    return replace(nodes, min=1, max=1, heartbeat=None, static=False, host=None, notes=notes,
-                   store=None, max_restarts=None, env={} if pods else nodes.env
-                   ), nodes.replica_node
 
 
 def rdzv_args(group: int) -> tuple[str, ...]:
@@ -205,27 +161,33 @@ def processes_per_group(cfg: Config, nproc: int, gpus: int, device: str,
 
 
 def plan_groups(cfg: Config, argv: list[str], standalone: tuple[str, ...],
-                lighthouse: str | None, node: tuple[int, str, str, int] | None = None,
+                lighthouse: str | None, node: GroupNode | None = None,
                 gpu_share: int = 0, owner: str | None = None) -> ReplicaGroups:
     """Each group's command: ``argv`` (one node's torchrun, as the plan builds it) with
-    its rendezvous flags ``standalone`` replaced by the group's own. ``node`` (SLURM:
-    this node's id and host, the first host, the job's port): this node's group alone,
-    the Lighthouse on the first host. ``gpu_share``: the GPUs each group of this machine
-    takes (0 on the CPU), from its first device on. ``owner``: who runs the Lighthouse
-    when no launcher does (Kubernetes: its Deployment)."""
+    its rendezvous flags ``standalone`` replaced by the group's own. ``node`` (a cluster
+    job: :mod:`launcher.planning.replica_nodes`): this node's part of its group alone,
+    the Lighthouse at the job's; a group of several nodes keeps ``argv``'s rendezvous,
+    the group's. ``gpu_share``: the GPUs each group of this machine takes (0 on the
+    CPU), from its first device on. ``owner``: who runs the Lighthouse when no launcher
+    does (Kubernetes: its Deployment)."""
     d = cfg.distributed
-    at = next(i for i in range(len(argv)) if tuple(argv[i:i + len(standalone)]) == standalone)
     groups = d.replicas + d.spares
-    ids = (node[0],) if node else tuple(range(groups))
-    bind = f"{node[2]}:{node[3]}" if node else f"{HOST}:{LIGHTHOUSE_PORT}"
-    argvs = tuple((*argv[:at], *rdzv_args(g), *argv[at + len(standalone):]) for g in ids)
+    ids = (node.group,) if node else tuple(range(groups))
+    bind = node.lighthouse if node else f"{HOST}:{LIGHTHOUSE_PORT}"
+    if node and node.per_group > 1:
+        argvs = (tuple(argv),)
+    else:
+        at = next(i for i in range(len(argv))
+                  if tuple(argv[i:i + len(standalone)]) == standalone)
+        argvs = tuple((*argv[:at], *rdzv_args(g), *argv[at + len(standalone):]) for g in ids)
     envs = tuple({GROUP_VAR: str(g), GROUPS_VAR: str(groups), LIGHTHOUSE_VAR: f"http://{bind}",
-                  ADDR_VAR: node[1] if node else HOST,
+                  ADDR_VAR: node.addr if node else HOST,
                   **({DEVICE_OFFSET_VAR: str(i * gpu_share)} if gpu_share else {})}
                  for i, g in enumerate(ids))
     return ReplicaGroups(d.replicas, d.spares,
                          tuple(lighthouse_argv(lighthouse or LIGHTHOUSE_BINARY, bind,
                                                Timeouts.of(d.replica_timeout_s))),
                          argvs, envs, ids=ids if node else (), at=bind if node else None,
-                         serve=node is None or (owner is None and node[0] == 0),
-                         owner=owner)
+                         serve=node is None or (owner is None and node.node == 0),
+                         owner=owner, per_group=node.per_group if node else 1,
+                         group_rank=node.rank if node else 0)

@@ -1,15 +1,16 @@
 """The Lighthouse of replica groups (torchft's quorum service), as one launcher sees it.
 
-- On one machine: started here on 127.0.0.1 at a free port, in a session of its own
-  with the launcher's parent-death signal, like every child
-  (:func:`launcher.running.supervise.child_setup`); its output goes to
+- On one machine: started here on 127.0.0.1 at a free port, in a session of its own,
+  deaf to SIGTERM and the requeue signal (the groups need it to finish their stop) and
+  killed with the launcher (:func:`_outlives_stops`); its output goes to
   ``RUN_DIR/logs/lighthouse.log``; the groups start once its port accepts connections
   (at most :data:`LIGHTHOUSE_UP_S`). Lost: it exited.
-- On SLURM (one group per node): node 0's launcher starts it at the first node's
-  address and the job's port (a port something else holds is exit 3, naming it); the
-  other nodes' launchers wait for it, bounded (``distributed.rdzv_join_timeout_s``), and
-  watch it: lost when it refuses connections :data:`MISSES` times in a row. Node 0's
-  launcher keeps it, after its own group ended, while any group still beats.
+- On SLURM (groups of one node or of several): node 0's launcher starts it at the
+  first node's address and the job's port (a port something else holds is exit 3,
+  naming it); the other nodes' launchers wait for it, bounded
+  (``distributed.rdzv_join_timeout_s``), and watch it: lost when it refuses
+  connections :data:`MISSES` times in a row. Node 0's launcher keeps it, after its own
+  group ended, while any group still beats.
 - On Kubernetes (k8s/kustomize/replicas) its own Deployment runs it behind a Service:
   every pod's launcher waits for it and watches it as SLURM's other nodes do.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -31,9 +33,8 @@ from launcher.endings.outcome import Outcome
 from launcher.liveness.rounds import reachable
 from launcher.planning.plan import Plan
 from launcher.planning.replica_plan import HOST, fill, shell
-from launcher.running.processes import kill_tree
-from launcher.running.supervise import child_setup
 from train.core.errors import EXIT_CANNOT_RUN_HERE
+from train.core.machine.host import die_with_parent
 
 LIGHTHOUSE_UP_S = 30.0   # from its start until its port accepts connections
 CHECK_S = 1.0            # another node's Lighthouse: how often it is tried
@@ -137,7 +138,7 @@ def _serve(plan: Plan, host: str, port: int, wait_s: float, log) -> Lighthouse |
         env = {**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, env=env,
                                 stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=child_setup(os.getpid(), plan.requeue_signal))
+                                preexec_fn=_outlives_stops(os.getpid(), plan.requeue_signal))
     log(f"run {shell(argv)} (the Lighthouse, pid {proc.pid}; its log {path})")
     deadline = time.monotonic() + wait_s
     while not reachable(f"{host}:{port}"):
@@ -154,16 +155,29 @@ def _serve(plan: Plan, host: str, port: int, wait_s: float, log) -> Lighthouse |
     return Lighthouse(proc, port, host)
 
 
+def _outlives_stops(launcher_pid: int, requeue: int | None):
+    """The Lighthouse's setup between fork and exec: it ignores the signals that stop a
+    job (SIGTERM, the requeue signal; SIGINT it takes over itself once it serves) and
+    dies with the launcher by SIGKILL. A stop reaches every process of a SLURM step at
+    once (scancel, a time limit, a preemption), the Lighthouse with the workers; without
+    this the workers' current step never reaches a quorum and their stop checkpoint is
+    lost (measured: all 4 workers of a 4-node job blocked in the quorum until SIGKILL,
+    115 s later). Its launcher kills it once the groups ended (:func:`end`): it keeps
+    no state."""
+    def setup() -> None:
+        for signum in {signal.SIGTERM, *([requeue] if requeue else [])}:
+            signal.signal(signum, signal.SIG_IGN)  # inherited through exec
+        die_with_parent(signal.SIGKILL, parent=launcher_pid)
+    return setup
+
+
 def end(proc: subprocess.Popen | None, wait_s: float) -> None:
-    """Stop a server (the Lighthouse): SIGTERM, then SIGKILL after ``wait_s``."""
+    """Stop the Lighthouse: SIGKILL (it ignores SIGTERM, and keeps no state), and wait
+    at most ``wait_s`` for it to go."""
     if proc is None or proc.poll() is not None:
         return
     try:
-        proc.terminate()
-    except ProcessLookupError:
-        pass
-    try:
+        proc.kill()
         proc.wait(timeout=wait_s)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        proc.wait()
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass  # gone already, or reaped by the launcher's exit

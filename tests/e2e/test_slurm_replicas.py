@@ -1,4 +1,4 @@
-"""Replica groups on a real SLURM cluster (tests/harness/slurmcluster.py) of 3 nodes: an
+"""Replica groups on a real SLURM cluster (tests/harness/slurmcluster.py) of 4 nodes: an
 sbatch of 2 nodes, one task per node (``srun --ntasks-per-node=1``),
 ``distributed.replicas=2`` (and of 3 with ``distributed.spares=1``):
 each node's launcher runs one group (REPLICA_GROUP_ID = SLURM_NODEID), node 0's also
@@ -7,13 +7,17 @@ torchrun restarts it, it heals from node 1's group over the (virtual) network, a
 1's worker trains on in the same process; the job completes, and ``ledger.jsonl`` lists
 every sample exactly once. A group that gives up (node 1's: no restarts left) ends its
 node's task only: node 2's group trains on to the end, under node 1's Lighthouse. A lost
-Lighthouse (kill -9 on node 1): one line on each node naming it, each exits 1.
+Lighthouse (kill -9 on node 1): one line on each node naming it, each exits 1. Groups
+of two nodes each (4 nodes, ``distributed.replicas=2``): a worker of node 4 killed, its
+group restarts on its two nodes (its own rendezvous at node 3) and heals from the other,
+whose workers on nodes 1 and 2 train on in the same processes.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -34,8 +38,8 @@ STEPS = 600
 
 
 @pytest.fixture(scope="module")
-def cluster(slurm_cluster3):
-    return slurm_cluster3
+def cluster(slurm_cluster4):
+    return slurm_cluster4
 
 
 def workers(job: int) -> dict[int, int]:
@@ -47,6 +51,17 @@ def workers(job: int) -> dict[int, int]:
         if env.get("SLURM_JOB_ID") == str(job) and "REPLICA_GROUP_ID" in env and \
                 "train.worker" in cmdline(pid):
             found[int(env["REPLICA_GROUP_ID"])] = pid
+    return found
+
+
+def workers_by_node(job: int) -> dict[str, int]:
+    """Node name -> the pid of its worker (one process per node)."""
+    found = {}
+    for pid in pids():
+        env = environ(pid)
+        if env.get("SLURM_JOB_ID") == str(job) and "REPLICA_GROUP_ID" in env and \
+                "train.worker" in cmdline(pid):
+            found[env.get("SLURMD_NODENAME")] = pid
     return found
 
 
@@ -147,3 +162,50 @@ def test_a_lost_lighthouse_is_one_line_on_each_node_and_each_exits_1(cluster: Sl
                "stopped accepting connections" in ln for ln in lines), lines
     assert "scontrol requeue" in lines[0]
     assert "task 0: Exited with exit code 1" in text and "task 1: Exited with exit code 1" in text
+
+
+def test_a_group_of_two_nodes_restarts_on_its_nodes_and_rejoins_the_other_training_on(
+        cluster: SlurmCluster):
+    job, out, run_dir = submit(cluster, "two-node-groups", "train.max_steps=10000000",
+                               nodes=4)
+    try:
+        before = workers_by_node(job)
+        assert sorted(before) == ["node1", "node2", "node3", "node4"], before
+        assert environ(before["node4"])["REPLICA_GROUP_ID"] == "1"
+        os.kill(before["node4"], signal.SIGKILL)
+        at_kill = ledger_lines(run_dir)
+
+        def back() -> bool:  # group 1's new workers on both nodes, in the quorum again
+            now = workers_by_node(job)
+            return len(now) == 4 and now["node3"] != before["node3"] and \
+                now["node4"] != before["node4"] and rejoined(run_dir, at_kill)
+        wait_for(back, limit(300), "replica group 1 back on nodes 3 and 4, in the quorum")
+        after = workers_by_node(job)
+        cluster.scancel(job, signal="TERM")  # a stop with a checkpoint: a whole ledger
+        cluster.wait_job(job, limit(300))
+    finally:
+        finished(cluster, job)
+    # group 0 (nodes 1, 2) untouched; group 1 restarted on both of its nodes
+    assert [after[n] for n in ("node1", "node2")] == [before["node1"], before["node2"]]
+    text = out.read_text()
+    assert "this node runs its part of replica group 1 of 2 (nodes 2..3, 2 per group; " \
+           "this is the group's node 1)" in text, text[-4000:]
+    assert re.search(r"3: .*torchrun \(replica group 1\): rank \d on node4 killed by "
+                     r"SIGKILL", text), text[-4000:]
+    assert re.search(r"2: .*replica group 1 healed from a live peer", text), text[-4000:]
+    # the stop reached every process of the step, the Lighthouse too, which outlives it:
+    # every worker stopped at the same step, group 0 wrote the checkpoint, none was killed
+    stops = set(re.findall(r"\[rank \d\] WARNING stopped at step (\d+) by a signal", text))
+    assert len(stops) == 1 and text.count("stopped at step") == 4, text[-4000:]
+    assert re.search(rf"0: .*checkpoint saved: .*step-{stops.pop()}\n", text), text[-4000:]
+    assert "confirmed their checkpoint" not in text, text[-4000:]
+    entries = read(run_dir / "ledger.jsonl")
+    assert [e.step for e in entries] == list(range(1, len(entries) + 1))
+    assert check_exactly_once(entries) == []
+
+
+def rejoined(run_dir: Path, after: int) -> bool:
+    """Whether, after the first ``after`` steps, group 0 trained group 1's slot too and
+    then both trained again."""
+    replicas = [tuple(e.replicas) for e in read(run_dir / "ledger.jsonl")[after:]]
+    return (0, 0) in replicas and (0, 1) in replicas[replicas.index((0, 0)):]

@@ -256,8 +256,11 @@ def _group_store(env: WorkerIdentity) -> tuple[str, int, TCPStore | None]:
     else, for a group of one process (no process group, and the launcher keeps
     torchrun's own store private), one of its own. Either listens on every interface:
     its address is the one the other groups reach this node at (``TRAIN_REPLICA_ADDR``),
-    since the Manager advertises it for the cross-group process group's store."""
+    since the Manager advertises it for the cross-group process group's store. A group
+    of several nodes meets at rank 0's node: ``MASTER_ADDR``, its address for them."""
     if env.world_size > 1 and env.master_addr and env.master_port:
-        return env.replica_addr or env.master_addr, int(env.master_port), None
+        spans_nodes = env.local_world_size < env.world_size
+        addr = env.master_addr if spans_nodes else env.replica_addr or env.master_addr
+        return addr, int(env.master_port), None
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     return env.replica_addr or "127.0.0.1", store.port, store
