@@ -35,9 +35,11 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("torchft") is None or lighthouse_binary() is None,
     reason="needs torchft and its torchft_lighthouse (make ft)")
 
-# At the kill (after step 50's checkpoint) enough steps are left for group 1 to come back:
-# its restart took 21 s here at load 9, while the others trained 25 steps a second.
-STEPS = 1000
+# The others are held while group 1 restarts, so its restart costs no steps; after the
+# kill (past step 50's checkpoint) 20 steps without it, then its heal at the next quorum
+# once all are let go: 400 leaves hundreds of steps to spare (1000 before, the time of a
+# second fault-free run).
+STEPS = 400
 
 
 def run(tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path, Path]:

@@ -174,7 +174,7 @@ def test_kill_9_of_one_rank_mid_save_leaves_a_whole_checkpoint(tmp_path):
     script = tmp_path / "writer.py"
     script.write_text(KILLED_WRITER)
     run = tmp_path / "run"
-    for attempt in range(10):
+    for attempt in range(6):  # the seed's victims: both ranks, early and late in a save
         pids = tmp_path / f"pids-{attempt}"
         pids.mkdir()
         proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
