@@ -1,8 +1,9 @@
 """How the torchrun of a replica group stops its workers for a restart: SIGTERM, then
 SIGKILL after :data:`RESTART_STOP_S`, not torch's 30 s.
 
-A restart of a group means the group failed: one of its workers died, or, in a group
-of several nodes, another node's agent started a new round. Its surviving workers can
+A restart of a group means the group failed: one of its workers died (torch stops the
+others, then restarts them all), or, in a group of several nodes, another node's agent
+started a new round. Its surviving workers can
 neither finish the step nor write a checkpoint that matters (the live groups hold the
 state the restarted workers heal from), and they are often blocked in a call that no
 signal interrupts: torchft's quorum or commit vote, waiting for the dead rank. Meanwhile
@@ -21,13 +22,22 @@ RESTART_STOP_S = 2
 
 
 def install() -> None:
-    """Bound the stop of torch's local agent before a restart (and after its last)."""
+    """Bound the stops of torch's local agent that are not a stop of the job: the
+    workers stopped for a restart (a new round), and the others stopped because one of
+    them failed."""
     from torch.distributed.elastic.agent.server import local_elastic_agent as agent
-    cls = getattr(agent, "LocalElasticAgent", None)
-    if cls is None or not hasattr(cls, "_shutdown"):
+    from torch.distributed.elastic.multiprocessing import api
+    cls, context = getattr(agent, "LocalElasticAgent", None), getattr(api, "PContext", None)
+    if cls is None or context is None or not hasattr(cls, "_shutdown"):
         return  # another torch: its own stop
 
     def stop_workers_soon(self, worker_group) -> None:
         self._shutdown(timeout=RESTART_STOP_S)
 
+    close = context.close
+
+    def close_soon(self, death_sig=None, timeout: int = RESTART_STOP_S) -> None:
+        close(self, death_sig, timeout)  # a stop of the job passes its grace
+
     cls._stop_workers = stop_workers_soon
+    context.close = close_soon

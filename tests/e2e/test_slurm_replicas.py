@@ -10,7 +10,9 @@ node's task only: node 2's group trains on to the end, under node 1's Lighthouse
 Lighthouse (kill -9 on node 1): one line on each node naming it, each exits 1. Groups
 of two nodes each (4 nodes, ``distributed.replicas=2``): a worker of node 4 killed, its
 group restarts on its two nodes (its own rendezvous at node 3) and heals from the other,
-whose workers on nodes 1 and 2 train on in the same processes.
+whose workers on nodes 1 and 2 train on in the same processes; then group 1's rank 1
+frozen (SIGSTOP): its rank 0 sees it silent and leaves, and the group restarts and heals
+again; then ``scancel --signal=TERM``: one stop step, one checkpoint, every task 143.
 """
 
 from __future__ import annotations
@@ -169,30 +171,32 @@ def test_a_group_of_two_nodes_restarts_on_its_nodes_and_rejoins_the_other_traini
     job, out, run_dir = submit(cluster, "two-node-groups", "train.max_steps=10000000",
                                nodes=4)
     try:
-        before = workers_by_node(job)
-        assert sorted(before) == ["node1", "node2", "node3", "node4"], before
-        assert environ(before["node4"])["REPLICA_GROUP_ID"] == "1"
-        os.kill(before["node4"], signal.SIGKILL)
-        at_kill = ledger_lines(run_dir)
-
-        def back() -> bool:  # group 1's new workers on both nodes, in the quorum again
-            now = workers_by_node(job)
-            return len(now) == 4 and now["node3"] != before["node3"] and \
-                now["node4"] != before["node4"] and rejoined(run_dir, at_kill)
-        wait_for(back, limit(300), "replica group 1 back on nodes 3 and 4, in the quorum")
-        after = workers_by_node(job)
+        first = workers_by_node(job)
+        assert sorted(first) == ["node1", "node2", "node3", "node4"], first
+        assert environ(first["node4"])["REPLICA_GROUP_ID"] == "1"
+        # 1. a worker of group 1 killed
+        os.kill(first["node4"], signal.SIGKILL)
+        second = group_1_back(job, run_dir, first)
+        # 2. group 1's rank other than its rank 0 frozen: its rank 0, whose Manager
+        # beats for the group, sees it silent and leaves; the group restarts again
+        frozen = next(n for n in ("node3", "node4") if environ(second[n])["RANK"] != "0")
+        os.kill(second[frozen], signal.SIGSTOP)
+        third = group_1_back(job, run_dir, second)
         cluster.scancel(job, signal="TERM")  # a stop with a checkpoint: a whole ledger
         cluster.wait_job(job, limit(300))
     finally:
         finished(cluster, job)
-    # group 0 (nodes 1, 2) untouched; group 1 restarted on both of its nodes
-    assert [after[n] for n in ("node1", "node2")] == [before["node1"], before["node2"]]
+    # group 0 (nodes 1, 2) untouched by both faults
+    assert [third[n] for n in ("node1", "node2")] == [first["node1"], first["node2"]]
     text = out.read_text()
     assert "this node runs its part of replica group 1 of 2 (nodes 2..3, 2 per group; " \
            "this is the group's node 1)" in text, text[-4000:]
     assert re.search(r"3: .*torchrun \(replica group 1\): rank \d on node4 killed by "
                      r"SIGKILL", text), text[-4000:]
-    assert re.search(r"2: .*replica group 1 healed from a live peer", text), text[-4000:]
+    assert re.search(rf"replica group 1: rank 1 \({frozen}\) has been silent for", text), \
+        text[-4000:]
+    assert len(re.findall(r"\[rank 0\] INFO replica group 1 healed from a live peer",
+                          text)) == 2, text[-4000:]
     # the stop reached every process of the step, the Lighthouse too, which outlives it:
     # every worker stopped at the same step, group 0 wrote the checkpoint, none was killed
     stops = set(re.findall(r"\[rank \d\] WARNING stopped at step (\d+) by a signal", text))
@@ -202,6 +206,19 @@ def test_a_group_of_two_nodes_restarts_on_its_nodes_and_rejoins_the_other_traini
     entries = read(run_dir / "ledger.jsonl")
     assert [e.step for e in entries] == list(range(1, len(entries) + 1))
     assert check_exactly_once(entries) == []
+
+
+def group_1_back(job: int, run_dir: Path, before: dict[str, int]) -> dict[str, int]:
+    """After a fault of group 1: its new workers on nodes 3 and 4, and the ledger showing
+    group 0 alone in both slots, then both groups again; the workers then."""
+    at = ledger_lines(run_dir)
+
+    def back() -> bool:
+        now = workers_by_node(job)
+        return len(now) == 4 and now["node3"] != before["node3"] and \
+            now["node4"] != before["node4"] and rejoined(run_dir, at)
+    wait_for(back, limit(300), "replica group 1 back on nodes 3 and 4, in the quorum")
+    return workers_by_node(job)
 
 
 def rejoined(run_dir: Path, after: int) -> bool:

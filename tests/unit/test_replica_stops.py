@@ -52,14 +52,24 @@ def test_the_lighthouse_outlives_a_jobs_stop_signals_and_goes_when_killed(config
 
 def test_a_replica_groups_restart_stops_its_workers_within_seconds():
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    before = LocalElasticAgent._stop_workers
+    from torch.distributed.elastic.multiprocessing.api import PContext, SubprocessContext
+    before = LocalElasticAgent._stop_workers, PContext.close, SubprocessContext._close
+    asked = []
     try:
         group_restarts.install()
         agent = object.__new__(LocalElasticAgent)
-        asked = []
         agent._shutdown = lambda death_sig=signal.SIGTERM, timeout=30: asked.append(
-            (death_sig, timeout))
+            ("restart", death_sig, timeout))
         agent._stop_workers(None)
+        # a worker failed: torch stops the others with close()'s defaults
+        SubprocessContext._close = lambda self, death_sig, timeout=30: asked.append(
+            ("failed", death_sig, timeout))
+        context = object.__new__(SubprocessContext)
+        context._tail_logs, context.filtered_stdout, context.filtered_stderr = [], None, None
+        context.close()
+        context.close(signal.SIGTERM, 115)  # the job's stop: its grace
     finally:
-        LocalElasticAgent._stop_workers = before
-    assert asked == [(signal.SIGTERM, group_restarts.RESTART_STOP_S)]
+        LocalElasticAgent._stop_workers, PContext.close, SubprocessContext._close = before
+    stop_s = group_restarts.RESTART_STOP_S
+    assert asked == [("restart", signal.SIGTERM, stop_s), ("failed", signal.SIGTERM, stop_s),
+                     ("failed", signal.SIGTERM, 115)]

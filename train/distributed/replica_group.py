@@ -37,6 +37,7 @@ from train.core.errors import CannotRunHere
 from train.core.run.identity import WorkerIdentity
 from train.core.run.replica_contract import Timeouts
 from train.distributed import replica_watch
+from train.distributed.group_pulse import GroupPulse
 
 log = logging.getLogger("train")
 
@@ -105,6 +106,11 @@ class ReplicaGroup:
         self._stale_s = t.heartbeat_ms / 1000 + 0.25
         self._began = time.monotonic()
         self._given_up: list[tuple[Any, Any]] = []  # (gloo group, its pending operation)
+        # the group's ranks watch each other: the Lighthouse hears its rank 0 alone
+        self._pulse = GroupPulse(env.master_addr, int(env.master_port), env.rank,
+                                 env.world_size, self.group_id, self._stale_s,
+                                 env.replica_addr) \
+            if env.world_size > 1 and env.master_addr and env.master_port else None
 
     def _loader(self, load: Callable[[dict[str, Any]], None]):
         def heal(state: dict[str, Any]) -> None:
@@ -121,6 +127,8 @@ class ReplicaGroup:
         self._healed_at = None
         self._given_up = [(pg, work) for pg, work in self._given_up if not work.is_completed()]
         self._began = time.monotonic()
+        if self._pulse:
+            self._pulse.arm()
         self.manager.start_quorum()
         rank = self.manager.participating_rank()
         return Quorum(participant=rank if rank is not None else 0,
@@ -168,7 +176,10 @@ class ReplicaGroup:
             reason = self._look(members=False)
             if reason is not None:
                 self.manager.report_error(PeerLost(reason))
-        return self.manager.should_commit()
+        committed = self.manager.should_commit()
+        if self._pulse:
+            self._pulse.disarm()
+        return committed
 
     def failure(self) -> str | None:
         """Why this step failed here, in one line (gloo's error without its advice)."""
@@ -180,6 +191,8 @@ class ReplicaGroup:
         return text.split(". This is typically")[0].splitlines()[0]
 
     def close(self) -> None:
+        if self._pulse:
+            self._pulse.close()
         self.manager.shutdown(wait=False)
 
 
