@@ -9,7 +9,8 @@ Lighthouse keeps the group in every quorum and the other groups wait for it, up 
 ``distributed.replica_timeout_s`` and the quorum's timeout beyond. Here every rank of a
 group of several adds to a counter of its own in the group's store (rank 0's, at
 ``MASTER_ADDR:MASTER_PORT``) every :data:`BEAT_S`, from a thread of its own, and reads
-the others'. While the group is in a step (:meth:`GroupPulse.arm`, from its quorum to
+the others' (rank 0 reads every other rank's; the others need only its store to
+answer). While the group is in a step (:meth:`GroupPulse.arm`, from its quorum to
 its commit), a rank whose counter has not moved for the Lighthouse's heartbeat timeout
 plus 0.25 s, or a store that has refused as long, is lost: this process says
 so in one line and ends at once (exit 1). Its torchrun then restarts the group's
@@ -21,7 +22,8 @@ batch), so a silent counter means a stopped process, a lost link or a dead one. 
 judged: a rank outside a step (one that finished the run, or stopped, ends before its
 peers, rank 0's store with it, and a peer then writing a checkpoint must not take that
 for a loss); a rank not yet beating (each beats once before its group's first quorum);
-and anything while this process itself was stopped or starved (a node frozen with its
+a rank that said it left the run (its pulse closed); and anything while this process
+itself was stopped or starved (a node frozen with its
 whole group and continued: every counter is old, its own too, and the group trains on
 in the same processes). A store that does not answer within the silence (rank 0's node
 frozen or cut off) is not judged either: rank 0's Manager is silent then too, so the
@@ -47,6 +49,7 @@ log = logging.getLogger("train")
 BEAT_S = 0.25
 END_WAIT_S = 10.0  # rank 0, at the end: at most this long for the others to stop beating
 PREFIX = "trainpod/pulse/"
+ENDED = -2  # a peer's count once it said it left the run
 
 
 class GroupPulse:
@@ -61,7 +64,9 @@ class GroupPulse:
         self._armed = threading.Event()
         self._closed = threading.Event()
         now = time.monotonic()
-        self._seen = {r: (-1, now) for r in range(world_size) if r != rank}
+        # rank 0 (its Manager beats for the group) watches the others; they watch its
+        # store: a rank 0 gone refuses them, a frozen one is the Lighthouse's to see
+        self._seen = dict.fromkeys(range(1, world_size), (-1, now)) if rank == 0 else {}
         self._answered = now
         # the first beat before the group's first quorum: a rank in a quorum has beaten,
         # so a peer's silence from then on is judged, however soon it froze
@@ -138,7 +143,7 @@ class GroupPulse:
         while others and time.monotonic() < deadline:
             try:
                 self._beat(store)
-                others = [r for r in others if store.add(f"{PREFIX}end/{r}", 0) == 0 and
+                others = [r for r in others if self._seen[r][0] != ENDED and
                           time.monotonic() - self._seen[r][1] <= self.silent_s]
             except (RuntimeError, OSError):
                 return
@@ -149,6 +154,8 @@ class GroupPulse:
         now = time.monotonic()
         for r, (count, at) in self._seen.items():
             current = store.add(f"{PREFIX}{r}", 0)  # 0 adds nothing, and never blocks
+            if store.add(f"{PREFIX}end/{r}", 0):  # it left the run: its silence is no loss
+                current = ENDED
             self._seen[r] = (current, now) if current != count else (count, at)
         self._answered = now
 
@@ -160,7 +167,7 @@ class GroupPulse:
             self._leave(f"its store (rank 0's, {self._address[0]}:{self._address[1]}) has "
                         f"not answered for {now - self._answered:.1f} s", store)
         for r, (count, at) in self._seen.items():
-            if count > 0 and now - at > self.silent_s:  # (not yet beating: still starting)
+            if count > 0 and now - at > self.silent_s:  # (not yet beating, or ended)
                 self._leave(f"rank {r}{self._host_of(store, r)} has been silent for "
                             f"{now - at:.1f} s (frozen, cut off or gone)", store)
 

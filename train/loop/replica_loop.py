@@ -37,6 +37,7 @@ from train.guards.stopping import StopFlag
 from train.guards.watchdog import CHECKPOINT, EVALUATION, Watchdog
 from train.loop.components import Components, loader_workers, train_order
 from train.loop.replica_quorum import (
+    any_rank,
     finished_without_us,
     first_quorum,
     joins_running,
@@ -211,8 +212,10 @@ class ReplicaLoop:
         mine = slots_of(quorum.participant, quorum.participants, replicas)
         loss_sum = compute_slots(c, self.reader, first, mine, end_of_run(c, self.state))
         owners = [self.group.group_id + 1.0 if s in mine else 0.0 for s in range(replicas)]
-        summed = sum_across_groups(c, self.group,
-                                   [loss_sum, float(self.stop.requested), *owners])
+        # the group's ranks stop at one step: each sums its flag with the same rank of
+        # the other groups only, and a signal reaches one rank a moment before another
+        stop = any_rank(self.stop.requested, c.device)
+        summed = sum_across_groups(c, self.group, [loss_sum, float(stop), *owners])
         if not self.group.commit():
             log.warning("step %d not committed (%s); trained again with the next quorum",
                         self.state.step + 1, self.group.failure() or "a group failed")
