@@ -88,13 +88,19 @@ def nodes_for_groups(nodes: Nodes, cfg: Config, source: str, timings: Timings
                        notes=_notes(nodes, place, pods), store=None, max_restarts=None,
                        env={} if pods else nodes.env), place
     args, env = _group_rendezvous(nodes, place, pods, timings)
-    first_host = None if pods else nodes.node_hosts[place.group * place.per_group]
-    return replace(nodes, min=place.per_group, max=place.per_group, args=args,
-                   env={**(nodes.env if not pods else {}), **env}, heartbeat=None,
-                   static=False, host=nodes.host if pods else (first_host if place.rank
-                                                               else None),
-                   notes=_notes(nodes, place, pods), store=nodes.store if pods else None,
-                   max_restarts=None), place
+    if pods:  # the Job's store, which the launcher waits for as without replicas
+        host, store = nodes.host, nodes.store
+    else:  # the group's first node holds its store; the others wait for its name
+        host = _first_host(nodes, place) if place.rank else None
+        store, env = None, {**nodes.env, **env}
+    return replace(nodes, min=place.per_group, max=place.per_group, args=args, env=env,
+                   heartbeat=None, static=False, host=host, store=store,
+                   notes=_notes(nodes, place, pods), max_restarts=None), place
+
+
+def _first_host(nodes: Nodes, place: GroupNode) -> str:
+    """SLURM: the name of the first node of this node's group."""
+    return nodes.node_hosts[place.group * place.per_group]
 
 
 def _place(nodes: Nodes, replicas: int, spares: int, source: str) -> GroupNode:
@@ -125,9 +131,9 @@ def _group_rendezvous(nodes: Nodes, place: GroupNode, pods: bool, timings: Timin
     if pods:
         endpoint, is_host = parse_endpoint(nodes.store, "TRAIN_RDZV_ENDPOINT"), False
     else:
-        port = place.lighthouse.rsplit(":", 1)[1]
-        first = nodes.node_hosts[place.group * place.per_group]
-        endpoint, is_host = (first, int(port) + GROUP_RDZV_PORT_OFFSET), place.rank == 0
+        job_port = nodes.replica_node[3]
+        endpoint = (_first_host(nodes, place), job_port + GROUP_RDZV_PORT_OFFSET)
+        is_host = place.rank == 0
     args, env = dynamic_rendezvous(
         place.per_group, place.per_group, endpoint=endpoint,
         run_id=f"{nodes.job}-group{place.group}",
